@@ -1,0 +1,165 @@
+"""Batch assembly on the trainer side: results are written straight into preallocated
+host buffers, then handed over (CPU) or copied to the device on a side stream (CUDA).
+
+On CUDA the host buffers are pinned and recycled once the copy that read them has
+finished (its event), so steady-state training allocates no host memory. On CPU each
+batch gets a fresh buffer that is handed to the trainer itself: no copy, and a batch the
+trainer keeps is never overwritten.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from dataserver_client.batch import Batch
+from dataserver_client.errors import DataServerError
+from dataserver_client.planner import BatchPlan
+
+
+class HostBuffers:
+    """Host memory for batch images: pinned and recycled for CUDA, fresh for CPU."""
+
+    def __init__(self, device: torch.device, keep: int) -> None:
+        self.pinned = device.type == "cuda"
+        self.keep = keep
+        self._free: dict[tuple[int, ...], list[tuple[torch.Tensor, Any]]] = {}
+
+    def take(self, shape: tuple[int, ...]) -> torch.Tensor:
+        if self.pinned:
+            free = self._free.get(shape)
+            if free:
+                tensor, event = free.pop()
+                if event is not None:
+                    event.synchronize()  # the device copy that read it is done
+                return tensor
+            return torch.empty(shape, dtype=torch.uint8, pin_memory=True)
+        return torch.empty(shape, dtype=torch.uint8)
+
+    def give(self, tensor: torch.Tensor, event: Any = None) -> None:
+        """Return a pinned buffer once ``event`` (the copy that reads it) completes."""
+        if not self.pinned:
+            return
+        free = self._free.setdefault(tuple(tensor.shape), [])
+        if len(free) < self.keep:
+            free.append((tensor, event))
+
+
+class InflightBatch:
+    """A planned batch whose tasks are being answered, slot by slot."""
+
+    def __init__(self, plan: BatchPlan, host: torch.Tensor) -> None:
+        self.plan = plan
+        self.host = host
+        self.array = host.numpy()  # a view: writes land in the (pinned) tensor
+        n = len(plan.tasks)
+        self.boxes: list[np.ndarray | None] = [None] * n
+        self.labels: list[np.ndarray | None] = [None] * n
+        self.indices: list[list[int] | None] = [None] * n
+        self.pending = n
+        self.dropped: set[int] = set()
+        self.skipped: list[int] = []
+        self.error: DataServerError | None = None
+
+    @property
+    def complete(self) -> bool:
+        return self.pending == 0
+
+    def fill(
+        self,
+        slot: int,
+        image: np.ndarray,
+        boxes: np.ndarray,
+        labels: np.ndarray,
+        indices: list[int],
+        failed: list[int],
+    ) -> None:
+        expected = self.array.shape[1:]
+        if image.shape != expected:
+            raise DataServerError(
+                f"server sent an image of shape {image.shape}, expected {expected}"
+            )
+        if boxes.ndim != 2 or boxes.shape[1] != 4 or labels.shape != (len(boxes),):
+            raise DataServerError(f"server sent boxes {boxes.shape} with labels {labels.shape}")
+        np.copyto(self.array[slot], image)
+        self.boxes[slot] = np.array(boxes, dtype=np.float32)
+        self.labels[slot] = np.array(labels, dtype=np.int64)
+        self.indices[slot] = indices
+        self.skipped.extend(failed)
+        self.pending -= 1
+
+    def drop(self, slot: int, indices: list[int]) -> None:
+        """Leave slot out (on_error="skip"): its samples are counted as skipped."""
+        self.dropped.add(slot)
+        self.skipped.extend(indices)
+        self.pending -= 1
+
+
+@dataclass
+class Delivery:
+    """A finished batch and, on CUDA, the event its device copy records."""
+
+    batch: Batch
+    event: Any = None
+
+
+class DeviceMover:
+    """Turns finished host batches into ``Batch`` objects on the client's device."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+
+    def deliver(self, inflight: InflightBatch, epoch: int, buffers: HostBuffers) -> Delivery:
+        plan = inflight.plan
+        keep = [s for s in range(len(plan.tasks)) if s not in inflight.dropped]
+        images = inflight.host
+        if inflight.dropped:
+            images = images[keep] if keep else images[:0]
+        boxes = [inflight.boxes[s] for s in keep]
+        labels = [inflight.labels[s] for s in keep]
+        counts = [len(b) for b in boxes if b is not None]
+        all_boxes = torch.from_numpy(np.concatenate([np.zeros((0, 4), np.float32), *boxes]))
+        all_labels = torch.from_numpy(np.concatenate([np.zeros((0,), np.int64), *labels]))
+        event = None
+        if self.cuda:
+            assert self.stream is not None
+            with torch.cuda.stream(self.stream):
+                images = images.to(self.device, non_blocking=True)
+                all_boxes = all_boxes.pin_memory().to(self.device, non_blocking=True)
+                all_labels = all_labels.pin_memory().to(self.device, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self.stream)
+            buffers.give(inflight.host, event)
+        targets = [
+            {"boxes": b, "labels": lb}
+            for b, lb in zip(all_boxes.split(counts), all_labels.split(counts), strict=True)
+        ]
+        batch = Batch(
+            images=images,
+            targets=targets,
+            indices=[list(inflight.indices[s] or []) for s in keep],
+            mode=plan.mode,
+            epoch=epoch,
+            step=plan.step,
+            feedback_seq=0,
+            skipped=len(inflight.skipped),
+            skipped_indices=list(inflight.skipped),
+        )
+        return Delivery(batch, event)
+
+    def hand_over(self, delivery: Delivery) -> Batch:
+        """Called in the trainer's thread: make its current stream wait for the copy."""
+        batch = delivery.batch
+        if self.cuda and delivery.event is not None:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(delivery.event)
+            batch.images.record_stream(current)
+            for t in batch.targets:
+                t["boxes"].record_stream(current)
+                t["labels"].record_stream(current)
+        return batch

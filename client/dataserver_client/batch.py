@@ -1,0 +1,41 @@
+"""The batch a ``DataServerClient`` yields."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Batch:
+    """One training batch.
+
+    - ``images``: uint8 (N, 3, H, W) RGB on the client's device. Regular mode: one letterboxed
+      sample per image. Spatial stitch: each image a sqrt(k) x sqrt(k) grid of samples.
+      Batch stitch: (k * N, 3, H / sqrt(k), W / sqrt(k)).
+    - ``targets``: one dict per image, ``{"boxes": float32 (M, 4) xyxy output pixels,
+      "labels": int64 (M,)}`` (torchvision detection format), on the same device.
+    - ``indices``: one list per image of the dataset indices it was made from, in cell order.
+    - ``mode``: "regular" or "stitch"; ``epoch``; ``step`` (batch number in the epoch);
+      ``feedback_seq``: how many feedback/set_mode/control calls this batch honours.
+    - ``skipped``: samples left out under ``on_error="skip"``.
+    """
+
+    images: torch.Tensor
+    targets: list[dict[str, torch.Tensor]]
+    indices: list[list[int]]
+    mode: str
+    epoch: int
+    step: int
+    feedback_seq: int
+    skipped: int = 0
+    skipped_indices: list[int] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return int(self.images.shape[0])
+
+    @property
+    def num_samples(self) -> int:
+        """Dataset samples this batch holds (a stitched image holds up to k)."""
+        return sum(len(i) for i in self.indices)

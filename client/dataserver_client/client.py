@@ -1,0 +1,321 @@
+"""``DataServerClient``: the trainer-side iterator over batches served by dataserver."""
+
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import msgpack
+import torch
+
+from dataserver_client.batch import Batch
+from dataserver_client.config import ClientConfig, default_device, default_rank_world
+from dataserver_client.engine import Engine, Handoff
+from dataserver_client.errors import DataServerError
+from dataserver_client.link import expand_addresses
+from dataserver_client.planner import MODES, REGULAR, STITCH, shard_size
+
+log = logging.getLogger("dataserver_client")
+
+STATE_VERSION = 1
+_STATE_KEYS = (
+    "seed",
+    "shuffle",
+    "rank",
+    "world_size",
+    "batch_size",
+    "stitch_k",
+    "stitch_layout",
+    "drop_last",
+)
+
+
+class DataServerClient:
+    """Iterate over one rank's shard of an epoch, assembled into batches on ``device``.
+
+    Guarantees (see SPEC.md): every index of the shard exactly once per epoch, in the
+    order fixed by (seed, epoch); ``feedback``/``set_mode``/``control`` are honoured by the
+    very next batch ``next()`` returns, whatever the prefetch depth; the same seed, epoch
+    and feedback sequence give bit-identical batches on any number of workers or servers;
+    and no call blocks longer than ``timeout`` seconds without progress.
+
+    ``addresses``: one ``tcp://host:port`` or a list (a DNS name with several addresses
+    counts as several servers). ``rank``/``world_size`` default to torch.distributed, then
+    env RANK/WORLD_SIZE, then 0/1; ``device`` to "cuda" when available. ``prefetch`` is
+    how many batches are prepared ahead of the trainer. CURVE: ``curve_server_key`` (the
+    server's public key) and ``curve_secret_key`` (this client's secret key), as paths to
+    ``dataserver keygen`` files or as bytes.
+    """
+
+    def __init__(
+        self,
+        addresses: str | Sequence[str],
+        batch_size: int = 16,
+        image_size: tuple[int, int] = (512, 512),
+        shuffle: bool = True,
+        seed: int = 0,
+        rank: int | None = None,
+        world_size: int | None = None,
+        device: str | torch.device | None = None,
+        drop_last: bool = False,
+        stitch_k: int = 4,
+        stitch_layout: str = "spatial",
+        stitch_threshold: float = 0.1,
+        on_error: str = "raise",
+        timeout: float = 30.0,
+        *,
+        prefetch: int = 2,
+        curve_server_key: str | bytes | None = None,
+        curve_secret_key: str | bytes | None = None,
+    ) -> None:
+        if rank is None or world_size is None:
+            auto_rank, auto_world = default_rank_world()
+            rank = auto_rank if rank is None else rank
+            world_size = auto_world if world_size is None else world_size
+        self.config = ClientConfig(
+            addresses=tuple(expand_addresses(addresses)),
+            batch_size=int(batch_size),
+            image_size=(int(image_size[0]), int(image_size[1])),
+            shuffle=bool(shuffle),
+            seed=int(seed),
+            rank=int(rank),
+            world_size=int(world_size),
+            device=torch.device(device) if device is not None else default_device(),
+            drop_last=bool(drop_last),
+            stitch_k=int(stitch_k),
+            stitch_layout=stitch_layout,
+            stitch_threshold=float(stitch_threshold),
+            on_error=on_error,
+            timeout=float(timeout),
+            prefetch=int(prefetch),
+        )
+        self.config.validate()
+        curve = _load_curve(curve_server_key, curve_secret_key)
+        self._handoff = Handoff()
+        self._engine = Engine(self.config, self._handoff, curve)
+        self._engine.start()
+        self._finalizer = weakref.finalize(self, self._engine.close)
+        try:
+            info = self._engine.handshake.result(self.config.timeout + 10.0)
+        except BaseException:
+            self.close()
+            raise
+        self.dataset_len: int = info["dataset_len"]
+        self.fingerprint: str = info["fingerprint"]
+        self._epoch = 0
+        self._mode = REGULAR
+        self._feedback_seq = 0
+        self._active = False
+        self._resume: dict[str, Any] | None = None
+        self._closed = False
+
+    # ------------------------------------------------------------ epoch
+
+    @property
+    def num_samples(self) -> int:
+        """Samples in this rank's shard per epoch (DistributedSampler's count)."""
+        return shard_size(self.dataset_len, self.config.world_size, self.config.drop_last)
+
+    def __len__(self) -> int:
+        """Batches per epoch in regular mode; stitched batches hold k x more samples, so an
+        epoch with stitching has fewer."""
+        n, b = self.num_samples, self.config.batch_size
+        return n // b if self.config.drop_last else -(-n // b)
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    @property
+    def mode(self) -> str:
+        """The mode the next batch will have."""
+        return self._mode
+
+    def set_epoch(self, epoch: int) -> None:
+        """Use ``epoch`` for the next iteration (its order is fixed by (seed, epoch))."""
+        if self._resume is not None and self._resume["epoch"] != epoch:
+            log.warning(
+                "set_epoch(%d) discards the loaded state of epoch %d", epoch, self._resume["epoch"]
+            )
+            self._resume = None
+        self._epoch = int(epoch)
+
+    def __iter__(self) -> DataServerClient:
+        self._check_open()
+        resume, self._resume = self._resume, None
+        if resume is not None:
+            self._epoch = resume["epoch"]
+            self._engine.call(
+                self._engine.start_epoch, self._epoch, resume["position"], resume["step"]
+            )
+        else:
+            self._engine.call(self._engine.start_epoch, self._epoch)
+        self._active = True
+        return self
+
+    def __next__(self) -> Batch:
+        if not self._active:
+            if self._resume is None and self._handoff.end_step is not None:
+                raise StopIteration
+            self.__iter__()
+        h = self._handoff
+        backstop = self.config.timeout + 10.0  # the I/O thread raises first; this catches its death
+        last = time.monotonic()
+        with h.cond:
+            while True:
+                if h.fatal is not None:
+                    self._active = False
+                    raise h.fatal
+                item = h.ready.pop(h.taken, None)
+                if item is not None:
+                    h.taken += 1
+                    break
+                if h.end_step is not None and h.taken >= h.end_step:
+                    self._active = False
+                    raise StopIteration
+                if not self._engine.is_alive():
+                    raise DataServerError("the client's I/O thread has stopped")
+                if time.monotonic() - last > backstop:
+                    raise DataServerError(f"no batch for {backstop:g} s (the I/O thread is stuck)")
+                h.cond.wait(0.25)
+        self._engine.wake()  # a batch was taken: there is room to plan another
+        if isinstance(item, DataServerError):
+            raise item
+        batch = self._engine.mover.hand_over(item)
+        batch.feedback_seq = self._feedback_seq
+        return batch
+
+    # ------------------------------------------------------------ steering
+
+    def feedback(self, ratio: float, sync: bool = True) -> str:
+        """Stitcher's rule: stitch the next batch when ``ratio < stitch_threshold``.
+
+        ``ratio`` is the share of the regression loss that small objects contribute (see
+        ``small_object_loss_ratio``). With torch.distributed initialised and ``sync``, the
+        ratio is first averaged over ranks, so every rank takes the same decision. Returns
+        the mode of the next batch, which ``next()`` honours at once.
+        """
+        value = float(ratio)
+        if sync:
+            value = _all_reduce_mean(value, self.config.device)
+        mode = STITCH if value < self.config.stitch_threshold else REGULAR
+        self._steer(mode, None)
+        return mode
+
+    def set_mode(self, mode: str) -> None:
+        """Make the next batch (and those after it) ``"stitch"`` or ``"regular"``."""
+        if mode not in MODES:
+            raise ValueError(f"mode must be 'regular' or 'stitch', got {mode!r}")
+        self._steer(mode, None)
+
+    def control(self, **values: Any) -> None:
+        """Send values to the dataset's ``set_control(values)`` on every server; every
+        sample of the next batch is built after it received them. The dataset receives all
+        values sent so far, the latest for each key."""
+        try:
+            msgpack.packb(values, use_bin_type=True)
+        except (TypeError, ValueError) as exc:
+            raise TypeError(f"control values must be msgpack-able: {exc}") from None
+        self._steer(self._mode, values)
+
+    def _steer(self, mode: str, control: dict[str, Any] | None) -> None:
+        self._check_open()
+        self._feedback_seq += 1
+        if mode != self._mode or control is not None:
+            self._engine.call(self._engine.steer, mode, control)
+            self._mode = mode
+
+    # ------------------------------------------------------------ state
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain data (msgpack- and torch.save-able) to resume from: the samples not yet
+        handed out, in the same order, in the same mode and with the same feedback_seq."""
+        self._check_open()
+        snap = self._engine.call(self._engine.snapshot)
+        if not self._active:  # what the next iteration would do
+            where = self._resume or {"epoch": self._epoch, "position": 0, "step": 0}
+            snap.update(where)
+        return {
+            "version": STATE_VERSION,
+            "dataset_len": self.dataset_len,
+            "fingerprint": self.fingerprint,
+            "image_size": list(self.config.image_size),
+            "feedback_seq": self._feedback_seq,
+            **{k: getattr(self.config, k) for k in _STATE_KEYS},
+            **snap,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue where ``state`` was taken: the next iteration yields exactly the
+        remaining batches of its epoch."""
+        self._check_open()
+        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+            raise ValueError(f"not a DataServerClient state of version {STATE_VERSION}")
+        mismatched = [k for k in _STATE_KEYS if state.get(k) != getattr(self.config, k)]
+        if state.get("fingerprint") != self.fingerprint:
+            mismatched.append("fingerprint (dataset)")
+        if list(state.get("image_size", [])) != list(self.config.image_size):
+            mismatched.append("image_size")
+        if mismatched:
+            raise ValueError(f"state does not match this client: {', '.join(mismatched)} differ")
+        self._engine.call(
+            self._engine.restore, state["mode"], state["control"], state["control_seq"]
+        )
+        self._mode = state["mode"]
+        self._feedback_seq = int(state["feedback_seq"])
+        self._epoch = int(state["epoch"])
+        self._active = False
+        self._resume = {
+            "epoch": self._epoch,
+            "position": int(state["position"]),
+            "step": int(state["step"]),
+        }
+
+    def stats(self) -> dict[str, Any]:
+        """Client-side counters: tasks per server, late (superseded) results, re-issues."""
+        self._check_open()
+        return dict(self._engine.call(self._engine.stats))
+
+    # ------------------------------------------------------------ lifetime
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise DataServerError("the client is closed")
+
+    def close(self) -> None:
+        """Say BYE to every server, stop the I/O thread, close every socket."""
+        self._closed = True
+        self._active = False
+        self._finalizer()
+
+    def __enter__(self) -> DataServerClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _all_reduce_mean(value: float, device: torch.device) -> float:
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return value
+    on = device if dist.get_backend() == "nccl" else torch.device("cpu")
+    t = torch.tensor([value], dtype=torch.float64, device=on)
+    dist.all_reduce(t)
+    return float(t.item()) / dist.get_world_size()
+
+
+def _load_curve(
+    server_key: str | bytes | None, secret_key: str | bytes | None
+) -> dict[str, bytes] | None:
+    if server_key is None and secret_key is None:
+        return None
+    if server_key is None or secret_key is None:
+        raise ValueError("curve_server_key and curve_secret_key go together")
+    from dataserver.security import client_curve_keys
+
+    return client_curve_keys(server_key, secret_key)

@@ -1,0 +1,89 @@
+"""The client's configuration, checked once."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from dataserver_client.planner import LAYOUTS, Layout
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    """Everything ``DataServerClient(...)`` is given; see its docstring."""
+
+    addresses: tuple[str, ...]
+    batch_size: int = 16
+    image_size: tuple[int, int] = (512, 512)
+    shuffle: bool = True
+    seed: int = 0
+    rank: int = 0
+    world_size: int = 1
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    drop_last: bool = False
+    stitch_k: int = 4
+    stitch_layout: str = "spatial"
+    stitch_threshold: float = 0.1
+    on_error: str = "raise"
+    timeout: float = 30.0
+    prefetch: int = 2
+    heartbeat_interval: float = 0.5
+    heartbeat_timeout: float = 3.0
+
+    def validate(self) -> None:
+        def bad(what: str) -> ValueError:
+            return ValueError(f"DataServerClient: {what}")
+
+        if not self.addresses:
+            raise bad("give at least one server address")
+        for addr in self.addresses:
+            if not (addr.startswith(("tcp://", "ipc://")) and len(addr) > 6):
+                raise bad(f"server address {addr!r} is not tcp://HOST:PORT or ipc://PATH")
+        if self.batch_size < 1:
+            raise bad(f"batch_size must be >= 1, got {self.batch_size}")
+        if len(self.image_size) != 2 or min(self.image_size) < 1:
+            raise bad(f"image_size must be (H, W) with H, W >= 1, got {self.image_size}")
+        side = math.isqrt(self.stitch_k)
+        if self.stitch_k < 1 or side * side != self.stitch_k or side > 4:
+            raise bad(f"stitch_k must be a square (1, 4, 9 or 16), got {self.stitch_k}")
+        if min(self.image_size) < side:
+            raise bad(f"image_size {self.image_size} is too small for stitch_k={self.stitch_k}")
+        if self.stitch_layout not in LAYOUTS:
+            raise bad(f"stitch_layout must be 'spatial' or 'batch', got {self.stitch_layout!r}")
+        if self.on_error not in ("raise", "skip"):
+            raise bad(f"on_error must be 'raise' or 'skip', got {self.on_error!r}")
+        if not 0 <= self.rank < self.world_size:
+            raise bad(f"rank {self.rank} is not in 0..world_size-1 (world_size {self.world_size})")
+        if self.timeout <= 0:
+            raise bad(f"timeout must be > 0, got {self.timeout}")
+        if self.prefetch < 1:
+            raise bad(f"prefetch must be >= 1, got {self.prefetch}")
+
+    def layout(self) -> Layout:
+        return Layout(
+            self.batch_size,
+            (int(self.image_size[0]), int(self.image_size[1])),
+            self.stitch_k,
+            self.stitch_layout,
+            self.drop_last,
+        )
+
+
+def default_rank_world() -> tuple[int, int]:
+    """(rank, world_size) from torch.distributed when initialised, else env RANK and
+    WORLD_SIZE (as torchrun sets them), else (0, 1)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    try:
+        return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        raise ValueError("environment RANK and WORLD_SIZE must be integers") from None
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -1,0 +1,589 @@
+"""The client's I/O thread: plans batches, sends tasks, assembles results.
+
+It owns every socket (one DEALER per server, one PUB for control) and all epoch state;
+the trainer's thread talks to it only through ``call()`` (synchronous commands, answered
+before the caller goes on, which is what makes feedback zero-stale) and the ``Handoff``
+(finished batches, by step). ZeroMQ and the big copies release the GIL, so one thread
+keeps up with many workers.
+
+Task accounting: every task is outstanding on exactly one server link until that server
+answers it (RESULT, ERROR or CANCELLED), so credits are exact. A task whose plan is
+superseded stays outstanding (its answer is dropped on arrival) until answered.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from dataserver import protocol
+from dataserver.protocol import Message, MsgType, ProtocolError
+from dataserver_client.assembly import Delivery, DeviceMover, HostBuffers, InflightBatch
+from dataserver_client.config import ClientConfig
+from dataserver_client.errors import DataServerError, NotAuthorized, ServerUnreachable
+from dataserver_client.link import LinkState, ServerLink, control_address
+from dataserver_client.planner import REGULAR, Planner, TaskPlan, epoch_order, shard_of
+
+log = logging.getLogger("dataserver_client")
+
+
+class Handoff:
+    """Finished batches waiting for the trainer, by step, and the epoch's end when known.
+
+    Shared by both threads under ``cond``. Only batches of the current plan are ever in
+    ``ready``: a steer clears it before the trainer can look again.
+    """
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.ready: dict[int, Delivery | DataServerError] = {}
+        self.taken = 0  # steps handed to the trainer in this epoch
+        self.end_step: int | None = None
+        self.fatal: BaseException | None = None
+
+
+@dataclass(eq=False)
+class TaskRecord:
+    task_id: int
+    step: int
+    slot: int
+    plan_version: int
+    task: TaskPlan
+    link: ServerLink | None = None
+
+
+class Engine(threading.Thread):
+    """The I/O thread of one ``DataServerClient``."""
+
+    def __init__(
+        self, config: ClientConfig, handoff: Handoff, curve: dict[str, bytes] | None
+    ) -> None:
+        super().__init__(name="dataserver-client-io", daemon=True)
+        self.config = config
+        self.handoff = handoff
+        self.curve = curve
+        self.session = uuid.uuid4().bytes
+        self.layout = config.layout()
+        self.mover = DeviceMover(config.device)
+        self.buffers = HostBuffers(config.device, keep=config.prefetch + 2)
+        self.handshake: Future[dict[str, Any]] = Future()
+        self._commands: deque[tuple[Callable[..., Any], tuple[Any, ...], Future[Any]]] = deque()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self._closing = False
+        # epoch and steering state (I/O thread only)
+        self.epoch = 0
+        self.mode = REGULAR
+        self.plan_version = 0
+        self.control: dict[str, Any] = {}
+        self.control_seq = 0
+        self.planner: Planner | None = None
+        self.inflight: dict[int, InflightBatch] = {}
+        self.plan_starts: dict[int, int] = {}
+        self.tasks: dict[int, TaskRecord] = {}
+        self.pending: deque[TaskRecord] = deque()
+        self.next_task_id = 1
+        self.last_progress = time.monotonic()
+        self.links: list[ServerLink] = []
+        self._control_endpoints: set[str] = set()
+        self.counters = {"late": 0, "cancelled": 0, "results": 0, "reissued": 0}
+
+    # ------------------------------------------------------------ any thread
+
+    def call(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None) -> Any:
+        """Run ``fn(*args)`` in the I/O thread and return its result (or raise its error)."""
+        fut: Future[Any] = Future()
+        self._commands.append((fn, args, fut))
+        self.wake()
+        return fut.result(timeout if timeout is not None else self.config.timeout + 10.0)
+
+    def wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"\0")
+        except BlockingIOError:
+            pass  # the pipe is full, so the thread is awake anyway
+
+    def close(self) -> None:
+        if self.is_alive():
+            self._closing = True
+            self.wake()
+            self.join(timeout=5.0)
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    # ------------------------------------------------------------ the thread
+
+    def run(self) -> None:
+        ctx: zmq.Context[Any] = zmq.Context(io_threads=1)
+        self.pub = ctx.socket(zmq.PUB)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        if self.curve:
+            self.pub.curve_serverkey = self.curve["server_public"]
+            self.pub.curve_publickey = self.curve["public"]
+            self.pub.curve_secretkey = self.curve["secret"]
+        try:
+            self.links = [
+                ServerLink(ctx, a, self.session, self.curve) for a in self.config.addresses
+            ]
+            for link in self.links:
+                link.hello()
+            self._loop()
+        except BaseException as exc:  # surface anything to the trainer instead of dying mute
+            log.exception("I/O thread failed")
+            self._fail(
+                exc
+                if isinstance(exc, DataServerError)
+                else DataServerError(f"I/O thread failed: {exc!r}")
+            )
+        finally:
+            for link in self.links:
+                link.close()
+            self.pub.close(linger=0)
+            ctx.term()
+            while self._commands:
+                _, _, fut = self._commands.popleft()
+                if not fut.done():
+                    fut.set_exception(DataServerError("client is closed"))
+
+    def _loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._wake_r, zmq.POLLIN)
+        for link in self.links:
+            poller.register(link.sock, zmq.POLLIN)
+        by_sock = {link.sock: link for link in self.links}
+        started = time.monotonic()
+        while not self._closing:
+            events = dict(poller.poll(50))
+            if self._wake_r in events:
+                try:
+                    while os.read(self._wake_r, 4096):
+                        pass
+                except BlockingIOError:
+                    pass
+            while self._commands:
+                fn, args, fut = self._commands.popleft()
+                try:
+                    fut.set_result(fn(*args))
+                except BaseException as exc:
+                    fut.set_exception(exc)
+            for sock, link in by_sock.items():
+                if sock in events:
+                    self._drain(link)
+            if not self.handshake.done():
+                self._check_handshake(started)
+                continue
+            self._fill()
+            self._dispatch()
+            self._liveness()
+
+    def _drain(self, link: ServerLink) -> None:
+        for _ in range(256):
+            try:
+                frames = link.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            link.last_heard = time.monotonic()
+            try:
+                msg = protocol.decode(frames)
+            except ProtocolError as exc:
+                log.warning("dropped a bad message from %s: %s", link.address, exc)
+                continue
+            self._on_message(link, msg)
+
+    # ------------------------------------------------------------ handshake
+
+    def _check_handshake(self, started: float) -> None:
+        waiting = [link for link in self.links if link.state is not LinkState.READY]
+        if not waiting:
+            first = self.links[0].info
+            for link in self.links[1:]:
+                if (link.info["fingerprint"], link.info["dataset_len"]) != (
+                    first["fingerprint"],
+                    first["dataset_len"],
+                ):
+                    self.handshake.set_exception(
+                        DataServerError(
+                            f"servers disagree on the dataset: {self.links[0].address} serves "
+                            f"{first['fingerprint']} ({first['dataset_len']} samples), "
+                            f"{link.address} serves {link.info['fingerprint']} "
+                            f"({link.info['dataset_len']} samples)"
+                        )
+                    )
+                    self._closing = True
+                    return
+            self.handshake.set_result(dict(first))
+            self.last_progress = time.monotonic()
+            return
+        now = time.monotonic()
+        for link in waiting:
+            if now - link.last_hello > 1.0:
+                link.hello()  # HELLO may have gone to a socket that was not connected yet
+        if now - started > self.config.timeout:
+            names = ", ".join(link.address for link in waiting)
+            self.handshake.set_exception(
+                ServerUnreachable(
+                    f"no answer from {names} within {self.config.timeout:g} s "
+                    "(is `dataserver serve` running there, and reachable?)"
+                )
+            )
+            self._closing = True
+
+    # ------------------------------------------------------------ messages
+
+    def _on_message(self, link: ServerLink, msg: Message) -> None:
+        h = msg.header
+        match msg.type:
+            case MsgType.WELCOME:
+                self._on_welcome(link, h)
+            case MsgType.RESULT:
+                self._on_result(link, msg)
+            case MsgType.ERROR:
+                self._on_error(link, h)
+            case MsgType.CANCELLED:
+                for tid in h["task_ids"]:
+                    if link.release(tid):
+                        self.counters["cancelled"] += 1
+                    rec = self.tasks.get(tid)
+                    if rec is not None and rec.link is link:
+                        rec.link = None  # cancelled though still wanted: send it again
+                        self.pending.appendleft(rec)
+            case MsgType.HEARTBEAT:
+                pass
+            case _:
+                log.debug("ignored %s from %s", msg.type.name, link.address)
+
+    def _on_welcome(self, link: ServerLink, h: dict[str, Any]) -> None:
+        if h["session"] != self.session:
+            return
+        if self.handshake.done():
+            first = self.links[0].info
+            if h["fingerprint"] != first.get("fingerprint"):
+                self._fail(
+                    DataServerError(
+                        f"{link.address} now serves a different dataset ({h['fingerprint']})"
+                    )
+                )
+                return
+        restarted = link.welcome(h)
+        endpoint = control_address(link.address, h["control"])
+        if endpoint not in self._control_endpoints:
+            self._control_endpoints.add(endpoint)
+            self.pub.connect(endpoint)
+        if restarted:
+            log.warning(
+                "%s restarted: re-sending its %d tasks", link.address, len(link.outstanding)
+            )
+            self._reissue(link)
+
+    def _on_result(self, link: ServerLink, msg: Message) -> None:
+        h = msg.header
+        tid = h["task_id"]
+        link.release(tid)
+        link.results_total += 1
+        rec = self.tasks.get(tid)
+        if rec is None or h["plan_version"] != rec.plan_version:
+            self.counters["late"] += 1  # superseded plan, or a duplicate after a re-issue
+            return
+        del self.tasks[tid]
+        self.last_progress = time.monotonic()
+        batch = self.inflight.get(rec.step)
+        if batch is None:
+            return
+        image, boxes, labels = msg.arrays
+        failed = [int(f[0]) for f in h["failed"]]
+        try:
+            batch.fill(rec.slot, image, boxes, labels, [int(i) for i in h["indices"]], failed)
+        except DataServerError as exc:
+            self._fail_batch(batch, DataServerError(f"{link.address}: {exc}"))
+            return
+        self.counters["results"] += 1
+        self._maybe_finish(batch)
+
+    def _on_error(self, link: ServerLink, h: dict[str, Any]) -> None:
+        kind = h.get("kind", "")
+        tid = h.get("task_id")
+        message = h["message"]
+        if not isinstance(tid, int):
+            if "not authorized" in message:
+                self._fail(NotAuthorized(f"not authorized by {link.address}: {message}"))
+            else:
+                log.warning("%s: %s", link.address, message)
+            return
+        link.release(tid)
+        rec = self.tasks.get(tid)
+        if rec is None or h.get("plan_version") != rec.plan_version:
+            self.counters["late"] += 1
+            return
+        if kind == "unknown_session":  # the server restarted or forgot us: handshake again
+            rec.link = None
+            self.pending.appendleft(rec)
+            if link.state is LinkState.READY:
+                link.state = LinkState.CONNECTING
+                link.hello()
+            return
+        del self.tasks[tid]
+        self.last_progress = time.monotonic()
+        batch = self.inflight.get(rec.step)
+        if batch is None:
+            return
+        if self.config.on_error == "skip" and kind in ("sample", "poison"):
+            batch.drop(rec.slot, list(rec.task.indices))
+            self._maybe_finish(batch)
+            return
+        index = h.get("index")
+        file = h.get("file")
+        self._fail_batch(
+            batch,
+            DataServerError(
+                message,
+                index if isinstance(index, int) else None,
+                file if isinstance(file, str) else None,
+            ),
+        )
+
+    # ------------------------------------------------------------ batches
+
+    def _maybe_finish(self, batch: InflightBatch) -> None:
+        if not batch.complete:
+            return
+        step = batch.plan.step
+        del self.inflight[step]
+        delivery = self.mover.deliver(batch, self.epoch, self.buffers)
+        with self.handoff.cond:
+            self.handoff.ready[step] = delivery
+            self.handoff.cond.notify_all()
+
+    def _fail_batch(self, batch: InflightBatch, error: DataServerError) -> None:
+        step = batch.plan.step
+        self.inflight.pop(step, None)
+        self._forget_tasks(lambda r: r.step == step)
+        with self.handoff.cond:
+            self.handoff.ready[step] = error
+            self.handoff.cond.notify_all()
+
+    def _fail(self, error: BaseException) -> None:
+        if not self.handshake.done():
+            self.handshake.set_exception(error)
+        with self.handoff.cond:
+            if self.handoff.fatal is None:
+                self.handoff.fatal = error
+            self.handoff.cond.notify_all()
+
+    def _forget_tasks(self, which: Callable[[TaskRecord], bool]) -> None:
+        """Stop wanting some tasks; those already sent stay outstanding until answered."""
+        for tid in [t for t, r in self.tasks.items() if which(r)]:
+            del self.tasks[tid]
+        self.pending = deque(r for r in self.pending if not which(r))
+
+    def _fill(self) -> None:
+        """Plan batches until ``prefetch`` are planned beyond what the trainer has taken."""
+        planner = self.planner
+        if planner is None or self.handoff.end_step is not None:
+            return
+        with self.handoff.cond:
+            taken = self.handoff.taken
+        for step in [s for s in self.plan_starts if s < taken]:
+            del self.plan_starts[step]
+        while planner.step - taken < self.config.prefetch:
+            plan = planner.next_plan()
+            if plan is None:
+                with self.handoff.cond:
+                    self.handoff.end_step = planner.step
+                    self.handoff.cond.notify_all()
+                return
+            self.plan_starts[plan.step] = plan.start
+            host = self.buffers.take((len(plan.tasks), 3, *plan.out_hw))
+            self.inflight[plan.step] = InflightBatch(plan, host)
+            for slot, task in enumerate(plan.tasks):
+                rec = TaskRecord(self.next_task_id, plan.step, slot, plan.plan_version, task)
+                self.next_task_id += 1
+                self.tasks[rec.task_id] = rec
+                self.pending.append(rec)
+
+    def _dispatch(self) -> None:
+        while self.pending:
+            link = max(self.links, key=lambda lk: lk.free)
+            if link.free <= 0:
+                return
+            rec = self.pending.popleft()
+            if self.tasks.get(rec.task_id) is not rec:
+                continue
+            header = {
+                "session": self.session,
+                "task_id": rec.task_id,
+                "plan_version": rec.plan_version,
+                "epoch": self.epoch,
+                "seed": self.config.seed,
+                "indices": list(rec.task.indices),
+                "grid": rec.task.grid,
+                "out_hw": list(rec.task.out_hw),
+                "on_error": self.config.on_error,
+                "control_seq": self.control_seq,
+                "control": self.control,
+            }
+            link.send(protocol.make(MsgType.TASK, header))
+            link.outstanding[rec.task_id] = time.monotonic()
+            link.sent_total += 1
+            rec.link = link
+
+    # ------------------------------------------------------------ liveness
+
+    def _liveness(self) -> None:
+        now = time.monotonic()
+        cfg = self.config
+        for link in self.links:
+            if link.state is LinkState.READY:
+                if now - link.last_sent > cfg.heartbeat_interval:
+                    link.heartbeat()
+                if now - link.last_heard > cfg.heartbeat_timeout:
+                    self._lost(link)
+            elif now - link.last_hello > 1.0:
+                link.hello()
+        waiting = bool(self.pending) or any(link.outstanding for link in self.links)
+        wanted = bool(self.tasks)
+        if not (waiting and wanted):
+            self.last_progress = now
+            return
+        if now - self.last_progress > cfg.timeout:
+            parts = []
+            for link in self.links:
+                mine = sum(1 for t in link.outstanding if t in self.tasks)
+                parts.append(
+                    f"{link.address} ({link.state.name.lower()}, {mine} task(s) outstanding)"
+                )
+            self._fail(
+                DataServerError(
+                    f"no progress for {cfg.timeout:g} s; waiting for: "
+                    + ", ".join(parts)
+                    + (f"; {len(self.pending)} task(s) not yet sent" if self.pending else "")
+                )
+            )
+            self.last_progress = now
+
+    def _lost(self, link: ServerLink) -> None:
+        log.warning(
+            "%s is silent for %.1f s: moving its tasks",
+            link.address,
+            time.monotonic() - link.last_heard,
+        )
+        link.state = LinkState.LOST
+        if any(lk.state is LinkState.READY for lk in self.links):
+            self._reissue(link)
+
+    def _reissue(self, link: ServerLink) -> None:
+        recs = sorted(
+            (self.tasks[t] for t in link.outstanding if t in self.tasks),
+            key=lambda r: (r.step, r.slot),
+        )
+        link.outstanding.clear()
+        for rec in reversed(recs):
+            rec.link = None
+            self.pending.appendleft(rec)
+        self.counters["reissued"] += len(recs)
+
+    # ------------------------------------------------------------ commands (I/O thread)
+
+    def start_epoch(self, epoch: int, position: int = 0, step: int = 0) -> int:
+        """Begin ``epoch`` at shard ``position`` (batch ``step``); return the shard size."""
+        self.epoch = epoch
+        self.plan_version += 1
+        self._drop_plans()
+        n = int(self.links[0].info["dataset_len"])
+        order = epoch_order(n, self.config.seed, epoch, self.config.shuffle)
+        shard = shard_of(order, self.config.rank, self.config.world_size, self.config.drop_last)
+        self.planner = Planner(shard, self.layout, self.mode, self.plan_version)
+        self.planner.position, self.planner.step = position, step
+        with self.handoff.cond:
+            self.handoff.ready.clear()
+            self.handoff.taken = step
+            self.handoff.end_step = None
+            self.handoff.fatal = None
+        self.last_progress = time.monotonic()
+        return len(shard)
+
+    def steer(self, mode: str, control: dict[str, Any] | None) -> int:
+        """Switch mode and/or control values from the next batch the trainer takes on.
+
+        Returns the new plan_version. Every batch not yet taken is dropped and planned
+        again from its first sample under the new plan.
+        """
+        self.plan_version += 1
+        self.mode = mode
+        if control is not None:
+            self.control = {**self.control, **control}
+            self.control_seq += 1
+        header = {
+            "session": self.session,
+            "plan_version": self.plan_version,
+            "control_seq": self.control_seq,
+            "control": self.control,
+            "mode": mode,
+        }
+        self.pub.send_multipart(protocol.make(MsgType.CONTROL, header))
+        if self.planner is not None:
+            with self.handoff.cond:
+                taken = self.handoff.taken
+                self.handoff.ready.clear()
+                self.handoff.end_step = None
+            position = self.plan_starts.get(taken, self.planner.position)
+            self._drop_plans()
+            self.planner.rewind(taken, position, mode, self.plan_version)
+        return self.plan_version
+
+    def _drop_plans(self) -> None:
+        for batch in self.inflight.values():
+            self.buffers.give(batch.host)
+        self.inflight.clear()
+        self.plan_starts.clear()
+        self.tasks.clear()
+        self.pending.clear()
+
+    def snapshot(self) -> dict[str, Any]:
+        """The resumable position: the first batch the trainer has not taken."""
+        with self.handoff.cond:
+            taken = self.handoff.taken
+        planner = self.planner
+        position = self.plan_starts.get(taken, planner.position) if planner else 0
+        return {
+            "epoch": self.epoch,
+            "position": position,
+            "step": taken,
+            "mode": self.mode,
+            "control": dict(self.control),
+            "control_seq": self.control_seq,
+        }
+
+    def restore(self, mode: str, control: dict[str, Any], control_seq: int) -> None:
+        self.mode = mode
+        self.control = dict(control)
+        self.control_seq = control_seq
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            **self.counters,
+            "plan_version": self.plan_version,
+            "servers": [
+                {
+                    "address": link.address,
+                    "state": link.state.name.lower(),
+                    "sent": link.sent_total,
+                    "results": link.results_total,
+                    "outstanding": len(link.outstanding),
+                    "credit": link.credit,
+                }
+                for link in self.links
+            ],
+        }

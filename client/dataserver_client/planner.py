@@ -1,0 +1,146 @@
+"""The epoch plan: order, shard, and batches cut from it. Pure: no sockets, no threads.
+
+The client owns the epoch. For (seed, epoch) it computes one permutation of the dataset,
+takes this rank's shard (DistributedSampler semantics) and keeps a cursor into it. A batch
+is a contiguous run of the shard: B samples in regular mode, k x B when stitched. Planning
+ahead is speculative: when the mode changes, every batch not yet handed to the trainer is
+dropped and the cursor rewinds to the first of them, so the same samples are planned
+again, in the same order, under the new mode. That is what makes exactly-once and zero
+stale batches hold together.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+REGULAR = "regular"
+STITCH = "stitch"
+MODES = (REGULAR, STITCH)
+LAYOUTS = ("spatial", "batch")
+
+
+def epoch_order(n: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
+    """The dataset order of an epoch: a permutation fixed by (seed, epoch), or 0..n-1."""
+    if not shuffle:
+        return np.arange(n, dtype=np.int64)
+    rng = np.random.default_rng(np.random.SeedSequence([seed, epoch, 0xE90C]))
+    return rng.permutation(n).astype(np.int64)
+
+
+def shard_size(n: int, world_size: int, drop_last: bool) -> int:
+    """Samples per rank, as ``torch.utils.data.DistributedSampler`` counts them."""
+    if drop_last and n % world_size:
+        return n // world_size
+    return math.ceil(n / world_size)
+
+
+def shard_of(order: np.ndarray, rank: int, world_size: int, drop_last: bool) -> np.ndarray:
+    """This rank's part of ``order``, with DistributedSampler's semantics.
+
+    Ranks take every ``world_size``-th sample starting at ``rank``: disjoint, and together
+    they cover the dataset. When ``len(order)`` is not a multiple of ``world_size``, all
+    ranks must still see equally many samples (or distributed training deadlocks), so like
+    DistributedSampler: ``drop_last`` drops the tail, otherwise the order is padded with
+    its own first samples (which are then seen twice in the epoch, once each on two ranks).
+    """
+    per_rank = shard_size(len(order), world_size, drop_last)
+    total = per_rank * world_size
+    if total > len(order):
+        reps = math.ceil(total / len(order))
+        order = np.concatenate([order] * reps)[:total]
+    return order[rank:total:world_size]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a batch is cut and composed."""
+
+    batch_size: int
+    image_size: tuple[int, int]
+    stitch_k: int
+    stitch_layout: str
+    drop_last: bool
+
+    @property
+    def grid(self) -> int:
+        return math.isqrt(self.stitch_k)
+
+    def samples_per_batch(self, mode: str) -> int:
+        return self.batch_size if mode == REGULAR else self.batch_size * self.stitch_k
+
+
+@dataclass(frozen=True)
+class TaskPlan:
+    """One output image: the source indices (cell order), grid side and output size."""
+
+    indices: tuple[int, ...]
+    grid: int
+    out_hw: tuple[int, int]
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """Batch ``step`` of the epoch under ``plan_version``: shard positions [start, stop)."""
+
+    step: int
+    plan_version: int
+    mode: str
+    start: int
+    stop: int
+    tasks: tuple[TaskPlan, ...]
+    out_hw: tuple[int, int]
+
+
+def cut_tasks(
+    indices: np.ndarray, layout: Layout, mode: str
+) -> tuple[tuple[TaskPlan, ...], tuple[int, int]]:
+    """The tasks that compose ``indices`` into one batch in ``mode``, and the image size."""
+    h, w = layout.image_size
+    if mode == REGULAR:
+        return tuple(TaskPlan((int(i),), 1, (h, w)) for i in indices), (h, w)
+    g = layout.grid
+    if layout.stitch_layout == "batch":
+        small = (h // g, w // g)
+        return tuple(TaskPlan((int(i),), 1, small) for i in indices), small
+    k = layout.stitch_k
+    groups = [tuple(int(i) for i in indices[j : j + k]) for j in range(0, len(indices), k)]
+    return tuple(TaskPlan(grp, g, (h, w)) for grp in groups), (h, w)
+
+
+class Planner:
+    """Cuts one rank's shard of one epoch into batches, ahead of the trainer."""
+
+    def __init__(self, shard: np.ndarray, layout: Layout, mode: str, plan_version: int) -> None:
+        self.shard = shard
+        self.layout = layout
+        self.mode = mode
+        self.plan_version = plan_version
+        self.position = 0  # shard position of the next batch to plan
+        self.step = 0  # its step number
+
+    @property
+    def remaining(self) -> int:
+        return len(self.shard) - self.position
+
+    def next_plan(self) -> BatchPlan | None:
+        """Plan the next batch, or None when the epoch has no more."""
+        want = self.layout.samples_per_batch(self.mode)
+        left = self.remaining
+        if left <= 0 or (self.layout.drop_last and left < want):
+            return None
+        take = min(want, left)
+        start, stop = self.position, self.position + take
+        tasks, out_hw = cut_tasks(self.shard[start:stop], self.layout, self.mode)
+        plan = BatchPlan(self.step, self.plan_version, self.mode, start, stop, tasks, out_hw)
+        self.position, self.step = stop, self.step + 1
+        return plan
+
+    def rewind(self, step: int, position: int, mode: str, plan_version: int) -> None:
+        """Forget every plan from ``step`` on; plan again from ``position`` in ``mode``."""
+        if plan_version <= self.plan_version:
+            raise ValueError("a rewind must raise plan_version")
+        self.step, self.position = step, position
+        self.mode, self.plan_version = mode, plan_version

@@ -1,0 +1,241 @@
+"""The ``dataserver`` command: serve, synth, demo, stats, bench, keygen."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from typing import Any, NoReturn
+
+import zmq
+
+from dataserver import __version__, protocol
+from dataserver.data.spec import DEFAULT_SPEC, SpecError
+from dataserver.protocol import MsgType, ProtocolError
+from dataserver.server.config import DEFAULT_BIND, ConfigError, ServerConfig
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad flag in one line (no usage block), exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _fail(prog: str, message: str, code: int = 2) -> int:
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    return code
+
+
+# ---------------------------------------------------------------------- serve
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from dataserver.security import CurveKeyError
+    from dataserver.server import ready_line, serve
+
+    logging.basicConfig(
+        level=getattr(logging, args.log_level.upper()),
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
+    if args.workers is not None and args.workers < 1:
+        return _fail("dataserver serve", f"--workers must be >= 1, got {args.workers}")
+    config = ServerConfig(
+        dataset=args.dataset,
+        dataset_args=args.dataset_args,
+        workers=args.workers or 0,
+        bind=args.bind,
+        control_bind=args.control_bind,
+        session_ttl=args.session_ttl,
+        cache_mb=args.cache_mb,
+        curve_secret_key=args.curve_secret_key,
+        curve_authorized_keys=args.curve_authorized_keys,
+    )
+
+    def announce(front: Any) -> None:
+        print(ready_line(front), flush=True)
+
+    try:
+        serve(config, announce)
+    except (SpecError, ConfigError, CurveKeyError) as exc:
+        return _fail("dataserver serve", str(exc))
+    except zmq.ZMQError as exc:
+        return _fail("dataserver serve", f"cannot bind {args.bind} / control: {exc}", 1)
+    return 0
+
+
+# ---------------------------------------------------------------------- synth
+
+
+def cmd_synth(args: argparse.Namespace) -> int:
+    from dataserver.data.coco import write_synthetic_coco
+
+    if args.images < 1:
+        return _fail("dataserver synth", "--images must be >= 1")
+    path = write_synthetic_coco(args.out_dir, args.images, args.seed)
+    print(f"wrote {args.images} images and {path}; serve them with --dataset coco:{path}")
+    return 0
+
+
+# ---------------------------------------------------------------------- stats
+
+
+def fetch_stats(address: str, timeout: float) -> dict[str, Any]:
+    """Ask a live server for its counters (raises TimeoutError when it does not answer)."""
+    ctx: zmq.Context[Any] = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(address)
+        sock.send_multipart(protocol.make(MsgType.STATS, {}))
+        if not sock.poll(int(timeout * 1000)):
+            raise TimeoutError(f"no answer from {address} within {timeout:g} s")
+        msg = protocol.decode(sock.recv_multipart())
+        if msg.type is not MsgType.STATS or not isinstance(msg.header.get("stats"), dict):
+            raise ProtocolError(f"expected STATS, got {msg.type.name}")
+        return dict(msg.header["stats"])
+    finally:
+        sock.close(linger=0)
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    try:
+        stats = fetch_stats(args.address, args.timeout)
+    except (TimeoutError, ProtocolError) as exc:
+        return _fail("dataserver stats", str(exc), 1)
+    if args.json:
+        print(json.dumps(stats, indent=2, sort_keys=True))
+        return 0
+    print(f"server {stats['server_id']} (pid {stats['pid']}), up {stats['uptime_s']} s")
+    print(f"  endpoints      {stats['endpoints']}")
+    print(f"  dataset        {stats['fingerprint']} ({stats['dataset_len']} samples)")
+    print(
+        f"  workers        {stats['workers_alive']}/{stats['workers']} alive, "
+        f"{stats['workers_busy']} busy, {stats['workers_started']} started"
+    )
+    print(f"  queue depth    {stats['queue_depth']}")
+    print(f"  sessions       {stats['sessions']}")
+    for key, value in sorted(stats["counters"].items()):
+        print(f"  {key:<22} {value}")
+    print(f"  rejected       {stats['rejected_total']}")
+    for key, value in sorted(stats["rejected"].items()):
+        print(f"    {key:<20} {value}")
+    return 0
+
+
+# ---------------------------------------------------------------------- keygen
+
+
+def cmd_keygen(args: argparse.Namespace) -> int:
+    from dataserver.security import keygen
+
+    public, secret = keygen(args.directory, args.name)
+    print(f"wrote {public} (public: give it to the other side) and {secret} (secret: keep it)")
+    return 0
+
+
+# ---------------------------------------------------------------------- demo / bench
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from dataserver.demo import run_demo
+
+    return run_demo(args)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from dataserver.bench import run_bench
+
+    return run_bench(args)
+
+
+# ---------------------------------------------------------------------- parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="dataserver", description="A data service for PyTorch detection training."
+    )
+    parser.add_argument("--version", action="version", version=f"dataserver {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    p = sub.add_parser("serve", help="run a server until SIGINT/SIGTERM")
+    p.add_argument(
+        "--dataset",
+        default=DEFAULT_SPEC,
+        help="synthetic | synthetic:images=N,seed=S | coco:ANNOTATIONS.json[:IMAGE_DIR] | "
+        "package.module:factory (default: synthetic)",
+    )
+    p.add_argument(
+        "--dataset-args", default=None, help="JSON object of keyword arguments for a factory"
+    )
+    p.add_argument(
+        "--workers", type=int, default=None, help="worker processes (default: number of CPUs)"
+    )
+    p.add_argument(
+        "--bind", default=DEFAULT_BIND, help=f"data endpoint (default {DEFAULT_BIND}; port * = any)"
+    )
+    p.add_argument("--control-bind", default=None, help="control endpoint (default: data port + 1)")
+    p.add_argument("--cache-mb", type=int, default=64, help="per-worker cache of prepared sources")
+    p.add_argument(
+        "--session-ttl", type=float, default=120.0, help="forget silent clients after this (s)"
+    )
+    p.add_argument(
+        "--curve-secret-key", default=None, help="server key file (.key_secret) for CURVE"
+    )
+    p.add_argument(
+        "--curve-authorized-keys", default=None, help="directory of authorized client .key files"
+    )
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser(
+        "synth", help="write a synthetic COCO-format dataset (JPEGs + annotations.json)"
+    )
+    p.add_argument("out_dir")
+    p.add_argument("--images", type=int, default=256)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_synth)
+
+    p = sub.add_parser("demo", help="serve the synthetic set and train a small model against it")
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--image-size", type=int, default=256)
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("stats", help="print a live server's counters")
+    p.add_argument("address", help="the server's data endpoint, e.g. tcp://127.0.0.1:5555")
+    p.add_argument("--timeout", type=float, default=5.0)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_stats)
+
+    p = sub.add_parser("keygen", help="write a CURVE key pair")
+    p.add_argument("directory")
+    p.add_argument("--name", default="server")
+    p.set_defaults(func=cmd_keygen)
+
+    p = sub.add_parser("bench", help="measure against DataLoader and raw ZeroMQ (see README)")
+    p.add_argument("--data", default=None, help="a dataserver synth folder (default: make one)")
+    p.add_argument("--images", type=int, default=512)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--image-size", type=int, default=512)
+    p.add_argument("--batches", type=int, default=40)
+    p.add_argument("--only", default=None, help="comma-separated figures to run")
+    p.add_argument("--json", default=None, help="also write the results here")
+    p.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

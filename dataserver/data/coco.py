@@ -1,0 +1,112 @@
+"""COCO-format detection datasets: ``coco:ANNOTATIONS.json[:IMAGE_DIR]``, and the writer
+behind ``dataserver synth``."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import cv2
+import numpy as np
+
+from dataserver.data.sample import Sample, SampleError
+from dataserver.data.synthetic import NUM_CLASSES, generate
+from dataserver.data.transforms import decode_image
+
+
+class CocoDataset:
+    """Images listed in a COCO ``annotations.json``, read and decoded on each access.
+
+    ``bbox`` (xywh) becomes xyxy; crowd annotations (``iscrowd``) and boxes without area are
+    dropped; labels are the raw ``category_id``. Images without annotations are kept (they
+    are valid negatives). ``image_dir`` defaults to the annotation file's folder.
+    """
+
+    def __init__(self, annotations: str | os.PathLike[str], image_dir: str | None = None) -> None:
+        path = Path(annotations)
+        raw = path.read_bytes()
+        self.fingerprint = hashlib.sha1(raw).hexdigest()[:16]
+        doc = json.loads(raw)
+        if not isinstance(doc, dict) or not isinstance(doc.get("images"), list):
+            raise ValueError(f"{path}: not a COCO annotation file (no 'images' list)")
+        self.image_dir = Path(image_dir) if image_dir else path.parent
+        if not self.image_dir.is_dir():
+            raise ValueError(f"image directory {self.image_dir} does not exist")
+        self.files: list[str] = []
+        by_id: dict[Any, int] = {}
+        for entry in doc["images"]:
+            by_id[entry["id"]] = len(self.files)
+            self.files.append(str(entry["file_name"]))
+        boxes: list[list[list[float]]] = [[] for _ in self.files]
+        labels: list[list[int]] = [[] for _ in self.files]
+        for ann in doc.get("annotations", []):
+            slot = by_id.get(ann.get("image_id"))
+            if slot is None or ann.get("iscrowd", 0):
+                continue
+            x, y, w, h = (float(v) for v in ann["bbox"])
+            if w <= 0 or h <= 0:
+                continue
+            boxes[slot].append([x, y, x + w, y + h])
+            labels[slot].append(int(ann["category_id"]))
+        self.boxes = [np.asarray(b, dtype=np.float32).reshape(-1, 4) for b in boxes]
+        self.labels = [np.asarray(lb, dtype=np.int64) for lb in labels]
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def path(self, index: int) -> Path:
+        return self.image_dir / self.files[index]
+
+    def __getitem__(self, index: int) -> Sample:
+        path = self.path(index)
+        try:
+            data = np.fromfile(path, dtype=np.uint8)
+        except OSError as exc:
+            raise SampleError(index, f"cannot read: {exc.strerror or exc}", str(path)) from None
+        image = decode_image(data)
+        if image is None:
+            raise SampleError(index, "not a decodable image (corrupt or truncated)", str(path))
+        return Sample(image, self.boxes[index], self.labels[index])
+
+
+def write_synthetic_coco(out_dir: str | os.PathLike[str], images: int, seed: int) -> Path:
+    """Write ``images`` synthetic JPEGs and their COCO ``annotations.json`` into ``out_dir``.
+
+    Returns the annotation file's path; ``coco:<that path>`` serves the set.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    doc: dict[str, Any] = {
+        "info": {"description": f"dataserver synthetic set, seed {seed}"},
+        "images": [],
+        "annotations": [],
+        "categories": [{"id": c, "name": f"class{c}"} for c in range(1, NUM_CLASSES + 1)],
+    }
+    ann_id = 1
+    for index in range(images):
+        sample = generate(seed, index)
+        name = f"{index:012d}.jpg"
+        bgr = cv2.cvtColor(sample.image, cv2.COLOR_RGB2BGR)
+        if not cv2.imwrite(str(out / name), bgr, [cv2.IMWRITE_JPEG_QUALITY, 90]):
+            raise OSError(f"could not write {out / name}")
+        height, width = sample.image.shape[:2]
+        doc["images"].append({"id": index + 1, "file_name": name, "height": height, "width": width})
+        for box, label in zip(sample.boxes.tolist(), sample.labels.tolist(), strict=True):
+            x1, y1, x2, y2 = box
+            doc["annotations"].append(
+                {
+                    "id": ann_id,
+                    "image_id": index + 1,
+                    "category_id": label,
+                    "bbox": [x1, y1, x2 - x1, y2 - y1],
+                    "area": (x2 - x1) * (y2 - y1),
+                    "iscrowd": 0,
+                }
+            )
+            ann_id += 1
+    path = out / "annotations.json"
+    path.write_text(json.dumps(doc))
+    return path

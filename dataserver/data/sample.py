@@ -1,0 +1,64 @@
+"""The sample record every dataset returns, and the checks applied to a user's samples."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+
+class SampleError(Exception):
+    """A sample could not be produced. ``file`` names the source when there is one."""
+
+    def __init__(self, index: int, message: str, file: str | None = None) -> None:
+        where = f" ({file})" if file else ""
+        super().__init__(f"sample {index}{where}: {message}")
+        self.index = index
+        self.file = file
+        self.reason = message
+
+
+@dataclass(slots=True)
+class Sample:
+    """One source image with its objects.
+
+    ``image`` is uint8 (H, W, 3) RGB; ``boxes`` float32 (M, 4) xyxy in image pixels;
+    ``labels`` int64 (M,).
+    """
+
+    image: np.ndarray
+    boxes: np.ndarray
+    labels: np.ndarray
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.image.nbytes + self.boxes.nbytes + self.labels.nbytes)
+
+
+def as_sample(index: int, raw: Any) -> Sample:
+    """Turn what a dataset's ``__getitem__`` returned into a checked ``Sample``.
+
+    Accepts the documented dict (``image``, ``boxes``, ``labels``); raises ``SampleError``
+    naming the index and what is wrong otherwise.
+    """
+    if isinstance(raw, Sample):
+        return raw
+    if not isinstance(raw, dict) or "image" not in raw:
+        raise SampleError(
+            index, f"dataset returned {type(raw).__name__}, expected a dict with 'image'"
+        )
+    image = np.asarray(raw["image"])
+    if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3:
+        raise SampleError(
+            index, f"image must be uint8 (H, W, 3), got {image.dtype} {tuple(image.shape)}"
+        )
+    if image.shape[0] < 1 or image.shape[1] < 1:
+        raise SampleError(index, f"image is empty: {tuple(image.shape)}")
+    boxes = np.asarray(raw.get("boxes", np.zeros((0, 4))), dtype=np.float32).reshape(-1, 4)
+    labels = np.asarray(raw.get("labels", np.zeros((0,))), dtype=np.int64).reshape(-1)
+    if len(boxes) != len(labels):
+        raise SampleError(index, f"{len(boxes)} boxes but {len(labels)} labels")
+    if not np.isfinite(boxes).all():
+        raise SampleError(index, "boxes hold NaN or infinity")
+    return Sample(np.ascontiguousarray(image), boxes, labels)

@@ -1,0 +1,131 @@
+"""Dataset specs: the text a server is given, parsed and built inside every process.
+
+A dataset is never pickled: the front and every worker build their own instance from the
+same spec string and JSON arguments.
+
+    synthetic                        the embedded default (2048 generated images, seed 0)
+    synthetic:images=N,seed=S        N generated images from seed S
+    coco:ANNOTATIONS.json[:IMAGE_DIR] a COCO-format set on disk
+    package.module:factory           a user's dataset: factory(**json.loads(--dataset-args))
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+from dataserver.data.coco import CocoDataset
+from dataserver.data.synthetic import SyntheticDataset
+
+DEFAULT_SPEC = "synthetic"
+_PLUGIN = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
+_SYNTHETIC_KEYS = ("images", "seed")
+
+
+class SpecError(ValueError):
+    """A dataset spec that cannot be parsed or built; the message says what is wrong."""
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    """A parsed spec: ``kind`` is synthetic, coco or plugin; ``args`` its arguments."""
+
+    text: str
+    kind: str
+    args: dict[str, Any] = field(default_factory=dict)
+    args_json: str = "{}"
+
+
+def parse_spec(text: str, args_json: str | None = None) -> DatasetSpec:
+    """Parse a ``--dataset`` value (and ``--dataset-args``); raise ``SpecError``."""
+    if args_json is not None:
+        try:
+            args = json.loads(args_json)
+        except json.JSONDecodeError as exc:
+            raise SpecError(f"--dataset-args is not valid JSON: {exc}") from None
+        if not isinstance(args, dict):
+            raise SpecError("--dataset-args must be a JSON object")
+    else:
+        args = {}
+    if text == "synthetic" or text.startswith("synthetic:"):
+        if args:
+            raise SpecError("--dataset-args is only for package.module:factory datasets")
+        return DatasetSpec(text, "synthetic", _parse_synthetic(text))
+    if text.startswith("coco:"):
+        if args:
+            raise SpecError("--dataset-args is only for package.module:factory datasets")
+        rest = text[len("coco:") :]
+        ann, sep, image_dir = rest.rpartition(":")
+        if not sep or not ann.endswith(".json"):
+            ann, image_dir = rest, ""
+        if not ann:
+            raise SpecError("coco: needs a path, as in coco:ANNOTATIONS.json[:IMAGE_DIR]")
+        return DatasetSpec(text, "coco", {"annotations": ann, "image_dir": image_dir or None})
+    if _PLUGIN.match(text):
+        return DatasetSpec(text, "plugin", args, json.dumps(args, sort_keys=True))
+    raise SpecError(
+        f"unknown dataset {text!r}: expected synthetic, synthetic:images=N,seed=S, "
+        "coco:ANNOTATIONS.json[:IMAGE_DIR] or package.module:factory"
+    )
+
+
+def _parse_synthetic(text: str) -> dict[str, int]:
+    values: dict[str, int] = {}
+    _, _, opts = text.partition(":")
+    for item in filter(None, opts.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep or key not in _SYNTHETIC_KEYS:
+            raise SpecError(f"synthetic: unknown option {item!r} (known: images=N, seed=S)")
+        try:
+            values[key] = int(value)
+        except ValueError:
+            raise SpecError(f"synthetic: {key} must be an integer, got {value!r}") from None
+    if values.get("images", 1) < 1:
+        raise SpecError("synthetic: images must be >= 1")
+    return values
+
+
+def build_dataset(spec: DatasetSpec) -> Any:
+    """Build the dataset a spec names; raise ``SpecError`` saying why it cannot be built."""
+    if spec.kind == "synthetic":
+        return SyntheticDataset(**spec.args)
+    if spec.kind == "coco":
+        try:
+            return CocoDataset(spec.args["annotations"], spec.args["image_dir"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise SpecError(f"coco: cannot load {spec.args['annotations']}: {exc}") from None
+    module_name, _, factory_name = spec.text.partition(":")
+    # Like gunicorn and uvicorn: a user's module in the working directory is importable.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:
+        raise SpecError(f"cannot import {module_name!r}: {type(exc).__name__}: {exc}") from None
+    factory = getattr(module, factory_name, None)
+    if not callable(factory):
+        raise SpecError(f"{module_name!r} has no callable {factory_name!r}")
+    try:
+        dataset = factory(**spec.args)
+    except Exception as exc:
+        raise SpecError(f"{spec.text}(**args) raised {type(exc).__name__}: {exc}") from None
+    if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+        raise SpecError(f"{spec.text} returned {type(dataset).__name__}, not a dataset")
+    return dataset
+
+
+def dataset_fingerprint(spec: DatasetSpec, dataset: Any) -> str:
+    """A short string that is equal on two servers only if they serve the same data."""
+    if spec.kind == "synthetic":
+        return f"synthetic-{dataset.images}-{dataset.seed}"
+    own = getattr(dataset, "fingerprint", None)
+    if isinstance(own, str):
+        return f"{spec.kind}-{own}"
+    digest = hashlib.sha1(f"{spec.text}|{spec.args_json}|{len(dataset)}".encode()).hexdigest()
+    return f"{spec.kind}-{digest[:16]}"

@@ -1,0 +1,45 @@
+"""``dataserver serve``: a front process and its pool of worker processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Callable
+from typing import Any
+
+from dataserver.data.spec import build_dataset, dataset_fingerprint, parse_spec
+from dataserver.server.config import ConfigError, ServerConfig
+from dataserver.server.front import Front
+
+__all__ = ["ConfigError", "Front", "ServerConfig", "ready_line", "serve"]
+
+
+def ready_line(front: Front) -> str:
+    """The one line ``dataserver serve`` prints once every worker is up."""
+    return (
+        f"dataserver ready data={front.endpoints['data']} control={front.endpoints['control']} "
+        f"workers={front.n_workers} samples={front.dataset_len} dataset={front.config.dataset}"
+    )
+
+
+def serve(config: ServerConfig, on_ready: Callable[[Front], Any]) -> None:
+    """Build the dataset once (to check its spec and learn its size), then run the front
+    until SIGINT or SIGTERM. Raises ``SpecError``/``ConfigError`` for bad flags."""
+    config.validate()
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # whatever a user's dataset imports, no GPU here
+    spec = parse_spec(config.dataset, config.dataset_args)
+    dataset = build_dataset(spec)
+    size = len(dataset)
+    if size < 1:
+        raise ConfigError(f"--dataset {config.dataset}: the dataset is empty")
+    fingerprint = dataset_fingerprint(spec, dataset)
+    del dataset
+    front = Front(config, size, fingerprint)
+    previous = {
+        s: signal.signal(s, lambda *_: front.stop()) for s in (signal.SIGINT, signal.SIGTERM)
+    }
+    try:
+        front.run(on_ready)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)

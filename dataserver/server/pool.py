@@ -1,0 +1,147 @@
+"""The worker processes of one server: start, watch, replace, stop.
+
+Workers are fresh interpreters (``subprocess``, not fork or multiprocessing's pickling
+spawn), in their own process group so that a terminal's Ctrl-C reaches only the front,
+with ``CUDA_VISIBLE_DEVICES=""``. Each has a pidfd (Linux) the front polls, so a death
+is noticed at once. Shutdown escalates BYE -> SIGTERM -> SIGKILL and logs each step.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+log = logging.getLogger("dataserver.pool")
+
+
+@dataclass(eq=False)
+class WorkerHandle:
+    """One worker process, as the front sees it."""
+
+    slot: int
+    proc: subprocess.Popen[bytes]
+    pidfd: int | None
+    started: float
+    identity: bytes | None = None  # its DEALER's routing id, known once READY arrives
+    task: Any = None  # the TaskEntry it is running, if any
+    tasks_done: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def ready(self) -> bool:
+        return self.identity is not None
+
+
+class WorkerPool:
+    """Starts ``count`` workers for ``backend`` and replaces those that die."""
+
+    def __init__(self, backend: str, dataset: str, dataset_args: str | None, cache_mb: int) -> None:
+        self.backend = backend
+        self.dataset = dataset
+        self.dataset_args = dataset_args
+        self.cache_mb = cache_mb
+        self.workers: dict[int, WorkerHandle] = {}  # by slot
+        self.started_total = 0
+        self.deaths = 0
+        self._early_deaths: dict[int, int] = {}  # slot -> consecutive deaths before READY
+
+    def spawn(self, slot: int) -> WorkerHandle:
+        cmd = [
+            sys.executable,
+            "-m",
+            "dataserver.server.worker",
+            "--backend",
+            self.backend,
+            "--worker-id",
+            str(slot),
+            "--parent-pid",
+            str(os.getpid()),
+            "--dataset",
+            self.dataset,
+            "--cache-mb",
+            str(self.cache_mb),
+        ]
+        if self.dataset_args is not None:
+            cmd += ["--dataset-args", self.dataset_args]
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+        proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, process_group=0)
+        try:
+            pidfd: int | None = os.pidfd_open(proc.pid)
+        except (AttributeError, OSError):
+            pidfd = None
+        handle = WorkerHandle(slot, proc, pidfd, time.monotonic())
+        self.workers[slot] = handle
+        self.started_total += 1
+        log.debug("started worker %d (pid %d)", slot, proc.pid)
+        return handle
+
+    def start(self, count: int) -> None:
+        for slot in range(count):
+            self.spawn(slot)
+
+    def by_pidfd(self) -> dict[int, WorkerHandle]:
+        return {w.pidfd: w for w in self.workers.values() if w.pidfd is not None}
+
+    def dead(self) -> list[WorkerHandle]:
+        """Workers whose process has exited (reaped)."""
+        return [w for w in self.workers.values() if w.proc.poll() is not None]
+
+    def forget(self, handle: WorkerHandle) -> float:
+        """Drop a dead worker; return how long to wait before replacing it (crash-loop backoff)."""
+        self.deaths += 1
+        if handle.pidfd is not None:
+            os.close(handle.pidfd)
+            handle.pidfd = None
+        self.workers.pop(handle.slot, None)
+        if handle.ready:
+            self._early_deaths.pop(handle.slot, None)
+            return 0.0
+        n = self._early_deaths.get(handle.slot, 0) + 1
+        self._early_deaths[handle.slot] = n
+        log.error(
+            "worker %d (pid %d) exited with %s before it was ready (%d time(s) in a row)",
+            handle.slot,
+            handle.pid,
+            handle.proc.returncode,
+            n,
+        )
+        return min(10.0, 0.5 * 2 ** (n - 1))
+
+    def alive(self) -> int:
+        return sum(1 for w in self.workers.values() if w.proc.poll() is None)
+
+    def stop(self, timeout: float = 3.0) -> None:
+        """Wait for workers that were told BYE, then SIGTERM, then SIGKILL the rest."""
+        procs = [w.proc for w in self.workers.values()]
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        left = [p for p in procs if p.poll() is None]
+        if left:
+            log.info("terminating %d worker(s) that did not exit", len(left))
+            for p in left:
+                p.terminate()
+            for p in left:
+                try:
+                    p.wait(1.0)
+                except subprocess.TimeoutExpired:
+                    log.warning("killing worker pid %d", p.pid)
+                    p.kill()
+                    p.wait()
+        for w in self.workers.values():
+            if w.pidfd is not None:
+                os.close(w.pidfd)
+                w.pidfd = None
+        self.workers.clear()

@@ -1,0 +1,197 @@
+"""A worker process: builds its dataset from the spec, then turns TASKs into RESULTs.
+
+Started by the front as ``python -m dataserver.server.worker`` (a fresh interpreter:
+never forked from a process that may hold CUDA, never handed a pickle), with
+``CUDA_VISIBLE_DEVICES=""``, SIGINT ignored (the front decides when workers stop) and a
+parent-death signal so that it never outlives its front.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import os
+import signal
+import sys
+from collections import OrderedDict
+from typing import Any
+
+import cv2
+import zmq
+
+from dataserver import protocol
+from dataserver.data.pipeline import build_output, prepare
+from dataserver.data.sample import Sample, SampleError
+from dataserver.data.spec import build_dataset, parse_spec
+from dataserver.protocol import MsgType, ProtocolError
+
+log = logging.getLogger("dataserver.worker")
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except OSError:  # not Linux: the front's shutdown still reaps us
+        return
+    if os.getppid() != parent_pid:  # the front died before prctl took effect
+        os._exit(1)
+
+
+class SourceCache:
+    """Prepared (read + augmented) sources of recent tasks, bounded in bytes, LRU.
+
+    Keyed by everything that determines a prepared source, so a hit is always exact:
+    (session, control_seq, seed, epoch, index). A re-planned task (after a mode switch)
+    that lands here re-composes instead of re-decoding.
+    """
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.nbytes = 0
+        self.hits = 0
+        self.misses = 0
+        self._items: OrderedDict[tuple[Any, ...], Sample] = OrderedDict()
+
+    def get(self, key: tuple[Any, ...]) -> Sample | None:
+        sample = self._items.get(key)
+        if sample is None:
+            self.misses += 1
+            return None
+        self.hits += 1
+        self._items.move_to_end(key)
+        return sample
+
+    def put(self, key: tuple[Any, ...], sample: Sample) -> None:
+        if sample.nbytes > self.max_bytes or key in self._items:
+            return
+        self._items[key] = sample
+        self.nbytes += sample.nbytes
+        while self.nbytes > self.max_bytes:
+            _, old = self._items.popitem(last=False)
+            self.nbytes -= old.nbytes
+
+
+class Worker:
+    """One worker: a DEALER connected to the front's backend ROUTER."""
+
+    def __init__(self, worker_id: int, backend: str, dataset: Any, cache_bytes: int) -> None:
+        self.worker_id = worker_id
+        self.backend = backend
+        self.dataset = dataset
+        self.size = len(dataset)
+        self.cache = SourceCache(cache_bytes)
+        self._applied: tuple[bytes, int] | None = None  # (session, control_seq) last applied
+
+    def run(self) -> None:
+        ctx = zmq.Context(io_threads=1)
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IDENTITY, f"w{self.worker_id}-{os.getpid()}".encode())
+        try:
+            sock.connect(self.backend)
+            sock.send_multipart(
+                protocol.make(MsgType.READY, {"worker": self.worker_id, "pid": os.getpid()})
+            )
+            while True:
+                frames = sock.recv_multipart(copy=False)
+                try:
+                    msg = protocol.decode(frames)
+                except ProtocolError as exc:
+                    log.error(
+                        "worker %d: dropped a bad message from the front: %s", self.worker_id, exc
+                    )
+                    continue
+                if msg.type is MsgType.BYE:
+                    break
+                if msg.type is MsgType.TASK:
+                    sock.send_multipart(self.run_task(msg.header), copy=False)
+        except zmq.ContextTerminated:
+            pass
+        finally:
+            sock.close(linger=0)
+            ctx.term()
+
+    def _apply_control(self, header: dict[str, Any]) -> None:
+        key = (header["session"], header["control_seq"])
+        if key == self._applied:
+            return
+        setter = getattr(self.dataset, "set_control", None)
+        if callable(setter):
+            setter(dict(header["control"]))
+        self._applied = key
+
+    def run_task(self, h: dict[str, Any]) -> list[Any]:
+        """Run one TASK header; return the frames of its RESULT or ERROR."""
+        reply = {
+            "session": h["session"],
+            "task_id": h["task_id"],
+            "plan_version": h["plan_version"],
+        }
+        bad = [i for i in h["indices"] if i >= self.size]
+        if bad:
+            msg = f"index {bad[0]} out of range: the dataset has {self.size} samples"
+            return protocol.make(
+                MsgType.ERROR, {**reply, "index": bad[0], "message": msg, "kind": "request"}
+            )
+        try:
+            self._apply_control(h)
+        except Exception as exc:
+            msg = f"dataset.set_control raised {type(exc).__name__}: {exc}"
+            return protocol.make(MsgType.ERROR, {**reply, "message": msg, "kind": "control"})
+        session, cseq, seed, epoch = h["session"], h["control_seq"], h["seed"], h["epoch"]
+
+        def source(index: int) -> Sample:
+            key = (session, cseq, seed, epoch, index)
+            sample = self.cache.get(key)
+            if sample is None:
+                sample = prepare(self.dataset, index, seed, epoch)
+                self.cache.put(key, sample)
+            return sample
+
+        try:
+            out = build_output(
+                source, h["indices"], h["grid"], tuple(h["out_hw"]), h["on_error"] == "skip"
+            )
+        except SampleError as exc:
+            err = {
+                **reply,
+                "index": exc.index,
+                "file": exc.file,
+                "message": str(exc),
+                "kind": "sample",
+            }
+            return protocol.make(MsgType.ERROR, err)
+        except Exception as exc:
+            log.exception("worker %d: task %d failed", self.worker_id, h["task_id"])
+            msg = f"worker error on indices {h['indices']}: {type(exc).__name__}: {exc}"
+            return protocol.make(MsgType.ERROR, {**reply, "message": msg, "kind": "internal"})
+        header = {**reply, "indices": out.indices, "failed": [list(f) for f in out.failed]}
+        return protocol.make(MsgType.RESULT, header, [out.image, out.boxes, out.labels])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="dataserver-worker")
+    parser.add_argument("--backend", required=True)
+    parser.add_argument("--worker-id", type=int, required=True)
+    parser.add_argument("--parent-pid", type=int, required=True)
+    parser.add_argument("--dataset", required=True)
+    parser.add_argument("--dataset-args", default=None)
+    parser.add_argument("--cache-mb", type=int, default=64)
+    args = parser.parse_args(argv)
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _die_with_parent(args.parent_pid)
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    cv2.setNumThreads(1)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+    dataset = build_dataset(parse_spec(args.dataset, args.dataset_args))
+    Worker(args.worker_id, args.backend, dataset, args.cache_mb << 20).run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
