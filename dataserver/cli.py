@@ -203,6 +203,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--image-size", type=int, default=256)
+    p.add_argument(
+        "--threshold",
+        type=float,
+        default=0.75,
+        help="Stitcher's tau (the paper's 0.1 suits COCO; the synthetic set is mostly small objects)",
+    )
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("stats", help="print a live server's counters")

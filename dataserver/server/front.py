@@ -23,7 +23,7 @@ import shutil
 import tempfile
 import time
 import uuid
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -41,6 +41,7 @@ log = logging.getLogger("dataserver.front")
 POLL_MS = 100
 DRAIN = 256  # messages taken from one socket before looking at the others
 CLIENT_MAX_MSG = 2 << 20  # clients only send small headers
+PIPELINE = 2  # tasks a worker holds at once: the one it runs and the next
 
 
 class Front:
@@ -52,7 +53,9 @@ class Front:
         self.fingerprint = fingerprint
         self.server_id = uuid.uuid4().hex[:12]
         self.n_workers = config.worker_count()
-        self.credit = self.n_workers * 2
+        # Credit per client: PIPELINE tasks at each worker plus as many again queued here,
+        # so a worker always has its next task at hand.
+        self.credit = self.n_workers * PIPELINE * 2
         self.scheduler = Scheduler(max_queue=max(64, self.credit * 8))
         self.counters: Counter[str] = Counter()
         self.rejected: Counter[str] = Counter()
@@ -60,7 +63,6 @@ class Front:
         self.endpoints: dict[str, str] = {}
         self._stop = False
         self._announced = False
-        self._idle: deque[WorkerHandle] = deque()
         self._by_identity: dict[bytes, WorkerHandle] = {}
         self._respawn_at: dict[int, float] = {}
         self._auth: Any = None
@@ -319,21 +321,20 @@ class Front:
             self._on_ready_worker(identity, msg)
             return
         handle = self._by_identity.get(identity)
-        if handle is None or handle.task is None or msg.type not in (MsgType.RESULT, MsgType.ERROR):
+        if handle is None or not handle.tasks or msg.type not in (MsgType.RESULT, MsgType.ERROR):
             self.rejected["worker_unexpected"] += 1
             return
-        entry: TaskEntry = handle.task
-        handle.task = None
-        handle.tasks_done += 1
-        self._idle.append(handle)
-        if msg.header.get("task_id") != entry.task_id:
+        entry = next((e for e in handle.tasks if e.task_id == msg.header.get("task_id")), None)
+        if entry is None:
             log.error(
-                "worker %d answered task %s, expected %d",
+                "worker %d answered task %s it was not given",
                 handle.slot,
                 msg.header.get("task_id"),
-                entry.task_id,
             )
+            self.rejected["worker_unexpected"] += 1
             return
+        handle.tasks.remove(entry)
+        handle.tasks_done += 1
         session = self.scheduler.sessions.get(entry.session)
         self.counters["tasks_done" if msg.type is MsgType.RESULT else "tasks_failed"] += 1
         if session is None:
@@ -349,38 +350,47 @@ class Front:
             if handle.pid == pid and handle.identity is None:
                 handle.identity = identity
                 self._by_identity[identity] = handle
-                self._idle.append(handle)
                 return
         log.warning("READY from unknown worker pid %d", pid)
 
     def _dispatch(self) -> None:
-        while self._idle and self.scheduler.queued:
-            handle = self._idle.popleft()
-            if (
-                handle.task is not None
-                or handle.slot not in self.pool.workers
-                or handle.proc.poll() is not None
-            ):
-                continue
-            entry = self.scheduler.pop()
-            if entry is None:
-                self._idle.appendleft(handle)
-                return
+        """Give queued tasks to the least loaded live workers, up to PIPELINE each.
+
+        A worker holds the task it runs and the next one, so it never waits for this
+        loop to be scheduled (on a busy machine, that wait is what idles workers)."""
+        if not self.scheduler.queued:
+            return
+        ready = [
+            w
+            for w in self.pool.workers.values()
+            if w.identity is not None and w.proc.poll() is None
+        ]
+        for depth in range(PIPELINE):
+            for handle in ready:
+                if len(handle.tasks) > depth or not self.scheduler.queued:
+                    continue
+                entry = self._next_entry()
+                if entry is None:
+                    return
+                handle.tasks.append(entry)
+                if not self._send(self.backend, handle.identity or b"", entry.frames):
+                    handle.tasks.remove(entry)
+                    session = self.scheduler.sessions.get(entry.session)
+                    if session is not None:
+                        self.scheduler.push(session, entry, front=True)
+                    return
+
+    def _next_entry(self) -> TaskEntry | None:
+        """The next queued task that is still wanted (older plans are answered CANCELLED)."""
+        while (entry := self.scheduler.pop()) is not None:
             session = self.scheduler.sessions.get(entry.session)
             if session is None:
-                self._idle.appendleft(handle)
                 continue
             if entry.plan_version < session.version:
                 self._cancel(session, [entry])
-                self._idle.appendleft(handle)
                 continue
-            if handle.identity is None:  # only READY workers are ever idle
-                self.scheduler.push(session, entry, front=True)
-                continue
-            handle.task = entry
-            if not self._send(self.backend, handle.identity, entry.frames):
-                handle.task = None
-                self.scheduler.push(session, entry, front=True)
+            return entry
+        return None
 
     def _reap(self) -> None:
         for handle in self.pool.dead():
@@ -401,11 +411,17 @@ class Front:
         self._respawn_at[handle.slot] = time.monotonic() + delay
         if handle.identity is not None:
             self._by_identity.pop(handle.identity, None)
-        entry: TaskEntry | None = handle.task
-        handle.task = None
-        if entry is None:
+        entries = list(handle.tasks)
+        handle.tasks.clear()
+        if not entries:
             return
+        # Only the first was running; the others waited in its socket and are not to blame.
+        entry = entries[0]
         entry.attempts += 1
+        for waiting in reversed(entries[1:]):
+            owner = self.scheduler.sessions.get(waiting.session)
+            if owner is not None:
+                self.scheduler.push(owner, waiting, front=True)
         session = self.scheduler.sessions.get(entry.session)
         if session is None:
             return
@@ -439,7 +455,7 @@ class Front:
 
     def stats(self) -> dict[str, Any]:
         """The counters ``dataserver stats`` prints."""
-        busy = sum(1 for w in self.pool.workers.values() if w.task is not None)
+        busy = sum(1 for w in self.pool.workers.values() if w.tasks)
         return {
             "server_id": self.server_id,
             "pid": os.getpid(),

@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +29,7 @@ class WorkerHandle:
     pidfd: int | None
     started: float
     identity: bytes | None = None  # its DEALER's routing id, known once READY arrives
-    task: Any = None  # the TaskEntry it is running, if any
+    tasks: deque[Any] = field(default_factory=deque)  # TaskEntries sent to it, oldest first
     tasks_done: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 

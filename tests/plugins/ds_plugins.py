@@ -1,0 +1,148 @@
+"""User datasets for the tests, served as ``ds_plugins:<factory>`` (tests/plugins is put on
+the servers' PYTHONPATH by conftest)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+import numpy as np
+
+from dataserver.data.synthetic import generate
+
+
+def colour_of(index: int) -> tuple[int, int, int]:
+    """The flat colour that names ``index`` (unique for index < 65536)."""
+    return (index & 255, (index >> 8) & 255, 77)
+
+
+class FlatDataset:
+    """Image i is one flat colour naming i, of size (h, w) varying with i; one box covering
+    the middle half of the image, label i + 1."""
+
+    def __init__(self, n: int = 64, h: int = 60, w: int = 80) -> None:
+        self.n, self.h, self.w = n, h, w
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        h = self.h + (index % 3) * 10
+        w = self.w + (index % 2) * 20
+        image = np.empty((h, w, 3), dtype=np.uint8)
+        image[:] = colour_of(index)
+        box = [w / 4, h / 4, 3 * w / 4, 3 * h / 4]
+        return {
+            "image": image,
+            "boxes": np.array([box], np.float32),
+            "labels": np.array([index + 1]),
+        }
+
+
+def flat(n: int = 64, h: int = 60, w: int = 80) -> FlatDataset:
+    return FlatDataset(n, h, w)
+
+
+class NoPickle:
+    """A dataset that refuses to be pickled: served fine, because nothing pickles it."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __reduce__(self) -> Any:
+        raise RuntimeError("this dataset must never be pickled")
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        s = generate(7, index)
+        return {"image": s.image, "boxes": s.boxes, "labels": s.labels}
+
+
+def no_pickle(n: int = 32) -> NoPickle:
+    return NoPickle(n)
+
+
+class Failing:
+    """Samples in ``bad`` raise ValueError; the rest are flat images."""
+
+    def __init__(self, n: int, bad: list[int]) -> None:
+        self.inner = FlatDataset(n)
+        self.bad = set(bad)
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        if index in self.bad:
+            raise ValueError(f"sample {index} is broken on purpose")
+        return self.inner[index]
+
+
+def failing(n: int = 32, bad: list[int] | None = None) -> Failing:
+    return Failing(n, bad or [5])
+
+
+class Poison:
+    """Reading sample ``poison`` kills the worker process (SIGKILL), every time."""
+
+    def __init__(self, n: int, poison: int) -> None:
+        self.inner = FlatDataset(n)
+        self.poison = poison
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        if index == self.poison:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return self.inner[index]
+
+
+def poison(n: int = 32, index: int = 7) -> Poison:
+    return Poison(n, index)
+
+
+class Flag:
+    """Reads ``active`` from set_control: image value and label say whether it was set."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.active = 0
+
+    def set_control(self, values: dict[str, Any]) -> None:
+        self.active = int(values.get("active", 0))
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        image = np.full((32, 32, 3), 200 if self.active else 10, dtype=np.uint8)
+        box = np.array([[4, 4, 28, 28]], np.float32)
+        return {"image": image, "boxes": box, "labels": np.array([1 + self.active])}
+
+
+def flag(n: int = 256) -> Flag:
+    return Flag(n)
+
+
+class Slow:
+    """Flat images that each take ``ms`` milliseconds (a stand-in for heavy decoding)."""
+
+    def __init__(self, n: int, ms: float) -> None:
+        self.inner = FlatDataset(n)
+        self.seconds = ms / 1000.0
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        time.sleep(self.seconds)
+        return self.inner[index]
+
+
+def slow(n: int = 64, ms: float = 10.0) -> Slow:
+    return Slow(n, ms)

@@ -1,0 +1,39 @@
+"""A client over several servers: tasks spread over all of them, results identical."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from dataserver_client import DataServerClient
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def test_client_spreads_tasks_over_two_servers(start_server: Any) -> None:
+    a = start_server("--dataset", "synthetic:images=64,seed=2", workers=2)
+    b = start_server("--dataset", "synthetic:images=64,seed=2", workers=2)
+    with DataServerClient(
+        [a.address, b.address], batch_size=8, image_size=(64, 64), device="cpu"
+    ) as client:
+        client.set_epoch(0)
+        batches = list(client)
+        per_server = {s["address"]: s["results"] for s in client.stats()["servers"]}
+    assert sorted(i for bt in batches for idx in bt.indices for i in idx) == list(range(64))
+    done = [a.stats()["counters"].get("tasks_done", 0), b.stats()["counters"].get("tasks_done", 0)]
+    assert sum(done) == 64
+    assert min(done) >= 16, done  # both servers did a real share of the work
+    assert per_server == {a.address: done[0], b.address: done[1]}
+    # Same batches as from one server alone.
+    with DataServerClient(a.address, batch_size=8, image_size=(64, 64), device="cpu") as single:
+        single.set_epoch(0)
+        for x, y in zip(batches, single, strict=True):
+            assert x.indices == y.indices and torch.equal(x.images, y.images)
+
+
+def test_servers_with_different_datasets_are_refused(start_server: Any) -> None:
+    a = start_server("--dataset", "synthetic:images=64,seed=2", workers=1)
+    b = start_server("--dataset", "synthetic:images=64,seed=3", workers=1)
+    with pytest.raises(Exception, match="servers disagree on the dataset"):
+        DataServerClient([a.address, b.address], device="cpu", timeout=5)
