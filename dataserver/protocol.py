@@ -144,16 +144,18 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_INT
 
 
+_CHECKS: dict[str, Any] = {
+    _INT: _is_int,
+    _STR: lambda v: isinstance(v, str),
+    _BYTES: lambda v: isinstance(v, bytes) and 0 < len(v) <= MAX_SESSION_BYTES,
+    _LIST: lambda v: isinstance(v, list),
+    _DICT: lambda v: isinstance(v, dict),
+    _BOOL: lambda v: isinstance(v, bool),
+}
+
+
 def _check_type(key: str, value: Any, kind: str) -> None:
-    ok = {
-        _INT: _is_int,
-        _STR: lambda v: isinstance(v, str),
-        _BYTES: lambda v: isinstance(v, bytes) and 0 < len(v) <= MAX_SESSION_BYTES,
-        _LIST: lambda v: isinstance(v, list),
-        _DICT: lambda v: isinstance(v, dict),
-        _BOOL: lambda v: isinstance(v, bool),
-    }[kind](value)
-    if not ok:
+    if not _CHECKS[kind](value):
         raise ProtocolError(f"header field {key!r}: expected {kind}, got {type(value).__name__}")
 
 
@@ -236,14 +238,28 @@ def _view(frame: Any) -> memoryview:
     return view.cast("B") if view.format != "B" or view.ndim != 1 else view
 
 
+def _small(frame: Any, limit: int) -> bytes:
+    """The bytes of a small frame (magic, type, header): copying them is cheaper than a view."""
+    data: bytes
+    if isinstance(frame, bytes):
+        data = frame
+    elif isinstance(getattr(frame, "bytes", None), bytes):
+        data = frame.bytes
+    else:
+        data = bytes(_view(frame))
+    if len(data) > limit:
+        raise ProtocolError(f"frame of {len(data)} bytes exceeds {limit}")
+    return data
+
+
 def decode(frames: Sequence[Any]) -> Message:
     """Decode and validate one message; raise ``ProtocolError`` naming what is wrong."""
     if len(frames) < 3:
         raise ProtocolError(f"truncated message: {len(frames)} frame(s), need at least 3")
     if len(frames) > MAX_FRAMES:
         raise ProtocolError(f"too many frames: {len(frames)} > {MAX_FRAMES}")
-    head = _view(frames[0])
-    magic = head.tobytes() if len(head) <= 8 else b"?"
+    head = frames[0]
+    magic = _small(head, MAX_HEADER_BYTES) if len(_view(head)) <= 8 else b"?"
     if magic != MAGIC:
         if len(magic) == 3 and magic.startswith(b"DS"):
             raise ProtocolError(
@@ -251,16 +267,17 @@ def decode(frames: Sequence[Any]) -> Message:
                 f"(this side speaks {PROTOCOL_VERSION})"
             )
         raise ProtocolError("not a dataserver message (bad magic frame)")
-    type_frame = _view(frames[1])
+    type_frame = _small(frames[1], MAX_HEADER_BYTES) if len(_view(frames[1])) <= 8 else b""
     if len(type_frame) != 1:
         raise ProtocolError("message type frame must be exactly one byte")
     try:
         mtype = MsgType(type_frame[0])
     except ValueError:
         raise ProtocolError(f"unknown message type {type_frame[0]}") from None
-    raw_header = _view(frames[2])
-    if len(raw_header) > MAX_HEADER_BYTES:
-        raise ProtocolError(f"header of {len(raw_header)} bytes exceeds {MAX_HEADER_BYTES}")
+    size = len(_view(frames[2]))
+    if size > MAX_HEADER_BYTES:
+        raise ProtocolError(f"header of {size} bytes exceeds {MAX_HEADER_BYTES}")
+    raw_header = _small(frames[2], MAX_HEADER_BYTES)
     try:
         header = msgpack.unpackb(
             raw_header,

@@ -64,6 +64,7 @@ class Front:
         self._stop = False
         self._announced = False
         self._by_identity: dict[bytes, WorkerHandle] = {}
+        self._ready: list[WorkerHandle] = []  # live workers that said READY
         self._respawn_at: dict[int, float] = {}
         self._auth: Any = None
         self._tmpdir = tempfile.mkdtemp(prefix="ds-")
@@ -115,37 +116,42 @@ class Front:
         poller = zmq.Poller()
         for sock in (self.backend, self.data, self.control_sock):
             poller.register(sock, zmq.POLLIN)
-        registered: set[int] = set()
+        pidfds: dict[int, WorkerHandle] = {}
+        pool_version = -1
         next_housekeeping = 0.0
         while not self._stop:
-            fds = self.pool.by_pidfd()
-            for fd in set(fds) - registered:
-                poller.register(fd, zmq.POLLIN)
-            for fd in registered - set(fds):
-                poller.unregister(fd)
-            registered = set(fds)
+            if self.pool.version != pool_version:  # workers came or went: watch their pidfds
+                pool_version = self.pool.version
+                current = self.pool.by_pidfd()
+                for fd in pidfds.keys() - current.keys():
+                    poller.unregister(fd)
+                for fd in current.keys() - pidfds.keys():
+                    poller.register(fd, zmq.POLLIN)
+                pidfds = current
             try:
-                events = dict(poller.poll(POLL_MS))
+                events = poller.poll(POLL_MS)
             except zmq.ZMQError as exc:
                 if exc.errno in (zmq.ETERM, zmq.ENOTSOCK):
                     break
                 raise
-            if self.backend in events:
-                self._drain(self.backend, self._on_backend)
-            if self.data in events:
-                self._drain(self.data, self._on_data)
-            if self.control_sock in events:
-                self._drain(self.control_sock, self._on_control)
-            if any(fd in events for fd in fds) or time.monotonic() >= next_housekeeping:
+            reap = False
+            for sock, _ in events:
+                if sock is self.backend:
+                    self._drain(self.backend, self._on_backend)
+                elif sock is self.data:
+                    self._drain(self.data, self._on_data)
+                elif sock is self.control_sock:
+                    self._drain(self.control_sock, self._on_control)
+                else:
+                    reap = True  # a pidfd: a worker exited
+            now = time.monotonic()
+            if reap or now >= next_housekeeping:
                 self._reap()
-            if time.monotonic() >= next_housekeeping:
-                next_housekeeping = time.monotonic() + 0.5
+            if now >= next_housekeeping:
+                next_housekeeping = now + 0.5
                 self._housekeeping()
             self._dispatch()
-            if (
-                not self._announced
-                and sum(w.ready for w in self.pool.workers.values()) >= self.n_workers
-            ):
+            if not self._announced and len(self._ready) >= self.n_workers:
                 self._announced = True
                 on_ready(self)
 
@@ -350,6 +356,7 @@ class Front:
             if handle.pid == pid and handle.identity is None:
                 handle.identity = identity
                 self._by_identity[identity] = handle
+                self._ready.append(handle)
                 return
         log.warning("READY from unknown worker pid %d", pid)
 
@@ -360,13 +367,8 @@ class Front:
         loop to be scheduled (on a busy machine, that wait is what idles workers)."""
         if not self.scheduler.queued:
             return
-        ready = [
-            w
-            for w in self.pool.workers.values()
-            if w.identity is not None and w.proc.poll() is None
-        ]
         for depth in range(PIPELINE):
-            for handle in ready:
+            for handle in self._ready:
                 if len(handle.tasks) > depth or not self.scheduler.queued:
                     continue
                 entry = self._next_entry()
@@ -411,6 +413,8 @@ class Front:
         self._respawn_at[handle.slot] = time.monotonic() + delay
         if handle.identity is not None:
             self._by_identity.pop(handle.identity, None)
+        if handle in self._ready:
+            self._ready.remove(handle)
         entries = list(handle.tasks)
         handle.tasks.clear()
         if not entries:

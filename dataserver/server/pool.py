@@ -52,6 +52,7 @@ class WorkerPool:
         self.cache_mb = cache_mb
         self.workers: dict[int, WorkerHandle] = {}  # by slot
         self.started_total = 0
+        self.version = 0  # bumped whenever a worker is added or removed
         self.deaths = 0
         self._early_deaths: dict[int, int] = {}  # slot -> consecutive deaths before READY
 
@@ -82,6 +83,7 @@ class WorkerPool:
         handle = WorkerHandle(slot, proc, pidfd, time.monotonic())
         self.workers[slot] = handle
         self.started_total += 1
+        self.version += 1
         log.debug("started worker %d (pid %d)", slot, proc.pid)
         return handle
 
@@ -99,6 +101,7 @@ class WorkerPool:
     def forget(self, handle: WorkerHandle) -> float:
         """Drop a dead worker; return how long to wait before replacing it (crash-loop backoff)."""
         self.deaths += 1
+        self.version += 1
         if handle.pidfd is not None:
             os.close(handle.pidfd)
             handle.pidfd = None
