@@ -104,9 +104,10 @@ def cmd_stats(args: argparse.Namespace) -> int:
         stats = fetch_stats(args.address, args.timeout)
     except (TimeoutError, ProtocolError) as exc:
         return _fail("dataserver stats", str(exc), 1)
+    healthy = stats["workers_alive"] >= stats["workers"]
     if args.json:
         print(json.dumps(stats, indent=2, sort_keys=True))
-        return 0
+        return 0 if healthy or not args.check else 1
     print(f"server {stats['server_id']} (pid {stats['pid']}), up {stats['uptime_s']} s")
     print(f"  endpoints      {stats['endpoints']}")
     print(f"  dataset        {stats['fingerprint']} ({stats['dataset_len']} samples)")
@@ -121,7 +122,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
     print(f"  rejected       {stats['rejected_total']}")
     for key, value in sorted(stats["rejected"].items()):
         print(f"    {key:<20} {value}")
-    return 0
+    return 0 if healthy or not args.check else 1
 
 
 # ---------------------------------------------------------------------- keygen
@@ -215,6 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("address", help="the server's data endpoint, e.g. tcp://127.0.0.1:5555")
     p.add_argument("--timeout", type=float, default=5.0)
     p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--check", action="store_true", help="exit 1 unless every worker is alive (readiness probe)"
+    )
     p.set_defaults(func=cmd_stats)
 
     p = sub.add_parser("keygen", help="write a CURVE key pair")

@@ -10,8 +10,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
+import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,71 +23,45 @@ from dataserver.demo import start_server, stop_server
 ROUNDS = 3
 
 
-def _client_rate(address: str, args: argparse.Namespace, batches: int, **kw: Any) -> float:
-    """Steady-state images/s a DataServerClient gets: warm-up batches are not timed."""
-    from dataserver_client import DataServerClient
-
-    size = (args.image_size, args.image_size)
-    with DataServerClient(
-        address, batch_size=args.batch_size, image_size=size, device="cpu", **kw
-    ) as client:
-        epoch = 0
-        client.set_epoch(epoch)
-        it = iter(client)
-
-        def take() -> int:
-            nonlocal it, epoch
-            try:
-                return len(next(it))
-            except StopIteration:
-                epoch += 1
-                client.set_epoch(epoch)
-                it = iter(client)
-                return len(next(it))
-
-        for _ in range(3):
-            take()
-        start = time.perf_counter()
-        images = sum(take() for _ in range(batches))
-        return images / (time.perf_counter() - start)
-
-
-def _dataloader_rate(loader: Any, batches: int) -> float:
-    it = iter(loader)
-
-    def take() -> int:
-        nonlocal it
-        try:
-            return len(next(it)[0])
-        except StopIteration:
-            it = iter(loader)
-            return len(next(it)[0])
-
-    for _ in range(3):
-        take()
-    start = time.perf_counter()
-    images = sum(take() for _ in range(batches))
-    return images / (time.perf_counter() - start)
+def run_side(side: str, args: argparse.Namespace, **opts: Any) -> float:
+    """Run one side of a comparison in a fresh process; return its images/s."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "dataserver.bench.side",
+        side,
+        "--workers",
+        str(args.workers),
+        "--batch-size",
+        str(args.batch_size),
+        "--image-size",
+        str(args.image_size),
+        "--batches",
+        str(args.batches),
+    ]
+    for key, value in opts.items():
+        cmd += [f"--{key.replace('_', '-')}", str(value)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
+    if out.returncode != 0 or not lines:
+        raise RuntimeError(f"bench side {side} failed:\n{out.stderr[-2000:]}")
+    return float(json.loads(lines[-1])["images_per_s"])
 
 
 def fig_dataloader(args: argparse.Namespace, spec: str) -> dict[str, Any]:
     """images/s vs DataLoader(num_workers=W), and vs W x the single-process rate."""
-    from dataserver.bench.baselines import make_dataloader, single_process_rate
-
-    size = (args.image_size, args.image_size)
     proc, address = start_server(["--dataset", spec, "--workers", str(args.workers)])
-    loader = make_dataloader(spec, size, args.batch_size, args.workers)
     ours: list[float] = []
     theirs: list[float] = []
+    singles: list[float] = []
     try:
         for _ in range(ROUNDS):
-            ours.append(_client_rate(address, args, args.batches))
-            theirs.append(_dataloader_rate(loader, args.batches))
+            ours.append(run_side("dataserver", args, address=address))
+            theirs.append(run_side("dataloader", args, spec=spec))
+            singles.append(run_side("single", args, spec=spec))
     finally:
-        del loader
         stop_server(proc)
-    single = single_process_rate(spec, size)
-    ds, dl = statistics.median(ours), statistics.median(theirs)
+    ds, dl, single = (statistics.median(x) for x in (ours, theirs, singles))
     return {
         "dataserver_images_per_s": round(ds, 1),
         "dataloader_images_per_s": round(dl, 1),
@@ -96,6 +71,7 @@ def fig_dataloader(args: argparse.Namespace, spec: str) -> dict[str, Any]:
         "rounds": {
             "dataserver": [round(x, 1) for x in ours],
             "dataloader": [round(x, 1) for x in theirs],
+            "single_process": [round(x, 1) for x in singles],
         },
     }
 

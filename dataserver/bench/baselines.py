@@ -73,6 +73,9 @@ def make_dataloader(
         collate_fn=collate,
         worker_init_fn=_one_thread,
         persistent_workers=workers > 0,
+        # fork would copy OpenCV's thread pool mid-use from this process (it wrote the
+        # JPEGs) and can deadlock the workers; spawn is what PyTorch advises with threads.
+        multiprocessing_context="spawn" if workers > 0 else None,
         prefetch_factor=2 if workers > 0 else None,
         generator=generator,
     )

@@ -1,0 +1,90 @@
+"""One side of a bench comparison, run in its own process so that neither side shares
+interpreter state (threads, OpenCV pools, allocators) with the other.
+
+    python -m dataserver.bench.side dataloader --spec coco:... --workers 2 --batches 30
+    python -m dataserver.bench.side dataserver --address tcp://... --batches 30
+    python -m dataserver.bench.side single --spec coco:...    (one process, one thread)
+
+Prints one JSON line: {"images_per_s": ...}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+WARMUP = 3
+
+
+def timed_rate(batches: Iterator[int], count: int) -> float:
+    """Images/s over ``count`` batches after ``WARMUP`` untimed ones."""
+    for _ in range(WARMUP):
+        next(batches)
+    start = time.perf_counter()
+    images = sum(next(batches) for _ in range(count))
+    return images / (time.perf_counter() - start)
+
+
+def endless(make_epoch: Callable[[int], Any], size: Callable[[Any], int]) -> Iterator[int]:
+    epoch = 0
+    while True:
+        for batch in make_epoch(epoch):
+            yield size(batch)
+        epoch += 1
+
+
+def dataloader_side(args: argparse.Namespace) -> float:
+    from dataserver.bench.baselines import make_dataloader
+
+    size = (args.image_size, args.image_size)
+    loader = make_dataloader(args.spec, size, args.batch_size, args.workers)
+    return timed_rate(endless(lambda _: loader, lambda b: len(b[0])), args.batches)
+
+
+def dataserver_side(args: argparse.Namespace) -> float:
+    from dataserver_client import DataServerClient
+
+    size = (args.image_size, args.image_size)
+    extra = json.loads(args.client_args)
+    with DataServerClient(
+        args.address, batch_size=args.batch_size, image_size=size, device="cpu", **extra
+    ) as client:
+
+        def epoch(e: int) -> Any:
+            client.set_epoch(e)
+            return client
+
+        return timed_rate(endless(epoch, len), args.batches)
+
+
+def single_side(args: argparse.Namespace) -> float:
+    from dataserver.bench.baselines import single_process_rate
+
+    return single_process_rate(args.spec, (args.image_size, args.image_size))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("side", choices=["dataloader", "dataserver", "single"])
+    parser.add_argument("--spec", default="")
+    parser.add_argument("--address", default="")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--image-size", type=int, default=512)
+    parser.add_argument("--batches", type=int, default=30)
+    parser.add_argument("--client-args", default="{}")
+    args = parser.parse_args(argv)
+    sides = {"dataloader": dataloader_side, "dataserver": dataserver_side, "single": single_side}
+    rate = sides[args.side](args)
+    print(json.dumps({"images_per_s": rate}), flush=True)
+    sys.stdout.flush()
+    os._exit(0)  # skip interpreter teardown: worker pools are not what is measured
+
+
+if __name__ == "__main__":
+    sys.exit(main())

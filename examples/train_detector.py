@@ -1,0 +1,184 @@
+"""Train a detector on batches from dataserver, steering stitching with Stitcher's feedback.
+
+    dataserver serve --dataset coco:annotations.json:images --workers 8 &
+    python examples/train_detector.py --servers tcp://127.0.0.1:5555 --epochs 2
+
+    torchrun --nproc-per-node 4 examples/train_detector.py --servers tcp://data-0:5555,tcp://data-1:5555
+
+With torchvision installed it trains Faster R-CNN (MobileNetV3-FPN, from scratch) and takes
+Stitcher's ratio from its ROI head; without it, the small TinyDetector. Either way every
+iteration ends with ``client.feedback(ratio)``, which the very next batch honours; under
+torchrun the ratio is averaged over ranks so all ranks stitch together.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from dataserver_client import DataServerClient
+from dataserver_client.stitcher import small_object_loss_ratio
+from dataserver_client.tinydet import TinyDetector
+
+
+class TorchvisionStitcherRatio:
+    """Computes Stitcher's ratio inside a torchvision ``RoIHeads`` on each training forward:
+    the smooth-L1 regression loss of every positive proposal, split by the area of the
+    ground-truth box it was matched to (as the official Stitcher code does)."""
+
+    def __init__(self, roi_heads: Any) -> None:
+        self.ratio = float("nan")
+        self._labels: list[torch.Tensor] = []
+        self._reg_targets: list[torch.Tensor] = []
+        self._areas = torch.zeros(0)
+        select = roi_heads.select_training_samples
+
+        def select_and_remember(proposals: Any, targets: Any) -> Any:
+            out = select(proposals, targets)
+            _, matched_idxs, labels, regression_targets = out
+            areas = []
+            for target, matched, lab in zip(targets, matched_idxs, labels, strict=True):
+                gt = target["boxes"][matched]
+                area = (gt[:, 2] - gt[:, 0]) * (gt[:, 3] - gt[:, 1])
+                areas.append(area[lab > 0])
+            self._labels, self._reg_targets, self._areas = (
+                labels,
+                regression_targets,
+                torch.cat(areas),
+            )
+            return out
+
+        roi_heads.select_training_samples = select_and_remember
+        roi_heads.box_predictor.register_forward_hook(self._on_predictions)
+
+    def _on_predictions(self, module: Any, inputs: Any, outputs: Any) -> None:
+        if not module.training or not self._labels:
+            return
+        class_logits, box_regression = outputs
+        labels = torch.cat(self._labels)
+        targets = torch.cat(self._reg_targets)
+        positive = torch.where(labels > 0)[0]
+        n = class_logits.shape[0]
+        per_class = box_regression.reshape(n, box_regression.size(-1) // 4, 4)
+        losses = F.smooth_l1_loss(
+            per_class[positive, labels[positive]], targets[positive], beta=1 / 9, reduction="none"
+        )
+        self.ratio = small_object_loss_ratio(losses.sum(dim=1), self._areas)
+        self._labels = []
+
+
+def build_model(kind: str, image_size: tuple[int, int], device: torch.device) -> tuple[Any, Any]:
+    """(model, step function returning (loss, ratio))."""
+    if kind in ("auto", "fasterrcnn"):
+        try:
+            from torchvision.models.detection import fasterrcnn_mobilenet_v3_large_fpn
+        except ImportError:
+            if kind == "fasterrcnn":
+                raise
+        else:
+            model = fasterrcnn_mobilenet_v3_large_fpn(
+                weights=None,
+                weights_backbone=None,
+                num_classes=91,
+                min_size=min(image_size),  # images arrive at their final size: no resize
+                max_size=max(image_size),
+            ).to(device)
+            probe = TorchvisionStitcherRatio(model.roi_heads)
+
+            def step_tv(images: torch.Tensor, targets: list[dict[str, torch.Tensor]]) -> Any:
+                losses = model(list(images.float().div_(255.0)), targets)
+                return sum(losses.values()), probe.ratio
+
+            return model, step_tv
+    tiny = TinyDetector().to(device)
+    return tiny, tiny.loss
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--servers", default=os.environ.get("DATASERVER_ADDRESS", "tcp://127.0.0.1:5555")
+    )
+    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument(
+        "--steps", type=int, default=0, help="stop after this many steps (0: whole epochs)"
+    )
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--image-size", type=int, default=512)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--threshold", type=float, default=0.1, help="Stitcher's tau")
+    parser.add_argument("--model", choices=["auto", "fasterrcnn", "tiny"], default="auto")
+    parser.add_argument("--checkpoint", default=None, help="save/resume model + loader state here")
+    args = parser.parse_args()
+
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if distributed:
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    size = (args.image_size, args.image_size)
+    model, step_fn = build_model(args.model, size, device)
+    if distributed:
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    rank = dist.get_rank() if distributed else 0
+
+    with DataServerClient(
+        args.servers.split(","),
+        batch_size=args.batch_size,
+        image_size=size,
+        device=device,
+        stitch_threshold=args.threshold,
+    ) as client:
+        start_epoch = 0
+        loader_file = f"{args.checkpoint}.loader{rank}"  # each rank resumes its own shard
+        if args.checkpoint and os.path.exists(args.checkpoint) and os.path.exists(loader_file):
+            state = torch.load(args.checkpoint, map_location="cpu", weights_only=False)
+            model.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+            loader_state = torch.load(loader_file, weights_only=False)
+            client.load_state_dict(loader_state)
+            start_epoch = loader_state["epoch"]
+        steps = 0
+        for epoch in range(start_epoch, args.epochs):
+            client.set_epoch(epoch)
+            t0, samples = time.perf_counter(), 0
+            for batch in client:
+                loss, ratio = step_fn(batch.images, batch.targets)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+                mode = client.feedback(ratio)  # NaN (no positives) keeps regular mode
+                samples += batch.num_samples
+                steps += 1
+                if rank == 0 and batch.step % 10 == 0:
+                    rate = samples / (time.perf_counter() - t0)
+                    print(
+                        f"epoch {epoch} step {batch.step:5d} {batch.mode:<7} loss {loss.item():.3f} "
+                        f"ratio {ratio:.3f} next {mode:<7} {rate:.0f} samples/s",
+                        flush=True,
+                    )
+                if args.checkpoint and batch.step % 100 == 0:
+                    torch.save(client.state_dict(), loader_file)
+                    if rank == 0:
+                        state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+                        torch.save(state, args.checkpoint)
+                if args.steps and steps >= args.steps:
+                    break
+            if args.steps and steps >= args.steps:
+                break
+    if distributed:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
