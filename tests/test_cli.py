@@ -91,3 +91,16 @@ def test_stats_of_a_dead_address_fails_clearly() -> None:
 
     proc = run("stats", f"tcp://127.0.0.1:{free_port()}", "--timeout", "0.5")
     assert proc.returncode == 1 and "no answer from" in proc.stderr
+
+
+def test_demo_exits_cleanly_and_shows_both_modes() -> None:
+    proc = run("demo", "--steps", "40", timeout=110)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    timeline = [line.split() for line in proc.stdout.splitlines() if line[:5].strip().isdigit()]
+    assert len(timeline) == 40
+    modes = [row[1] for row in timeline]
+    assert {"regular", "stitch"} <= set(modes)
+    # Zero stale: each batch has the mode the previous step's feedback decided.
+    decided = [row[row.index("->") + 1] for row in timeline]
+    assert modes[1:] == decided[:-1]
+    assert "0 stale batches" in proc.stdout and "server stopped." in proc.stdout

@@ -25,6 +25,11 @@ ROUNDS = 3
 
 def run_side(side: str, args: argparse.Namespace, **opts: Any) -> float:
     """Run one side of a comparison in a fresh process; return its images/s."""
+    return float(run_side_json(side, args, **opts)["images_per_s"])
+
+
+def run_side_json(side: str, args: argparse.Namespace, **opts: Any) -> dict[str, Any]:
+    """Run one side of a comparison in a fresh process; return what it printed."""
     cmd = [
         sys.executable,
         "-m",
@@ -45,7 +50,7 @@ def run_side(side: str, args: argparse.Namespace, **opts: Any) -> float:
     lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
     if out.returncode != 0 or not lines:
         raise RuntimeError(f"bench side {side} failed:\n{out.stderr[-2000:]}")
-    return float(json.loads(lines[-1])["images_per_s"])
+    return dict(json.loads(lines[-1]))
 
 
 def fig_dataloader(args: argparse.Namespace, spec: str) -> dict[str, Any]:
@@ -76,8 +81,59 @@ def fig_dataloader(args: argparse.Namespace, spec: str) -> dict[str, Any]:
     }
 
 
+def fig_feedback(args: argparse.Namespace, spec: str) -> dict[str, Any]:
+    """samples/s with the mode flipping on ~20% of steps vs one constant mode, same server,
+    and the source decodes the flips cost (decoded by the server minus samples delivered)."""
+    from dataserver.cli import fetch_stats
+
+    proc, address = start_server(["--dataset", spec, "--workers", str(args.workers)])
+    runs: dict[str, list[dict[str, Any]]] = {"flips": [], "regular": [], "stitch": []}
+    try:
+        for r in range(ROUNDS):
+            for name, flip, mode in (
+                ("flips", 0.2, "regular"),
+                ("regular", 0.0, "regular"),
+                ("stitch", 0.0, "stitch"),
+            ):
+                before = fetch_stats(address, 10)["counters"].get("sources_decoded", 0)
+                out = run_side_json(
+                    "feedback", args, address=address, flip_rate=flip, mode=mode, seed=r
+                )
+                after = fetch_stats(address, 10)["counters"].get("sources_decoded", 0)
+                out["decoded"] = after - before
+                runs[name].append(out)
+    finally:
+        stop_server(proc)
+
+    def med(name: str, key: str) -> float:
+        return statistics.median(float(o[key]) for o in runs[name])
+
+    flips = med("flips", "samples_per_s")
+    extra = [o["decoded"] / max(1, o["total_samples"]) - 1 for o in runs["flips"]]
+    per_flip = [
+        (o["decoded"] - o["total_samples"]) / max(1, o["total_flips"]) for o in runs["flips"]
+    ]
+    steady = [o["decoded"] / max(1, o["total_samples"]) - 1 for o in runs["regular"]]
+    return {
+        "flips_samples_per_s": round(flips, 1),
+        "regular_samples_per_s": round(med("regular", "samples_per_s"), 1),
+        "stitch_samples_per_s": round(med("stitch", "samples_per_s"), 1),
+        "flips_vs_regular": round(flips / med("regular", "samples_per_s"), 3),
+        "flips_vs_stitch": round(flips / med("stitch", "samples_per_s"), 3),
+        "flip_rate": round(
+            statistics.median(o["flips"] / (args.batches) for o in runs["flips"]), 3
+        ),
+        "extra_decodes_per_sample_with_flips": round(statistics.median(extra), 3),
+        "extra_decodes_per_flip": round(statistics.median(per_flip), 1),
+        "extra_decodes_per_sample_without_flips": round(statistics.median(steady), 3),
+        "note": "samples/s counts dataset samples (a stitched image holds k); extra decodes are "
+        "server decodes beyond the samples delivered (prefetch left over at the end counts too)",
+    }
+
+
 FIGURES: dict[str, Callable[[argparse.Namespace, str], dict[str, Any]]] = {
     "dataloader": fig_dataloader,
+    "feedback": fig_feedback,
 }
 
 

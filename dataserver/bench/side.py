@@ -62,6 +62,55 @@ def dataserver_side(args: argparse.Namespace) -> float:
         return timed_rate(endless(epoch, len), args.batches)
 
 
+def feedback_side(args: argparse.Namespace) -> dict[str, float]:
+    """Samples/s with the mode flipped after a random ~``flip_rate`` of steps (seeded), as
+    Stitcher's feedback does; flip_rate 0 keeps ``--mode`` throughout."""
+    import random
+
+    from dataserver_client import DataServerClient
+
+    rng = random.Random(args.seed)
+    size = (args.image_size, args.image_size)
+    with DataServerClient(
+        args.address, batch_size=args.batch_size, image_size=size, device="cpu"
+    ) as client:
+        client.set_mode(args.mode)
+        mode = args.mode
+        epoch = 0
+        client.set_epoch(epoch)
+        it = iter(client)
+        samples = images = flips = total_samples = total_flips = 0
+        start = 0.0
+        for step in range(WARMUP + args.batches):
+            if step == WARMUP:
+                start = time.perf_counter()
+                samples = images = flips = 0
+            try:
+                batch = next(it)
+            except StopIteration:
+                epoch += 1
+                client.set_epoch(epoch)
+                it = iter(client)
+                batch = next(it)
+            samples += batch.num_samples
+            total_samples += batch.num_samples
+            images += len(batch)
+            if rng.random() < args.flip_rate:
+                mode = "stitch" if mode == "regular" else "regular"
+                client.set_mode(mode)
+                flips += 1
+                total_flips += 1
+        elapsed = time.perf_counter() - start
+    return {
+        "samples_per_s": samples / elapsed,
+        "samples": samples,
+        "images": images,
+        "flips": flips,
+        "total_samples": total_samples,  # warm-up included, to compare with server decodes
+        "total_flips": total_flips,
+    }
+
+
 def single_side(args: argparse.Namespace) -> float:
     from dataserver.bench.baselines import single_process_rate
 
@@ -70,7 +119,7 @@ def single_side(args: argparse.Namespace) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("side", choices=["dataloader", "dataserver", "single"])
+    parser.add_argument("side", choices=["dataloader", "dataserver", "single", "feedback"])
     parser.add_argument("--spec", default="")
     parser.add_argument("--address", default="")
     parser.add_argument("--workers", type=int, default=2)
@@ -78,7 +127,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--image-size", type=int, default=512)
     parser.add_argument("--batches", type=int, default=30)
     parser.add_argument("--client-args", default="{}")
+    parser.add_argument("--flip-rate", type=float, default=0.0)
+    parser.add_argument("--mode", default="regular")
+    parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    if args.side == "feedback":
+        print(json.dumps(feedback_side(args)), flush=True)
+        os._exit(0)
     sides = {"dataloader": dataloader_side, "dataserver": dataserver_side, "single": single_side}
     rate = sides[args.side](args)
     print(json.dumps({"images_per_s": rate}), flush=True)

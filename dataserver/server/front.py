@@ -343,6 +343,10 @@ class Front:
         handle.tasks_done += 1
         session = self.scheduler.sessions.get(entry.session)
         self.counters["tasks_done" if msg.type is MsgType.RESULT else "tasks_failed"] += 1
+        decoded = msg.header.get("decoded")
+        if isinstance(decoded, int) and msg.type is MsgType.RESULT:
+            self.counters["sources_decoded"] += decoded
+            self.counters["sources_reused"] += len(msg.header["indices"]) - decoded
         if session is None:
             self.counters["results_orphaned"] += 1
             return

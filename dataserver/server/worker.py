@@ -143,12 +143,15 @@ class Worker:
             msg = f"dataset.set_control raised {type(exc).__name__}: {exc}"
             return protocol.make(MsgType.ERROR, {**reply, "message": msg, "kind": "control"})
         session, cseq, seed, epoch = h["session"], h["control_seq"], h["seed"], h["epoch"]
+        decoded = 0
 
         def source(index: int) -> Sample:
+            nonlocal decoded
             key = (session, cseq, seed, epoch, index)
             sample = self.cache.get(key)
             if sample is None:
                 sample = prepare(self.dataset, index, seed, epoch)
+                decoded += 1
                 self.cache.put(key, sample)
             return sample
 
@@ -169,7 +172,12 @@ class Worker:
             log.exception("worker %d: task %d failed", self.worker_id, h["task_id"])
             msg = f"worker error on indices {h['indices']}: {type(exc).__name__}: {exc}"
             return protocol.make(MsgType.ERROR, {**reply, "message": msg, "kind": "internal"})
-        header = {**reply, "indices": out.indices, "failed": [list(f) for f in out.failed]}
+        header = {
+            **reply,
+            "indices": out.indices,
+            "failed": [list(f) for f in out.failed],
+            "decoded": decoded,  # sources read and augmented for this task (cache misses)
+        }
         return protocol.make(MsgType.RESULT, header, [out.image, out.boxes, out.labels])
 
 
