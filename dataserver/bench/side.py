@@ -80,11 +80,13 @@ def feedback_side(args: argparse.Namespace) -> dict[str, float]:
         client.set_epoch(epoch)
         it = iter(client)
         samples = images = flips = total_samples = total_flips = 0
+        per_mode = {"regular": 0, "stitch": 0}
         start = 0.0
         for step in range(WARMUP + args.batches):
             if step == WARMUP:
                 start = time.perf_counter()
                 samples = images = flips = 0
+                per_mode = {"regular": 0, "stitch": 0}
             try:
                 batch = next(it)
             except StopIteration:
@@ -93,6 +95,7 @@ def feedback_side(args: argparse.Namespace) -> dict[str, float]:
                 it = iter(client)
                 batch = next(it)
             samples += batch.num_samples
+            per_mode[batch.mode] += 1
             total_samples += batch.num_samples
             images += len(batch)
             if rng.random() < args.flip_rate:
@@ -103,6 +106,9 @@ def feedback_side(args: argparse.Namespace) -> dict[str, float]:
         elapsed = time.perf_counter() - start
     return {
         "samples_per_s": samples / elapsed,
+        "elapsed": elapsed,
+        "regular_batches": per_mode["regular"],
+        "stitch_batches": per_mode["stitch"],
         "samples": samples,
         "images": images,
         "flips": flips,
