@@ -75,6 +75,8 @@ def run_demo(args: argparse.Namespace) -> int:
 def _train(
     args: argparse.Namespace, address: str, torch: Any, client_cls: Any, model_cls: Any
 ) -> int:
+    from dataserver_client import iterate_epochs
+
     size = (args.image_size, args.image_size)
     model = model_cls()
     optimizer = torch.optim.Adam(model.parameters(), lr=2e-3)
@@ -102,17 +104,9 @@ def _train(
         device="cpu",
         stitch_threshold=args.threshold,
     ) as client:
-        epoch = 0
-        client.set_epoch(epoch)
-        it = iter(client)
+        batches = iterate_epochs(client)
         for step in range(args.steps):
-            try:
-                batch = next(it)
-            except StopIteration:
-                epoch += 1
-                client.set_epoch(epoch)
-                it = iter(client)
-                batch = next(it)
+            batch = next(batches)
             if decided is not None and batch.mode != decided:
                 stale += 1
             loss, ratio = model.loss(batch.images, batch.targets)

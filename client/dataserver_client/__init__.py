@@ -11,8 +11,15 @@ with DataServerClient("tcp://127.0.0.1:5555", batch_size=16) as client:
 """
 
 from dataserver_client.batch import Batch
-from dataserver_client.client import DataServerClient
+from dataserver_client.client import DataServerClient, iterate_epochs
 from dataserver_client.errors import DataServerError, NotAuthorized, ServerUnreachable
 
-__all__ = ["Batch", "DataServerClient", "DataServerError", "NotAuthorized", "ServerUnreachable"]
+__all__ = [
+    "Batch",
+    "DataServerClient",
+    "DataServerError",
+    "NotAuthorized",
+    "ServerUnreachable",
+    "iterate_epochs",
+]
 __version__ = "0.1.0"

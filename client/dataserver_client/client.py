@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import msgpack
@@ -296,6 +296,15 @@ class DataServerClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def iterate_epochs(client: DataServerClient, first_epoch: int = 0) -> Iterator[Batch]:
+    """Batches without end: each epoch in turn, ``set_epoch`` called at every boundary."""
+    epoch = first_epoch
+    while True:
+        client.set_epoch(epoch)
+        yield from client
+        epoch += 1
 
 
 def _all_reduce_mean(value: float, device: torch.device) -> float:

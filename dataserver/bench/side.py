@@ -15,7 +15,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 WARMUP = 3
@@ -30,12 +30,10 @@ def timed_rate(batches: Iterator[int], count: int) -> float:
     return images / (time.perf_counter() - start)
 
 
-def endless(make_epoch: Callable[[int], Any], size: Callable[[Any], int]) -> Iterator[int]:
-    epoch = 0
+def endless_loader(loader: Any) -> Iterator[int]:
     while True:
-        for batch in make_epoch(epoch):
-            yield size(batch)
-        epoch += 1
+        for images, _ in loader:
+            yield len(images)
 
 
 def dataloader_side(args: argparse.Namespace) -> float:
@@ -43,23 +41,18 @@ def dataloader_side(args: argparse.Namespace) -> float:
 
     size = (args.image_size, args.image_size)
     loader = make_dataloader(args.spec, size, args.batch_size, args.workers)
-    return timed_rate(endless(lambda _: loader, lambda b: len(b[0])), args.batches)
+    return timed_rate(endless_loader(loader), args.batches)
 
 
 def dataserver_side(args: argparse.Namespace) -> float:
-    from dataserver_client import DataServerClient
+    from dataserver_client import DataServerClient, iterate_epochs
 
     size = (args.image_size, args.image_size)
     extra = json.loads(args.client_args)
     with DataServerClient(
         args.address, batch_size=args.batch_size, image_size=size, device="cpu", **extra
     ) as client:
-
-        def epoch(e: int) -> Any:
-            client.set_epoch(e)
-            return client
-
-        return timed_rate(endless(epoch, len), args.batches)
+        return timed_rate((len(b) for b in iterate_epochs(client)), args.batches)
 
 
 def feedback_side(args: argparse.Namespace) -> dict[str, float]:
@@ -67,7 +60,7 @@ def feedback_side(args: argparse.Namespace) -> dict[str, float]:
     Stitcher's feedback does; flip_rate 0 keeps ``--mode`` throughout."""
     import random
 
-    from dataserver_client import DataServerClient
+    from dataserver_client import DataServerClient, iterate_epochs
 
     rng = random.Random(args.seed)
     size = (args.image_size, args.image_size)
@@ -76,9 +69,7 @@ def feedback_side(args: argparse.Namespace) -> dict[str, float]:
     ) as client:
         client.set_mode(args.mode)
         mode = args.mode
-        epoch = 0
-        client.set_epoch(epoch)
-        it = iter(client)
+        batches = iterate_epochs(client)
         samples = images = flips = total_samples = total_flips = 0
         per_mode = {"regular": 0, "stitch": 0}
         start = 0.0
@@ -87,13 +78,7 @@ def feedback_side(args: argparse.Namespace) -> dict[str, float]:
                 start = time.perf_counter()
                 samples = images = flips = 0
                 per_mode = {"regular": 0, "stitch": 0}
-            try:
-                batch = next(it)
-            except StopIteration:
-                epoch += 1
-                client.set_epoch(epoch)
-                it = iter(client)
-                batch = next(it)
+            batch = next(batches)
             samples += batch.num_samples
             per_mode[batch.mode] += 1
             total_samples += batch.num_samples

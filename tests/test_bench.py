@@ -1,0 +1,34 @@
+"""``dataserver bench`` runs end to end on a tiny configuration and reports its ratios
+(the figures themselves are measured by hand, never asserted)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+@pytest.mark.timeout(300)
+def test_bench_reports_every_figure(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "dataserver.cli", "bench", "--images", "24", "--batches", "3"]
+    cmd += ["--image-size", "64", "--batch-size", "4", "--workers", "1", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    results = json.loads(out.read_text())
+    assert results["dataloader"]["vs_dataloader"] > 0
+    assert results["dataloader"]["vs_physical_limit"] > 0
+    assert results["feedback"]["flips_vs_constant_modes"] > 0
+    assert "vs_dataloader" in proc.stdout
+
+
+def test_unknown_figure_is_refused() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "dataserver.cli", "bench", "--only", "nope"],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 2 and "unknown figure" in proc.stdout
