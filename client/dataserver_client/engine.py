@@ -163,7 +163,9 @@ class Engine(threading.Thread):
         poller.register(self._wake_r, zmq.POLLIN)
         for link in self.links:
             poller.register(link.sock, zmq.POLLIN)
+            poller.register(link.monitor, zmq.POLLIN)
         by_sock = {link.sock: link for link in self.links}
+        by_monitor = {link.monitor: link for link in self.links}
         started = time.monotonic()
         while not self._closing:
             events = dict(poller.poll(50))
@@ -179,6 +181,9 @@ class Engine(threading.Thread):
                     fut.set_result(fn(*args))
                 except BaseException as exc:
                     fut.set_exception(exc)
+            for sock, link in by_monitor.items():
+                if sock in events:
+                    self._on_link_events(link)
             for sock, link in by_sock.items():
                 if sock in events:
                     self._drain(link)
@@ -227,12 +232,13 @@ class Engine(threading.Thread):
             self.handshake.set_result(dict(first))
             self.last_progress = time.monotonic()
             return
-        now = time.monotonic()
         for link in waiting:
-            if now - link.last_hello > 1.0:
-                link.hello()  # HELLO may have gone to a socket that was not connected yet
-        if now - started > self.config.timeout:
-            names = ", ".join(link.address for link in waiting)
+            self._maybe_hello(link)
+        if time.monotonic() - started > self.config.timeout:
+            names = ", ".join(
+                link.address + (f" ({link.last_error})" if link.last_error else "")
+                for link in waiting
+            )
             self.handshake.set_exception(
                 ServerUnreachable(
                     f"no answer from {names} within {self.config.timeout:g} s "
@@ -240,6 +246,41 @@ class Engine(threading.Thread):
                 )
             )
             self._closing = True
+
+    def _maybe_hello(self, link: ServerLink) -> None:
+        """(Re)send HELLO to a server we have no session with: soon after a failed send (not
+        connected yet), once a second while a sent HELLO waits for its WELCOME."""
+        wait = 1.0 if link.connected else 0.2
+        if time.monotonic() - link.last_hello > wait:
+            link.hello()
+
+    def _on_link_events(self, link: ServerLink) -> None:
+        for event in link.events():
+            kind = event["event"]
+            if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                link.connected = True
+                link.last_error = ""
+                if link.state is not LinkState.READY:
+                    link.hello()
+            elif kind == zmq.EVENT_DISCONNECTED:
+                link.connected = False
+                if link.state is LinkState.READY:
+                    self._lost(link, "disconnected")
+            elif kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                self._fail(
+                    NotAuthorized(
+                        f"not authorized by {link.address}: the server does not accept this "
+                        "client's CURVE key (is its public key in --curve-authorized-keys?)"
+                    )
+                )
+            elif kind in (
+                zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+                zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL,
+            ):
+                link.last_error = (
+                    "the connection handshake failed: a CURVE setting on one side only, "
+                    "or not a dataserver"
+                )
 
     # ------------------------------------------------------------ messages
 
@@ -277,15 +318,17 @@ class Engine(threading.Thread):
                     )
                 )
                 return
+        was_lost = link.was_lost
         restarted = link.welcome(h)
+        link.was_lost = False
         endpoint = control_address(link.address, h["control"])
         if endpoint not in self._control_endpoints:
             self._control_endpoints.add(endpoint)
             self.pub.connect(endpoint)
-        if restarted:
-            log.warning(
-                "%s restarted: re-sending its %d tasks", link.address, len(link.outstanding)
-            )
+        if restarted or was_lost:
+            # A restarted server lost what it held; after a lost connection, answers in
+            # flight may be gone. Send again; an answer that comes twice is dropped by id.
+            log.warning("%s is back: re-sending its %d tasks", link.address, len(link.outstanding))
             self._reissue(link)
 
     def _on_result(self, link: ServerLink, msg: Message) -> None:
@@ -332,6 +375,7 @@ class Engine(threading.Thread):
             self.pending.appendleft(rec)
             if link.state is LinkState.READY:
                 link.state = LinkState.CONNECTING
+                link.was_lost = True
                 link.hello()
             return
         del self.tasks[tid]
@@ -434,7 +478,9 @@ class Engine(threading.Thread):
                 "control_seq": self.control_seq,
                 "control": self.control,
             }
-            link.send(protocol.make(MsgType.TASK, header))
+            if not link.send(protocol.make(MsgType.TASK, header)):
+                self.pending.appendleft(rec)  # not connected after all: try again shortly
+                return
             link.outstanding[rec.task_id] = time.monotonic()
             link.sent_total += 1
             rec.link = link
@@ -449,9 +495,9 @@ class Engine(threading.Thread):
                 if now - link.last_sent > cfg.heartbeat_interval:
                     link.heartbeat()
                 if now - link.last_heard > cfg.heartbeat_timeout:
-                    self._lost(link)
-            elif now - link.last_hello > 1.0:
-                link.hello()
+                    self._lost(link, f"silent for {now - link.last_heard:.1f} s")
+            else:
+                self._maybe_hello(link)
         waiting = bool(self.pending) or any(link.outstanding for link in self.links)
         wanted = bool(self.tasks)
         if not (waiting and wanted):
@@ -461,8 +507,9 @@ class Engine(threading.Thread):
             parts = []
             for link in self.links:
                 mine = sum(1 for t in link.outstanding if t in self.tasks)
+                why = f", {link.last_error}" if link.last_error else ""
                 parts.append(
-                    f"{link.address} ({link.state.name.lower()}, {mine} task(s) outstanding)"
+                    f"{link.address} ({link.state.name.lower()}, {mine} task(s) outstanding{why})"
                 )
             self._fail(
                 DataServerError(
@@ -473,13 +520,12 @@ class Engine(threading.Thread):
             )
             self.last_progress = now
 
-    def _lost(self, link: ServerLink) -> None:
-        log.warning(
-            "%s is silent for %.1f s: moving its tasks",
-            link.address,
-            time.monotonic() - link.last_heard,
-        )
+    def _lost(self, link: ServerLink, why: str) -> None:
+        """A server stopped answering: its tasks go to the others, or wait for it."""
+        log.warning("%s lost (%s)", link.address, why)
         link.state = LinkState.LOST
+        link.was_lost = True
+        link.last_error = why
         if any(lk.state is LinkState.READY for lk in self.links):
             self._reissue(link)
 

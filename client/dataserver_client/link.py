@@ -12,11 +12,19 @@ from collections.abc import Sequence
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from dataserver import protocol
 from dataserver.protocol import MsgType
 
 CLIENT_MAX_MSG = 1 << 30  # results are images: allow large ones, refuse absurd ones
+MONITORED = (
+    zmq.EVENT_HANDSHAKE_SUCCEEDED
+    | zmq.EVENT_DISCONNECTED
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+)
 _TCP = re.compile(r"^tcp://(?P<host>\[[^\]]+\]|[^:/]+):(?P<port>\d+)$")
 
 
@@ -83,11 +91,18 @@ class ServerLink:
         self.sock.setsockopt(zmq.MAXMSGSIZE, CLIENT_MAX_MSG)
         self.sock.setsockopt(zmq.RECONNECT_IVL, 100)
         self.sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        # Queue nothing for a server that is not connected: a send fails at once instead
+        # of piling up for a dead peer (or blocking when the queue is full).
+        self.sock.setsockopt(zmq.IMMEDIATE, 1)
         if curve:
             self.sock.curve_serverkey = curve["server_public"]
             self.sock.curve_publickey = curve["public"]
             self.sock.curve_secretkey = curve["secret"]
+        self.monitor = self.sock.get_monitor_socket(MONITORED)
         self.sock.connect(address)
+        self.connected = False  # a ZMTP handshake has completed on the current connection
+        self.was_lost = False
+        self.last_error = ""
         self.state = LinkState.CONNECTING
         self.info: dict[str, Any] = {}
         self.server_id = ""
@@ -99,22 +114,37 @@ class ServerLink:
         self.last_hello = 0.0
         self.sent_total = 0
         self.results_total = 0
-        self.auth_failed = False
 
     @property
     def free(self) -> int:
-        return self.credit - len(self.outstanding) if self.state is LinkState.READY else 0
+        if self.state is not LinkState.READY or not self.connected:
+            return 0
+        return self.credit - len(self.outstanding)
 
-    def send(self, frames: list[Any]) -> None:
-        self.sock.send_multipart(frames, copy=False)
+    def send(self, frames: list[Any]) -> bool:
+        """Send without blocking; False when the server is not connected (or saturated)."""
+        try:
+            self.sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return False
         self.last_sent = time.monotonic()
+        return True
 
-    def hello(self) -> None:
-        self.send(protocol.make(MsgType.HELLO, {"session": self.session}))
+    def hello(self) -> bool:
         self.last_hello = time.monotonic()
+        return self.send(protocol.make(MsgType.HELLO, {"session": self.session}))
 
     def heartbeat(self) -> None:
         self.send(protocol.make(MsgType.HEARTBEAT, {"session": self.session}))
+
+    def events(self) -> list[dict[str, Any]]:
+        """Connection events since the last call (connected, disconnected, auth failed...)."""
+        out = []
+        while True:
+            try:
+                out.append(recv_monitor_message(self.monitor, zmq.NOBLOCK))
+            except zmq.Again:
+                return out
 
     def welcome(self, header: dict[str, Any]) -> bool:
         """Take a WELCOME; True when it comes from a different server process than before
@@ -124,6 +154,7 @@ class ServerLink:
         self.server_id = header["server_id"]
         self.credit = max(1, header["credit"])
         self.state = LinkState.READY
+        self.connected = True  # a WELCOME came over a live connection
         return restarted
 
     def release(self, task_id: int) -> bool:
@@ -138,4 +169,6 @@ class ServerLink:
                 )
         except zmq.ZMQError:
             pass
+        self.sock.disable_monitor()
+        self.monitor.close(linger=0)
         self.sock.close(linger=100)  # long enough for BYE to leave, short enough not to hang
