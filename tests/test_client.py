@@ -166,3 +166,19 @@ def test_close_leaves_no_threads_behind(synthetic_server: Any) -> None:
     client.close()
     left = [t for t in threading.enumerate() if t.ident not in before and t.is_alive()]
     assert not left, left
+
+
+def test_iterator_protocol_continues_and_a_new_iter_restarts(synthetic_server: Any) -> None:
+    with DataServerClient(
+        synthetic_server.address, batch_size=8, image_size=(32, 32), device="cpu"
+    ) as c:
+        c.set_epoch(0)
+        it = iter(c)
+        head = [next(it), next(it)]
+        rest = list(it)  # iter(it) is it: the epoch goes on, it does not restart
+        assert [b.step for b in head + rest] == list(range(12))
+        assert sorted(flat_indices(head + rest)) == list(range(96))
+        again = iter(c)  # a new iter(client) starts the epoch over
+        assert next(again).step == 0
+        with pytest.raises(Exception, match="superseded"):
+            next(it)

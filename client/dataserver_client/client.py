@@ -111,6 +111,7 @@ class DataServerClient:
         self._active = False
         self._resume: dict[str, Any] | None = None
         self._closed = False
+        self._generation = 0
 
     # ------------------------------------------------------------ epoch
 
@@ -143,7 +144,10 @@ class DataServerClient:
             self._resume = None
         self._epoch = int(epoch)
 
-    def __iter__(self) -> DataServerClient:
+    def __iter__(self) -> EpochIterator:
+        """Start the epoch set by ``set_epoch`` (or continue a loaded state) and return its
+        iterator. A new ``iter()`` starts the epoch again, as with DataLoader; iterators of
+        earlier ``iter()`` calls stop working."""
         self._check_open()
         resume, self._resume = self._resume, None
         if resume is not None:
@@ -154,13 +158,14 @@ class DataServerClient:
         else:
             self._engine.call(self._engine.start_epoch, self._epoch)
         self._active = True
-        return self
+        self._generation += 1
+        return EpochIterator(self, self._generation)
 
-    def __next__(self) -> Batch:
+    def _next(self, generation: int) -> Batch:
+        if generation != self._generation:
+            raise DataServerError("this iterator's epoch was superseded by a later iter(client)")
         if not self._active:
-            if self._resume is None and self._handoff.end_step is not None:
-                raise StopIteration
-            self.__iter__()
+            raise StopIteration
         h = self._handoff
         backstop = self.config.timeout + 10.0  # the I/O thread raises first; this catches its death
         last = time.monotonic()
@@ -296,6 +301,20 @@ class DataServerClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class EpochIterator:
+    """The iterator of one epoch of a ``DataServerClient`` (what ``iter(client)`` returns)."""
+
+    def __init__(self, client: DataServerClient, generation: int) -> None:
+        self._client = client
+        self._generation = generation
+
+    def __iter__(self) -> EpochIterator:
+        return self
+
+    def __next__(self) -> Batch:
+        return self._client._next(self._generation)
 
 
 def iterate_epochs(client: DataServerClient, first_epoch: int = 0) -> Iterator[Batch]:

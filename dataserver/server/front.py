@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from dataserver import protocol
 from dataserver.protocol import Message, MsgType, ProtocolError
@@ -42,6 +43,13 @@ POLL_MS = 100
 DRAIN = 256  # messages taken from one socket before looking at the others
 CLIENT_MAX_MSG = 2 << 20  # clients only send small headers
 PIPELINE = 2  # tasks a worker holds at once: the one it runs and the next
+MONITORED = (
+    zmq.EVENT_ACCEPTED
+    | zmq.EVENT_DISCONNECTED
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+)
 
 
 class Front:
@@ -90,6 +98,9 @@ class Front:
                 sock.setsockopt(zmq.LINGER, 0)
                 sock.setsockopt(zmq.MAXMSGSIZE, CLIENT_MAX_MSG)
             data.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            # Results waiting for a client that does not read: credits bound them for honest
+            # clients; this bounds them for everyone (beyond it, sends are dropped, counted).
+            data.setsockopt(zmq.SNDHWM, max(64, self.credit * 2))
             backend.setsockopt(zmq.LINGER, 0)
             backend.setsockopt(zmq.ROUTER_MANDATORY, 1)
             control.setsockopt(zmq.SUBSCRIBE, b"")
@@ -116,6 +127,14 @@ class Front:
         poller = zmq.Poller()
         for sock in (self.backend, self.data, self.control_sock):
             poller.register(sock, zmq.POLLIN)
+        # Connection-level events on the public sockets: failed handshakes (raw TCP junk,
+        # wrong socket types, CURVE refusals) never reach the loop as messages.
+        monitors = {
+            self.data.get_monitor_socket(MONITORED): "data",
+            self.control_sock.get_monitor_socket(MONITORED): "control",
+        }
+        for mon in monitors:
+            poller.register(mon, zmq.POLLIN)
         pidfds: dict[int, WorkerHandle] = {}
         pool_version = -1
         next_housekeeping = 0.0
@@ -142,6 +161,8 @@ class Front:
                     self._drain(self.data, self._on_data)
                 elif sock is self.control_sock:
                     self._drain(self.control_sock, self._on_control)
+                elif sock in monitors:
+                    self._on_monitor(sock, monitors[sock])
                 else:
                     reap = True  # a pidfd: a worker exited
             now = time.monotonic()
@@ -154,6 +175,25 @@ class Front:
             if not self._announced and len(self._ready) >= self.n_workers:
                 self._announced = True
                 on_ready(self)
+
+    def _on_monitor(self, monitor: zmq.Socket[Any], name: str) -> None:
+        while True:
+            try:
+                event = recv_monitor_message(monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            kind = event["event"]
+            if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                self.rejected[f"{name}_not_authorized"] += 1
+            elif kind in (
+                zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+                zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL,
+            ):
+                self.rejected[f"{name}_bad_handshake"] += 1
+            elif kind == zmq.EVENT_DISCONNECTED:
+                self.counters[f"{name}_disconnects"] += 1
+            elif kind == zmq.EVENT_ACCEPTED:
+                self.counters[f"{name}_connections"] += 1
 
     def _drain(self, sock: zmq.Socket[Any], handler: Callable[[list[Any]], None]) -> None:
         for _ in range(DRAIN):
@@ -304,6 +344,9 @@ class Front:
         session = self.scheduler.sessions.get(msg.header["session"])
         if session is None:
             self.rejected["control_unknown_session"] += 1
+            return
+        if msg.header["plan_version"] < session.version:
+            self.rejected["control_stale"] += 1  # replayed or overtaken: nothing to do
             return
         self.counters["controls"] += 1
         self._cancel(session, self.scheduler.cancel_older(session, msg.header["plan_version"]))
