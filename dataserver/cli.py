@@ -81,11 +81,25 @@ def cmd_synth(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------- stats
 
 
-def fetch_stats(address: str, timeout: float) -> dict[str, Any]:
+def fetch_stats(
+    address: str,
+    timeout: float,
+    curve_server_key: str | None = None,
+    curve_secret_key: str | None = None,
+) -> dict[str, Any]:
     """Ask a live server for its counters (raises TimeoutError when it does not answer)."""
     ctx: zmq.Context[Any] = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    if curve_server_key or curve_secret_key:
+        from dataserver.security import client_curve_keys
+
+        if not (curve_server_key and curve_secret_key):
+            raise ValueError("--curve-server-key and --curve-secret-key go together")
+        keys = client_curve_keys(curve_server_key, curve_secret_key)
+        sock.curve_serverkey = keys["server_public"]
+        sock.curve_publickey = keys["public"]
+        sock.curve_secretkey = keys["secret"]
     try:
         sock.connect(address)
         sock.send_multipart(protocol.make(MsgType.STATS, {}))
@@ -100,10 +114,16 @@ def fetch_stats(address: str, timeout: float) -> dict[str, Any]:
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
+    from dataserver.security import CurveKeyError
+
     try:
-        stats = fetch_stats(args.address, args.timeout)
+        stats = fetch_stats(
+            args.address, args.timeout, args.curve_server_key, args.curve_secret_key
+        )
     except (TimeoutError, ProtocolError) as exc:
         return _fail("dataserver stats", str(exc), 1)
+    except (ValueError, CurveKeyError) as exc:
+        return _fail("dataserver stats", str(exc), 2)
     healthy = stats["workers_alive"] >= stats["workers"]
     if args.json:
         print(json.dumps(stats, indent=2, sort_keys=True))
@@ -218,6 +238,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.add_argument(
         "--check", action="store_true", help="exit 1 unless every worker is alive (readiness probe)"
+    )
+    p.add_argument("--curve-server-key", default=None, help="the server's public key file (CURVE)")
+    p.add_argument(
+        "--curve-secret-key", default=None, help="this client's .key_secret file (CURVE)"
     )
     p.set_defaults(func=cmd_stats)
 

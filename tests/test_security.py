@@ -1,0 +1,202 @@
+"""Guarantee 8: with CURVE a server accepts only known clients, and the traffic is
+encrypted; an unknown client gets a clear error, not a hang."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from dataserver_client import DataServerClient, DataServerError, NotAuthorized
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def keygen(directory: Path, name: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "dataserver.cli", "keygen", str(directory), "--name", name],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.fixture
+def keys(tmp_path: Path) -> Path:
+    for name in ("server", "client", "intruder"):
+        keygen(tmp_path, name)
+    authorized = tmp_path / "authorized"
+    authorized.mkdir()
+    shutil.copy(tmp_path / "client.key", authorized / "client.key")
+    assert "secret-key" not in (tmp_path / "client.key").read_text()
+    return tmp_path
+
+
+class Relay:
+    """A TCP relay that records every byte between a client and a server."""
+
+    def __init__(self, target: str) -> None:
+        host, port = target.removeprefix("tcp://").rsplit(":", 1)
+        self.target = (host, int(port))
+        self.listener = socket.socket()
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen()
+        self.address = f"tcp://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.captured = bytearray()
+        self.lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(self.target)
+            for a, b in ((conn, upstream), (upstream, conn)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                with self.lock:
+                    self.captured += data
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def epoch_through(relay: Relay, **curve: Any) -> list[int]:
+    with DataServerClient(
+        relay.address, batch_size=8, image_size=(32, 32), device="cpu", **curve
+    ) as c:
+        c.set_epoch(0)
+        return sorted(i for b in c for idx in b.indices for i in idx)
+
+
+def test_authorized_client_gets_its_epoch_encrypted(start_server: Any, keys: Path) -> None:
+    server = start_server(
+        "--dataset",
+        "synthetic:images=48,seed=1",
+        "--curve-secret-key",
+        str(keys / "server.key_secret"),
+        "--curve-authorized-keys",
+        str(keys / "authorized"),
+    )
+    relay = Relay(server.address)
+    try:
+        got = epoch_through(
+            relay,
+            curve_server_key=str(keys / "server.key"),
+            curve_secret_key=str(keys / "client.key_secret"),
+        )
+    finally:
+        relay.close()
+    assert got == list(range(48))
+    wire = bytes(relay.captured)
+    assert len(wire) > 48 * 32 * 32 * 3  # the images went through the relay...
+    for plaintext in (b"fingerprint", b"synthetic-48-1", b"dataset_len", b"DS1", b"task_id"):
+        assert plaintext not in wire  # ...and none of the protocol is readable on the wire
+    assert b"CURVE" in wire[:200]  # the ZMTP greeting names the mechanism
+
+
+def test_the_same_check_sees_plaintext_without_curve(start_server: Any) -> None:
+    server = start_server("--dataset", "synthetic:images=48,seed=1")
+    relay = Relay(server.address)
+    try:
+        assert epoch_through(relay) == list(range(48))
+    finally:
+        relay.close()
+    wire = bytes(relay.captured)
+    assert b"fingerprint" in wire and b"synthetic-48-1" in wire
+
+
+def test_unknown_key_gets_a_clear_error_within_its_timeout(start_server: Any, keys: Path) -> None:
+    server = start_server(
+        "--dataset",
+        "synthetic:images=48,seed=1",
+        "--curve-secret-key",
+        str(keys / "server.key_secret"),
+        "--curve-authorized-keys",
+        str(keys / "authorized"),
+    )
+    start = time.monotonic()
+    with pytest.raises(NotAuthorized, match=f"not authorized by {server.address}"):
+        DataServerClient(
+            server.address,
+            device="cpu",
+            timeout=10,
+            curve_server_key=str(keys / "server.key"),
+            curve_secret_key=str(keys / "intruder.key_secret"),
+        )
+    assert time.monotonic() - start < 10
+    with pytest.raises(DataServerError, match=server.address.replace(".", r"\.")):
+        DataServerClient(server.address, device="cpu", timeout=2)  # no CURVE at all
+    assert server.proc.poll() is None  # the server itself is unharmed and serves others
+    with DataServerClient(
+        server.address,
+        batch_size=8,
+        image_size=(32, 32),
+        device="cpu",
+        curve_server_key=str(keys / "server.key"),
+        curve_secret_key=str(keys / "client.key_secret"),
+    ) as c:
+        c.set_epoch(0)
+        assert sum(len(b) for b in c) == 48
+    stats = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dataserver.cli",
+            "stats",
+            server.address,
+            "--json",
+            "--curve-server-key",
+            str(keys / "server.key"),
+            "--curve-secret-key",
+            str(keys / "client.key_secret"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert stats.returncode == 0, stats.stderr
+    assert json.loads(stats.stdout)["rejected"].get("data_not_authorized", 0) >= 1
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--curve-secret-key", "nope"], "go together"),
+        (
+            ["--curve-secret-key", "/nonexistent.key_secret", "--curve-authorized-keys", "/tmp"],
+            "no key file",
+        ),
+    ],
+)
+def test_bad_key_flags_exit_with_one_line(flags: list[str], message: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "dataserver.cli", "serve", "--workers", "1", *flags],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert message in proc.stderr
