@@ -51,7 +51,7 @@ class Server:
         self.args = ["serve", "--workers", str(workers), "--bind", bind, *args]
         self.stderr = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "dataserver.cli", *self.args],
+            self.command(),
             stdout=subprocess.PIPE,
             stderr=self.stderr,
             env=server_env(),
@@ -69,6 +69,9 @@ class Server:
         self.address = fields["data"]
         self.control = fields["control"]
         self.samples = int(fields["samples"])
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "dataserver.cli", *self.args]
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
