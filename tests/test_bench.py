@@ -22,6 +22,7 @@ def test_bench_reports_every_figure(tmp_path: Path) -> None:
     assert results["dataloader"]["vs_dataloader"] > 0
     assert results["dataloader"]["vs_physical_limit"] > 0
     assert results["feedback"]["flips_vs_constant_modes"] > 0
+    assert results["first_batch"]["first_batch_ms"] > 0
     assert "vs_dataloader" in proc.stdout
 
 

@@ -138,9 +138,24 @@ def fig_feedback(args: argparse.Namespace, spec: str) -> dict[str, Any]:
     }
 
 
+def fig_first_batch(args: argparse.Namespace, spec: str) -> dict[str, Any]:
+    """Time from a new client to its first batch, against a running, idle server."""
+    proc, address = start_server(["--dataset", spec, "--workers", str(args.workers)])
+    try:
+        runs = [run_side_json("first_batch", args, address=address) for _ in range(5)]
+    finally:
+        stop_server(proc)
+    return {
+        "first_batch_ms": round(statistics.median(r["first_batch_ms"] for r in runs), 1),
+        "handshake_ms": round(statistics.median(r["handshake_ms"] for r in runs), 1),
+        "runs_ms": [round(r["first_batch_ms"], 1) for r in runs],
+    }
+
+
 FIGURES: dict[str, Callable[[argparse.Namespace, str], dict[str, Any]]] = {
     "dataloader": fig_dataloader,
     "feedback": fig_feedback,
+    "first_batch": fig_first_batch,
 }
 
 

@@ -102,6 +102,22 @@ def feedback_side(args: argparse.Namespace) -> dict[str, float]:
     }
 
 
+def first_batch_side(args: argparse.Namespace) -> dict[str, float]:
+    """Milliseconds from constructing a client (handshake included) to its first batch."""
+    from dataserver_client import DataServerClient
+
+    size = (args.image_size, args.image_size)
+    start = time.perf_counter()
+    with DataServerClient(
+        args.address, batch_size=args.batch_size, image_size=size, device="cpu"
+    ) as client:
+        connected = time.perf_counter()
+        client.set_epoch(0)
+        next(iter(client))
+        first = time.perf_counter()
+    return {"handshake_ms": 1000 * (connected - start), "first_batch_ms": 1000 * (first - start)}
+
+
 def single_side(args: argparse.Namespace) -> float:
     from dataserver.bench.baselines import single_process_rate
 
@@ -110,7 +126,9 @@ def single_side(args: argparse.Namespace) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("side", choices=["dataloader", "dataserver", "single", "feedback"])
+    parser.add_argument(
+        "side", choices=["dataloader", "dataserver", "single", "feedback", "first_batch"]
+    )
     parser.add_argument("--spec", default="")
     parser.add_argument("--address", default="")
     parser.add_argument("--workers", type=int, default=2)
@@ -122,8 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mode", default="regular")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    if args.side == "feedback":
-        print(json.dumps(feedback_side(args)), flush=True)
+    if args.side in ("feedback", "first_batch"):
+        side = feedback_side if args.side == "feedback" else first_batch_side
+        print(json.dumps(side(args)), flush=True)
         os._exit(0)
     sides = {"dataloader": dataloader_side, "dataserver": dataserver_side, "single": single_side}
     rate = sides[args.side](args)
