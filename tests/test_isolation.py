@@ -25,7 +25,7 @@ def mapped_files(pid: int) -> set[str]:
 
 
 def test_unpicklable_dataset_is_served(start_server: Any) -> None:
-    import ds_plugins  # type: ignore[import-not-found]
+    import ds_plugins
 
     with pytest.raises(RuntimeError, match="never be pickled"):
         pickle.dumps(ds_plugins.no_pickle(4))

@@ -19,7 +19,7 @@ from dataserver.data.transforms import (
 )
 
 
-def sample(h: int, w: int, boxes: list[list[float]], value: int = 255) -> Sample:
+def sample(h: int, w: int, boxes: list[list[int]] | list[list[float]], value: int = 255) -> Sample:
     image = np.full((h, w, 3), value, dtype=np.uint8)
     b = np.array(boxes, dtype=np.float32).reshape(-1, 4)
     return Sample(image, b, np.arange(1, len(b) + 1, dtype=np.int64))
@@ -58,7 +58,8 @@ def test_letterbox_clips_and_drops_degenerate_boxes() -> None:
         [199, 10, 210, 20],  # partly outside: clipped, kept
     ]
     out = letterbox(sample(100, 200, boxes), 64, 64)
-    np.testing.assert_allclose(out.boxes, [[0, 0, 64, 32], [63.68, 3.2, 64, 6.4]], rtol=1e-5)
+    expected = np.array([[0, 0, 64, 32], [63.68, 3.2, 64, 6.4]], dtype=np.float32)
+    np.testing.assert_allclose(out.boxes, expected, rtol=1e-5)
     assert out.labels.tolist() == [1, 4]
 
 

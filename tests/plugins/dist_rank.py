@@ -19,7 +19,10 @@ def main() -> None:
     address = sys.argv[1]
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    modes, steps, indices, decisions = [], [], [], []
+    modes: list[str] = []
+    steps: list[int] = []
+    indices: list[int] = []
+    decisions: list[str] = []
     with DataServerClient(
         address, batch_size=4, image_size=(32, 32), prefetch=3, device="cpu"
     ) as c:

@@ -16,14 +16,14 @@ import json
 import sys
 
 import torch
-from dataserver_client import DataServerClient
+from dataserver_client import Batch, DataServerClient
 
 
 def policy(step: int) -> str:
     return "stitch" if step % 5 in (1, 2) else "regular"
 
 
-def record(batch) -> dict:  # type: ignore[no-untyped-def]
+def record(batch: Batch) -> dict[str, object]:
     digest = hashlib.sha1(batch.images.numpy().tobytes()).hexdigest()
     return {
         "indices": batch.indices,
