@@ -194,11 +194,47 @@ def fig_coordination(args: argparse.Namespace, spec: str) -> dict[str, Any]:
     }
 
 
+def fig_transport(args: argparse.Namespace, spec: str) -> dict[str, Any]:
+    """Delivered GB/s of pre-decoded samples (no decode: pixels in memory, letterboxed at
+    their own size) vs raw ZeroMQ PUSH/PULL of same-sized frames from as many processes."""
+    nbytes = 3 * args.image_size * args.image_size
+    dataset_args = json.dumps({"n": 32, "size": args.image_size})
+    proc, address = start_server(
+        [
+            "--dataset",
+            "dataserver.data.simulated:predecoded",
+            "--dataset-args",
+            dataset_args,
+            "--workers",
+            str(args.workers),
+        ]
+    )
+    ours: list[float] = []
+    raw: list[float] = []
+    try:
+        for _ in range(ROUNDS):
+            ours.append(run_side("dataserver", args, address=address) * nbytes)
+            raw.append(run_side("rawzmq", args))
+    finally:
+        stop_server(proc)
+    o, r = statistics.median(ours), statistics.median(raw)
+    return {
+        "dataserver_gb_per_s": round(o / 1e9, 3),
+        "raw_zmq_gb_per_s": round(r / 1e9, 3),
+        "vs_raw_zmq": round(o / r, 3),
+        "rounds_gb_per_s": {
+            "dataserver": [round(x / 1e9, 3) for x in ours],
+            "raw_zmq": [round(x / 1e9, 3) for x in raw],
+        },
+    }
+
+
 FIGURES: dict[str, Callable[[argparse.Namespace, str], dict[str, Any]]] = {
     "dataloader": fig_dataloader,
     "feedback": fig_feedback,
     "first_batch": fig_first_batch,
     "coordination": fig_coordination,
+    "transport": fig_transport,
 }
 
 

@@ -118,6 +118,50 @@ def first_batch_side(args: argparse.Namespace) -> dict[str, float]:
     return {"handshake_ms": 1000 * (connected - start), "first_batch_ms": 1000 * (first - start)}
 
 
+RAW_SENDER = """
+import sys, zmq
+ctx = zmq.Context()
+s = ctx.socket(zmq.PUSH)
+s.setsockopt(zmq.SNDHWM, 8)
+s.connect(sys.argv[1])
+frame = bytes(int(sys.argv[2]))
+while True:
+    s.send(frame, copy=False)
+"""
+
+
+def rawzmq_side(args: argparse.Namespace) -> float:
+    """Bytes/s that ``workers`` processes pushing image-sized frames as fast as they can
+    deliver to one PULL over TCP loopback: the transport's own ceiling."""
+    import subprocess
+
+    import zmq
+
+    nbytes = 3 * args.image_size * args.image_size
+    ctx: zmq.Context[Any] = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    pull.setsockopt(zmq.RCVHWM, 8)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    senders = [
+        subprocess.Popen([sys.executable, "-c", RAW_SENDER, f"tcp://127.0.0.1:{port}", str(nbytes)])
+        for _ in range(args.workers)
+    ]
+    try:
+        count = args.batches * args.batch_size
+        for _ in range(WARMUP * args.batch_size):
+            pull.recv(copy=False)
+        start = time.perf_counter()
+        for _ in range(count):
+            pull.recv(copy=False)
+        return count * nbytes / (time.perf_counter() - start)
+    finally:
+        for p in senders:
+            p.kill()
+            p.wait()
+        pull.close(linger=0)
+        ctx.term()
+
+
 def single_side(args: argparse.Namespace) -> float:
     from dataserver.bench.baselines import single_process_rate
 
@@ -127,7 +171,8 @@ def single_side(args: argparse.Namespace) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument(
-        "side", choices=["dataloader", "dataserver", "single", "feedback", "first_batch"]
+        "side",
+        choices=["dataloader", "dataserver", "single", "feedback", "first_batch", "rawzmq"],
     )
     parser.add_argument("--spec", default="")
     parser.add_argument("--address", default="")
@@ -144,7 +189,12 @@ def main(argv: list[str] | None = None) -> int:
         side = feedback_side if args.side == "feedback" else first_batch_side
         print(json.dumps(side(args)), flush=True)
         os._exit(0)
-    sides = {"dataloader": dataloader_side, "dataserver": dataserver_side, "single": single_side}
+    sides = {
+        "dataloader": dataloader_side,
+        "dataserver": dataserver_side,
+        "single": single_side,
+        "rawzmq": rawzmq_side,
+    }
     rate = sides[args.side](args)
     print(json.dumps({"images_per_s": rate}), flush=True)
     sys.stdout.flush()

@@ -33,3 +33,24 @@ class Simulated:
 def simulated(n: int = 4096, ms: float = 10.0, size: int = 32) -> Simulated:
     """The factory ``--dataset dataserver.data.simulated:simulated`` names."""
     return Simulated(n, ms, size)
+
+
+class Predecoded:
+    """``n`` ready RGB images of ``size`` x ``size`` held in memory: no file, no decode, so
+    what is measured is moving pixels, not making them."""
+
+    def __init__(self, n: int, size: int) -> None:
+        rng = np.random.default_rng(0)
+        self.images = [rng.integers(0, 256, (size, size, 3), dtype=np.uint8) for _ in range(n)]
+        self.box = np.array([[0, 0, size / 2, size / 2]], dtype=np.float32)
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return {"image": self.images[index], "boxes": self.box, "labels": np.array([1])}
+
+
+def predecoded(n: int = 64, size: int = 512) -> Predecoded:
+    """The factory ``--dataset dataserver.data.simulated:predecoded`` names."""
+    return Predecoded(n, size)
