@@ -156,3 +156,21 @@ def test_prepare_wraps_dataset_exceptions_with_the_index() -> None:
 
     with pytest.raises(SampleError, match="sample 4: KeyError"):
         prepare(Broken(), 4, 0, 0)
+
+
+@pytest.mark.parametrize("grid", [1, 2, 3])
+def test_compose_writes_the_same_pixels_in_chw_as_in_hwc(grid: int) -> None:
+    rng = np.random.default_rng(0)
+    sources: list[Sample | None] = [
+        Sample(
+            rng.integers(0, 256, (50 + 7 * t, 80 - 5 * t, 3), dtype=np.uint8),
+            np.array([[1, 2, 30, 40]], np.float32),
+            np.array([t], np.int64),
+        )
+        for t in range(grid * grid)
+    ]
+    sources[-1] = None  # an empty cell too
+    hwc = compose(sources, grid, 97, 131)
+    chw = compose(sources, grid, 97, 131, chw=True)
+    assert np.array_equal(hwc.image.transpose(2, 0, 1), chw.image)
+    assert np.array_equal(hwc.boxes, chw.boxes) and np.array_equal(hwc.labels, chw.labels)

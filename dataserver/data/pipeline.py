@@ -72,6 +72,5 @@ def build_output(
             sources.append(None)
     if not kept and first_error is not None:
         raise first_error
-    out = compose(sources, grid, *out_hw)
-    chw = np.ascontiguousarray(out.image.transpose(2, 0, 1))
-    return Output(chw, out.boxes, out.labels, kept, failed)
+    out = compose(sources, grid, *out_hw, chw=True)
+    return Output(out.image, out.boxes, out.labels, kept, failed)

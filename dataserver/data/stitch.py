@@ -33,11 +33,15 @@ def cell_size(out_h: int, out_w: int, grid: int) -> tuple[int, int]:
     return out_h // grid, out_w // grid
 
 
-def compose(sources: Sequence[Sample | None], grid: int, out_h: int, out_w: int) -> Sample:
-    """Build one output image (HWC uint8) and its boxes from ``sources`` (None = empty cell)."""
+def compose(
+    sources: Sequence[Sample | None], grid: int, out_h: int, out_w: int, chw: bool = False
+) -> Sample:
+    """Build one output image and its boxes from ``sources`` (None = empty cell). The image is
+    uint8 HWC, or CHW (the wire layout) when ``chw``; the pixels are the same either way."""
     if len(sources) > grid * grid:
         raise ValueError(f"{len(sources)} sources do not fit a {grid}x{grid} grid")
-    canvas = np.zeros((out_h, out_w, 3), dtype=np.uint8)
+    shape = (3, out_h, out_w) if chw else (out_h, out_w, 3)
+    canvas = np.zeros(shape, dtype=np.uint8)
     cell_h, cell_w = cell_size(out_h, out_w, grid)
     all_boxes = [np.zeros((0, 4), dtype=np.float32)]
     all_labels = [np.zeros((0,), dtype=np.int64)]
@@ -45,7 +49,9 @@ def compose(sources: Sequence[Sample | None], grid: int, out_h: int, out_w: int)
         if source is None:
             continue
         row, col = divmod(t, grid)
-        boxes, labels = letterbox_into(canvas, row * cell_h, col * cell_w, cell_h, cell_w, source)
+        boxes, labels = letterbox_into(
+            canvas, row * cell_h, col * cell_w, cell_h, cell_w, source, chw
+        )
         all_boxes.append(boxes)
         all_labels.append(labels)
     return Sample(canvas, np.concatenate(all_boxes), np.concatenate(all_labels))
