@@ -302,6 +302,22 @@ def decode(frames: Sequence[Any]) -> Message:
     return Message(mtype, header, arrays)
 
 
+def peek(frames: Sequence[Any]) -> tuple[MsgType, dict[str, Any]]:
+    """Type and header of a message from a trusted peer (a server's own worker), without
+    the schema and array checks of ``decode``: for forwarding what is not read here."""
+    if len(frames) < 3 or _small(frames[0], 8) != MAGIC:
+        raise ProtocolError("not a dataserver message")
+    type_frame = _small(frames[1], 8)
+    try:
+        mtype = MsgType(type_frame[0])
+        header = msgpack.unpackb(_small(frames[2], MAX_HEADER_BYTES), raw=False)
+    except Exception as exc:
+        raise ProtocolError(f"unreadable message: {exc}") from None
+    if not isinstance(header, dict):
+        raise ProtocolError("header must be a map")
+    return mtype, header
+
+
 def _decode_arrays(mtype: MsgType, header: dict[str, Any], frames: Sequence[Any]) -> list[Any]:
     specs = header.pop("arrays", [])
     if not isinstance(specs, list):

@@ -167,6 +167,7 @@ class Engine(threading.Thread):
         by_sock = {link.sock: link for link in self.links}
         by_monitor = {link.monitor: link for link in self.links}
         started = time.monotonic()
+        next_liveness = 0.0
         while not self._closing:
             events = dict(poller.poll(50))
             if self._wake_r in events:
@@ -192,7 +193,10 @@ class Engine(threading.Thread):
                 continue
             self._fill()
             self._dispatch()
-            self._liveness()
+            now = time.monotonic()
+            if now >= next_liveness:  # timers, not per message: 20 ms is plenty
+                next_liveness = now + 0.02
+                self._liveness()
 
     def _drain(self, link: ServerLink) -> None:
         for _ in range(256):

@@ -361,35 +361,37 @@ class Front:
     def _on_backend(self, frames: list[Any]) -> None:
         identity = frames[0].bytes
         try:
-            msg = protocol.decode(frames[1:])
+            # Workers are this server's own children: read their headers, forward their
+            # arrays untouched (the client checks them), instead of decoding every result.
+            mtype, header = protocol.peek(frames[1:])
         except ProtocolError as exc:
             log.error("bad message from worker %r: %s", identity, exc)
             self.rejected["worker_malformed"] += 1
             return
-        if msg.type is MsgType.READY:
-            self._on_ready_worker(identity, msg)
+        if mtype is MsgType.READY:
+            self._on_ready_worker(identity, protocol.decode(frames[1:]))
             return
         handle = self._by_identity.get(identity)
-        if handle is None or not handle.tasks or msg.type not in (MsgType.RESULT, MsgType.ERROR):
+        if handle is None or not handle.tasks or mtype not in (MsgType.RESULT, MsgType.ERROR):
             self.rejected["worker_unexpected"] += 1
             return
-        entry = next((e for e in handle.tasks if e.task_id == msg.header.get("task_id")), None)
+        entry = next((e for e in handle.tasks if e.task_id == header.get("task_id")), None)
         if entry is None:
             log.error(
                 "worker %d answered task %s it was not given",
                 handle.slot,
-                msg.header.get("task_id"),
+                header.get("task_id"),
             )
             self.rejected["worker_unexpected"] += 1
             return
         handle.tasks.remove(entry)
         handle.tasks_done += 1
         session = self.scheduler.sessions.get(entry.session)
-        self.counters["tasks_done" if msg.type is MsgType.RESULT else "tasks_failed"] += 1
-        decoded = msg.header.get("decoded")
-        if isinstance(decoded, int) and msg.type is MsgType.RESULT:
+        self.counters["tasks_done" if mtype is MsgType.RESULT else "tasks_failed"] += 1
+        decoded = header.get("decoded")
+        if isinstance(decoded, int) and mtype is MsgType.RESULT:
             self.counters["sources_decoded"] += decoded
-            self.counters["sources_reused"] += len(msg.header["indices"]) - decoded
+            self.counters["sources_reused"] += len(header.get("indices", ())) - decoded
         if session is None:
             self.counters["results_orphaned"] += 1
             return
