@@ -51,6 +51,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         cache_mb=args.cache_mb,
         curve_secret_key=args.curve_secret_key,
         curve_authorized_keys=args.curve_authorized_keys,
+        direct_results=args.direct_results,
     )
 
     def announce(front: Any) -> None:
@@ -207,6 +208,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--curve-authorized-keys", default=None, help="directory of authorized client .key files"
+    )
+    p.add_argument(
+        "--direct-results",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="workers send results straight to clients that can reach them (default: on; "
+        "results fall back to the front otherwise)",
     )
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=cmd_serve)

@@ -54,6 +54,7 @@ def stop_server(proc: subprocess.Popen[str]) -> None:
 
 def run_demo(args: argparse.Namespace) -> int:
     import torch
+
     from dataserver_client import DataServerClient
     from dataserver_client.tinydet import TinyDetector
 

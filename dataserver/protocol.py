@@ -55,7 +55,9 @@ class MsgType(enum.IntEnum):
 
     Client <-> server:  HELLO -> WELCOME (handshake); TASK -> RESULT | ERROR | CANCELLED;
     CONTROL (on the control socket); HEARTBEAT both ways; STATS request -> STATS reply;
-    BYE ends a session. Front <-> worker: READY announces a worker, then TASK/RESULT/ERROR.
+    BYE ends a session. Front <-> worker: READY announces a worker (and its result
+    endpoint), then TASK, answered by RESULT or ERROR through the front, or by DONE when the
+    worker sent the RESULT straight to the client.
     """
 
     HELLO = 1
@@ -69,6 +71,7 @@ class MsgType(enum.IntEnum):
     STATS = 9
     BYE = 10
     READY = 11
+    DONE = 12
 
 
 @dataclass(slots=True)
@@ -133,6 +136,7 @@ _SCHEMAS: dict[MsgType, dict[str, str]] = {
     MsgType.STATS: {},
     MsgType.BYE: {"session": _BYTES},
     MsgType.READY: {"worker": _INT, "pid": _INT},
+    MsgType.DONE: {"session": _BYTES, "task_id": _INT, "plan_version": _INT},
 }
 
 # How many arrays each type carries: RESULT = image (3, H, W) uint8, boxes (M, 4) float32,

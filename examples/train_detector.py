@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
 from dataserver_client import DataServerClient
 from dataserver_client.stitcher import small_object_loss_ratio
 from dataserver_client.tinydet import TinyDetector

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from dataserver_client import DataServerClient
 
 pytestmark = pytest.mark.timeout(120)

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 import torch
+
 from dataserver_client import Batch, DataServerClient
 
 pytestmark = pytest.mark.timeout(90)

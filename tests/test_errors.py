@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 from conftest import free_port, run_epoch_collecting_errors, server_env
+
 from dataserver_client import DataServerClient, DataServerError, ServerUnreachable
 
 pytestmark = pytest.mark.timeout(90)

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import Server, free_port, wait_until
+
 from dataserver_client import Batch, DataServerClient, DataServerError
 
 pytestmark = pytest.mark.timeout(150)

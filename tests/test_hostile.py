@@ -13,10 +13,10 @@ import msgpack
 import pytest
 import zmq
 from conftest import wait_until
-from dataserver_client import DataServerClient
 
 from dataserver import protocol
 from dataserver.protocol import MAGIC, MsgType
+from dataserver_client import DataServerClient
 
 pytestmark = pytest.mark.timeout(120)
 

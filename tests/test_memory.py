@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 import zmq
 from conftest import PLUGINS, server_env
-from dataserver_client import DataServerClient
 
 from dataserver import protocol
 from dataserver.protocol import MsgType
+from dataserver_client import DataServerClient
 
 MB = 1 << 20
 

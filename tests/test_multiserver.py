@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 import torch
+
 from dataserver_client import DataServerClient
 
 pytestmark = pytest.mark.timeout(90)
@@ -37,3 +38,22 @@ def test_servers_with_different_datasets_are_refused(start_server: Any) -> None:
     b = start_server("--dataset", "synthetic:images=64,seed=3", workers=1)
     with pytest.raises(Exception, match="servers disagree on the dataset"):
         DataServerClient([a.address, b.address], device="cpu", timeout=5)
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_results_come_straight_from_workers_or_through_the_front(
+    start_server: Any, direct: bool
+) -> None:
+    flag = "--direct-results" if direct else "--no-direct-results"
+    server = start_server("--dataset", "synthetic:images=48,seed=2", flag, workers=2)
+    with DataServerClient(server.address, batch_size=8, image_size=(64, 64), device="cpu") as c:
+        c.set_epoch(0)
+        assert sorted(i for b in c for idx in b.indices for i in idx) == list(range(48))
+    counters = server.stats()["counters"]
+    assert counters["tasks_done"] == 48
+    direct_count = counters.get("results_direct", 0)
+    assert counters.get("results_via_front", 0) + direct_count == 48
+    if direct:
+        assert direct_count >= 40  # all but those sent before the client had connected
+    else:
+        assert direct_count == 0

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 from conftest import Server, wait_until
+
 from dataserver_client import DataServerClient
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.netns]

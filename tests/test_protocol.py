@@ -73,7 +73,8 @@ EXAMPLES: dict[MsgType, tuple[dict[str, Any], list[np.ndarray]]] = {
     MsgType.HEARTBEAT: ({}, []),
     MsgType.STATS: ({"stats": {"workers": 2}}, []),
     MsgType.BYE: ({"session": SID}, []),
-    MsgType.READY: ({"worker": 0, "pid": 123}, []),
+    MsgType.READY: ({"worker": 0, "pid": 123, "results": "tcp://127.0.0.1:4000"}, []),
+    MsgType.DONE: ({"session": SID, "task_id": 7, "plan_version": 2, "decoded": 1}, []),
 }
 
 

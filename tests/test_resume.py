@@ -13,6 +13,7 @@ import msgpack
 import pytest
 import torch
 from conftest import PLUGINS, server_env
+
 from dataserver_client import DataServerClient
 
 pytestmark = pytest.mark.timeout(150)

@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 import torch
-from dataserver_client import DataServerClient
 
 from dataserver.data.transforms import fit_size
+from dataserver_client import DataServerClient
 
 pytestmark = pytest.mark.timeout(120)
 

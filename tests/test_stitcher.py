@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+
 from dataserver_client.stitcher import small_object_loss_ratio
 from dataserver_client.tinydet import TinyDetector
 

@@ -164,7 +164,9 @@ class Engine(threading.Thread):
         for link in self.links:
             poller.register(link.sock, zmq.POLLIN)
             poller.register(link.monitor, zmq.POLLIN)
+            poller.register(link.results, zmq.POLLIN)
         by_sock = {link.sock: link for link in self.links}
+        by_results = {link.results: link for link in self.links}
         by_monitor = {link.monitor: link for link in self.links}
         started = time.monotonic()
         next_liveness = 0.0
@@ -187,7 +189,10 @@ class Engine(threading.Thread):
                     self._on_link_events(link)
             for sock, link in by_sock.items():
                 if sock in events:
-                    self._drain(link)
+                    self._drain(link, link.sock)
+            for sock, link in by_results.items():
+                if sock in events:
+                    self._drain(link, link.results)
             if not self.handshake.done():
                 self._check_handshake(started)
                 continue
@@ -198,10 +203,11 @@ class Engine(threading.Thread):
                 next_liveness = now + 0.02
                 self._liveness()
 
-    def _drain(self, link: ServerLink) -> None:
+    def _drain(self, link: ServerLink, sock: zmq.Socket[Any]) -> None:
+        direct = sock is link.results
         for _ in range(256):
             try:
-                frames = link.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
             link.last_heard = time.monotonic()
@@ -210,6 +216,8 @@ class Engine(threading.Thread):
             except ProtocolError as exc:
                 log.warning("dropped a bad message from %s: %s", link.address, exc)
                 continue
+            if direct and msg.type is not MsgType.RESULT:
+                continue  # workers send nothing else
             self._on_message(link, msg)
 
     # ------------------------------------------------------------ handshake
@@ -306,7 +314,7 @@ class Engine(threading.Thread):
                         rec.link = None  # cancelled though still wanted: send it again
                         self.pending.appendleft(rec)
             case MsgType.HEARTBEAT:
-                pass
+                link.sync_results(h.get("results"))
             case _:
                 log.debug("ignored %s from %s", msg.type.name, link.address)
 
@@ -325,6 +333,7 @@ class Engine(threading.Thread):
         was_lost = link.was_lost
         restarted = link.welcome(h)
         link.was_lost = False
+        link.sync_results(h.get("results"))
         endpoint = control_address(link.address, h["control"])
         if endpoint not in self._control_endpoints:
             self._control_endpoints.add(endpoint)
@@ -373,6 +382,11 @@ class Engine(threading.Thread):
         rec = self.tasks.get(tid)
         if rec is None or h.get("plan_version") != rec.plan_version:
             self.counters["late"] += 1
+            return
+        if kind == "maybe_lost":  # its worker died right after sending it straight to us
+            if rec.link is link:  # still waiting for it: run it again (a late copy is dropped)
+                rec.link = None
+                self.pending.appendleft(rec)
             return
         if kind == "unknown_session":  # the server restarted or forgot us: handshake again
             rec.link = None

@@ -17,6 +17,7 @@ from zmq.utils.monitor import recv_monitor_message
 from dataserver import protocol
 from dataserver.protocol import MsgType
 
+MAX_WORKER_ENDPOINTS = 1024
 CLIENT_MAX_MSG = 1 << 30  # results are images: allow large ones, refuse absurd ones
 MONITORED = (
     zmq.EVENT_HANDSHAKE_SUCCEEDED
@@ -69,8 +70,9 @@ def _is_ip(host: str) -> bool:
 
 
 def control_address(data_address: str, announced: str) -> str:
-    """Where to connect the PUB for a server: its announced control port on the host we
-    reached it by (the server may have bound 0.0.0.0, which is no address to connect to)."""
+    """Where to connect to an endpoint a server announces (control, worker results): its
+    port on the host we reached the server by (it may have bound 0.0.0.0, which is no
+    address to connect to)."""
     m = _TCP.match(data_address)
     a = re.match(r"^tcp://.*:(?P<port>\d+)$", announced)
     if m is None or a is None:
@@ -100,6 +102,19 @@ class ServerLink:
             self.sock.curve_secretkey = curve["secret"]
         self.monitor = self.sock.get_monitor_socket(MONITORED)
         self.sock.connect(address)
+        # Results come straight from the server's workers when we can reach them: one DEALER
+        # connected to every worker, named by our session so each worker can address us.
+        self.results = ctx.socket(zmq.DEALER)
+        self.results.setsockopt(zmq.LINGER, 0)
+        self.results.setsockopt(zmq.MAXMSGSIZE, CLIENT_MAX_MSG)
+        self.results.setsockopt(zmq.ROUTING_ID, session)
+        self.results.setsockopt(zmq.RECONNECT_IVL, 100)
+        self.results.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        if curve:
+            self.results.curve_serverkey = curve["server_public"]
+            self.results.curve_publickey = curve["public"]
+            self.results.curve_secretkey = curve["secret"]
+        self.result_endpoints: set[str] = set()
         self.connected = False  # a ZMTP handshake has completed on the current connection
         self.was_lost = False
         self.last_error = ""
@@ -137,6 +152,24 @@ class ServerLink:
     def heartbeat(self) -> None:
         self.send(protocol.make(MsgType.HEARTBEAT, {"session": self.session}))
 
+    def sync_results(self, announced: Any) -> None:
+        """Connect to the workers a server announces, and let go of those it no longer does."""
+        if not isinstance(announced, list):
+            return
+        wanted = {
+            control_address(self.address, e)
+            for e in announced[:MAX_WORKER_ENDPOINTS]
+            if isinstance(e, str) and e.startswith(("tcp://", "ipc://"))
+        }
+        for endpoint in sorted(wanted - self.result_endpoints):
+            self.results.connect(endpoint)
+        for endpoint in sorted(self.result_endpoints - wanted):
+            try:
+                self.results.disconnect(endpoint)
+            except zmq.ZMQError:
+                pass
+        self.result_endpoints = wanted
+
     def events(self) -> list[dict[str, Any]]:
         """Connection events since the last call (connected, disconnected, auth failed...)."""
         out = []
@@ -171,4 +204,5 @@ class ServerLink:
             pass
         self.sock.disable_monitor()
         self.monitor.close(linger=0)
+        self.results.close(linger=0)
         self.sock.close(linger=100)  # long enough for BYE to leave, short enough not to hang

@@ -29,6 +29,7 @@ class ServerConfig:
     cache_mb: int = 64  # per worker: prepared sources kept for re-composition
     curve_secret_key: str | None = None
     curve_authorized_keys: str | None = None
+    direct_results: bool = True  # workers send results straight to clients that reach them
 
     def worker_count(self) -> int:
         return self.workers if self.workers > 0 else (os.cpu_count() or 1)
@@ -54,6 +55,15 @@ class ServerConfig:
         port = m["port"]
         next_port = "*" if port in ("*", "0") else str(int(port) + 1)
         return f"tcp://{m['host']}:{next_port}"
+
+
+def results_bind(data_bind: str, tmpdir: str) -> str:
+    """Where a worker binds its direct-result socket: any free port on the data endpoint's
+    interface, or an ipc path next to the backend (``{slot}`` is the worker's slot)."""
+    m = _TCP.match(data_bind)
+    if m is not None:
+        return f"tcp://{m['host']}:*"
+    return f"ipc://{tmpdir}/results-{{slot}}"
 
 
 def check_endpoint(flag: str, endpoint: str) -> None:

@@ -33,7 +33,7 @@ from zmq.utils.monitor import recv_monitor_message
 from dataserver import protocol
 from dataserver.protocol import Message, MsgType, ProtocolError
 from dataserver.security import start_server_curve
-from dataserver.server.config import ServerConfig, bindable
+from dataserver.server.config import ServerConfig, bindable, results_bind
 from dataserver.server.pool import WorkerHandle, WorkerPool
 from dataserver.server.sessions import Scheduler, Session, TaskEntry
 
@@ -76,8 +76,16 @@ class Front:
         self._respawn_at: dict[int, float] = {}
         self._auth: Any = None
         self._tmpdir = tempfile.mkdtemp(prefix="ds-")
+        curve = None
+        if config.curve_secret_key and config.curve_authorized_keys:
+            curve = (config.curve_secret_key, config.curve_authorized_keys)
         self.pool = WorkerPool(
-            f"ipc://{self._tmpdir}/backend", config.dataset, config.dataset_args, config.cache_mb
+            f"ipc://{self._tmpdir}/backend",
+            config.dataset,
+            config.dataset_args,
+            config.cache_mb,
+            results_bind(config.bind, self._tmpdir) if config.direct_results else None,
+            curve,
         )
 
     def stop(self) -> None:
@@ -258,7 +266,8 @@ class Front:
                 self._on_task(identity, msg, frames[1:])
             case MsgType.HEARTBEAT:
                 self._touch(msg.header.get("session"), identity)
-                self._reply(identity, MsgType.HEARTBEAT, {"server_id": self.server_id})
+                beat = {"server_id": self.server_id, "results": self._result_endpoints()}
+                self._reply(identity, MsgType.HEARTBEAT, beat)
             case MsgType.STATS:
                 self._reply(identity, MsgType.STATS, {"stats": self.stats()})
             case MsgType.BYE:
@@ -286,8 +295,13 @@ class Front:
             "workers": self.n_workers,
             "credit": self.credit,
             "control": self.endpoints["control"],
+            "results": self._result_endpoints(),
         }
         self._reply(identity, MsgType.WELCOME, welcome)
+
+    def _result_endpoints(self) -> list[str]:
+        """Where clients connect to receive results straight from the workers."""
+        return sorted(w.results for w in self._ready if w.results)
 
     def _on_task(self, identity: bytes, msg: Message, frames: list[Any]) -> None:
         h = msg.header
@@ -372,7 +386,11 @@ class Front:
             self._on_ready_worker(identity, protocol.decode(frames[1:]))
             return
         handle = self._by_identity.get(identity)
-        if handle is None or not handle.tasks or mtype not in (MsgType.RESULT, MsgType.ERROR):
+        if (
+            handle is None
+            or not handle.tasks
+            or mtype not in (MsgType.RESULT, MsgType.ERROR, MsgType.DONE)
+        ):
             self.rejected["worker_unexpected"] += 1
             return
         entry = next((e for e in handle.tasks if e.task_id == header.get("task_id")), None)
@@ -387,23 +405,37 @@ class Front:
         handle.tasks.remove(entry)
         handle.tasks_done += 1
         session = self.scheduler.sessions.get(entry.session)
-        self.counters["tasks_done" if mtype is MsgType.RESULT else "tasks_failed"] += 1
+        ok = mtype is not MsgType.ERROR
+        self.counters["tasks_done" if ok else "tasks_failed"] += 1
         decoded = header.get("decoded")
-        if isinstance(decoded, int) and mtype is MsgType.RESULT:
+        if isinstance(decoded, int) and ok:
+            samples = header.get("samples", len(header.get("indices", ())))
             self.counters["sources_decoded"] += decoded
-            self.counters["sources_reused"] += len(header.get("indices", ())) - decoded
+            self.counters["sources_reused"] += int(samples) - decoded
+        if mtype is MsgType.DONE:  # the worker sent the RESULT straight to the client
+            self.counters["results_direct"] += 1
+            handle.recent_direct.append(
+                (time.monotonic(), entry.session, entry.task_id, entry.plan_version)
+            )
+            if session is not None:
+                session.tasks_done += 1
+            return
         if session is None:
             self.counters["results_orphaned"] += 1
             return
         session.tasks_done += 1
         if self._send(self.data, session.identity, frames[1:]):
             self.counters["results_sent"] += 1
+            if ok:
+                self.counters["results_via_front"] += 1
 
     def _on_ready_worker(self, identity: bytes, msg: Message) -> None:
         pid = msg.header["pid"]
         for handle in self.pool.workers.values():
             if handle.pid == pid and handle.identity is None:
                 handle.identity = identity
+                results = msg.header.get("results")
+                handle.results = results if isinstance(results, str) else ""
                 self._by_identity[identity] = handle
                 self._ready.append(handle)
                 return
@@ -464,6 +496,7 @@ class Front:
             self._by_identity.pop(handle.identity, None)
         if handle in self._ready:
             self._ready.remove(handle)
+        self._warn_recent_direct(handle)
         entries = list(handle.tasks)
         handle.tasks.clear()
         if not entries:
@@ -497,6 +530,25 @@ class Front:
         if len(entry.indices) == 1:
             header["index"] = entry.indices[0]
         self._reply(session.identity, MsgType.ERROR, header)
+
+    def _warn_recent_direct(self, handle: WorkerHandle) -> None:
+        """A worker died: a result it sent straight to a client just before may not have left
+        the process. Tell those clients; one still waiting for it runs the task again."""
+        horizon = time.monotonic() - 10.0
+        for when, sid, task_id, plan_version in handle.recent_direct:
+            session = self.scheduler.sessions.get(sid)
+            if when < horizon or session is None:
+                continue
+            header = {
+                "session": sid,
+                "task_id": task_id,
+                "plan_version": plan_version,
+                "kind": "maybe_lost",
+                "message": "the worker that sent this result died just after; if it did not "
+                "arrive, run the task again",
+            }
+            self._reply(session.identity, MsgType.ERROR, header)
+        handle.recent_direct.clear()
 
     def _housekeeping(self) -> None:
         for sid in self.scheduler.expired(self.config.session_ttl):

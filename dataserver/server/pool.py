@@ -30,6 +30,12 @@ class WorkerHandle:
     started: float
     identity: bytes | None = None  # its DEALER's routing id, known once READY arrives
     tasks: deque[Any] = field(default_factory=deque)  # TaskEntries sent to it, oldest first
+    results: str = ""  # the endpoint its clients connect to for direct results
+    # (time, session, task_id, plan_version) of results it sent straight to clients lately:
+    # if it dies just after, one may not have left the process, so the client is told.
+    recent_direct: deque[tuple[float, bytes, int, int]] = field(
+        default_factory=lambda: deque(maxlen=64)
+    )
     tasks_done: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -45,11 +51,21 @@ class WorkerHandle:
 class WorkerPool:
     """Starts ``count`` workers for ``backend`` and replaces those that die."""
 
-    def __init__(self, backend: str, dataset: str, dataset_args: str | None, cache_mb: int) -> None:
+    def __init__(
+        self,
+        backend: str,
+        dataset: str,
+        dataset_args: str | None,
+        cache_mb: int,
+        results_bind: str | None = None,
+        curve: tuple[str, str] | None = None,
+    ) -> None:
         self.backend = backend
         self.dataset = dataset
         self.dataset_args = dataset_args
         self.cache_mb = cache_mb
+        self.results_bind = results_bind  # may hold "{slot}"
+        self.curve = curve
         self.workers: dict[int, WorkerHandle] = {}  # by slot
         self.started_total = 0
         self.version = 0  # bumped whenever a worker is added or removed
@@ -74,6 +90,10 @@ class WorkerPool:
         ]
         if self.dataset_args is not None:
             cmd += ["--dataset-args", self.dataset_args]
+        if self.results_bind is not None:
+            cmd += ["--results-bind", self.results_bind.format(slot=slot)]
+        if self.curve is not None:
+            cmd += ["--curve-secret-key", self.curve[0], "--curve-authorized-keys", self.curve[1]]
         env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
         proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, process_group=0)
         try:

@@ -24,7 +24,9 @@ from dataserver import protocol
 from dataserver.data.pipeline import build_output, prepare
 from dataserver.data.sample import Sample, SampleError
 from dataserver.data.spec import build_dataset, parse_spec
-from dataserver.protocol import MsgType, ProtocolError
+from dataserver.protocol import Message, MsgType, ProtocolError
+from dataserver.security import start_server_curve
+from dataserver.server.config import bindable
 
 log = logging.getLogger("dataserver.worker")
 
@@ -78,9 +80,19 @@ class SourceCache:
 class Worker:
     """One worker: a DEALER connected to the front's backend ROUTER."""
 
-    def __init__(self, worker_id: int, backend: str, dataset: Any, cache_bytes: int) -> None:
+    def __init__(
+        self,
+        worker_id: int,
+        backend: str,
+        dataset: Any,
+        cache_bytes: int,
+        results_bind: str | None = None,
+        curve: tuple[str, str] | None = None,
+    ) -> None:
         self.worker_id = worker_id
         self.backend = backend
+        self.results_bind = results_bind
+        self.curve = curve
         self.dataset = dataset
         self.size = len(dataset)
         self.cache = SourceCache(cache_bytes)
@@ -91,11 +103,12 @@ class Worker:
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IDENTITY, f"w{self.worker_id}-{os.getpid()}".encode())
+        results, auth = self._results_socket(ctx)
+        endpoint = results.getsockopt_string(zmq.LAST_ENDPOINT) if results is not None else ""
         try:
             sock.connect(self.backend)
-            sock.send_multipart(
-                protocol.make(MsgType.READY, {"worker": self.worker_id, "pid": os.getpid()})
-            )
+            ready = {"worker": self.worker_id, "pid": os.getpid(), "results": endpoint}
+            sock.send_multipart(protocol.make(MsgType.READY, ready))
             while True:
                 frames = sock.recv_multipart(copy=False)
                 try:
@@ -107,13 +120,54 @@ class Worker:
                     continue
                 if msg.type is MsgType.BYE:
                     break
-                if msg.type is MsgType.TASK:
-                    sock.send_multipart(self.run_task(msg.header), copy=False)
+                if msg.type is not MsgType.TASK:
+                    continue
+                out = self.run_task(msg.header)
+                if out.type is MsgType.RESULT and self._send_direct(results, out):
+                    sock.send_multipart(protocol.make(MsgType.DONE, _done_header(out)))
+                    continue
+                sock.send_multipart(protocol.encode(out), copy=False)
         except zmq.ContextTerminated:
             pass
         finally:
             sock.close(linger=0)
+            if results is not None:
+                results.close(linger=0)
+            if auth is not None:
+                auth.stop()
             ctx.term()
+
+    def _results_socket(self, ctx: zmq.Context[Any]) -> tuple[zmq.Socket[Any] | None, Any]:
+        """A ROUTER that clients connect to for results sent straight to them."""
+        if self.results_bind is None:
+            return None, None
+        results = ctx.socket(zmq.ROUTER)
+        results.setsockopt(zmq.LINGER, 0)
+        results.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unknown client: we hear it, and fall back
+        results.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a client that reconnects takes its name back
+        results.setsockopt(zmq.SNDHWM, 64)
+        results.setsockopt(zmq.RCVHWM, 1)
+        results.setsockopt(zmq.MAXMSGSIZE, 1024)  # clients never send here: cut anyone who does
+        auth = None
+        if self.curve is not None:
+            auth = start_server_curve(ctx, self.curve[0], self.curve[1], [results])
+        results.bind(bindable(self.results_bind))
+        return results, auth
+
+    def _send_direct(self, results: zmq.Socket[Any] | None, out: Message) -> bool:
+        """Send a RESULT straight to its client; False when that client is not connected to
+        this worker (the front forwards it instead)."""
+        if results is None:
+            return False
+        try:
+            results.send_multipart(
+                [out.header["session"], *protocol.encode(out)], zmq.NOBLOCK, copy=False
+            )
+        except zmq.ZMQError as exc:
+            if exc.errno in (zmq.EHOSTUNREACH, zmq.EAGAIN):
+                return False
+            raise
+        return True
 
     def _apply_control(self, header: dict[str, Any]) -> None:
         key = (header["session"], header["control_seq"])
@@ -124,8 +178,8 @@ class Worker:
             setter(dict(header["control"]))
         self._applied = key
 
-    def run_task(self, h: dict[str, Any]) -> list[Any]:
-        """Run one TASK header; return the frames of its RESULT or ERROR."""
+    def run_task(self, h: dict[str, Any]) -> Message:
+        """Run one TASK header; return its RESULT or ERROR."""
         reply = {
             "session": h["session"],
             "task_id": h["task_id"],
@@ -134,14 +188,14 @@ class Worker:
         bad = [i for i in h["indices"] if i >= self.size]
         if bad:
             msg = f"index {bad[0]} out of range: the dataset has {self.size} samples"
-            return protocol.make(
+            return Message(
                 MsgType.ERROR, {**reply, "index": bad[0], "message": msg, "kind": "request"}
             )
         try:
             self._apply_control(h)
         except Exception as exc:
             msg = f"dataset.set_control raised {type(exc).__name__}: {exc}"
-            return protocol.make(MsgType.ERROR, {**reply, "message": msg, "kind": "control"})
+            return Message(MsgType.ERROR, {**reply, "message": msg, "kind": "control"})
         session, cseq, seed, epoch = h["session"], h["control_seq"], h["seed"], h["epoch"]
         decoded = 0
 
@@ -167,18 +221,24 @@ class Worker:
                 "message": str(exc),
                 "kind": "sample",
             }
-            return protocol.make(MsgType.ERROR, err)
+            return Message(MsgType.ERROR, err)
         except Exception as exc:
             log.exception("worker %d: task %d failed", self.worker_id, h["task_id"])
             msg = f"worker error on indices {h['indices']}: {type(exc).__name__}: {exc}"
-            return protocol.make(MsgType.ERROR, {**reply, "message": msg, "kind": "internal"})
+            return Message(MsgType.ERROR, {**reply, "message": msg, "kind": "internal"})
         header = {
             **reply,
             "indices": out.indices,
             "failed": [list(f) for f in out.failed],
             "decoded": decoded,  # sources read and augmented for this task (cache misses)
         }
-        return protocol.make(MsgType.RESULT, header, [out.image, out.boxes, out.labels])
+        return Message(MsgType.RESULT, header, [out.image, out.boxes, out.labels])
+
+
+def _done_header(out: Message) -> dict[str, Any]:
+    h = out.header
+    keys = ("session", "task_id", "plan_version", "decoded")
+    return {**{k: h[k] for k in keys}, "samples": len(h["indices"])}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -189,6 +249,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dataset", required=True)
     parser.add_argument("--dataset-args", default=None)
     parser.add_argument("--cache-mb", type=int, default=64)
+    parser.add_argument("--results-bind", default=None)
+    parser.add_argument("--curve-secret-key", default=None)
+    parser.add_argument("--curve-authorized-keys", default=None)
     args = parser.parse_args(argv)
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -197,7 +260,12 @@ def main(argv: list[str] | None = None) -> int:
     cv2.setNumThreads(1)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     dataset = build_dataset(parse_spec(args.dataset, args.dataset_args))
-    Worker(args.worker_id, args.backend, dataset, args.cache_mb << 20).run()
+    curve = None
+    if args.curve_secret_key and args.curve_authorized_keys:
+        curve = (args.curve_secret_key, args.curve_authorized_keys)
+    Worker(
+        args.worker_id, args.backend, dataset, args.cache_mb << 20, args.results_bind, curve
+    ).run()
     return 0
 
 

@@ -12,6 +12,7 @@ import os
 import sys
 
 import torch.distributed as dist
+
 from dataserver_client import DataServerClient
 
 

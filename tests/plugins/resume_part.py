@@ -16,6 +16,7 @@ import json
 import sys
 
 import torch
+
 from dataserver_client import Batch, DataServerClient
 
 
