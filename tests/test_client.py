@@ -183,3 +183,26 @@ def test_iterator_protocol_continues_and_a_new_iter_restarts(synthetic_server: A
         assert next(again).step == 0
         with pytest.raises(Exception, match="superseded"):
             next(it)
+
+
+def test_cpu_buffers_are_reused_only_after_the_trainer_lets_go(synthetic_server: Any) -> None:
+    with DataServerClient(
+        synthetic_server.address, batch_size=8, image_size=(48, 48), device="cpu"
+    ) as c:
+        c.set_epoch(0)
+        kept = list(c)  # every batch held at once: no buffer may be reused under them
+        copies = [b.images.clone() for b in kept]
+        c.set_epoch(1)
+        for _ in c:
+            pass
+        assert all(torch.equal(b.images, copy) for b, copy in zip(kept, copies, strict=True))
+        view = kept[0].images[2]  # a view alone still pins its buffer
+        before = view.clone()
+        del kept, copies
+        allocated = c.stats()["host_buffers_allocated"]
+        for epoch in (2, 3):
+            c.set_epoch(epoch)
+            for _ in c:  # batches dropped at once: their buffers come back
+                pass
+        assert torch.equal(view, before)
+        assert c.stats()["host_buffers_allocated"] <= allocated + 1

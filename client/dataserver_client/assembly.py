@@ -2,9 +2,10 @@
 host buffers, then handed over (CPU) or copied to the device on a side stream (CUDA).
 
 On CUDA the host buffers are pinned and recycled once the copy that read them has
-finished (its event), so steady-state training allocates no host memory. On CPU each
-batch gets a fresh buffer that is handed to the trainer itself: no copy, and a batch the
-trainer keeps is never overwritten.
+finished (its event), so steady-state training allocates no host memory. On CPU the
+trainer gets a view of a pooled buffer, and the buffer is reused only once no tensor or
+array sharing its memory is left (its storage's use count says so): no copy, no page
+faults on fresh memory, and a batch the trainer keeps is never overwritten.
 """
 
 from __future__ import annotations
@@ -21,31 +22,64 @@ from dataserver_client.planner import BatchPlan
 
 
 class HostBuffers:
-    """Host memory for batch images: pinned and recycled for CUDA, fresh for CPU."""
+    """Host memory for batch images, recycled: pinned for CUDA (free again once the device
+    copy that read it is done), plain for CPU (free again once the trainer let go of it)."""
 
     def __init__(self, device: torch.device, keep: int) -> None:
         self.pinned = device.type == "cuda"
         self.keep = keep
         self._free: dict[tuple[int, ...], list[tuple[torch.Tensor, Any]]] = {}
+        self._lent: list[torch.Tensor] = []
+        self.allocated = 0
+        # Private but long-standing torch API; without it CPU buffers are simply not reused.
+        self._use_count = getattr(torch._C, "_storage_Use_Count", None)
+        self._alone = 0
 
     def take(self, shape: tuple[int, ...]) -> torch.Tensor:
-        if self.pinned:
-            free = self._free.get(shape)
-            if free:
-                tensor, event = free.pop()
-                if event is not None:
-                    event.synchronize()  # the device copy that read it is done
-                return tensor
-            return torch.empty(shape, dtype=torch.uint8, pin_memory=True)
-        return torch.empty(shape, dtype=torch.uint8)
+        if not self.pinned:
+            self._reclaim()
+        free = self._free.get(shape)
+        if free:
+            tensor, event = free.pop()
+            if event is not None:
+                event.synchronize()  # the device copy that read it is done
+            return tensor
+        tensor = torch.empty(shape, dtype=torch.uint8, pin_memory=self.pinned)
+        self.allocated += 1
+        if self._use_count is not None and not self._alone:
+            self._alone = self._count(tensor)
+        return tensor
 
     def give(self, tensor: torch.Tensor, event: Any = None) -> None:
-        """Return a pinned buffer once ``event`` (the copy that reads it) completes."""
-        if not self.pinned:
-            return
+        """Return a buffer nobody else holds (pinned: once ``event``, the copy reading it, is done)."""
         free = self._free.setdefault(tuple(tensor.shape), [])
         if len(free) < self.keep:
             free.append((tensor, event))
+
+    def lend(self, tensor: torch.Tensor) -> torch.Tensor:
+        """CPU: the tensor to hand the trainer, a view of ``tensor``; ``tensor`` comes back
+        to the pool when no view of it, and nothing made from one, is alive any more."""
+        if self._use_count is None:
+            return tensor
+        self._lent.append(tensor)
+        if len(self._lent) > 4 * self.keep:
+            self._lent.pop(0)  # the trainer keeps many batches: let those go to the GC
+        return tensor.view(tensor.shape)
+
+    def _count(self, tensor: torch.Tensor) -> int:
+        assert self._use_count is not None
+        return int(self._use_count(tensor.untyped_storage()._cdata))
+
+    def _reclaim(self) -> None:
+        if not self._lent:
+            return
+        held = []
+        for tensor in self._lent:
+            if self._count(tensor) <= self._alone:
+                self.give(tensor)
+            else:
+                held.append(tensor)
+        self._lent = held
 
 
 class InflightBatch:
@@ -126,6 +160,11 @@ class DeviceMover:
         all_boxes = torch.from_numpy(np.concatenate([np.zeros((0, 4), np.float32), *boxes]))
         all_labels = torch.from_numpy(np.concatenate([np.zeros((0,), np.int64), *labels]))
         event = None
+        if not self.cuda:
+            if inflight.dropped:
+                buffers.give(inflight.host)  # the batch got a compacted copy
+            else:
+                images = buffers.lend(images)
         if self.cuda:
             assert self.stream is not None
             with torch.cuda.stream(self.stream):

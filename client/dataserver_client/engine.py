@@ -639,6 +639,7 @@ class Engine(threading.Thread):
         return {
             **self.counters,
             "plan_version": self.plan_version,
+            "host_buffers_allocated": self.buffers.allocated,
             "servers": [
                 {
                     "address": link.address,
