@@ -10,6 +10,7 @@ from typing import Any
 from dataserver.data.spec import build_dataset, dataset_fingerprint, parse_spec
 from dataserver.server.config import ConfigError, ServerConfig
 from dataserver.server.front import Front
+from dataserver.server.memory import keep_large_blocks
 
 __all__ = ["ConfigError", "Front", "ServerConfig", "ready_line", "serve"]
 
@@ -27,6 +28,7 @@ def serve(config: ServerConfig, on_ready: Callable[[Front], Any]) -> None:
     until SIGINT or SIGTERM. Raises ``SpecError``/``ConfigError`` for bad flags."""
     config.validate()
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # whatever a user's dataset imports, no GPU here
+    keep_large_blocks()
     spec = parse_spec(config.dataset, config.dataset_args)
     dataset = build_dataset(spec)
     size = len(dataset)

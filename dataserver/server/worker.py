@@ -27,6 +27,7 @@ from dataserver.data.spec import build_dataset, parse_spec
 from dataserver.protocol import Message, MsgType, ProtocolError
 from dataserver.security import start_server_curve
 from dataserver.server.config import bindable
+from dataserver.server.memory import keep_large_blocks
 
 log = logging.getLogger("dataserver.worker")
 
@@ -257,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent(args.parent_pid)
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    keep_large_blocks()
     cv2.setNumThreads(1)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     dataset = build_dataset(parse_spec(args.dataset, args.dataset_args))
