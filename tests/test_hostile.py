@@ -172,6 +172,21 @@ def test_hostile_traffic_is_rejected_counted_and_the_server_keeps_serving(
         assert any(m.type is MsgType.WELCOME for m in answers)
         assert any(m.type is MsgType.CANCELLED and m.header["task_ids"] == [2] for m in answers)
 
+        # 7. The workers' result sockets, announced in WELCOME: junk, noise and oversized
+        # messages (workers never read them; anything over 1 KiB cuts the connection).
+        welcome = next(m for m in answers if m.type is MsgType.WELCOME)
+        worker_ports = welcome.header["results"]
+        assert len(worker_ports) == 2
+        for endpoint in worker_ports:
+            raw_tcp(endpoint, os.urandom(3000))
+            noisy = ctx.socket(zmq.DEALER)
+            noisy.setsockopt(zmq.LINGER, 0)
+            noisy.connect(endpoint)
+            socks.append(noisy)
+            for frames in HOSTILE_FRAMES[:4]:
+                noisy.send_multipart(frames)
+            noisy.send(os.urandom(1 << 20))
+
         def counted() -> bool:
             r = server.stats()["rejected"]
             return (
