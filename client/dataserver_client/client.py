@@ -12,7 +12,7 @@ import msgpack
 import torch
 
 from dataserver_client.batch import Batch
-from dataserver_client.config import ClientConfig, default_device, default_rank_world
+from dataserver_client.config import ClientConfig, default_rank_world, resolve_device
 from dataserver_client.engine import Engine, Handoff
 from dataserver_client.errors import DataServerError
 from dataserver_client.link import expand_addresses
@@ -83,7 +83,7 @@ class DataServerClient:
             seed=int(seed),
             rank=int(rank),
             world_size=int(world_size),
-            device=torch.device(device) if device is not None else default_device(),
+            device=resolve_device(device),
             drop_last=bool(drop_last),
             stitch_k=int(stitch_k),
             stitch_layout=stitch_layout,

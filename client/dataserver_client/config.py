@@ -85,5 +85,14 @@ def default_rank_world() -> tuple[int, int]:
         raise ValueError("environment RANK and WORLD_SIZE must be integers") from None
 
 
-def default_device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """The device batches go to: ``device``, or "cuda" when available, else "cpu". A CUDA
+    device without an index is pinned to the caller's current device now, because the
+    client's I/O thread would otherwise see device 0 (each thread has its own current
+    device), which is wrong for every rank but the first."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and resolved.index is None:
+        resolved = torch.device("cuda", torch.cuda.current_device())
+    return resolved
