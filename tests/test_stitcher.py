@@ -74,3 +74,24 @@ def test_example_training_loop_runs_against_a_server(start_server: Any, tmp_path
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "epoch 0 step     0" in proc.stdout and "samples/s" in proc.stdout
     assert ckpt.exists() and Path(f"{ckpt}.loader0").exists()
+
+
+@pytest.mark.timeout(300)
+def test_torchvision_faster_rcnn_probe_reports_a_ratio(start_server: Any) -> None:
+    """The example's torchvision path (skipped where torchvision is not installed; run by hand
+    with torch 2.14.1 + torchvision 0.29.1)."""
+    pytest.importorskip("torchvision")
+    sys.path.insert(0, str(ROOT / "examples"))
+    from train_detector import build_model  # type: ignore[import-not-found]
+
+    from dataserver_client import DataServerClient
+
+    server = start_server("--dataset", "synthetic:images=16,seed=0", workers=1)
+    _model, step = build_model("fasterrcnn", (384, 384), torch.device("cpu"))
+    with DataServerClient(server.address, batch_size=2, image_size=(384, 384), device="cpu") as c:
+        c.set_epoch(0)
+        batch = next(iter(c))
+        loss, ratio = step(batch.images, batch.targets)
+        loss.backward()
+        assert loss.item() > 0 and (math.isnan(ratio) or 0.0 <= ratio <= 1.0)
+        assert c.feedback(ratio) in ("regular", "stitch")
