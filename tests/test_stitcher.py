@@ -82,7 +82,7 @@ def test_torchvision_faster_rcnn_probe_reports_a_ratio(start_server: Any) -> Non
     with torch 2.14.1 + torchvision 0.29.1)."""
     pytest.importorskip("torchvision")
     sys.path.insert(0, str(ROOT / "examples"))
-    from train_detector import build_model  # type: ignore[import-not-found]
+    from train_detector import build_model
 
     from dataserver_client import DataServerClient
 
