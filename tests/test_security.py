@@ -85,30 +85,36 @@ class Relay:
         self.listener.close()
 
 
-def epoch_through(relay: Relay, **curve: Any) -> list[int]:
-    with DataServerClient(
-        relay.address, batch_size=8, image_size=(32, 32), device="cpu", **curve
-    ) as c:
+def epoch_indices(address: str, **curve: Any) -> list[int]:
+    """One epoch's indices, sorted, from a client of ``address``."""
+    with DataServerClient(address, batch_size=8, image_size=(32, 32), device="cpu", **curve) as c:
         c.set_epoch(0)
         return sorted(i for b in c for idx in b.indices for i in idx)
 
 
-def test_authorized_client_gets_its_epoch_encrypted(start_server: Any, keys: Path) -> None:
-    server = start_server(
-        "--dataset",
-        "synthetic:images=48,seed=1",
+def curve_server(start_server: Any, keys: Path, *dataset: str) -> Any:
+    """A server that accepts only the keys in ``keys / "authorized"``."""
+    return start_server(
+        *dataset,
         "--curve-secret-key",
         str(keys / "server.key_secret"),
         "--curve-authorized-keys",
         str(keys / "authorized"),
     )
+
+
+def client_keys(keys: Path, name: str = "client") -> dict[str, Any]:
+    return {
+        "curve_server_key": str(keys / "server.key"),
+        "curve_secret_key": str(keys / f"{name}.key_secret"),
+    }
+
+
+def test_authorized_client_gets_its_epoch_encrypted(start_server: Any, keys: Path) -> None:
+    server = curve_server(start_server, keys, "--dataset", "synthetic:images=48,seed=1")
     relay = Relay(server.address)
     try:
-        got = epoch_through(
-            relay,
-            curve_server_key=str(keys / "server.key"),
-            curve_secret_key=str(keys / "client.key_secret"),
-        )
+        got = epoch_indices(relay.address, **client_keys(keys))
     finally:
         relay.close()
     assert got == list(range(48))
@@ -157,37 +163,19 @@ def capture_or_skip() -> LoopbackCapture:
 def test_nothing_readable_on_any_port_with_curve(start_server: Any, keys: Path) -> None:
     """All of the traffic (data, control and the results workers send straight to the
     client) is captured off the loopback interface: with CURVE none of it is plaintext."""
-    server = start_server(
-        "--dataset",
-        "ds_plugins:flat",
-        "--dataset-args",
-        '{"n": 48}',
-        "--curve-secret-key",
-        str(keys / "server.key_secret"),
-        "--curve-authorized-keys",
-        str(keys / "authorized"),
+    server = curve_server(
+        start_server, keys, "--dataset", "ds_plugins:flat", "--dataset-args", '{"n": 48}'
     )
     capture = capture_or_skip()
     try:
-        with DataServerClient(
-            server.address,
-            batch_size=8,
-            image_size=(32, 32),
-            device="cpu",
-            curve_server_key=str(keys / "server.key"),
-            curve_secret_key=str(keys / "client.key_secret"),
-        ) as c:
-            c.set_epoch(0)
-            assert sum(len(b) for b in c) == 48
+        assert epoch_indices(server.address, **client_keys(keys)) == list(range(48))
     finally:
         wire = capture.stop()
     assert len(wire) > 48 * 32 * 32 * 3  # the images were on the wire...
     # (long markers only: a 3-byte one like b"DS1" turns up in ciphertext by chance)
     for plaintext in (b"fingerprint", b"dataset_len", b"task_id", b"plan_version"):
         assert plaintext not in wire  # ...encrypted, like everything else
-    stats = fetch_stats(
-        server.address, 5, str(keys / "server.key"), str(keys / "client.key_secret")
-    )
+    stats = fetch_stats(server.address, 5, *client_keys(keys).values())
     assert stats["counters"].get("results_direct", 0) > 0  # the workers' own sockets included
 
 
@@ -195,9 +183,7 @@ def test_the_capture_sees_plaintext_without_curve(start_server: Any) -> None:
     server = start_server("--dataset", "ds_plugins:flat", "--dataset-args", '{"n": 48}')
     capture = capture_or_skip()
     try:
-        with DataServerClient(server.address, batch_size=8, image_size=(32, 32), device="cpu") as c:
-            c.set_epoch(0)
-            assert sum(len(b) for b in c) == 48
+        assert epoch_indices(server.address) == list(range(48))
     finally:
         wire = capture.stop()
     assert b"fingerprint" in wire and b"task_id" in wire
@@ -207,7 +193,7 @@ def test_the_same_check_sees_plaintext_without_curve(start_server: Any) -> None:
     server = start_server("--dataset", "synthetic:images=48,seed=1")
     relay = Relay(server.address)
     try:
-        assert epoch_through(relay) == list(range(48))
+        assert epoch_indices(relay.address) == list(range(48))
     finally:
         relay.close()
     wire = bytes(relay.captured)
@@ -215,37 +201,15 @@ def test_the_same_check_sees_plaintext_without_curve(start_server: Any) -> None:
 
 
 def test_unknown_key_gets_a_clear_error_within_its_timeout(start_server: Any, keys: Path) -> None:
-    server = start_server(
-        "--dataset",
-        "synthetic:images=48,seed=1",
-        "--curve-secret-key",
-        str(keys / "server.key_secret"),
-        "--curve-authorized-keys",
-        str(keys / "authorized"),
-    )
+    server = curve_server(start_server, keys, "--dataset", "synthetic:images=48,seed=1")
     start = time.monotonic()
     with pytest.raises(NotAuthorized, match=f"not authorized by {server.address}"):
-        DataServerClient(
-            server.address,
-            device="cpu",
-            timeout=10,
-            curve_server_key=str(keys / "server.key"),
-            curve_secret_key=str(keys / "intruder.key_secret"),
-        )
+        DataServerClient(server.address, device="cpu", timeout=10, **client_keys(keys, "intruder"))
     assert time.monotonic() - start < 10
     with pytest.raises(DataServerError, match=server.address.replace(".", r"\.")):
         DataServerClient(server.address, device="cpu", timeout=2)  # no CURVE at all
     assert server.proc.poll() is None  # the server itself is unharmed and serves others
-    with DataServerClient(
-        server.address,
-        batch_size=8,
-        image_size=(32, 32),
-        device="cpu",
-        curve_server_key=str(keys / "server.key"),
-        curve_secret_key=str(keys / "client.key_secret"),
-    ) as c:
-        c.set_epoch(0)
-        assert sum(len(b) for b in c) == 48
+    assert epoch_indices(server.address, **client_keys(keys)) == list(range(48))
     stats = subprocess.run(
         [
             sys.executable,

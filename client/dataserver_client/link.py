@@ -80,6 +80,20 @@ def control_address(data_address: str, announced: str) -> str:
     return f"tcp://{m['host']}:{a['port']}"
 
 
+def _dealer(ctx: zmq.Context[Any], curve: dict[str, bytes] | None) -> zmq.Socket[Any]:
+    """A DEALER with the options every client socket to a server shares."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, CLIENT_MAX_MSG)
+    sock.setsockopt(zmq.RECONNECT_IVL, 100)
+    sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+    if curve:
+        sock.curve_serverkey = curve["server_public"]
+        sock.curve_publickey = curve["public"]
+        sock.curve_secretkey = curve["secret"]
+    return sock
+
+
 class ServerLink:
     """The client's side of one server."""
 
@@ -88,32 +102,16 @@ class ServerLink:
     ) -> None:
         self.address = address
         self.session = session
-        self.sock = ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, CLIENT_MAX_MSG)
-        self.sock.setsockopt(zmq.RECONNECT_IVL, 100)
-        self.sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        self.sock = _dealer(ctx, curve)
         # Queue nothing for a server that is not connected: a send fails at once instead
         # of piling up for a dead peer (or blocking when the queue is full).
         self.sock.setsockopt(zmq.IMMEDIATE, 1)
-        if curve:
-            self.sock.curve_serverkey = curve["server_public"]
-            self.sock.curve_publickey = curve["public"]
-            self.sock.curve_secretkey = curve["secret"]
         self.monitor = self.sock.get_monitor_socket(MONITORED)
         self.sock.connect(address)
         # Results come straight from the server's workers when we can reach them: one DEALER
         # connected to every worker, named by our session so each worker can address us.
-        self.results = ctx.socket(zmq.DEALER)
-        self.results.setsockopt(zmq.LINGER, 0)
-        self.results.setsockopt(zmq.MAXMSGSIZE, CLIENT_MAX_MSG)
+        self.results = _dealer(ctx, curve)
         self.results.setsockopt(zmq.ROUTING_ID, session)
-        self.results.setsockopt(zmq.RECONNECT_IVL, 100)
-        self.results.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
-        if curve:
-            self.results.curve_serverkey = curve["server_public"]
-            self.results.curve_publickey = curve["public"]
-            self.results.curve_secretkey = curve["secret"]
         self.result_endpoints: set[str] = set()
         self.connected = False  # a ZMTP handshake has completed on the current connection
         self.was_lost = False
@@ -170,7 +168,7 @@ class ServerLink:
                 pass
         self.result_endpoints = wanted
 
-    def events(self) -> list[dict[str, Any]]:
+    def events(self) -> list[Any]:
         """Connection events since the last call (connected, disconnected, auth failed...)."""
         out = []
         while True:
