@@ -9,6 +9,9 @@ keeps up with many workers.
 Task accounting: every task is outstanding on exactly one server link until that server
 answers it (RESULT, ERROR or CANCELLED), so credits are exact. A task whose plan is
 superseded stays outstanding (its answer is dropped on arrival) until answered.
+
+This module has the loop and the messages; ``plans.py`` the epoch plan and the commands
+that move it, ``watch.py`` the servers' liveness (both are mixins of ``Engine``).
 """
 
 from __future__ import annotations
@@ -21,7 +24,6 @@ import uuid
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any
 
 import zmq
@@ -30,9 +32,11 @@ from dataserver import protocol
 from dataserver.protocol import Message, MsgType, ProtocolError
 from dataserver_client.assembly import Delivery, DeviceMover, HostBuffers, InflightBatch
 from dataserver_client.config import ClientConfig
-from dataserver_client.errors import DataServerError, NotAuthorized, ServerUnreachable
+from dataserver_client.errors import DataServerError, NotAuthorized
 from dataserver_client.link import LinkState, ServerLink, control_address
-from dataserver_client.planner import REGULAR, Planner, TaskPlan, epoch_order, shard_of
+from dataserver_client.planner import REGULAR, Planner
+from dataserver_client.plans import EpochPlans, TaskRecord
+from dataserver_client.watch import LinkWatch
 
 log = logging.getLogger("dataserver_client")
 
@@ -52,17 +56,7 @@ class Handoff:
         self.fatal: BaseException | None = None
 
 
-@dataclass(eq=False)
-class TaskRecord:
-    task_id: int
-    step: int
-    slot: int
-    plan_version: int
-    task: TaskPlan
-    link: ServerLink | None = None
-
-
-class Engine(threading.Thread):
+class Engine(EpochPlans, LinkWatch, threading.Thread):
     """The I/O thread of one ``DataServerClient``."""
 
     def __init__(
@@ -220,80 +214,6 @@ class Engine(threading.Thread):
                 continue  # workers send nothing else
             self._on_message(link, msg)
 
-    # ------------------------------------------------------------ handshake
-
-    def _check_handshake(self, started: float) -> None:
-        waiting = [link for link in self.links if link.state is not LinkState.READY]
-        if not waiting:
-            first = self.links[0].info
-            for link in self.links[1:]:
-                if (link.info["fingerprint"], link.info["dataset_len"]) != (
-                    first["fingerprint"],
-                    first["dataset_len"],
-                ):
-                    self.handshake.set_exception(
-                        DataServerError(
-                            f"servers disagree on the dataset: {self.links[0].address} serves "
-                            f"{first['fingerprint']} ({first['dataset_len']} samples), "
-                            f"{link.address} serves {link.info['fingerprint']} "
-                            f"({link.info['dataset_len']} samples)"
-                        )
-                    )
-                    self._closing = True
-                    return
-            self.handshake.set_result(dict(first))
-            self.last_progress = time.monotonic()
-            return
-        for link in waiting:
-            self._maybe_hello(link)
-        if time.monotonic() - started > self.config.timeout:
-            names = ", ".join(
-                link.address + (f" ({link.last_error})" if link.last_error else "")
-                for link in waiting
-            )
-            self.handshake.set_exception(
-                ServerUnreachable(
-                    f"no answer from {names} within {self.config.timeout:g} s "
-                    "(is `dataserver serve` running there, and reachable?)"
-                )
-            )
-            self._closing = True
-
-    def _maybe_hello(self, link: ServerLink) -> None:
-        """(Re)send HELLO to a server we have no session with: soon after a failed send (not
-        connected yet), once a second while a sent HELLO waits for its WELCOME."""
-        wait = 1.0 if link.connected else 0.2
-        if time.monotonic() - link.last_hello > wait:
-            link.hello()
-
-    def _on_link_events(self, link: ServerLink) -> None:
-        for event in link.events():
-            kind = event["event"]
-            if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                link.connected = True
-                link.last_error = ""
-                if link.state is not LinkState.READY:
-                    link.hello()
-            elif kind == zmq.EVENT_DISCONNECTED:
-                link.connected = False
-                if link.state is LinkState.READY:
-                    self._lost(link, "disconnected")
-            elif kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-                self._fail(
-                    NotAuthorized(
-                        f"not authorized by {link.address}: the server does not accept this "
-                        "client's CURVE key (is its public key in --curve-authorized-keys?)"
-                    )
-                )
-            elif kind in (
-                zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
-                zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL,
-            ):
-                link.last_error = (
-                    "the connection handshake failed: a CURVE setting on one side only, "
-                    "or not a dataserver"
-                )
-
     # ------------------------------------------------------------ messages
 
     def _on_message(self, link: ServerLink, msg: Message) -> None:
@@ -418,24 +338,6 @@ class Engine(threading.Thread):
 
     # ------------------------------------------------------------ batches
 
-    def _maybe_finish(self, batch: InflightBatch) -> None:
-        if not batch.complete:
-            return
-        step = batch.plan.step
-        del self.inflight[step]
-        delivery = self.mover.deliver(batch, self.epoch, self.buffers)
-        with self.handoff.cond:
-            self.handoff.ready[step] = delivery
-            self.handoff.cond.notify_all()
-
-    def _fail_batch(self, batch: InflightBatch, error: DataServerError) -> None:
-        step = batch.plan.step
-        self.inflight.pop(step, None)
-        self._forget_tasks(lambda r: r.step == step)
-        with self.handoff.cond:
-            self.handoff.ready[step] = error
-            self.handoff.cond.notify_all()
-
     def _fail(self, error: BaseException) -> None:
         if not self.handshake.done():
             self.handshake.set_exception(error)
@@ -443,37 +345,6 @@ class Engine(threading.Thread):
             if self.handoff.fatal is None:
                 self.handoff.fatal = error
             self.handoff.cond.notify_all()
-
-    def _forget_tasks(self, which: Callable[[TaskRecord], bool]) -> None:
-        """Stop wanting some tasks; those already sent stay outstanding until answered."""
-        for tid in [t for t, r in self.tasks.items() if which(r)]:
-            del self.tasks[tid]
-        self.pending = deque(r for r in self.pending if not which(r))
-
-    def _fill(self) -> None:
-        """Plan batches until ``prefetch`` are planned beyond what the trainer has taken."""
-        planner = self.planner
-        if planner is None or self.handoff.end_step is not None:
-            return
-        with self.handoff.cond:
-            taken = self.handoff.taken
-        for step in [s for s in self.plan_starts if s < taken]:
-            del self.plan_starts[step]
-        while planner.step - taken < self.config.prefetch:
-            plan = planner.next_plan()
-            if plan is None:
-                with self.handoff.cond:
-                    self.handoff.end_step = planner.step
-                    self.handoff.cond.notify_all()
-                return
-            self.plan_starts[plan.step] = plan.start
-            host = self.buffers.take((len(plan.tasks), 3, *plan.out_hw))
-            self.inflight[plan.step] = InflightBatch(plan, host)
-            for slot, task in enumerate(plan.tasks):
-                rec = TaskRecord(self.next_task_id, plan.step, slot, plan.plan_version, task)
-                self.next_task_id += 1
-                self.tasks[rec.task_id] = rec
-                self.pending.append(rec)
 
     def _dispatch(self) -> None:
         while self.pending:
@@ -503,137 +374,7 @@ class Engine(threading.Thread):
             link.sent_total += 1
             rec.link = link
 
-    # ------------------------------------------------------------ liveness
-
-    def _liveness(self) -> None:
-        now = time.monotonic()
-        cfg = self.config
-        for link in self.links:
-            if link.state is LinkState.READY:
-                if now - link.last_sent > cfg.heartbeat_interval:
-                    link.heartbeat()
-                if now - link.last_heard > cfg.heartbeat_timeout:
-                    self._lost(link, f"silent for {now - link.last_heard:.1f} s")
-            else:
-                self._maybe_hello(link)
-        waiting = bool(self.pending) or any(link.outstanding for link in self.links)
-        wanted = bool(self.tasks)
-        if not (waiting and wanted):
-            self.last_progress = now
-            return
-        if now - self.last_progress > cfg.timeout:
-            parts = []
-            for link in self.links:
-                mine = sum(1 for t in link.outstanding if t in self.tasks)
-                why = f", {link.last_error}" if link.last_error else ""
-                parts.append(
-                    f"{link.address} ({link.state.name.lower()}, {mine} task(s) outstanding{why})"
-                )
-            self._fail(
-                DataServerError(
-                    f"no progress for {cfg.timeout:g} s; waiting for: "
-                    + ", ".join(parts)
-                    + (f"; {len(self.pending)} task(s) not yet sent" if self.pending else "")
-                )
-            )
-            self.last_progress = now
-
-    def _lost(self, link: ServerLink, why: str) -> None:
-        """A server stopped answering: its tasks go to the others, or wait for it."""
-        log.warning("%s lost (%s)", link.address, why)
-        link.state = LinkState.LOST
-        link.was_lost = True
-        link.last_error = why
-        if any(lk.state is LinkState.READY for lk in self.links):
-            self._reissue(link)
-
-    def _reissue(self, link: ServerLink) -> None:
-        recs = sorted(
-            (self.tasks[t] for t in link.outstanding if t in self.tasks),
-            key=lambda r: (r.step, r.slot),
-        )
-        link.outstanding.clear()
-        for rec in reversed(recs):
-            rec.link = None
-            self.pending.appendleft(rec)
-        self.counters["reissued"] += len(recs)
-
     # ------------------------------------------------------------ commands (I/O thread)
-
-    def start_epoch(self, epoch: int, position: int = 0, step: int = 0) -> int:
-        """Begin ``epoch`` at shard ``position`` (batch ``step``); return the shard size."""
-        self.epoch = epoch
-        self.plan_version += 1
-        self._drop_plans()
-        n = int(self.links[0].info["dataset_len"])
-        order = epoch_order(n, self.config.seed, epoch, self.config.shuffle)
-        shard = shard_of(order, self.config.rank, self.config.world_size, self.config.drop_last)
-        self.planner = Planner(shard, self.layout, self.mode, self.plan_version)
-        self.planner.position, self.planner.step = position, step
-        with self.handoff.cond:
-            self.handoff.ready.clear()
-            self.handoff.taken = step
-            self.handoff.end_step = None
-            self.handoff.fatal = None
-        self.last_progress = time.monotonic()
-        return len(shard)
-
-    def steer(self, mode: str, control: dict[str, Any] | None) -> int:
-        """Switch mode and/or control values from the next batch the trainer takes on.
-
-        Returns the new plan_version. Every batch not yet taken is dropped and planned
-        again from its first sample under the new plan.
-        """
-        self.plan_version += 1
-        self.mode = mode
-        if control is not None:
-            self.control = {**self.control, **control}
-            self.control_seq += 1
-        header = {
-            "session": self.session,
-            "plan_version": self.plan_version,
-            "control_seq": self.control_seq,
-            "control": self.control,
-            "mode": mode,
-        }
-        self.pub.send_multipart(protocol.make(MsgType.CONTROL, header))
-        if self.planner is not None:
-            with self.handoff.cond:
-                taken = self.handoff.taken
-                self.handoff.ready.clear()
-                self.handoff.end_step = None
-            position = self.plan_starts.get(taken, self.planner.position)
-            self._drop_plans()
-            self.planner.rewind(taken, position, mode, self.plan_version)
-        return self.plan_version
-
-    def _drop_plans(self) -> None:
-        for batch in self.inflight.values():
-            self.buffers.give(batch.host)
-        self.inflight.clear()
-        self.plan_starts.clear()
-        self.tasks.clear()
-        self.pending.clear()
-
-    def snapshot(self) -> dict[str, Any]:
-        """The resumable position: the first batch the trainer has not taken."""
-        with self.handoff.cond:
-            taken = self.handoff.taken
-        planner = self.planner
-        position = self.plan_starts.get(taken, planner.position) if planner else 0
-        return {
-            "epoch": self.epoch,
-            "position": position,
-            "step": taken,
-            "mode": self.mode,
-            "control": dict(self.control),
-            "control_seq": self.control_seq,
-        }
-
-    def restore(self, mode: str, control: dict[str, Any], control_seq: int) -> None:
-        self.mode = mode
-        self.control = dict(control)
-        self.control_seq = control_seq
 
     def stats(self) -> dict[str, Any]:
         return {
