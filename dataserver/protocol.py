@@ -193,6 +193,10 @@ def _check_semantics(mtype: MsgType, header: dict[str, Any]) -> None:
             raise ProtocolError(f"task out_hw {h}x{w} out of range")
         if header["on_error"] not in ("raise", "skip"):
             raise ProtocolError(f"task on_error {header['on_error']!r} is not raise|skip")
+        exclude = header.get("exclude", [])
+        if not isinstance(exclude, list):
+            raise ProtocolError("task exclude must be a list")
+        _check_int_list("exclude", exclude, 0, MAX_TILES)
         if not all(isinstance(k, str) for k in header["control"]):
             raise ProtocolError("control keys must be strings")
         _depth(header["control"], MAX_CONTROL_DEPTH)

@@ -91,6 +91,29 @@ def test_poison_sample_is_named_and_can_be_skipped(start_server: Any) -> None:
     assert wait_until(lambda: server.stats()["workers_alive"] == 2, 10)
 
 
+def test_a_poison_sample_in_a_stitched_image_costs_only_itself(start_server: Any) -> None:
+    server = start_server(
+        "--dataset", "ds_plugins:poison", "--dataset-args", json.dumps({"n": 24, "index": 7})
+    )
+    with DataServerClient(
+        server.address,
+        batch_size=2,
+        image_size=(64, 64),
+        shuffle=False,
+        on_error="skip",
+        device="cpu",
+    ) as c:
+        c.set_mode("stitch")
+        c.set_epoch(0)
+        batches = list(c)
+    assert sorted(indices(batches)) == [i for i in range(24) if i != 7]
+    assert sum(b.skipped for b in batches) == 1 and [
+        i for b in batches for i in b.skipped_indices
+    ] == [7]
+    group = next(grp for b in batches for grp in b.indices if 6 in grp)
+    assert group == [4, 5, 6]  # the image still holds the poison sample's three neighbours
+
+
 def test_a_killed_server_s_tasks_move_to_the_other(start_server: Any) -> None:
     a = start_server(*SLOW, workers=2)
     b = start_server(*SLOW, workers=2)

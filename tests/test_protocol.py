@@ -192,6 +192,8 @@ def test_rejects_missing_and_extra_buffers() -> None:
         ({"task_id": True}, "task_id"),
         ({"task_id": 2**64 - 1}, "task_id"),
         ({"control": {1: 2}}, "not valid msgpack|control keys"),
+        ({"exclude": [-1]}, "exclude"),
+        ({"exclude": "all"}, "exclude"),
     ],
 )
 def test_rejects_bad_task_fields(change: dict[str, Any], match: str) -> None:

@@ -275,6 +275,9 @@ class Engine(EpochPlans, LinkWatch, threading.Thread):
             return
         del self.tasks[tid]
         self.last_progress = time.monotonic()
+        if rec.probe_of is not None:
+            self._probe_done(rec, bad=False)
+            return
         batch = self.inflight.get(rec.step)
         if batch is None:
             return
@@ -318,8 +321,15 @@ class Engine(EpochPlans, LinkWatch, threading.Thread):
             return
         del self.tasks[tid]
         self.last_progress = time.monotonic()
+        if rec.probe_of is not None:
+            self._probe_done(rec, bad=kind in ("sample", "poison"))
+            return
         batch = self.inflight.get(rec.step)
         if batch is None:
+            return
+        if self.config.on_error == "skip" and kind == "poison" and len(rec.task.indices) > 1:
+            self.tasks[tid] = rec  # still wanted: composed again once the probes say how
+            self._probe(rec)
             return
         if self.config.on_error == "skip" and kind in ("sample", "poison"):
             batch.drop(rec.slot, list(rec.task.indices))
@@ -367,6 +377,8 @@ class Engine(EpochPlans, LinkWatch, threading.Thread):
                 "control_seq": self.control_seq,
                 "control": self.control,
             }
+            if rec.exclude:
+                header["exclude"] = list(rec.exclude)
             if not link.send(protocol.make(MsgType.TASK, header)):
                 self.pending.appendleft(rec)  # not connected after all: try again shortly
                 return

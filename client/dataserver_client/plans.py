@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from dataserver import protocol
@@ -34,6 +34,10 @@ class TaskRecord:
     plan_version: int
     task: TaskPlan
     link: ServerLink | None = None
+    exclude: tuple[int, ...] = ()  # sources to leave out (found to kill workers)
+    probe_of: TaskRecord | None = None  # a one-source probe run for this stitched task
+    probes_left: int = 0
+    poisoned: list[int] = field(default_factory=list)
 
 
 class EpochPlans:
@@ -90,6 +94,35 @@ class EpochPlans:
         for tid in [t for t, r in self.tasks.items() if which(r)]:
             del self.tasks[tid]
         self.pending = deque(r for r in self.pending if not which(r))
+
+    def _probe(self, rec: TaskRecord) -> None:
+        """A stitched task killed two workers and on_error is "skip": find which of its
+        sources does it, one small probe task each, then compose it without them, so only
+        the bad samples are left out (not their k - 1 neighbours)."""
+        rec.probes_left = len(rec.task.indices)
+        for index in rec.task.indices:
+            probe = TaskRecord(
+                self.next_task_id,
+                rec.step,
+                -1,
+                rec.plan_version,
+                TaskPlan((index,), 1, (8, 8)),
+                probe_of=rec,
+            )
+            self.next_task_id += 1
+            self.tasks[probe.task_id] = probe
+            self.pending.appendleft(probe)
+
+    def _probe_done(self, probe: TaskRecord, bad: bool) -> None:
+        parent = probe.probe_of
+        assert parent is not None
+        if bad:
+            parent.poisoned.extend(probe.task.indices)
+        parent.probes_left -= 1
+        if parent.probes_left == 0 and self.tasks.get(parent.task_id) is parent:
+            parent.exclude = tuple(parent.poisoned)
+            parent.link = None
+            self.pending.appendleft(parent)
 
     def _fill(self) -> None:
         """Plan batches until ``prefetch`` are planned beyond what the trainer has taken."""
