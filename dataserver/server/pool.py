@@ -36,8 +36,6 @@ class WorkerHandle:
     recent_direct: deque[tuple[float, bytes, int, int]] = field(
         default_factory=lambda: deque(maxlen=64)
     )
-    tasks_done: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def pid(self) -> int:

@@ -74,7 +74,6 @@ class WorkerRouting:
             self.rejected["worker_unexpected"] += 1
             return
         handle.tasks.remove(entry)
-        handle.tasks_done += 1
         session = self.scheduler.sessions.get(entry.session)
         ok = mtype is not MsgType.ERROR
         self.counters["tasks_done" if ok else "tasks_failed"] += 1
@@ -88,13 +87,10 @@ class WorkerRouting:
             handle.recent_direct.append(
                 (time.monotonic(), entry.session, entry.task_id, entry.plan_version)
             )
-            if session is not None:
-                session.tasks_done += 1
             return
         if session is None:
             self.counters["results_orphaned"] += 1
             return
-        session.tasks_done += 1
         if self._send(self.data, session.identity, frames[1:]):
             self.counters["results_sent"] += 1
             if ok:

@@ -35,7 +35,6 @@ class Session:
     version: int = 0  # newest plan_version seen; older queued tasks are cancelled
     queue: deque[TaskEntry] = field(default_factory=deque)
     last_seen: float = field(default_factory=time.monotonic)
-    tasks_done: int = 0
     in_ready: bool = False  # member of the scheduler's round robin
 
 

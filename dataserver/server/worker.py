@@ -55,17 +55,12 @@ class SourceCache:
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
         self.nbytes = 0
-        self.hits = 0
-        self.misses = 0
         self._items: OrderedDict[tuple[Any, ...], Sample] = OrderedDict()
 
     def get(self, key: tuple[Any, ...]) -> Sample | None:
         sample = self._items.get(key)
-        if sample is None:
-            self.misses += 1
-            return None
-        self.hits += 1
-        self._items.move_to_end(key)
+        if sample is not None:
+            self._items.move_to_end(key)
         return sample
 
     def put(self, key: tuple[Any, ...], sample: Sample) -> None:
