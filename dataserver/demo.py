@@ -15,6 +15,8 @@ import threading
 import time
 from typing import Any
 
+from dataserver.server import parse_ready_line
+
 
 def start_server(args: list[str], timeout: float = 60.0) -> tuple[subprocess.Popen[str], str]:
     """Start ``dataserver serve`` with ``args`` on a free port; return it and its address."""
@@ -38,8 +40,7 @@ def start_server(args: list[str], timeout: float = 60.0) -> tuple[subprocess.Pop
     if not ready.wait(timeout) or not found:
         stop_server(proc)
         raise RuntimeError("the demo server did not start (see its messages above)")
-    fields = dict(part.split("=", 1) for part in found[0].split()[2:])
-    return proc, fields["data"]
+    return proc, parse_ready_line(found[0])["data"]
 
 
 def stop_server(proc: subprocess.Popen[str]) -> None:

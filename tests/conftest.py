@@ -18,6 +18,7 @@ import pytest
 
 from dataserver.cli import fetch_stats
 from dataserver.data.coco import write_synthetic_coco
+from dataserver.server import parse_ready_line
 
 TESTS = Path(__file__).resolve().parent
 PLUGINS = TESTS / "plugins"
@@ -65,7 +66,7 @@ class Server:
             self.stop()
             raise RuntimeError(f"server did not get ready: {self.read_stderr()}")
         ready = next(line for line in self.lines if line.startswith("dataserver ready"))
-        fields = dict(part.split("=", 1) for part in ready.split()[2:])
+        fields = parse_ready_line(ready)
         self.address = fields["data"]
         self.control = fields["control"]
         self.samples = int(fields["samples"])

@@ -12,7 +12,7 @@ from dataserver.server.config import ConfigError, ServerConfig
 from dataserver.server.front import Front
 from dataserver.server.memory import keep_large_blocks
 
-__all__ = ["ConfigError", "Front", "ServerConfig", "ready_line", "serve"]
+__all__ = ["ConfigError", "Front", "ServerConfig", "parse_ready_line", "ready_line", "serve"]
 
 
 def ready_line(front: Front) -> str:
@@ -21,6 +21,11 @@ def ready_line(front: Front) -> str:
         f"dataserver ready data={front.endpoints['data']} control={front.endpoints['control']} "
         f"workers={front.n_workers} samples={front.dataset_len} dataset={front.config.dataset}"
     )
+
+
+def parse_ready_line(line: str) -> dict[str, str]:
+    """The fields of a ``ready_line`` (data, control, workers, samples, dataset)."""
+    return dict(part.split("=", 1) for part in line.split()[2:])
 
 
 def serve(config: ServerConfig, on_ready: Callable[[Front], Any]) -> None:
