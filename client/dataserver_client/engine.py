@@ -319,19 +319,19 @@ class Engine(EpochPlans, LinkWatch, threading.Thread):
                 link.was_lost = True
                 link.hello()
             return
-        del self.tasks[tid]
         self.last_progress = time.monotonic()
+        skip = self.config.on_error == "skip"
+        if skip and kind == "poison" and rec.probe_of is None and len(rec.task.indices) > 1:
+            self._probe(rec)  # still wanted: composed again once the probes say how
+            return
+        del self.tasks[tid]
         if rec.probe_of is not None:
             self._probe_done(rec, bad=kind in ("sample", "poison"))
             return
         batch = self.inflight.get(rec.step)
         if batch is None:
             return
-        if self.config.on_error == "skip" and kind == "poison" and len(rec.task.indices) > 1:
-            self.tasks[tid] = rec  # still wanted: composed again once the probes say how
-            self._probe(rec)
-            return
-        if self.config.on_error == "skip" and kind in ("sample", "poison"):
+        if skip and kind in ("sample", "poison"):
             batch.drop(rec.slot, list(rec.task.indices))
             self._maybe_finish(batch)
             return
