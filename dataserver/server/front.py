@@ -267,7 +267,7 @@ class Front(WorkerRouting):
             case MsgType.TASK:
                 self._on_task(identity, msg, frames[1:])
             case MsgType.HEARTBEAT:
-                self._touch(msg.header.get("session"), identity)
+                self.scheduler.touch(msg.header.get("session"), identity)
                 beat = {"server_id": self.server_id, "results": self._result_endpoints()}
                 self._reply(identity, MsgType.HEARTBEAT, beat)
             case MsgType.STATS:
@@ -278,12 +278,6 @@ class Front(WorkerRouting):
                 self._reject(
                     "unexpected_type", identity, f"{msg.type.name} is not sent to a server"
                 )
-
-    def _touch(self, sid: Any, identity: bytes) -> None:
-        session = self.scheduler.sessions.get(sid) if isinstance(sid, bytes) else None
-        if session is not None:
-            session.identity = identity
-            session.last_seen = time.monotonic()
 
     def _on_hello(self, identity: bytes, msg: Message) -> None:
         sid = msg.header["session"]
@@ -307,7 +301,7 @@ class Front(WorkerRouting):
 
     def _on_task(self, identity: bytes, msg: Message, frames: list[Any]) -> None:
         h = msg.header
-        session = self.scheduler.sessions.get(h["session"])
+        session = self.scheduler.touch(h["session"], identity)
         reply = {
             "session": h["session"],
             "task_id": h["task_id"],
@@ -320,8 +314,6 @@ class Front(WorkerRouting):
                 identity, MsgType.ERROR, {**reply, "message": message, "kind": "unknown_session"}
             )
             return
-        session.identity = identity
-        session.last_seen = time.monotonic()
         version = h["plan_version"]
         self._cancel(session, self.scheduler.cancel_older(session, version))
         if version < session.version:

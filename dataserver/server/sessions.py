@@ -48,11 +48,20 @@ class Scheduler:
         self.queued = 0
 
     def open(self, sid: bytes, identity: bytes) -> Session:
-        session = self.sessions.get(sid)
-        if session is None:
-            session = self.sessions[sid] = Session(sid, identity)
-        session.identity = identity
-        session.last_seen = time.monotonic()
+        """The session ``sid`` (new after a HELLO), now reachable at ``identity``."""
+        if sid not in self.sessions:
+            self.sessions[sid] = Session(sid, identity)
+        session = self.touch(sid, identity)
+        assert session is not None
+        return session
+
+    def touch(self, sid: object, identity: bytes) -> Session | None:
+        """A message from session ``sid`` came from ``identity``: reply there, and it is
+        alive. None for a session this server does not know."""
+        session = self.sessions.get(sid) if isinstance(sid, bytes) else None
+        if session is not None:
+            session.identity = identity
+            session.last_seen = time.monotonic()
         return session
 
     def push(self, session: Session, entry: TaskEntry, front: bool = False) -> bool:
