@@ -10,10 +10,18 @@ from typing import Any, NoReturn
 
 import zmq
 
-from dataserver import __version__, protocol
+from dataserver import __version__
+from dataserver.admin import fetch_stats
 from dataserver.data.spec import DEFAULT_SPEC, SpecError
-from dataserver.protocol import MsgType, ProtocolError
-from dataserver.server.config import DEFAULT_BIND, ConfigError, ServerConfig
+from dataserver.protocol import ProtocolError
+from dataserver.server.config import (
+    DEFAULT_BIND,
+    DEFAULT_MAX_IMAGE_SIDE,
+    DEFAULT_MAX_QUEUED_MB,
+    DEFAULT_MAX_SESSIONS,
+    ConfigError,
+    ServerConfig,
+)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -33,7 +41,7 @@ def _fail(prog: str, message: str, code: int = 2) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from dataserver.security import CurveKeyError
-    from dataserver.server import ready_line, serve
+    from dataserver.server import WorkerStartError, ready_line, serve
 
     logging.basicConfig(
         level=getattr(logging, args.log_level.upper()),
@@ -52,6 +60,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         curve_secret_key=args.curve_secret_key,
         curve_authorized_keys=args.curve_authorized_keys,
         direct_results=args.direct_results,
+        max_sessions=args.max_sessions,
+        max_image_side=args.max_image_side,
+        max_queued_mb=args.max_queued_mb,
     )
 
     def announce(front: Any) -> None:
@@ -61,6 +72,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         serve(config, announce)
     except (SpecError, ConfigError, CurveKeyError) as exc:
         return _fail("dataserver serve", str(exc))
+    except WorkerStartError as exc:
+        return _fail("dataserver serve", str(exc), 1)
     except zmq.ZMQError as exc:
         return _fail("dataserver serve", f"cannot bind {args.bind} / control: {exc}", 1)
     return 0
@@ -80,38 +93,6 @@ def cmd_synth(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------- stats
-
-
-def fetch_stats(
-    address: str,
-    timeout: float,
-    curve_server_key: str | None = None,
-    curve_secret_key: str | None = None,
-) -> dict[str, Any]:
-    """Ask a live server for its counters (raises TimeoutError when it does not answer)."""
-    ctx: zmq.Context[Any] = zmq.Context.instance()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    if curve_server_key or curve_secret_key:
-        from dataserver.security import client_curve_keys
-
-        if not (curve_server_key and curve_secret_key):
-            raise ValueError("--curve-server-key and --curve-secret-key go together")
-        keys = client_curve_keys(curve_server_key, curve_secret_key)
-        sock.curve_serverkey = keys["server_public"]
-        sock.curve_publickey = keys["public"]
-        sock.curve_secretkey = keys["secret"]
-    try:
-        sock.connect(address)
-        sock.send_multipart(protocol.make(MsgType.STATS, {}))
-        if not sock.poll(int(timeout * 1000)):
-            raise TimeoutError(f"no answer from {address} within {timeout:g} s")
-        msg = protocol.decode(sock.recv_multipart())
-        if msg.type is not MsgType.STATS or not isinstance(msg.header.get("stats"), dict):
-            raise ProtocolError(f"expected STATS, got {msg.type.name}")
-        return dict(msg.header["stats"])
-    finally:
-        sock.close(linger=0)
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
@@ -201,7 +182,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--control-bind", default=None, help="control endpoint (default: data port + 1)")
     p.add_argument("--cache-mb", type=int, default=64, help="per-worker cache of prepared sources")
     p.add_argument(
-        "--session-ttl", type=float, default=120.0, help="forget silent clients after this (s)"
+        "--session-ttl",
+        type=float,
+        default=30.0,
+        help="forget clients silent this long (s; clients beat every 0.5 s) (default 30)",
+    )
+    p.add_argument(
+        "--max-sessions",
+        type=int,
+        default=DEFAULT_MAX_SESSIONS,
+        help=f"clients served at once; more are refused (default {DEFAULT_MAX_SESSIONS})",
+    )
+    p.add_argument(
+        "--max-image-side",
+        type=int,
+        default=DEFAULT_MAX_IMAGE_SIDE,
+        help=f"largest output image side a task may ask for (default {DEFAULT_MAX_IMAGE_SIDE})",
+    )
+    p.add_argument(
+        "--max-queued-mb",
+        type=int,
+        default=DEFAULT_MAX_QUEUED_MB,
+        help="bytes held for clients in each process: queued tasks, unread results; one "
+        f"client at most 1/8 of it (default {DEFAULT_MAX_QUEUED_MB})",
     )
     p.add_argument(
         "--curve-secret-key", default=None, help="server key file (.key_secret) for CURVE"

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from dataserver.cli import fetch_stats
+from dataserver.admin import fetch_stats
 from dataserver.data.coco import write_synthetic_coco
 from dataserver.server import parse_ready_line
 
@@ -32,8 +32,8 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def server_env() -> dict[str, str]:
-    env = dict(os.environ)
+def server_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ, **(extra or {}))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PLUGINS), env.get("PYTHONPATH")]))
     env["PYTHONUNBUFFERED"] = "1"
     return env
@@ -48,6 +48,7 @@ class Server:
         workers: int = 2,
         bind: str = "tcp://127.0.0.1:0",
         ready_timeout: float = 60.0,
+        env: dict[str, str] | None = None,
     ):
         self.args = ["serve", "--workers", str(workers), "--bind", bind, *args]
         self.stderr = tempfile.TemporaryFile()
@@ -55,7 +56,7 @@ class Server:
             self.command(),
             stdout=subprocess.PIPE,
             stderr=self.stderr,
-            env=server_env(),
+            env=server_env(env),
             text=True,
         )
         self.lines: list[str] = []

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import zmq
 from conftest import PLUGINS, server_env
+from fuzz_targets import welcome_of as fetch_welcome
 
 from dataserver import protocol
 from dataserver.protocol import MsgType
@@ -89,7 +90,7 @@ def test_a_client_that_ignores_credit_and_never_reads_is_capped(start_server: An
     sock.connect(server.address)
     try:
         session = b"g" * 16
-        sock.send_multipart(protocol.make(MsgType.HELLO, {"session": session}))
+        sock.send_multipart(protocol.pack(MsgType.HELLO, {"session": session}))
         before = rss(server.pid)
         for task_id in range(1, 3001):  # far beyond any credit, at 512 x 512 each
             header = {
@@ -105,7 +106,7 @@ def test_a_client_that_ignores_credit_and_never_reads_is_capped(start_server: An
                 "control_seq": 0,
                 "control": {},
             }
-            sock.send_multipart(protocol.make(MsgType.TASK, header))
+            sock.send_multipart(protocol.pack(MsgType.TASK, header))
         time.sleep(8.0)
         stats = server.stats()
         grew = rss(server.pid) - before
@@ -122,3 +123,103 @@ def test_a_client_that_ignores_credit_and_never_reads_is_capped(start_server: An
     with DataServerClient(server.address, batch_size=8, image_size=(32, 32), device="cpu") as c:
         c.set_epoch(0)
         assert sum(len(b) for b in c) == 64
+
+
+@pytest.mark.timeout(300)
+def test_twenty_thousand_sessions_asking_the_largest_tasks_leave_the_server_tree_bounded(
+    start_server: Any,
+) -> None:
+    """20,000 HELLOs, the largest tasks allowed from every session that got in, results
+    never read (through the front, and straight from the workers to 32 of the sessions):
+    the server tree's RSS stays under a bound set by the flags, and it keeps serving."""
+    side, queued_mb = 1024, 32
+    server = start_server(
+        "--dataset",
+        "ds_plugins:flat",
+        "--dataset-args",
+        json.dumps({"n": 64}),
+        "--max-sessions",
+        "256",
+        "--max-image-side",
+        str(side),
+        "--max-queued-mb",
+        str(queued_mb),
+        workers=2,
+    )
+    pids = [server.pid, *server.worker_pids()]
+    # The bound: per process, what it needs at rest plus what the caps let it hold for
+    # clients (queued tasks and unread results, --max-queued-mb each) plus two canvases.
+    canvas = 3 * side * side
+    bound = sum(rss(p) for p in pids) + len(pids) * (queued_mb * MB + 2 * canvas) + 64 * MB
+    honest = DataServerClient(server.address, batch_size=8, image_size=(64, 64), device="cpu")
+    ctx = zmq.Context()
+    socks: list[zmq.Socket[Any]] = []
+
+    def dealer(endpoint: str, identity: bytes | None = None) -> zmq.Socket[Any]:
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.RCVHWM, 1)
+        s.setsockopt(zmq.RCVBUF, 4096)
+        s.setsockopt(zmq.SNDHWM, 1_000_000)
+        if identity is not None:
+            s.setsockopt(zmq.ROUTING_ID, identity)
+        s.connect(endpoint)
+        socks.append(s)
+        return s
+
+    peak = 0
+    try:
+        results = list(fetch_welcome(server.address).results)
+        sessions = [b"%016d" % i for i in range(20_000)]
+        for sid in sessions[:32]:  # these also take results straight from the workers
+            for endpoint in results:
+                dealer(endpoint, sid)
+        attacker = dealer(server.address)
+        for sid in sessions:
+            attacker.send_multipart(protocol.pack(MsgType.HELLO, {"session": sid}))
+        for task_id, sid in enumerate(sessions * 2, 1):  # the largest task allowed, twice each
+            header = {
+                "session": sid,
+                "task_id": task_id,
+                "plan_version": 1,
+                "epoch": 0,
+                "seed": 0,
+                "indices": [task_id % 64],
+                "grid": 1,
+                "out_hw": [side, side],
+                "on_error": "raise",
+                "control_seq": 0,
+                "control": {},
+            }
+            attacker.send_multipart(protocol.pack(MsgType.TASK, header))
+        # Meanwhile the honest client, connected before, is served (its fair share).
+        honest.set_epoch(0)
+        assert sorted(i for b in honest for idx in b.indices for i in idx) == list(range(64))
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            peak = max(peak, sum(rss(p) for p in pids))
+            stats = server.stats()
+            if stats["queue_depth"] == 0 and stats["workers_busy"] == 0:
+                break
+            time.sleep(0.2)
+        stats = server.stats()
+        print(
+            f"\nserver tree RSS peak {peak / MB:.0f} MiB (bound {bound / MB:.0f} MiB); "
+            f"sessions {stats['sessions']}; rejected {stats['rejected']}; "
+            f"counters {stats['counters']}"
+        )
+        assert stats["rejected"]["session_limit"] >= 20_000 - 256
+        assert stats["counters"].get("results_dropped", 0) > 0  # unread results were capped
+        assert stats["workers_started"] == 2  # no worker died (of memory or otherwise)
+        assert peak < bound
+    finally:
+        honest.close()
+        for s in socks:
+            s.close(linger=0)
+        ctx.term()
+    # A new client takes the place of a session silent for 5 s, and gets its epoch.
+    time.sleep(5.5)
+    with DataServerClient(server.address, batch_size=8, image_size=(64, 64), device="cpu") as c:
+        c.set_epoch(1)
+        assert sorted(i for b in c for idx in b.indices for i in idx) == list(range(64))
+    assert server.stats()["sessions_evicted"] >= 1

@@ -122,3 +122,29 @@ def test_a_server_cut_off_mid_epoch_hands_over_and_is_taken_back(
             assert remote.stats()["counters"].get("tasks_done", 0) > before
     finally:
         remote.stop()
+
+
+def test_a_link_that_flaps_mid_epoch_costs_time_not_samples(host: Host) -> None:
+    """The server's link goes down for a second and comes back (shorter than the heartbeat
+    timeout): whatever was in flight is retransmitted or asked again; the epoch is exact
+    and takes seconds, not the timeout."""
+    dataset = ("--dataset", "ds_plugins:slow", "--dataset-args", json.dumps({"n": 96, "ms": 15}))
+    remote = NsServer(host.ns, *dataset, workers=2, bind=f"tcp://{host.there_ip}:0")
+    try:
+        with DataServerClient(
+            remote.address, batch_size=8, image_size=(32, 32), device="cpu", timeout=30
+        ) as c:
+            c.set_epoch(0)
+            got = []
+            start = time.monotonic()
+            for n, batch in enumerate(c):
+                got.append(batch)
+                if n in (2, 7):
+                    host.cut()
+                    time.sleep(1.0)
+                    host.mend()
+            elapsed = time.monotonic() - start
+        assert sorted(i for b in got for idx in b.indices for i in idx) == list(range(96))
+        assert elapsed < 20, f"{elapsed:.1f} s"
+    finally:
+        remote.stop()

@@ -14,8 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import zmq
 
-from dataserver.cli import fetch_stats
+from dataserver import protocol
+from dataserver.admin import fetch_stats
+from dataserver.protocol import MsgType
 from dataserver_client import DataServerClient, DataServerError, NotAuthorized
 
 pytestmark = pytest.mark.timeout(120)
@@ -250,3 +253,96 @@ def test_bad_key_flags_exit_with_one_line(flags: list[str], message: str) -> Non
     )
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert message in proc.stderr
+
+
+def test_a_session_is_bound_to_the_key_that_opened_it(start_server: Any, keys: Path) -> None:
+    """With CURVE, a session id carries a tag of its key: another authorized key can neither
+    use it on the data port nor take over its results at a worker."""
+    shutil.copy(keys / "intruder.key", keys / "authorized" / "intruder.key")
+    server = curve_server(
+        start_server, keys, "--dataset", "ds_plugins:flat", "--dataset-args", '{"n": 48}'
+    )
+    victim = DataServerClient(
+        server.address, batch_size=8, image_size=(32, 32), device="cpu", **client_keys(keys)
+    )
+    session = victim._engine.session
+    welcome = welcome_over_curve(server.address, keys, "intruder")
+    ctx = zmq.Context()
+    socks = []
+    try:
+        intruder = curve_dealer(ctx, keys, "intruder")
+        socks.append(intruder)
+        intruder.connect(server.address)
+        task = {
+            "session": session,
+            "task_id": 1,
+            "plan_version": 99,
+            "epoch": 0,
+            "seed": 0,
+            "indices": [1],
+            "grid": 1,
+            "out_hw": [32, 32],
+            "on_error": "raise",
+            "control_seq": 0,
+            "control": {},
+        }
+        for mtype, header in (
+            (MsgType.HELLO, {"session": session}),
+            (MsgType.TASK, task),  # would cancel the victim's queued tasks, were it taken
+            (MsgType.BYE, {"session": session}),  # would end the victim's session
+        ):
+            intruder.send_multipart(protocol.pack(mtype, header))
+            assert intruder.poll(5000)
+            answer = protocol.decode(intruder.recv_multipart())
+            assert isinstance(answer, protocol.ErrorMsg) and answer.kind == "not_owner"
+        # Taking over the victim's results at a worker: the handshake is refused.
+        thief = curve_dealer(ctx, keys, "intruder")
+        socks.append(thief)
+        thief.setsockopt(zmq.ROUTING_ID, session)
+        monitor = thief.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+        socks.append(monitor)
+        thief.connect(welcome.results[0])
+        assert monitor.poll(5000), "a worker let another key take the session's name"
+        # The victim is untouched: its epoch is whole, and the refusals are counted.
+        victim.set_epoch(0)
+        assert sorted(i for b in victim for idx in b.indices for i in idx) == list(range(48))
+    finally:
+        victim.close()
+        for s in socks:
+            s.close(linger=0)
+        ctx.term()
+    # The intruder's key works with a session of its own.
+    assert epoch_indices(server.address, **client_keys(keys, "intruder")) == list(range(48))
+    stats = fetch_stats(server.address, 5, *client_keys(keys).values())
+    assert stats["rejected"]["not_owner"] == 3
+
+
+def curve_dealer(ctx: zmq.Context[Any], keys: Path, name: str) -> zmq.Socket[Any]:
+    from dataserver.security import client_curve_keys
+
+    k = client_curve_keys(str(keys / "server.key"), str(keys / f"{name}.key_secret"))
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.curve_serverkey = k["server_public"]
+    s.curve_publickey = k["public"]
+    s.curve_secretkey = k["secret"]
+    return s
+
+
+def welcome_over_curve(address: str, keys: Path, name: str) -> protocol.Welcome:
+    from dataserver.security import client_curve_keys, session_id
+
+    ctx: zmq.Context[Any] = zmq.Context.instance()
+    s = curve_dealer(ctx, keys, name)
+    try:
+        s.connect(address)
+        public = client_curve_keys(str(keys / "server.key"), str(keys / f"{name}.key_secret"))
+        sid = session_id(public["public"])
+        s.send_multipart(protocol.Hello(session=sid).encode())
+        assert s.poll(10_000)
+        msg = protocol.decode(s.recv_multipart())
+        assert isinstance(msg, protocol.Welcome)
+        s.send_multipart(protocol.Bye(session=sid).encode())
+        return msg
+    finally:
+        s.close(linger=100)

@@ -17,8 +17,8 @@ import numpy as np
 import torch
 
 from dataserver_client.batch import Batch
+from dataserver_client.epoch import BatchPlan
 from dataserver_client.errors import DataServerError
-from dataserver_client.planner import BatchPlan
 
 
 class HostBuffers:

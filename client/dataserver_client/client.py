@@ -8,15 +8,16 @@ import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-import msgpack
 import torch
 
+from dataserver.protocol import control_problem
 from dataserver_client.batch import Batch
+from dataserver_client.book import Handoff
 from dataserver_client.config import ClientConfig, default_rank_world, resolve_device
-from dataserver_client.engine import Engine, Handoff
+from dataserver_client.engine import Engine
+from dataserver_client.epoch import MODES, REGULAR, STITCH, shard_size
 from dataserver_client.errors import DataServerError
-from dataserver_client.link import expand_addresses
-from dataserver_client.planner import MODES, REGULAR, STITCH, shard_size
+from dataserver_client.links import expand_addresses
 
 log = logging.getLogger("dataserver_client")
 
@@ -182,7 +183,8 @@ class DataServerClient:
                     self._active = False
                     raise StopIteration
                 if not self._engine.is_alive():
-                    raise DataServerError("the client's I/O thread has stopped")
+                    self._active = False
+                    raise self._engine._dead_error()
                 if time.monotonic() - last > backstop:
                     raise DataServerError(f"no batch for {backstop:g} s (the I/O thread is stuck)")
                 h.cond.wait(0.25)
@@ -220,10 +222,9 @@ class DataServerClient:
         """Send values to the dataset's ``set_control(values)`` on every server; every
         sample of the next batch is built after it received them. The dataset receives all
         values sent so far, the latest for each key."""
-        try:
-            msgpack.packb(values, use_bin_type=True)
-        except (TypeError, ValueError) as exc:
-            raise TypeError(f"control values must be msgpack-able: {exc}") from None
+        problem = control_problem(values)
+        if problem is not None:  # what the servers would refuse, refused here, at the call
+            raise ValueError(f"DataServerClient.control: {problem}")
         self._steer(self._mode, values)
 
     def _steer(self, mode: str, control: dict[str, Any] | None) -> None:

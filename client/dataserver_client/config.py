@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dataserver_client.planner import LAYOUTS, Layout
+from dataserver.protocol import MAX_IMAGE_SIDE, MAX_INT
+from dataserver_client.epoch import LAYOUTS, Layout
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,10 @@ class ClientConfig:
             raise bad(f"batch_size must be >= 1, got {self.batch_size}")
         if len(self.image_size) != 2 or min(self.image_size) < 1:
             raise bad(f"image_size must be (H, W) with H, W >= 1, got {self.image_size}")
+        if max(self.image_size) > MAX_IMAGE_SIDE:
+            raise bad(f"image_size {self.image_size} exceeds {MAX_IMAGE_SIDE} pixels a side")
+        if not 0 <= self.seed <= MAX_INT:
+            raise bad(f"seed must be in 0..2**63-1, got {self.seed}")
         side = math.isqrt(self.stitch_k)
         if self.stitch_k < 1 or side * side != self.stitch_k or side > 4:
             raise bad(f"stitch_k must be a square (1, 4, 9 or 16), got {self.stitch_k}")

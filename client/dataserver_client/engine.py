@@ -1,17 +1,20 @@
-"""The client's I/O thread: plans batches, sends tasks, assembles results.
+"""The client's I/O thread: the loop that owns the sockets, the plan book and the links.
 
-It owns every socket (one DEALER per server, one PUB for control) and all epoch state;
-the trainer's thread talks to it only through ``call()`` (synchronous commands, answered
+The trainer's thread talks to it only through ``call()`` (synchronous commands, answered
 before the caller goes on, which is what makes feedback zero-stale) and the ``Handoff``
 (finished batches, by step). ZeroMQ and the big copies release the GIL, so one thread
 keeps up with many workers.
 
-Task accounting: every task is outstanding on exactly one server link until that server
-answers it (RESULT, ERROR or CANCELLED), so credits are exact. A task whose plan is
-superseded stays outstanding (its answer is dropped on arrival) until answered.
+Collaborators, each owning its state: ``PlanBook`` (book.py: batches, tasks, steering; no
+sockets), ``Links`` (links.py: one ``ServerLink`` per server, connection events,
+heartbeats). This loop decodes messages, hands each to the book or the links, and decides
+what link events do to tasks.
 
-This module has the loop and the messages; ``plans.py`` the epoch plan and the commands
-that move it, ``watch.py`` the servers' liveness (both are mixins of ``Engine``).
+No message can stop this thread: a message that does not decode is counted and dropped,
+and every handler runs under a ``MessageGuard`` (an exception costs that message, counted as
+``rejected["internal"]`` in ``client.stats()``). A task whose answer never comes (a direct
+result lost with its connection, a dropped message) is asked again after a deadline drawn
+from the latencies seen, so nothing waits for ``timeout`` unless a server is really gone.
 """
 
 from __future__ import annotations
@@ -20,43 +23,71 @@ import logging
 import os
 import threading
 import time
-import uuid
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
 import zmq
 
-from dataserver import protocol
-from dataserver.protocol import Message, MsgType, ProtocolError
-from dataserver_client.assembly import Delivery, DeviceMover, HostBuffers, InflightBatch
+from dataserver.loop import MessageGuard, inject, is_shutdown
+from dataserver.protocol import (
+    Cancelled,
+    Control,
+    ErrorMsg,
+    Heartbeat,
+    ProtocolError,
+    Result,
+    Task,
+    Welcome,
+    decode,
+)
+from dataserver.security import session_id
+from dataserver_client.assembly import DeviceMover, HostBuffers
+from dataserver_client.book import Handoff, PlanBook, TaskRecord
 from dataserver_client.config import ClientConfig
-from dataserver_client.errors import DataServerError, NotAuthorized
-from dataserver_client.link import LinkState, ServerLink, control_address
-from dataserver_client.planner import REGULAR, Planner
-from dataserver_client.plans import EpochPlans, TaskRecord
-from dataserver_client.watch import LinkWatch
+from dataserver_client.errors import DataServerError, NotAuthorized, ServerUnreachable
+from dataserver_client.links import (
+    EventKind,
+    LinkEvent,
+    Links,
+    LinkState,
+    ServerLink,
+    announced_address,
+)
 
 log = logging.getLogger("dataserver_client")
 
-
-class Handoff:
-    """Finished batches waiting for the trainer, by step, and the epoch's end when known.
-
-    Shared by both threads under ``cond``. Only batches of the current plan are ever in
-    ``ready``: a steer clears it before the trainer can look again.
-    """
-
-    def __init__(self) -> None:
-        self.cond = threading.Condition()
-        self.ready: dict[int, Delivery | DataServerError] = {}
-        self.taken = 0  # steps handed to the trainer in this epoch
-        self.end_step: int | None = None
-        self.fatal: BaseException | None = None
+POLL_MS = 50
+TICK_S = 0.02  # liveness timers, not per message: 20 ms is plenty
+DRAIN = 256
 
 
-class Engine(EpochPlans, LinkWatch, threading.Thread):
+class Deadlines:
+    """How long a task may stay unanswered before it is asked again: a multiple of the
+    recent answer latencies (which include queueing), never below ``floor``; before enough
+    were seen, ``initial``."""
+
+    def __init__(self, floor: float, initial: float, factor: float = 8.0) -> None:
+        self.floor = floor
+        self.initial = initial
+        self.factor = factor
+        self._seen: deque[float] = deque(maxlen=256)
+        self._value = initial
+
+    def observe(self, latency: float) -> None:
+        self._seen.append(latency)
+        if len(self._seen) >= 16 and len(self._seen) % 16 == 0:
+            ordered = sorted(self._seen)
+            p90 = ordered[int(0.9 * (len(ordered) - 1))]
+            self._value = max(self.floor, self.factor * p90)
+
+    @property
+    def value(self) -> float:
+        return self._value
+
+
+class Engine(threading.Thread):
     """The I/O thread of one ``DataServerClient``."""
 
     def __init__(
@@ -66,57 +97,82 @@ class Engine(EpochPlans, LinkWatch, threading.Thread):
         self.config = config
         self.handoff = handoff
         self.curve = curve
-        self.session = uuid.uuid4().bytes
-        self.layout = config.layout()
+        self.session = session_id(curve["public"] if curve else None)
         self.mover = DeviceMover(config.device)
         self.buffers = HostBuffers(config.device, keep=config.prefetch + 2)
+        self.book = PlanBook(config, handoff, self.mover, self.buffers)
         self.handshake: Future[dict[str, Any]] = Future()
+        self.counters: Counter[str] = Counter(late=0, cancelled=0, results=0, reissued=0)
+        self.rejected: Counter[str] = Counter()
+        self.guard = MessageGuard(log, self.rejected)
+        self.deadlines = Deadlines(floor=1.0, initial=max(1.0, config.timeout / 3))
+        self.dataset_len = 0
+        self.last_progress = time.monotonic()
         self._commands: deque[tuple[Callable[..., Any], tuple[Any, ...], Future[Any]]] = deque()
+        self._lock = threading.Lock()  # guards _stopped, the command queue's closing, the pipe
+        self._stopped = False
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
         self._closing = False
-        # epoch and steering state (I/O thread only)
-        self.epoch = 0
-        self.mode = REGULAR
-        self.plan_version = 0
-        self.control: dict[str, Any] = {}
-        self.control_seq = 0
-        self.planner: Planner | None = None
-        self.inflight: dict[int, InflightBatch] = {}
-        self.plan_starts: dict[int, int] = {}
-        self.tasks: dict[int, TaskRecord] = {}
-        self.pending: deque[TaskRecord] = deque()
-        self.next_task_id = 1
-        self.last_progress = time.monotonic()
-        self.links: list[ServerLink] = []
         self._control_endpoints: set[str] = set()
-        self.counters = {"late": 0, "cancelled": 0, "results": 0, "reissued": 0}
 
     # ------------------------------------------------------------ any thread
 
-    def call(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None) -> Any:
-        """Run ``fn(*args)`` in the I/O thread and return its result (or raise its error)."""
+    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn(*args)`` in the I/O thread and return its result (or raise its error).
+        Once the thread has stopped, raises at once with the reason it stopped."""
         fut: Future[Any] = Future()
-        self._commands.append((fn, args, fut))
+        with self._lock:
+            if self._stopped:
+                raise self._dead_error()
+            self._commands.append((fn, args, fut))
         self.wake()
-        return fut.result(timeout if timeout is not None else self.config.timeout + 10.0)
+        deadline = time.monotonic() + self.config.timeout + 10.0
+        while True:
+            try:
+                return fut.result(0.25)
+            except TimeoutError:
+                if not self.is_alive() and not fut.done():
+                    raise self._dead_error() from None
+                if time.monotonic() > deadline:
+                    raise DataServerError("the client's I/O thread did not answer") from None
+
+    def _dead_error(self) -> DataServerError:
+        cause = self.handoff.fatal
+        if isinstance(cause, DataServerError):
+            return cause
+        err = DataServerError(
+            f"the client's I/O thread has stopped: {cause!r}" if cause else "the client is closed"
+        )
+        err.__cause__ = cause
+        return err
 
     def wake(self) -> None:
-        try:
-            os.write(self._wake_w, b"\0")
-        except BlockingIOError:
-            pass  # the pipe is full, so the thread is awake anyway
+        with self._lock:
+            if self._wake_w < 0:
+                return
+            try:
+                os.write(self._wake_w, b"\0")
+            except BlockingIOError:
+                pass  # the pipe is full, so the thread is awake anyway
 
     def close(self) -> None:
+        """Stop the thread. Descriptors it polls are closed by the thread itself as it
+        ends, never from here while it might still be polling them."""
+        self._closing = True
         if self.is_alive():
-            self._closing = True
             self.wake()
             self.join(timeout=5.0)
-        for fd in (self._wake_r, self._wake_w):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        elif self.ident is None:  # never ran: nobody else will close them
+            self._close_pipe()
+
+    def _close_pipe(self) -> None:
+        with self._lock:
+            for fd in (self._wake_r, self._wake_w):
+                if fd >= 0:
+                    os.close(fd)
+            self._wake_r = self._wake_w = -1
 
     # ------------------------------------------------------------ the thread
 
@@ -128,225 +184,347 @@ class Engine(EpochPlans, LinkWatch, threading.Thread):
             self.pub.curve_serverkey = self.curve["server_public"]
             self.pub.curve_publickey = self.curve["public"]
             self.pub.curve_secretkey = self.curve["secret"]
+        self.links: Links | None = None
         try:
-            self.links = [
-                ServerLink(ctx, a, self.session, self.curve) for a in self.config.addresses
-            ]
-            for link in self.links:
-                link.hello()
-            self._loop()
+            self.links = Links(ctx, self.config, self.session, self.curve)
+            self._loop(self.links)
+        except zmq.ZMQError as exc:
+            if not is_shutdown(exc):
+                self._die(exc)
         except BaseException as exc:  # surface anything to the trainer instead of dying mute
-            log.exception("I/O thread failed")
-            self._fail(
-                exc
-                if isinstance(exc, DataServerError)
-                else DataServerError(f"I/O thread failed: {exc!r}")
-            )
+            self._die(exc)
         finally:
-            for link in self.links:
-                link.close()
+            if self.links is not None:
+                self.links.close()
             self.pub.close(linger=0)
             ctx.term()
-            while self._commands:
-                _, _, fut = self._commands.popleft()
+            with self._lock:
+                self._stopped = True
+                left = list(self._commands)
+                self._commands.clear()
+            for _, _, fut in left:
                 if not fut.done():
-                    fut.set_exception(DataServerError("client is closed"))
+                    fut.set_exception(self._dead_error())
+            self._close_pipe()
+            with self.handoff.cond:
+                if self.handoff.fatal is None:
+                    self.handoff.fatal = DataServerError("the client is closed")
+                self.handoff.cond.notify_all()
 
-    def _loop(self) -> None:
+    def _die(self, exc: BaseException) -> None:
+        log.exception("I/O thread failed")
+        err = (
+            exc
+            if isinstance(exc, DataServerError)
+            else DataServerError(f"I/O thread failed: {exc!r}")
+        )
+        if err is not exc:
+            err.__cause__ = exc
+        self._fail(err)
+
+    def _loop(self, links: Links) -> None:
         poller = zmq.Poller()
         poller.register(self._wake_r, zmq.POLLIN)
-        for link in self.links:
-            poller.register(link.sock, zmq.POLLIN)
-            poller.register(link.monitor, zmq.POLLIN)
-            poller.register(link.results, zmq.POLLIN)
-        by_sock = {link.sock: link for link in self.links}
-        by_results = {link.results: link for link in self.links}
-        by_monitor = {link.monitor: link for link in self.links}
+        sockets: dict[Any, tuple[ServerLink, str]] = {}
+        for link in links:
+            for sock, role in (
+                (link.sock, "front"),
+                (link.results, "results"),
+                (link.monitor, "monitor"),
+                (link.results_monitor, "results_monitor"),
+            ):
+                poller.register(sock, zmq.POLLIN)
+                sockets[sock] = (link, role)
         started = time.monotonic()
-        next_liveness = 0.0
+        next_tick = 0.0
         while not self._closing:
-            events = dict(poller.poll(50))
+            events = dict(poller.poll(POLL_MS))
             if self._wake_r in events:
                 try:
                     while os.read(self._wake_r, 4096):
                         pass
                 except BlockingIOError:
                     pass
-            while self._commands:
-                fn, args, fut = self._commands.popleft()
-                try:
-                    fut.set_result(fn(*args))
-                except BaseException as exc:
-                    fut.set_exception(exc)
-            for sock, link in by_monitor.items():
-                if sock in events:
-                    self._on_link_events(link)
-            for sock, link in by_sock.items():
-                if sock in events:
-                    self._drain(link, link.sock)
-            for sock, link in by_results.items():
-                if sock in events:
-                    self._drain(link, link.results)
+            self._run_commands()
+            inject("client.loop")  # a test's stand-in for a bug no guard catches
+            for sock in events:
+                if sock in sockets:
+                    link, role = sockets[sock]
+                    if role == "monitor":
+                        self._on_events(links.on_monitor(link))
+                    elif role == "results_monitor":
+                        self._on_events(links.on_results_monitor(link))
+                    else:
+                        self._drain(link, sock, direct=role == "results")
             if not self.handshake.done():
-                self._check_handshake(started)
+                self._check_handshake(links, started)
                 continue
-            self._fill()
-            self._dispatch()
+            self.book.fill()
+            self._dispatch(links)
             now = time.monotonic()
-            if now >= next_liveness:  # timers, not per message: 20 ms is plenty
-                next_liveness = now + 0.02
-                self._liveness()
+            if now >= next_tick:
+                next_tick = now + TICK_S
+                self._on_events(links.tick(now))
+                self._deadlines(links, now)
+                self._check_progress(links, now)
 
-    def _drain(self, link: ServerLink, sock: zmq.Socket[Any]) -> None:
-        direct = sock is link.results
-        for _ in range(256):
+    def _run_commands(self) -> None:
+        while True:
+            with self._lock:
+                if not self._commands:
+                    return
+                fn, args, fut = self._commands.popleft()
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as exc:
+                fut.set_exception(exc)
+
+    def _drain(self, link: ServerLink, sock: zmq.Socket[Any], direct: bool) -> None:
+        for _ in range(DRAIN):
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
             link.last_heard = time.monotonic()
-            try:
-                msg = protocol.decode(frames)
-            except ProtocolError as exc:
-                log.warning("dropped a bad message from %s: %s", link.address, exc)
-                continue
-            if direct and msg.type is not MsgType.RESULT:
-                continue  # workers send nothing else
-            self._on_message(link, msg)
+            self.guard.run(
+                "client.results" if direct else "client.data", self._on_frames, link, frames, direct
+            )
 
     # ------------------------------------------------------------ messages
 
-    def _on_message(self, link: ServerLink, msg: Message) -> None:
-        h = msg.header
-        match msg.type:
-            case MsgType.WELCOME:
-                self._on_welcome(link, h)
-            case MsgType.RESULT:
-                self._on_result(link, msg)
-            case MsgType.ERROR:
-                self._on_error(link, h)
-            case MsgType.CANCELLED:
-                for tid in h["task_ids"]:
-                    if link.release(tid):
-                        self.counters["cancelled"] += 1
-                    rec = self.tasks.get(tid)
-                    if rec is not None and rec.link is link:
-                        rec.link = None  # cancelled though still wanted: send it again
-                        self.pending.appendleft(rec)
-            case MsgType.HEARTBEAT:
-                link.sync_results(h.get("results"))
-            case _:
-                log.debug("ignored %s from %s", msg.type.name, link.address)
-
-    def _on_welcome(self, link: ServerLink, h: dict[str, Any]) -> None:
-        if h["session"] != self.session:
-            return
-        if self.handshake.done():
-            first = self.links[0].info
-            if h["fingerprint"] != first.get("fingerprint"):
-                self._fail(
-                    DataServerError(
-                        f"{link.address} now serves a different dataset ({h['fingerprint']})"
-                    )
-                )
-                return
-        was_lost = link.was_lost
-        restarted = link.welcome(h)
-        link.was_lost = False
-        link.sync_results(h.get("results"))
-        endpoint = control_address(link.address, h["control"])
-        if endpoint not in self._control_endpoints:
-            self._control_endpoints.add(endpoint)
-            self.pub.connect(endpoint)
-        if restarted or was_lost:
-            # A restarted server lost what it held; after a lost connection, answers in
-            # flight may be gone. Send again; an answer that comes twice is dropped by id.
-            log.warning("%s is back: re-sending its %d tasks", link.address, len(link.outstanding))
-            self._reissue(link)
-
-    def _on_result(self, link: ServerLink, msg: Message) -> None:
-        h = msg.header
-        tid = h["task_id"]
-        link.release(tid)
-        link.results_total += 1
-        rec = self.tasks.get(tid)
-        if rec is None or h["plan_version"] != rec.plan_version:
-            self.counters["late"] += 1  # superseded plan, or a duplicate after a re-issue
-            return
-        del self.tasks[tid]
-        self.last_progress = time.monotonic()
-        if rec.probe_of is not None:
-            self._probe_done(rec, bad=False)
-            return
-        batch = self.inflight.get(rec.step)
-        if batch is None:
-            return
-        image, boxes, labels = msg.arrays
-        failed = [int(f[0]) for f in h["failed"]]
+    def _on_frames(self, link: ServerLink, frames: list[Any], direct: bool) -> None:
         try:
-            batch.fill(rec.slot, image, boxes, labels, [int(i) for i in h["indices"]], failed)
-        except DataServerError as exc:
-            self._fail_batch(batch, DataServerError(f"{link.address}: {exc}"))
+            msg = decode(frames)
+        except ProtocolError as exc:
+            self.rejected["malformed"] += 1
+            # The first few are worth a warning; a flood is counted (client.stats()).
+            level = logging.WARNING if self.rejected["malformed"] <= 5 else logging.DEBUG
+            log.log(level, "dropped a bad message from %s: %s", link.address, exc)
+            return
+        if direct and not isinstance(msg, Result):
+            self.rejected["unexpected_type"] += 1  # workers send nothing else
+            return
+        if getattr(msg, "session", self.session) not in (self.session, None):
+            self.rejected["other_session"] += 1
+            return
+        match msg:
+            case Result():
+                inject("client.result")
+                self._on_result(link, msg)
+            case ErrorMsg():
+                self._on_error(link, msg)
+            case Cancelled():
+                self._on_cancelled(link, msg)
+            case Welcome():
+                self._on_welcome(link, msg)
+            case Heartbeat():
+                if msg.results is not None:
+                    link.sync_results(msg.results)
+            case _:
+                self.rejected["unexpected_type"] += 1
+
+    def _answered(self, link: ServerLink, task_id: int) -> None:
+        sent = link.release(task_id)
+        if sent is not None:
+            self.deadlines.observe(time.monotonic() - sent)
+
+    def _on_result(self, link: ServerLink, msg: Result) -> None:
+        self._answered(link, msg.task_id)
+        link.results_total += 1
+        rec = self.book.wanted(msg.task_id, msg.plan_version)
+        if rec is None:
+            self.counters["late"] += 1  # superseded plan, or a second answer after asking again
+            return
+        self.last_progress = time.monotonic()
+        assert msg.image is not None and msg.boxes is not None and msg.labels is not None
+        failed = [i for i, _ in msg.failed]
+        kept = [i for i in rec.task.indices if i not in failed]
+        if (
+            msg.image.shape[1:] != rec.task.out_hw
+            or list(msg.indices) != kept
+            or not set(failed) <= set(rec.task.indices)
+        ):
+            self.rejected["wrong_answer"] += 1
+            log.warning(
+                "%s answered task %d with %s of indices %s, not the %s of %s asked; asking again",
+                link.address,
+                msg.task_id,
+                tuple(msg.image.shape[1:]),
+                list(msg.indices),
+                rec.task.out_hw,
+                list(rec.task.indices),
+            )
+            self._ask_again([rec])
             return
         self.counters["results"] += 1
-        self._maybe_finish(batch)
+        self.book.on_result(rec, msg.image, msg.boxes, msg.labels, kept, failed)
 
-    def _on_error(self, link: ServerLink, h: dict[str, Any]) -> None:
-        kind = h.get("kind", "")
-        tid = h.get("task_id")
-        message = h["message"]
-        if not isinstance(tid, int):
-            if "not authorized" in message:
-                self._fail(NotAuthorized(f"not authorized by {link.address}: {message}"))
+    def _on_error(self, link: ServerLink, msg: ErrorMsg) -> None:
+        if msg.task_id is None:
+            # About this session and no task: the server refuses it (limits, a message it
+            # cannot read, a key that does not own the session). Waiting would not help.
+            if msg.kind == "not_authorized" or "not authorized" in msg.message:
+                self._fail(NotAuthorized(f"not authorized by {link.address}: {msg.message}"))
             else:
-                log.warning("%s: %s", link.address, message)
+                self._fail(DataServerError(f"{link.address}: {msg.message}"))
             return
-        link.release(tid)
-        rec = self.tasks.get(tid)
-        if rec is None or h.get("plan_version") != rec.plan_version:
+        self._answered(link, msg.task_id)
+        rec = self.book.wanted(msg.task_id, msg.plan_version)
+        if rec is None:
             self.counters["late"] += 1
             return
-        if kind == "maybe_lost":  # its worker died right after sending it straight to us
-            if rec.link is link:  # still waiting for it: run it again (a late copy is dropped)
-                rec.link = None
-                self.pending.appendleft(rec)
+        if msg.kind in ("maybe_lost", "dropped"):
+            # A result that may never arrive (its worker died right after sending it), or
+            # one the server would not hold for us: ask again (a late copy is dropped).
+            if msg.kind == "dropped" or rec.link is link:
+                self.counters[f"asked_again_{msg.kind}"] += 1
+                self._ask_again([rec])
             return
-        if kind == "unknown_session":  # the server restarted or forgot us: handshake again
-            rec.link = None
-            self.pending.appendleft(rec)
+        if msg.kind == "unknown_session":  # the server restarted or forgot us: handshake again
+            self._ask_again([rec])
             if link.state is LinkState.READY:
                 link.state = LinkState.CONNECTING
                 link.was_lost = True
                 link.hello()
             return
         self.last_progress = time.monotonic()
-        skip = self.config.on_error == "skip"
-        if skip and kind == "poison" and rec.probe_of is None and len(rec.task.indices) > 1:
-            self._probe(rec)  # still wanted: composed again once the probes say how
-            return
-        del self.tasks[tid]
-        if rec.probe_of is not None:
-            self._probe_done(rec, bad=kind in ("sample", "poison"))
-            return
-        batch = self.inflight.get(rec.step)
-        if batch is None:
-            return
-        if skip and kind in ("sample", "poison"):
-            batch.drop(rec.slot, list(rec.task.indices))
-            self._maybe_finish(batch)
-            return
-        index = h.get("index")
-        file = h.get("file")
-        self._fail_batch(
-            batch,
-            DataServerError(
-                message,
-                index if isinstance(index, int) else None,
-                file if isinstance(file, str) else None,
-            ),
+        error = DataServerError(
+            msg.message if msg.kind in ("sample", "poison") else f"{link.address}: {msg.message}",
+            msg.index,
+            msg.file,
         )
+        self.book.on_failure(rec, msg.kind, error)
 
-    # ------------------------------------------------------------ batches
+    def _on_cancelled(self, link: ServerLink, msg: Cancelled) -> None:
+        for tid in msg.task_ids:
+            if link.release(tid) is not None:
+                self.counters["cancelled"] += 1
+            rec = self.book.tasks.get(tid)
+            if rec is not None and rec.link is link:
+                self._ask_again([rec])  # cancelled though still wanted: send it again
+
+    def _on_welcome(self, link: ServerLink, msg: Welcome) -> None:
+        if self.handshake.done() and self.links is not None:
+            info = self.links.handshake()
+            if info is not None and msg.fingerprint != info["fingerprint"]:
+                self._fail(
+                    DataServerError(
+                        f"{link.address} now serves a different dataset ({msg.fingerprint})"
+                    )
+                )
+                return
+        was_lost = link.was_lost
+        restarted = link.welcome(msg)
+        endpoint = announced_address(link.address, msg.control)
+        if endpoint not in self._control_endpoints:
+            self._control_endpoints.add(endpoint)
+            self.pub.connect(endpoint)
+        if restarted or was_lost:
+            # A restarted server lost what it held; after a lost connection, answers in
+            # flight may be gone. Send again; an answer that comes twice is dropped by id.
+            moved = self._move_tasks(link)
+            log.warning("%s is back: asking again for its %d task(s)", link.address, moved)
+        if self.links is not None:
+            for other in self.links:  # servers still gone: their tasks come to those back
+                if other.state is LinkState.LOST and other.outstanding:
+                    self._move_tasks(other)
+
+    # ------------------------------------------------------------ links and tasks
+
+    def _on_events(self, events: list[LinkEvent]) -> None:
+        for event in events:
+            if event.kind is EventKind.NOT_AUTHORIZED:
+                self._fail(NotAuthorized(event.why))
+            elif event.kind is EventKind.LOST:
+                if self.links is not None and self.links.any_ready():
+                    self._move_tasks(event.link)
+            elif event.kind is EventKind.RESULTS_BROKEN:
+                # Results on their way in that connection are gone; which tasks they were
+                # for, only the server knew. Ask again for what this server still owes.
+                n = self._move_tasks(event.link)
+                if n:
+                    self.counters["asked_again_results_broken"] += n
+                    log.info(
+                        "%s: a result connection dropped (%s); asked again for %d task(s)",
+                        event.link.address,
+                        event.why,
+                        n,
+                    )
+
+    def _move_tasks(self, link: ServerLink) -> int:
+        recs = self.book.records(link.take_outstanding())
+        n = self.book.ask_again(recs)
+        self.counters["reissued"] += n
+        return n
+
+    def _ask_again(self, recs: list[TaskRecord]) -> None:
+        self.book.ask_again(recs)
+
+    def _deadlines(self, links: Links, now: float) -> None:
+        """Tasks unanswered past the deadline are asked again (their credit is let go: the
+        server either lost the answer, or will answer twice and the copy is dropped)."""
+        limit = self.deadlines.value
+        for link in links:
+            if link.state is not LinkState.READY or not link.outstanding:
+                continue
+            oldest = next(iter(link.outstanding.values()))
+            if now - oldest < limit:
+                continue
+            late = [t for t, sent in link.outstanding.items() if now - sent >= limit]
+            for tid in late:
+                del link.outstanding[tid]
+            n = self.book.ask_again(self.book.records(late))
+            if n:
+                self.counters["asked_again_deadline"] += n
+                log.info(
+                    "%s: %d task(s) unanswered for %.1f s; asked again", link.address, n, limit
+                )
+
+    def _check_handshake(self, links: Links, started: float) -> None:
+        try:
+            info = links.handshake()
+        except DataServerError as exc:
+            self.handshake.set_exception(exc)
+            self._closing = True
+            return
+        if info is not None:
+            self.dataset_len = int(info["dataset_len"])
+            self.handshake.set_result(info)
+            self.last_progress = time.monotonic()
+            return
+        links.tick(time.monotonic())
+        if time.monotonic() - started > self.config.timeout:
+            self.handshake.set_exception(
+                ServerUnreachable(
+                    f"no answer from {links.waiting_names()} within {self.config.timeout:g} s "
+                    "(is `dataserver serve` running there, and reachable?)"
+                )
+            )
+            self._closing = True
+
+    def _check_progress(self, links: Links, now: float) -> None:
+        waiting = bool(self.book.pending) or any(link.outstanding for link in links)
+        if not (waiting and self.book.tasks):
+            self.last_progress = now
+            return
+        if now - self.last_progress <= self.config.timeout:
+            return
+        parts = []
+        for link in links:
+            mine = sum(1 for t in link.outstanding if t in self.book.tasks)
+            why = f", {link.last_error}" if link.last_error else ""
+            parts.append(
+                f"{link.address} ({link.state.name.lower()}, {mine} task(s) outstanding{why})"
+            )
+        pending = len(self.book.pending)
+        self._fail(
+            DataServerError(
+                f"no progress for {self.config.timeout:g} s; waiting for: "
+                + ", ".join(parts)
+                + (f"; {pending} task(s) not yet sent" if pending else "")
+            )
+        )
+        self.last_progress = now
 
     def _fail(self, error: BaseException) -> None:
         if not self.handshake.done():
@@ -356,42 +534,70 @@ class Engine(EpochPlans, LinkWatch, threading.Thread):
                 self.handoff.fatal = error
             self.handoff.cond.notify_all()
 
-    def _dispatch(self) -> None:
-        while self.pending:
-            link = max(self.links, key=lambda lk: lk.free)
-            if link.free <= 0:
+    def _dispatch(self, links: Links) -> None:
+        book = self.book
+        while book.pending:
+            link = links.best()
+            if link is None:
                 return
-            rec = self.pending.popleft()
-            if self.tasks.get(rec.task_id) is not rec:
-                continue
-            header = {
-                "session": self.session,
-                "task_id": rec.task_id,
-                "plan_version": rec.plan_version,
-                "epoch": self.epoch,
-                "seed": self.config.seed,
-                "indices": list(rec.task.indices),
-                "grid": rec.task.grid,
-                "out_hw": list(rec.task.out_hw),
-                "on_error": self.config.on_error,
-                "control_seq": self.control_seq,
-                "control": self.control,
-            }
-            if rec.exclude:
-                header["exclude"] = list(rec.exclude)
-            if not link.send(protocol.make(MsgType.TASK, header)):
-                self.pending.appendleft(rec)  # not connected after all: try again shortly
+            rec = book.pop_pending()
+            if rec is None:
                 return
+            task = Task(
+                session=self.session,
+                task_id=rec.task_id,
+                plan_version=rec.plan_version,
+                epoch=book.epoch,
+                seed=self.config.seed,
+                indices=rec.task.indices,
+                grid=rec.task.grid,
+                out_hw=rec.task.out_hw,
+                on_error=self.config.on_error,
+                control_seq=book.control_seq,
+                control=book.control,
+                exclude=rec.exclude,
+            )
+            if not link.send(task.encode()):
+                book.pending.appendleft(rec)  # not connected after all: try again shortly
+                return
+            link.outstanding.pop(rec.task_id, None)  # sent again: it goes last, as the newest
             link.outstanding[rec.task_id] = time.monotonic()
             link.sent_total += 1
             rec.link = link
 
     # ------------------------------------------------------------ commands (I/O thread)
 
+    def start_epoch(self, epoch: int, position: int = 0, step: int = 0) -> int:
+        n = self.book.start_epoch(epoch, self.dataset_len, position, step)
+        self.last_progress = time.monotonic()
+        return n
+
+    def steer(self, mode: str, control: dict[str, Any] | None) -> int:
+        version = self.book.steer(mode, control)
+        msg = Control(
+            session=self.session,
+            plan_version=version,
+            control_seq=self.book.control_seq,
+            control=self.book.control,
+            mode=mode,
+        )
+        self.pub.send_multipart(msg.encode())
+        return version
+
+    def snapshot(self) -> dict[str, Any]:
+        return self.book.snapshot()
+
+    def restore(self, mode: str, control: dict[str, Any], control_seq: int) -> None:
+        self.book.restore(mode, control, control_seq)
+
     def stats(self) -> dict[str, Any]:
+        links = list(self.links) if self.links is not None else []
         return {
             **self.counters,
-            "plan_version": self.plan_version,
+            "rejected": dict(self.rejected),
+            "plan_version": self.book.plan_version,
+            "skipped_poison_images": self.book.skipped_poison,
+            "task_deadline_s": round(self.deadlines.value, 3),
             "host_buffers_allocated": self.buffers.allocated,
             "servers": [
                 {
@@ -402,6 +608,6 @@ class Engine(EpochPlans, LinkWatch, threading.Thread):
                     "outstanding": len(link.outstanding),
                     "credit": link.credit,
                 }
-                for link in self.links
+                for link in links
             ],
         }

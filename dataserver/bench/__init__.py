@@ -84,7 +84,7 @@ def fig_dataloader(args: argparse.Namespace, spec: str) -> dict[str, Any]:
 def fig_feedback(args: argparse.Namespace, spec: str) -> dict[str, Any]:
     """samples/s with the mode flipping on ~20% of steps vs one constant mode, same server,
     and the source decodes the flips cost (decoded by the server minus samples delivered)."""
-    from dataserver.cli import fetch_stats
+    from dataserver.admin import fetch_stats
 
     proc, address = start_server(["--dataset", spec, "--workers", str(args.workers)])
     runs: dict[str, list[dict[str, Any]]] = {"flips": [], "regular": [], "stitch": []}

@@ -9,10 +9,18 @@ from typing import Any
 
 from dataserver.data.spec import build_dataset, dataset_fingerprint, parse_spec
 from dataserver.server.config import ConfigError, ServerConfig
-from dataserver.server.front import Front
+from dataserver.server.front import Front, WorkerStartError
 from dataserver.server.memory import keep_large_blocks
 
-__all__ = ["ConfigError", "Front", "ServerConfig", "parse_ready_line", "ready_line", "serve"]
+__all__ = [
+    "ConfigError",
+    "Front",
+    "ServerConfig",
+    "WorkerStartError",
+    "parse_ready_line",
+    "ready_line",
+    "serve",
+]
 
 
 def ready_line(front: Front) -> str:
@@ -30,7 +38,8 @@ def parse_ready_line(line: str) -> dict[str, str]:
 
 def serve(config: ServerConfig, on_ready: Callable[[Front], Any]) -> None:
     """Build the dataset once (to check its spec and learn its size), then run the front
-    until SIGINT or SIGTERM. Raises ``SpecError``/``ConfigError`` for bad flags."""
+    until SIGINT or SIGTERM. Raises ``SpecError``/``ConfigError`` for bad flags and
+    ``WorkerStartError`` when no worker can start."""
     config.validate()
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # whatever a user's dataset imports, no GPU here
     keep_large_blocks()

@@ -7,8 +7,13 @@ import re
 from dataclasses import dataclass
 
 from dataserver.data.spec import DEFAULT_SPEC
+from dataserver.protocol import MAX_IMAGE_SIDE
 
 DEFAULT_BIND = "tcp://127.0.0.1:5555"
+DEFAULT_MAX_SESSIONS = 1024
+DEFAULT_MAX_IMAGE_SIDE = 4096
+DEFAULT_MAX_QUEUED_MB = 256
+SESSION_SHARE = 8  # one session may hold at most 1/8 of --max-queued-mb
 _TCP = re.compile(r"^tcp://(?P<host>\[[^\]]+\]|[^:/]+):(?P<port>\d+|\*)$")
 
 
@@ -25,11 +30,15 @@ class ServerConfig:
     workers: int = 0  # 0: the number of CPUs
     bind: str = DEFAULT_BIND
     control_bind: str | None = None  # None: data port + 1 on the same interface
-    session_ttl: float = 120.0  # seconds without traffic before a session is forgotten
+    session_ttl: float = 30.0  # seconds without traffic (clients beat every 0.5 s) before expiry
     cache_mb: int = 64  # per worker: prepared sources kept for re-composition
     curve_secret_key: str | None = None
     curve_authorized_keys: str | None = None
     direct_results: bool = True  # workers send results straight to clients that reach them
+    # Resource caps: what would exceed one is refused with an ERROR naming its flag.
+    max_sessions: int = DEFAULT_MAX_SESSIONS
+    max_image_side: int = DEFAULT_MAX_IMAGE_SIDE
+    max_queued_mb: int = DEFAULT_MAX_QUEUED_MB
 
     def worker_count(self) -> int:
         return self.workers if self.workers > 0 else (os.cpu_count() or 1)
@@ -40,8 +49,34 @@ class ServerConfig:
         check_endpoint("--bind", self.bind)
         if self.control_bind is not None:
             check_endpoint("--control-bind", self.control_bind)
+        if self.max_sessions < 1:
+            raise ConfigError(f"--max-sessions must be >= 1, got {self.max_sessions}")
+        if not 1 <= self.max_image_side <= MAX_IMAGE_SIDE:
+            raise ConfigError(
+                f"--max-image-side must be in 1..{MAX_IMAGE_SIDE}, got {self.max_image_side}"
+            )
+        if self.max_queued_mb < 1:
+            raise ConfigError(f"--max-queued-mb must be >= 1, got {self.max_queued_mb}")
+        if self.session_ttl <= 0:
+            raise ConfigError(f"--session-ttl must be > 0, got {self.session_ttl}")
+        if self.cache_mb < 0:
+            raise ConfigError(f"--cache-mb must be >= 0, got {self.cache_mb}")
         if (self.curve_secret_key is None) != (self.curve_authorized_keys is None):
             raise ConfigError("--curve-secret-key and --curve-authorized-keys go together")
+
+    @property
+    def max_queued_bytes(self) -> int:
+        return self.max_queued_mb << 20
+
+    @property
+    def session_queued_bytes(self) -> int:
+        return max(1 << 20, self.max_queued_bytes // SESSION_SHARE)
+
+    @property
+    def curve(self) -> tuple[str, str] | None:
+        if self.curve_secret_key and self.curve_authorized_keys:
+            return self.curve_secret_key, self.curve_authorized_keys
+        return None
 
     def control_endpoint(self) -> str:
         """``--control-bind``, or the data endpoint's port + 1 (a wildcard stays one)."""

@@ -8,13 +8,16 @@ Sockets, all created and closed in this process's one thread:
 
 The front routes: each idle worker gets the next task of the fair queue, each result goes
 back to the session that asked (or goes there straight from the worker, which then tells
-the front DONE). It keeps every task a worker holds, so a worker's death puts its task
-back at the head of its session's queue (twice fatal: answered as poison). A newer
-``plan_version`` (from CONTROL, or from a TASK) cancels the session's queued older tasks
-at once, each answered CANCELLED so the client's credits stay exact.
+the front DONE). A newer ``plan_version`` (from CONTROL, or from a TASK) cancels the
+session's queued older tasks at once, each answered CANCELLED so the client's credits stay
+exact. ``routing.py`` has the workers' side.
 
-This module has the loop, the clients and the control socket; ``routing.py`` the workers.
-Bad messages on any socket are counted and dropped; the loop never raises on input.
+Nothing a peer sends can stop this loop: input is decoded by ``dataserver.protocol`` (which
+raises only ``ProtocolError``, counted under a reason and answered when there is someone to
+answer), and every handler runs under a ``MessageGuard`` (anything else it raises is counted
+as ``internal``, logged once, and costs that one message). What the front holds for clients
+is capped: sessions (``--max-sessions``), queued bytes per session and in total and
+results waiting to be read (``--max-queued-mb``), image size (``--max-image-side``).
 """
 
 from __future__ import annotations
@@ -25,19 +28,33 @@ import shutil
 import tempfile
 import time
 import uuid
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from typing import Any
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from dataserver import protocol
-from dataserver.protocol import Message, MsgType, ProtocolError
-from dataserver.security import start_server_curve
+from dataserver.loop import MessageGuard, inject, is_shutdown
+from dataserver.protocol import (
+    Bye,
+    Cancelled,
+    Control,
+    ErrorMsg,
+    Heartbeat,
+    Hello,
+    Message,
+    ProtocolError,
+    Stats,
+    Task,
+    Welcome,
+    decode,
+)
+from dataserver.security import owns, start_server_curve
 from dataserver.server.config import ServerConfig, bindable, results_bind
-from dataserver.server.pool import WorkerHandle, WorkerPool
-from dataserver.server.routing import PIPELINE, WorkerRouting
+from dataserver.server.outbox import Outbox, tracked
+from dataserver.server.pool import WorkerPool
+from dataserver.server.routing import PIPELINE, WorkerRouter
 from dataserver.server.sessions import Scheduler, Session, TaskEntry
 
 log = logging.getLogger("dataserver.front")
@@ -45,6 +62,8 @@ log = logging.getLogger("dataserver.front")
 POLL_MS = 100
 DRAIN = 256  # messages taken from one socket before looking at the others
 CLIENT_MAX_MSG = 2 << 20  # clients only send small headers
+CLIENT_HWM = 64  # messages per client pipe; the Outbox bounds the bytes
+OWNERS_KEPT = 4096  # connections whose CURVE key is remembered
 MONITORED = (
     zmq.EVENT_ACCEPTED
     | zmq.EVENT_DISCONNECTED
@@ -54,7 +73,19 @@ MONITORED = (
 )
 
 
-class Front(WorkerRouting):
+def _user_id(frame: Any) -> str:
+    """The CURVE user id ZAP gave the connection ``frame`` came on ("" without one)."""
+    try:
+        return str(frame.get("User-Id") or "")
+    except (zmq.ZMQError, AttributeError):
+        return ""
+
+
+class WorkerStartError(RuntimeError):
+    """No worker could start (its dataset fails to build in the worker, say); one line."""
+
+
+class Front:
     """Routes tasks from client sessions to worker processes and results back."""
 
     def __init__(self, config: ServerConfig, dataset_len: int, fingerprint: str) -> None:
@@ -66,29 +97,34 @@ class Front(WorkerRouting):
         # Credit per client: PIPELINE tasks at each worker plus as many again queued here,
         # so a worker always has its next task at hand.
         self.credit = self.n_workers * PIPELINE * 2
-        self.scheduler = Scheduler(max_queue=max(64, self.credit * 8))
+        self.scheduler = Scheduler(
+            config.max_sessions,
+            max(64, self.credit * 8),
+            config.session_queued_bytes,
+            config.max_queued_bytes,
+        )
+        self.outbox = Outbox(config.max_queued_bytes)
         self.counters: Counter[str] = Counter()
         self.rejected: Counter[str] = Counter()
+        self.guard = MessageGuard(log, self.rejected)
         self.started = time.time()
         self.endpoints: dict[str, str] = {}
         self._stop = False
         self._announced = False
-        self._by_identity: dict[bytes, WorkerHandle] = {}
-        self._ready: list[WorkerHandle] = []  # live workers that said READY
-        self._respawn_at: dict[int, float] = {}
+        self._owners: OrderedDict[bytes, str] = OrderedDict()  # identity -> CURVE user id
         self._auth: Any = None
         self._tmpdir = tempfile.mkdtemp(prefix="ds-")
-        curve = None
-        if config.curve_secret_key and config.curve_authorized_keys:
-            curve = (config.curve_secret_key, config.curve_authorized_keys)
         self.pool = WorkerPool(
             f"ipc://{self._tmpdir}/backend",
+            self._tmpdir,
             config.dataset,
             config.dataset_args,
             config.cache_mb,
+            config.max_queued_mb,
             results_bind(config.bind, self._tmpdir) if config.direct_results else None,
-            curve,
+            config.curve,
         )
+        self.workers = WorkerRouter(self.pool, self.scheduler, self, self.counters, self.rejected)
 
     def stop(self) -> None:
         """Ask the loop to finish (safe from a signal handler)."""
@@ -99,43 +135,48 @@ class Front(WorkerRouting):
     def run(self, on_ready: Callable[[Front], None]) -> None:
         """Bind, start the workers, serve until ``stop()``, then shut down cleanly."""
         ctx = zmq.Context()
-        data = ctx.socket(zmq.ROUTER)
-        control = ctx.socket(zmq.SUB)
-        backend = ctx.socket(zmq.ROUTER)
-        self.data, self.control_sock, self.backend = data, control, backend
+        self.data = ctx.socket(zmq.ROUTER)
+        self.control_sock = ctx.socket(zmq.SUB)
+        self.backend = ctx.socket(zmq.ROUTER)
         try:
-            for sock in (data, control):
-                sock.setsockopt(zmq.LINGER, 0)
-                sock.setsockopt(zmq.MAXMSGSIZE, CLIENT_MAX_MSG)
-            data.setsockopt(zmq.ROUTER_MANDATORY, 1)
-            # Results waiting for a client that does not read: credits bound them for honest
-            # clients; this bounds them for everyone (beyond it, sends are dropped, counted).
-            data.setsockopt(zmq.SNDHWM, max(64, self.credit * 2))
-            backend.setsockopt(zmq.LINGER, 0)
-            backend.setsockopt(zmq.ROUTER_MANDATORY, 1)
-            control.setsockopt(zmq.SUBSCRIBE, b"")
-            if self.config.curve_secret_key and self.config.curve_authorized_keys:
-                self._auth = start_server_curve(
-                    ctx,
-                    self.config.curve_secret_key,
-                    self.config.curve_authorized_keys,
-                    [data, control],
-                )
-            data.bind(bindable(self.config.bind))
-            control.bind(bindable(self.config.control_endpoint()))
-            backend.bind(self.pool.backend)
-            self.endpoints = {
-                "data": data.getsockopt_string(zmq.LAST_ENDPOINT),
-                "control": control.getsockopt_string(zmq.LAST_ENDPOINT),
-            }
+            self._bind(ctx)
             self.pool.start(self.n_workers)
             self._loop(on_ready)
+        except zmq.ZMQError as exc:
+            if not is_shutdown(exc):
+                raise
         finally:
             self._shutdown(ctx)
 
+    def _bind(self, ctx: zmq.Context[Any]) -> None:
+        data, control, backend = self.data, self.control_sock, self.backend
+        for sock in (data, control):
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, CLIENT_MAX_MSG)
+        data.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        data.setsockopt(zmq.SNDHWM, CLIENT_HWM)
+        backend.setsockopt(zmq.LINGER, 0)
+        backend.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        control.setsockopt(zmq.SUBSCRIBE, b"")
+        if self.config.curve is not None:
+            secret, authorized = self.config.curve
+            self._auth = start_server_curve(ctx, secret, authorized, [data, control])
+        data.bind(bindable(self.config.bind))
+        control.bind(bindable(self.config.control_endpoint()))
+        backend.bind(self.pool.backend)
+        self.endpoints = {
+            "data": data.getsockopt_string(zmq.LAST_ENDPOINT),
+            "control": control.getsockopt_string(zmq.LAST_ENDPOINT),
+        }
+
     def _loop(self, on_ready: Callable[[Front], None]) -> None:
         poller = zmq.Poller()
-        for sock in (self.backend, self.data, self.control_sock):
+        handlers: dict[Any, tuple[str, Callable[[list[Any]], None]]] = {
+            self.backend: ("front.backend", self.workers.on_message),
+            self.data: ("front.data", self._on_data),
+            self.control_sock: ("front.control", self._on_control),
+        }
+        for sock in handlers:
             poller.register(sock, zmq.POLLIN)
         # Connection-level events on the public sockets: failed handshakes (raw TCP junk,
         # wrong socket types, CURVE refusals) never reach the loop as messages.
@@ -145,46 +186,48 @@ class Front(WorkerRouting):
         }
         for mon in monitors:
             poller.register(mon, zmq.POLLIN)
-        pidfds: dict[int, WorkerHandle] = {}
+        pidfds: set[int] = set()
         pool_version = -1
         next_housekeeping = 0.0
         while not self._stop:
             if self.pool.version != pool_version:  # workers came or went: watch their pidfds
                 pool_version = self.pool.version
-                current = self.pool.by_pidfd()
-                for fd in pidfds.keys() - current.keys():
+                current = set(self.pool.by_pidfd())
+                for fd in pidfds - current:
                     poller.unregister(fd)
-                for fd in current.keys() - pidfds.keys():
+                for fd in current - pidfds:
                     poller.register(fd, zmq.POLLIN)
                 pidfds = current
-            try:
-                events = poller.poll(POLL_MS)
-            except zmq.ZMQError as exc:
-                if exc.errno in (zmq.ETERM, zmq.ENOTSOCK):
-                    break
-                raise
+            events = poller.poll(POLL_MS)
             reap = False
             for sock, _ in events:
-                if sock is self.backend:
-                    self._drain(self.backend, self._on_backend)
-                elif sock is self.data:
-                    self._drain(self.data, self._on_data)
-                elif sock is self.control_sock:
-                    self._drain(self.control_sock, self._on_control)
+                if sock in handlers:
+                    site, handler = handlers[sock]
+                    self._drain(sock, site, handler)
                 elif sock in monitors:
                     self._on_monitor(sock, monitors[sock])
                 else:
                     reap = True  # a pidfd: a worker exited
             now = time.monotonic()
             if reap or now >= next_housekeeping:
-                self._reap()
+                self.workers.reap()
             if now >= next_housekeeping:
                 next_housekeeping = now + 0.5
                 self._housekeeping()
-            self._dispatch()
-            if not self._announced and len(self._ready) >= self.n_workers:
+            self.workers.dispatch()
+            if not self._announced and len(self.workers.ready) >= self.n_workers:
                 self._announced = True
                 on_ready(self)
+
+    def _drain(
+        self, sock: zmq.Socket[Any], site: str, handler: Callable[[list[Any]], None]
+    ) -> None:
+        for _ in range(DRAIN):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self.guard.run(site, handler, frames)
 
     def _on_monitor(self, monitor: zmq.Socket[Any], name: str) -> None:
         while True:
@@ -205,20 +248,11 @@ class Front(WorkerRouting):
             elif kind == zmq.EVENT_ACCEPTED:
                 self.counters[f"{name}_connections"] += 1
 
-    def _drain(self, sock: zmq.Socket[Any], handler: Callable[[list[Any]], None]) -> None:
-        for _ in range(DRAIN):
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            handler(frames)
-
     def _shutdown(self, ctx: zmq.Context[Any]) -> None:
+        self.workers.stopping = True
         for w in list(self.pool.workers.values()):
             if w.identity is not None:
-                self._send(
-                    self.backend, w.identity, protocol.make(MsgType.BYE, {"session": b"front"})
-                )
+                self.send_worker(w.identity, Bye(session=None).encode())
         try:
             self.pool.stop()
         finally:
@@ -227,7 +261,7 @@ class Front(WorkerRouting):
             ctx.destroy(linger=0)
             shutil.rmtree(self._tmpdir, ignore_errors=True)
 
-    # ------------------------------------------------------------------ sending
+    # ------------------------------------------------------------------ sending (Clients)
 
     def _send(self, sock: zmq.Socket[Any], identity: bytes, frames: list[Any]) -> bool:
         """Send without blocking; a gone or saturated peer costs a counter, not the loop."""
@@ -242,139 +276,216 @@ class Front(WorkerRouting):
             self.counters["send_dropped_gone"] += 1
         return False
 
-    def _reply(self, identity: bytes, mtype: MsgType, header: dict[str, Any]) -> None:
-        self._send(self.data, identity, protocol.make(mtype, header))
+    def _send_to(self, identity: bytes, msg: Message) -> None:
+        self._send(self.data, identity, msg.encode())
 
-    def _reject(self, reason: str, identity: bytes | None = None, detail: str = "") -> None:
+    def send_worker(self, identity: bytes, frames: list[Any]) -> bool:
+        return self._send(self.backend, identity, frames)
+
+    def reply(self, session: Session, msg: Message) -> None:
+        self._send_to(session.identity, msg)
+
+    def forward_result(self, session: Session, frames: list[Any], image_bytes: int) -> None:
+        """A worker's RESULT that could not go straight to its client: send it on, within
+        the outbox's bounds (beyond them the client is told, and asks again)."""
+        refused = self.outbox.refuse(session.sid, image_bytes)
+        if refused is not None:
+            self.counters["results_dropped"] += 1
+            header = decode(frames, with_arrays=False)
+            self.reply(
+                session,
+                ErrorMsg(
+                    message=f"result not sent: {refused} (--max-queued-mb)",
+                    kind="dropped",
+                    session=session.sid,
+                    task_id=getattr(header, "task_id", None),
+                    plan_version=getattr(header, "plan_version", None),
+                ),
+            )
+            return
+        image = tracked(frames[3].buffer) if len(frames) > 3 else None
+        out = [*frames[:3], image, *frames[4:]] if image is not None else frames
+        if self._send(self.data, session.identity, out):
+            self.counters["results_via_front"] += 1
+            self.outbox.sent(session.sid, image_bytes, image.tracker if image is not None else None)
+
+    def cancel(self, session: Session, entries: list[TaskEntry]) -> None:
+        if not entries:
+            return
+        self.counters["tasks_cancelled"] += len(entries)
+        self.reply(
+            session,
+            Cancelled(
+                session=session.sid,
+                task_ids=tuple(e.task_id for e in entries),
+                plan_version=session.version,
+            ),
+        )
+
+    def _refuse(self, reason: str, identity: bytes | None, detail: str, **ids: Any) -> None:
+        """Count a refused message; tell its sender why when there is one to tell."""
         self.rejected[reason] += 1
         log.debug("rejected (%s): %s", reason, detail)
         if identity is not None:
-            message = f"rejected: {reason}: {detail}" if detail else f"rejected: {reason}"
-            self._reply(identity, MsgType.ERROR, {"message": message, "kind": "protocol"})
+            kind = "protocol" if reason == "malformed" else reason
+            self._send_to(
+                identity, ErrorMsg(message=f"rejected: {reason}: {detail}", kind=kind, **ids)
+            )
 
     # ------------------------------------------------------------------ clients
+
+    def _owner(self, identity: bytes, frame: Any) -> str | None:
+        """The CURVE user (z85 public key) of the connection ``identity``, remembered."""
+        user = self._owners.get(identity)
+        if user is None:
+            user = _user_id(frame)
+            self._owners[identity] = user
+            if len(self._owners) > OWNERS_KEPT:
+                self._owners.popitem(last=False)
+        else:
+            self._owners.move_to_end(identity)
+        return user
+
+    def _not_owner(self, identity: bytes | None, frame: Any, session: bytes | None) -> bool:
+        """With CURVE, a session id may only be used by the key it is tagged with."""
+        if self.config.curve is None or session is None:
+            return False
+        user = self._owner(identity, frame) if identity is not None else _user_id(frame)
+        return not owns(session, user)
 
     def _on_data(self, frames: list[Any]) -> None:
         identity = frames[0].bytes
         try:
-            msg = protocol.decode(frames[1:])
+            msg = decode(frames[1:])
         except ProtocolError as exc:
-            self._reject("malformed", identity, str(exc))
+            self._refuse("malformed", identity, str(exc))
             return
-        match msg.type:
-            case MsgType.HELLO:
-                self._on_hello(identity, msg)
-            case MsgType.TASK:
+        session_id = getattr(msg, "session", None)
+        if self._not_owner(identity, frames[1], session_id):
+            self._refuse(
+                "not_owner", identity, "this session id belongs to another key", session=session_id
+            )
+            return
+        match msg:
+            case Task():
+                inject("front.task")
                 self._on_task(identity, msg, frames[1:])
-            case MsgType.HEARTBEAT:
-                self.scheduler.touch(msg.header.get("session"), identity)
-                beat = {"server_id": self.server_id, "results": self._result_endpoints()}
-                self._reply(identity, MsgType.HEARTBEAT, beat)
-            case MsgType.STATS:
-                self._reply(identity, MsgType.STATS, {"stats": self.stats()})
-            case MsgType.BYE:
-                self._close_session(msg.header["session"])
+            case Hello():
+                self._on_hello(identity, msg)
+            case Heartbeat():
+                self.scheduler.touch(msg.session, identity)
+                beat = Heartbeat(server_id=self.server_id, results=self.workers.result_endpoints())
+                self._send_to(identity, beat)
+            case Stats():
+                self._send_to(identity, Stats(stats=self.stats()))
+            case Bye():
+                if msg.session is not None and self.scheduler.close(msg.session) is not None:
+                    self.counters["sessions_closed"] += 1
             case _:
-                self._reject(
-                    "unexpected_type", identity, f"{msg.type.name} is not sent to a server"
+                self._refuse(
+                    "unexpected_type", identity, f"{msg.TYPE.name} is not sent to a server"
                 )
 
-    def _on_hello(self, identity: bytes, msg: Message) -> None:
-        sid = msg.header["session"]
-        self.scheduler.open(sid, identity)
+    def _on_hello(self, identity: bytes, msg: Hello) -> None:
+        if self.scheduler.open(msg.session, identity) is None:
+            self._refuse(
+                "session_limit",
+                identity,
+                f"this server has {len(self.scheduler.sessions)} sessions open, the most it "
+                f"takes (--max-sessions {self.config.max_sessions})",
+                session=msg.session,
+            )
+            return
         self.counters["hellos"] += 1
-        welcome = {
-            "session": sid,
-            "server_id": self.server_id,
-            "dataset_len": self.dataset_len,
-            "fingerprint": self.fingerprint,
-            "workers": self.n_workers,
-            "credit": self.credit,
-            "control": self.endpoints["control"],
-            "results": self._result_endpoints(),
-        }
-        self._reply(identity, MsgType.WELCOME, welcome)
+        self._send_to(
+            identity,
+            Welcome(
+                session=msg.session,
+                server_id=self.server_id,
+                dataset_len=self.dataset_len,
+                fingerprint=self.fingerprint,
+                workers=self.n_workers,
+                credit=self.credit,
+                control=self.endpoints["control"],
+                results=self.workers.result_endpoints(),
+                max_image_side=self.config.max_image_side,
+            ),
+        )
 
-    def _result_endpoints(self) -> list[str]:
-        """Where clients connect to receive results straight from the workers."""
-        return sorted(w.results for w in self._ready if w.results)
-
-    def _on_task(self, identity: bytes, msg: Message, frames: list[Any]) -> None:
-        h = msg.header
-        session = self.scheduler.touch(h["session"], identity)
-        reply = {
-            "session": h["session"],
-            "task_id": h["task_id"],
-            "plan_version": h["plan_version"],
-        }
+    def _on_task(self, identity: bytes, task: Task, frames: list[Any]) -> None:
+        ids = {"session": task.session, "task_id": task.task_id, "plan_version": task.plan_version}
+        session = self.scheduler.touch(task.session, identity)
         if session is None:
-            self.rejected["unknown_session"] += 1
-            message = "unknown session: say HELLO first (the server may have restarted)"
-            self._reply(
-                identity, MsgType.ERROR, {**reply, "message": message, "kind": "unknown_session"}
+            self._refuse(
+                "unknown_session",
+                identity,
+                "unknown session: say HELLO first (the server may have restarted)",
+                **ids,
             )
             return
-        version = h["plan_version"]
-        self._cancel(session, self.scheduler.cancel_older(session, version))
-        if version < session.version:
-            self._cancel(session, [TaskEntry(session.sid, h["task_id"], version, [], [])])
-            return
-        entry = TaskEntry(session.sid, h["task_id"], version, list(h["indices"]), frames)
-        if not self.scheduler.push(session, entry):
-            self.rejected["queue_full"] += 1
-            message = (
-                f"queue full ({self.scheduler.max_queue} tasks): the client ignores its credit"
+        side = self.config.max_image_side
+        if max(task.out_hw) > side:
+            self._refuse(
+                "limit",
+                identity,
+                f"image {task.out_hw[0]}x{task.out_hw[1]} exceeds this server's "
+                f"--max-image-side {side}",
+                **ids,
             )
-            self._reply(identity, MsgType.ERROR, {**reply, "message": message, "kind": "overload"})
             return
+        self.cancel(session, self.scheduler.cancel_older(session, task.plan_version))
+        if task.plan_version < session.version:
+            self.cancel(session, [TaskEntry(session.sid, task.task_id, task.plan_version, (), [])])
+            return
+        nbytes = sum(len(memoryview(f)) for f in frames)
+        over = self.scheduler.over_limit(session, nbytes)
+        if over is not None:
+            reason, why = over
+            if reason == "queue_bytes":
+                why += f" (--max-queued-mb {self.config.max_queued_mb})"
+            self._refuse(reason, identity, why, **ids)
+            return
+        self.scheduler.push(
+            session,
+            TaskEntry(session.sid, task.task_id, task.plan_version, task.indices, frames, nbytes),
+        )
         self.counters["tasks_received"] += 1
-
-    def _cancel(self, session: Session, entries: list[TaskEntry]) -> None:
-        if not entries:
-            return
-        self.counters["tasks_cancelled"] += len(entries)
-        header = {
-            "session": session.sid,
-            "task_ids": [e.task_id for e in entries],
-            "plan_version": session.version,
-        }
-        self._reply(session.identity, MsgType.CANCELLED, header)
 
     def _on_control(self, frames: list[Any]) -> None:
         try:
-            msg = protocol.decode(frames)
+            msg = decode(frames)
         except ProtocolError as exc:
-            self._reject("control_malformed", None, str(exc))
+            self._refuse("control_malformed", None, str(exc))
             return
-        if msg.type is not MsgType.CONTROL:
-            self._reject("control_unexpected_type", None, msg.type.name)
+        if not isinstance(msg, Control):
+            self._refuse("control_unexpected_type", None, msg.TYPE.name)
             return
-        session = self.scheduler.sessions.get(msg.header["session"])
+        if self._not_owner(None, frames[0], msg.session):
+            self._refuse("control_not_owner", None, "session id belongs to another key")
+            return
+        session = self.scheduler.sessions.get(msg.session)
         if session is None:
             self.rejected["control_unknown_session"] += 1
             return
-        if msg.header["plan_version"] < session.version:
+        if msg.plan_version < session.version:
             self.rejected["control_stale"] += 1  # replayed or overtaken: nothing to do
             return
         self.counters["controls"] += 1
-        self._cancel(session, self.scheduler.cancel_older(session, msg.header["plan_version"]))
-
-    def _close_session(self, sid: bytes) -> None:
-        session = self.scheduler.close(sid)
-        if session is not None:
-            self.counters["sessions_closed"] += 1
+        self.cancel(session, self.scheduler.cancel_older(session, msg.plan_version))
 
     def _housekeeping(self) -> None:
         for sid in self.scheduler.expired(self.config.session_ttl):
             log.info("session %s expired", sid.hex())
             self.counters["sessions_expired"] += 1
             self.scheduler.close(sid)
+        why = self.pool.startup_failure()
+        if why is not None:
+            raise WorkerStartError(why)
 
     # ------------------------------------------------------------------ stats
 
     def stats(self) -> dict[str, Any]:
         """The counters ``dataserver stats`` prints."""
-        busy = sum(1 for w in self.pool.workers.values() if w.tasks)
         return {
             "server_id": self.server_id,
             "pid": os.getpid(),
@@ -384,11 +495,19 @@ class Front(WorkerRouting):
             "fingerprint": self.fingerprint,
             "workers": self.n_workers,
             "workers_alive": self.pool.alive(),
-            "workers_busy": busy,
+            "workers_busy": self.workers.busy(),
             "workers_started": self.pool.started_total,
             "worker_pids": sorted(w.pid for w in self.pool.workers.values()),
             "queue_depth": self.scheduler.queued,
+            "queued_bytes": self.scheduler.queued_bytes,
+            "results_unread_bytes": self.outbox.nbytes,
             "sessions": len(self.scheduler.sessions),
+            "sessions_evicted": self.scheduler.evicted,
+            "limits": {
+                "max_sessions": self.config.max_sessions,
+                "max_image_side": self.config.max_image_side,
+                "max_queued_mb": self.config.max_queued_mb,
+            },
             "counters": dict(self.counters),
             "rejected": dict(self.rejected),
             "rejected_total": sum(self.rejected.values()),

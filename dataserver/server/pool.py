@@ -15,7 +15,10 @@ import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+from dataserver.server.running import RunningSlot
 
 log = logging.getLogger("dataserver.pool")
 
@@ -28,6 +31,7 @@ class WorkerHandle:
     proc: subprocess.Popen[bytes]
     pidfd: int | None
     started: float
+    running: RunningSlot  # the task it runs, readable after it died
     identity: bytes | None = None  # its DEALER's routing id, known once READY arrives
     tasks: deque[Any] = field(default_factory=deque)  # TaskEntries sent to it, oldest first
     results: str = ""  # the endpoint its clients connect to for direct results
@@ -52,23 +56,30 @@ class WorkerPool:
     def __init__(
         self,
         backend: str,
+        state_dir: str,
         dataset: str,
         dataset_args: str | None,
         cache_mb: int,
+        max_queued_mb: int,
         results_bind: str | None = None,
         curve: tuple[str, str] | None = None,
     ) -> None:
         self.backend = backend
+        self.state_dir = state_dir
         self.dataset = dataset
         self.dataset_args = dataset_args
         self.cache_mb = cache_mb
+        self.max_queued_mb = max_queued_mb
         self.results_bind = results_bind  # may hold "{slot}"
         self.curve = curve
         self.workers: dict[int, WorkerHandle] = {}  # by slot
         self.started_total = 0
         self.version = 0  # bumped whenever a worker is added or removed
         self.deaths = 0
+        self.ever_ready = False
         self._early_deaths: dict[int, int] = {}  # slot -> consecutive deaths before READY
+        self._start_errors: dict[int, str] = {}  # slot -> why its last start failed
+        self._slots: dict[int, RunningSlot] = {}
 
     def spawn(self, slot: int) -> WorkerHandle:
         cmd = [
@@ -85,6 +96,10 @@ class WorkerPool:
             self.dataset,
             "--cache-mb",
             str(self.cache_mb),
+            "--max-queued-mb",
+            str(self.max_queued_mb),
+            "--state-dir",
+            self.state_dir,
         ]
         if self.dataset_args is not None:
             cmd += ["--dataset-args", self.dataset_args]
@@ -93,17 +108,39 @@ class WorkerPool:
         if self.curve is not None:
             cmd += ["--curve-secret-key", self.curve[0], "--curve-authorized-keys", self.curve[1]]
         env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+        running = self._slots.get(slot)
+        if running is None:
+            running = self._slots[slot] = RunningSlot.open(self.state_dir, slot)
+        running.clear()
+        self._error_file(slot).unlink(missing_ok=True)
         proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, process_group=0)
         try:
             pidfd: int | None = os.pidfd_open(proc.pid)
         except (AttributeError, OSError):
             pidfd = None
-        handle = WorkerHandle(slot, proc, pidfd, time.monotonic())
+        handle = WorkerHandle(slot, proc, pidfd, time.monotonic(), running)
         self.workers[slot] = handle
         self.started_total += 1
         self.version += 1
         log.debug("started worker %d (pid %d)", slot, proc.pid)
         return handle
+
+    def _error_file(self, slot: int) -> Path:
+        return Path(self.state_dir) / f"worker-{slot}.err"
+
+    def mark_ready(self, handle: WorkerHandle) -> None:
+        self.ever_ready = True
+        self._early_deaths.pop(handle.slot, None)
+
+    def startup_failure(self, limit: int = 2) -> str | None:
+        """While no worker ever started: why, once some slot failed ``limit`` times in a row."""
+        if self.ever_ready:
+            return None
+        for slot, n in self._early_deaths.items():
+            if n >= limit:
+                why = self._start_errors.get(slot) or "it exited before it was ready"
+                return f"worker {slot} failed to start ({n} times): {why}"
+        return None
 
     def start(self, count: int) -> None:
         for slot in range(count):
@@ -129,12 +166,17 @@ class WorkerPool:
             return 0.0
         n = self._early_deaths.get(handle.slot, 0) + 1
         self._early_deaths[handle.slot] = n
+        try:
+            why = self._error_file(handle.slot).read_text().strip()
+        except OSError:
+            why = f"exit status {handle.proc.returncode}"
+        self._start_errors[handle.slot] = why
         log.error(
-            "worker %d (pid %d) exited with %s before it was ready (%d time(s) in a row)",
+            "worker %d (pid %d) exited before it was ready (%d time(s) in a row): %s",
             handle.slot,
             handle.pid,
-            handle.proc.returncode,
             n,
+            why,
         )
         return min(10.0, 0.5 * 2 ** (n - 1))
 
@@ -167,3 +209,6 @@ class WorkerPool:
                 os.close(w.pidfd)
                 w.pidfd = None
         self.workers.clear()
+        for running in self._slots.values():
+            running.close()
+        self._slots.clear()

@@ -1,7 +1,13 @@
-"""The workers' side of the front: READY, results and DONE notices, dispatch of queued
-tasks to the least loaded workers, and what a worker's death does to its tasks.
+"""The workers as the front sees them: READY, answers (RESULT, ERROR, DONE), dispatch of
+queued tasks to the least loaded workers, and what a worker's death does to its tasks.
 
-A mixin of ``Front`` (front.py): it shares the front's state and runs in its one thread.
+``WorkerRouter`` owns the pool and the worker handles; it reaches sessions only through the
+``Clients`` interface the front gives it (the front owns the client sockets).
+
+A worker runs its tasks in the order it was given them, so an answer for a task tells the
+front that every task given to that worker before it was answered too: an entry older than
+an answered one is an answer that was lost (dropped as bad, or by a fault) and is let go,
+never left to occupy the worker's pipeline for good. The client asks for it again.
 """
 
 from __future__ import annotations
@@ -9,106 +15,136 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from dataserver import protocol
-from dataserver.protocol import Message, MsgType, ProtocolError
+from dataserver.loop import inject
+from dataserver.protocol import Done, ErrorMsg, Message, ProtocolError, Ready, Result, decode
 from dataserver.server.pool import WorkerHandle, WorkerPool
-from dataserver.server.sessions import Scheduler, TaskEntry
-
-if TYPE_CHECKING:
-    import zmq
+from dataserver.server.running import task_key
+from dataserver.server.sessions import Scheduler, Session, TaskEntry
 
 log = logging.getLogger("dataserver.front")
 
 PIPELINE = 2  # tasks a worker holds at once: the one it runs and the next
+MAYBE_LOST_S = 10.0  # a direct result this recent may have died with its worker
 
 
-class WorkerRouting:
+class Clients(Protocol):
+    """What the router needs from the front to reach sessions."""
+
+    def reply(self, session: Session, msg: Message) -> None: ...
+    def forward_result(self, session: Session, frames: list[Any], image_bytes: int) -> None: ...
+    def cancel(self, session: Session, entries: list[TaskEntry]) -> None: ...
+    def send_worker(self, identity: bytes, frames: list[Any]) -> bool: ...
+
+
+class WorkerRouter:
     """Routes tasks to worker processes and their answers back to sessions."""
 
-    if TYPE_CHECKING:
-        pool: WorkerPool
-        scheduler: Scheduler
-        counters: Counter[str]
-        rejected: Counter[str]
-        data: zmq.Socket[Any]
-        backend: zmq.Socket[Any]
-        _by_identity: dict[bytes, WorkerHandle]
-        _ready: list[WorkerHandle]
-        _respawn_at: dict[int, float]
-        _stop: bool
+    def __init__(
+        self,
+        pool: WorkerPool,
+        scheduler: Scheduler,
+        clients: Clients,
+        counters: Counter[str],
+        rejected: Counter[str],
+    ) -> None:
+        self.pool = pool
+        self.scheduler = scheduler
+        self.clients = clients
+        self.counters = counters
+        self.rejected = rejected
+        self.by_identity: dict[bytes, WorkerHandle] = {}
+        self.ready: list[WorkerHandle] = []  # live workers that said READY
+        self._respawn_at: dict[int, float] = {}
+        self.stopping = False
 
-        def _send(self, sock: zmq.Socket[Any], identity: bytes, frames: list[Any]) -> bool: ...
-        def _reply(self, identity: bytes, mtype: MsgType, header: dict[str, Any]) -> None: ...
-        def _cancel(self, session: Any, entries: list[TaskEntry]) -> None: ...
+    # ------------------------------------------------------------ answers
 
-    def _on_backend(self, frames: list[Any]) -> None:
+    def on_message(self, frames: list[Any]) -> None:
         identity = frames[0].bytes
         try:
-            # Workers are this server's own children: read their headers, forward their
-            # arrays untouched (the client checks them), instead of decoding every result.
-            mtype, header = protocol.peek(frames[1:])
+            # Workers are this server's own children: their headers are checked, their
+            # arrays forwarded untouched (the client checks them).
+            msg = decode(frames[1:], with_arrays=False)
         except ProtocolError as exc:
             log.error("bad message from worker %r: %s", identity, exc)
             self.rejected["worker_malformed"] += 1
             return
-        if mtype is MsgType.READY:
-            self._on_ready_worker(identity, protocol.decode(frames[1:]))
+        if isinstance(msg, Ready):
+            self._on_ready(identity, msg)
             return
-        handle = self._by_identity.get(identity)
-        if (
-            handle is None
-            or not handle.tasks
-            or mtype not in (MsgType.RESULT, MsgType.ERROR, MsgType.DONE)
-        ):
+        inject("front.backend")
+        handle = self.by_identity.get(identity)
+        if handle is None:
             self.rejected["worker_unexpected"] += 1
             return
-        entry = next((e for e in handle.tasks if e.task_id == header.get("task_id")), None)
+        if isinstance(msg, ErrorMsg) and msg.task_id is None:
+            if msg.kind == "internal":  # the worker's loop dropped a message that raised
+                self.rejected["internal"] += 1
+            log.error("worker %d: %s", handle.slot, msg.message)
+            return
+        if not isinstance(msg, (Result, ErrorMsg, Done)):
+            self.rejected["worker_unexpected"] += 1
+            return
+        entry = self._take(handle, msg)
         if entry is None:
-            log.error(
-                "worker %d answered task %s it was not given",
-                handle.slot,
-                header.get("task_id"),
-            )
-            self.rejected["worker_unexpected"] += 1
             return
-        handle.tasks.remove(entry)
         session = self.scheduler.sessions.get(entry.session)
-        ok = mtype is not MsgType.ERROR
+        ok = not isinstance(msg, ErrorMsg)
         self.counters["tasks_done" if ok else "tasks_failed"] += 1
-        decoded = header.get("decoded")
-        if isinstance(decoded, int) and ok:
-            samples = header.get("samples", len(header.get("indices", ())))
-            self.counters["sources_decoded"] += decoded
-            self.counters["sources_reused"] += int(samples) - decoded
-        if mtype is MsgType.DONE:  # the worker sent the RESULT straight to the client
+        if isinstance(msg, (Result, Done)):
+            samples = msg.samples if isinstance(msg, Done) else len(msg.indices)
+            self.counters["sources_decoded"] += msg.decoded
+            self.counters["sources_reused"] += max(0, samples - msg.decoded)
+        if isinstance(msg, Done):  # the worker sent the RESULT straight to the client
             self.counters["results_direct"] += 1
             handle.recent_direct.append(
                 (time.monotonic(), entry.session, entry.task_id, entry.plan_version)
             )
             return
+        if isinstance(msg, ErrorMsg) and msg.kind == "dropped":
+            self.counters["results_dropped"] += 1
         if session is None:
             self.counters["results_orphaned"] += 1
             return
-        if self._send(self.data, session.identity, frames[1:]):
-            self.counters["results_sent"] += 1
-            if ok:
-                self.counters["results_via_front"] += 1
+        if isinstance(msg, Result):
+            image_bytes = len(memoryview(frames[4])) if len(frames) > 4 else 0
+            self.clients.forward_result(session, frames[1:], image_bytes)
+        else:
+            self.clients.reply(session, msg)
 
-    def _on_ready_worker(self, identity: bytes, msg: Message) -> None:
-        pid = msg.header["pid"]
+    def _take(self, handle: WorkerHandle, msg: Result | ErrorMsg | Done) -> TaskEntry | None:
+        """The entry ``msg`` answers, removed from the worker's; older entries go with it."""
+        for i, entry in enumerate(handle.tasks):
+            if entry.task_id == msg.task_id and entry.session == msg.session:
+                for _ in range(i):  # answered before this one, but the answer never came
+                    handle.tasks.popleft()
+                    self.counters["worker_answers_lost"] += 1
+                handle.tasks.popleft()
+                return entry
+        log.error("worker %d answered task %s it was not given", handle.slot, msg.task_id)
+        self.rejected["worker_unexpected"] += 1
+        return None
+
+    def _on_ready(self, identity: bytes, msg: Ready) -> None:
         for handle in self.pool.workers.values():
-            if handle.pid == pid and handle.identity is None:
+            if handle.pid == msg.pid and handle.identity is None:
                 handle.identity = identity
-                results = msg.header.get("results")
-                handle.results = results if isinstance(results, str) else ""
-                self._by_identity[identity] = handle
-                self._ready.append(handle)
+                handle.results = msg.results
+                self.by_identity[identity] = handle
+                self.ready.append(handle)
+                self.pool.mark_ready(handle)
                 return
-        log.warning("READY from unknown worker pid %d", pid)
+        log.warning("READY from unknown worker pid %d", msg.pid)
 
-    def _dispatch(self) -> None:
+    def result_endpoints(self) -> tuple[str, ...]:
+        """Where clients connect to receive results straight from the workers."""
+        return tuple(sorted(w.results for w in self.ready if w.results))
+
+    # ------------------------------------------------------------ dispatch
+
+    def dispatch(self) -> None:
         """Give queued tasks to the least loaded live workers, up to PIPELINE each.
 
         A worker holds the task it runs and the next one, so it never waits for this
@@ -116,14 +152,14 @@ class WorkerRouting:
         if not self.scheduler.queued:
             return
         for depth in range(PIPELINE):
-            for handle in self._ready:
+            for handle in self.ready:
                 if len(handle.tasks) > depth or not self.scheduler.queued:
                     continue
                 entry = self._next_entry()
                 if entry is None:
                     return
                 handle.tasks.append(entry)
-                if not self._send(self.backend, handle.identity or b"", entry.frames):
+                if not self.clients.send_worker(handle.identity or b"", entry.frames):
                     handle.tasks.remove(entry)
                     session = self.scheduler.sessions.get(entry.session)
                     if session is not None:
@@ -137,22 +173,25 @@ class WorkerRouting:
             if session is None:
                 continue
             if entry.plan_version < session.version:
-                self._cancel(session, [entry])
+                self.clients.cancel(session, [entry])
                 continue
             return entry
         return None
 
-    def _reap(self) -> None:
+    # ------------------------------------------------------------ deaths
+
+    def reap(self) -> None:
         for handle in self.pool.dead():
-            self._on_worker_death(handle)
+            self._on_death(handle)
         now = time.monotonic()
         for slot, when in list(self._respawn_at.items()):
-            if now >= when and not self._stop:
+            if now >= when and not self.stopping:
                 del self._respawn_at[slot]
                 self.pool.spawn(slot)
 
-    def _on_worker_death(self, handle: WorkerHandle) -> None:
+    def _on_death(self, handle: WorkerHandle) -> None:
         code = handle.proc.returncode
+        running_key = handle.running.read()
         log.warning(
             "worker %d (pid %d) died (exit %s); replacing it", handle.slot, handle.pid, code
         )
@@ -160,59 +199,64 @@ class WorkerRouting:
         delay = self.pool.forget(handle)
         self._respawn_at[handle.slot] = time.monotonic() + delay
         if handle.identity is not None:
-            self._by_identity.pop(handle.identity, None)
-        if handle in self._ready:
-            self._ready.remove(handle)
+            self.by_identity.pop(handle.identity, None)
+        if handle in self.ready:
+            self.ready.remove(handle)
         self._warn_recent_direct(handle)
-        entries = list(handle.tasks)
+        entries: list[TaskEntry] = list(handle.tasks)
         handle.tasks.clear()
-        if not entries:
-            return
-        # Only the first was running; the others waited in its socket and are not to blame.
-        entry = entries[0]
-        entry.attempts += 1
-        for waiting in reversed(entries[1:]):
-            owner = self.scheduler.sessions.get(waiting.session)
-            if owner is not None:
-                self.scheduler.push(owner, waiting, front=True)
-        session = self.scheduler.sessions.get(entry.session)
-        if session is None:
-            return
-        if entry.attempts < 2:
-            self.counters["tasks_retried"] += 1
-            self.scheduler.push(session, entry, front=True)
-            return
+        # Only the task it was running is to blame; the others go back unblamed, in order.
+        blamed = next((e for e in entries if task_key(e.session, e.task_id) == running_key), None)
+        for entry in reversed(entries):
+            owner = self.scheduler.sessions.get(entry.session)
+            if owner is None:
+                continue
+            if entry is blamed:
+                entry.attempts += 1
+                if entry.attempts >= 2:
+                    self._poison(owner, entry, code)
+                    continue
+                self.counters["tasks_retried"] += 1
+            self.scheduler.push(owner, entry, front=True)
+
+    def _poison(self, session: Session, entry: TaskEntry, code: int | None) -> None:
         self.counters["tasks_poisoned"] += 1
         how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
-        names = entry.indices[0] if len(entry.indices) == 1 else entry.indices
-        header = {
-            "session": entry.session,
-            "task_id": entry.task_id,
-            "plan_version": entry.plan_version,
-            "indices": entry.indices,
-            "kind": "poison",
-            "message": f"sample {names} killed {entry.attempts} worker processes "
-            f"(last: {how}); not retried",
-        }
-        if len(entry.indices) == 1:
-            header["index"] = entry.indices[0]
-        self._reply(session.identity, MsgType.ERROR, header)
+        names: Any = entry.indices[0] if len(entry.indices) == 1 else list(entry.indices)
+        self.clients.reply(
+            session,
+            ErrorMsg(
+                message=f"sample {names} killed {entry.attempts} worker processes "
+                f"(last: {how}); not retried",
+                kind="poison",
+                session=entry.session,
+                task_id=entry.task_id,
+                plan_version=entry.plan_version,
+                indices=entry.indices,
+                index=entry.indices[0] if len(entry.indices) == 1 else None,
+            ),
+        )
 
     def _warn_recent_direct(self, handle: WorkerHandle) -> None:
         """A worker died: a result it sent straight to a client just before may not have left
         the process. Tell those clients; one still waiting for it runs the task again."""
-        horizon = time.monotonic() - 10.0
+        horizon = time.monotonic() - MAYBE_LOST_S
         for when, sid, task_id, plan_version in handle.recent_direct:
             session = self.scheduler.sessions.get(sid)
             if when < horizon or session is None:
                 continue
-            header = {
-                "session": sid,
-                "task_id": task_id,
-                "plan_version": plan_version,
-                "kind": "maybe_lost",
-                "message": "the worker that sent this result died just after; if it did not "
-                "arrive, run the task again",
-            }
-            self._reply(session.identity, MsgType.ERROR, header)
+            self.clients.reply(
+                session,
+                ErrorMsg(
+                    message="the worker that sent this result died just after; if it did not "
+                    "arrive, run the task again",
+                    kind="maybe_lost",
+                    session=sid,
+                    task_id=task_id,
+                    plan_version=plan_version,
+                ),
+            )
         handle.recent_direct.clear()
+
+    def busy(self) -> int:
+        return sum(1 for w in self.pool.workers.values() if w.tasks)

@@ -2,8 +2,11 @@
 
 A session is one ``DataServerClient`` (one rank of one job). Its queued tasks wait in
 arrival order; idle workers take tasks from the sessions in round robin, so one client
-with a deep queue cannot starve another. Credits on the client side bound every queue;
-``max_queue`` is the server's own bound against clients that ignore them.
+with a deep queue cannot starve another. Credits on the client side bound every queue for
+honest clients; the caps here bound them for everyone: at most ``max_sessions`` sessions,
+at most ``max_tasks`` queued tasks and ``session_bytes`` of them per session, and
+``total_bytes`` in all. A new session may take the place of one silent for ``evict_after``
+seconds when all places are taken (a client beats every 0.5 s; a silent one is gone).
 """
 
 from __future__ import annotations
@@ -21,8 +24,9 @@ class TaskEntry:
     session: bytes
     task_id: int
     plan_version: int
-    indices: list[int]
+    indices: tuple[int, ...]
     frames: list[Any]
+    nbytes: int = 0  # what its frames hold, counted against the queue caps
     attempts: int = 0  # workers that died running it
 
 
@@ -34,6 +38,7 @@ class Session:
     identity: bytes  # the ROUTER routing id of its latest message
     version: int = 0  # newest plan_version seen; older queued tasks are cancelled
     queue: deque[TaskEntry] = field(default_factory=deque)
+    queued_bytes: int = 0
     last_seen: float = field(default_factory=time.monotonic)
     in_ready: bool = False  # member of the scheduler's round robin
 
@@ -41,42 +46,86 @@ class Session:
 class Scheduler:
     """Sessions by id and a round robin of those with queued tasks."""
 
-    def __init__(self, max_queue: int) -> None:
-        self.max_queue = max_queue
+    def __init__(
+        self,
+        max_sessions: int,
+        max_tasks: int,
+        session_bytes: int,
+        total_bytes: int,
+        evict_after: float = 5.0,
+    ) -> None:
+        self.max_sessions = max_sessions
+        self.max_tasks = max_tasks
+        self.evict_after = evict_after
+        self.evicted = 0
+        self.session_bytes = session_bytes
+        self.total_bytes = total_bytes
         self.sessions: dict[bytes, Session] = {}
         self._ready: deque[Session] = deque()
         self.queued = 0
+        self.queued_bytes = 0
 
-    def open(self, sid: bytes, identity: bytes) -> Session:
-        """The session ``sid`` (new after a HELLO), now reachable at ``identity``."""
-        if sid not in self.sessions:
-            self.sessions[sid] = Session(sid, identity)
-        session = self.touch(sid, identity)
-        assert session is not None
+    def open(self, sid: bytes, identity: bytes) -> Session | None:
+        """The session ``sid`` (new after a HELLO), now reachable at ``identity``; None when
+        it is new and ``max_sessions`` are open."""
+        session = self.sessions.get(sid)
+        if session is None:
+            if len(self.sessions) >= self.max_sessions and not self._evict_one():
+                return None
+            session = self.sessions[sid] = Session(sid, identity)
+        session.identity = identity
+        session.last_seen = time.monotonic()
         return session
 
-    def touch(self, sid: object, identity: bytes) -> Session | None:
+    def _evict_one(self) -> bool:
+        """Forget the session silent longest, if it has been silent ``evict_after``."""
+        oldest = min(self.sessions.values(), key=lambda s: s.last_seen, default=None)
+        if oldest is None or time.monotonic() - oldest.last_seen < self.evict_after:
+            return False
+        self.close(oldest.sid)
+        self.evicted += 1
+        return True
+
+    def touch(self, sid: bytes | None, identity: bytes) -> Session | None:
         """A message from session ``sid`` came from ``identity``: reply there, and it is
         alive. None for a session this server does not know."""
-        session = self.sessions.get(sid) if isinstance(sid, bytes) else None
+        session = self.sessions.get(sid) if sid is not None else None
         if session is not None:
             session.identity = identity
             session.last_seen = time.monotonic()
         return session
 
-    def push(self, session: Session, entry: TaskEntry, front: bool = False) -> bool:
-        """Queue ``entry``; False if the session's queue is full."""
-        if not front and len(session.queue) >= self.max_queue:
-            return False
+    def over_limit(self, session: Session, nbytes: int) -> tuple[str, str] | None:
+        """(reason, why) ``nbytes`` more may not be queued for ``session``, or None."""
+        if len(session.queue) >= self.max_tasks:
+            return "queue_full", f"{len(session.queue)} tasks queued: the client ignores its credit"
+        if session.queued_bytes + nbytes > self.session_bytes:
+            why = f"session queue holds {session.queued_bytes} bytes; at most {self.session_bytes}"
+            return "queue_bytes", why
+        if self.queued_bytes + nbytes > self.total_bytes:
+            return (
+                "queue_bytes",
+                f"queues hold {self.queued_bytes} bytes; at most {self.total_bytes}",
+            )
+        return None
+
+    def push(self, session: Session, entry: TaskEntry, front: bool = False) -> None:
+        """Queue ``entry`` (at the head when ``front``: a task given back by a worker)."""
         if front:
             session.queue.appendleft(entry)
         else:
             session.queue.append(entry)
         self.queued += 1
+        session.queued_bytes += entry.nbytes
+        self.queued_bytes += entry.nbytes
         if not session.in_ready:
             session.in_ready = True
             self._ready.append(session)
-        return True
+
+    def _took(self, session: Session, entries: int, nbytes: int) -> None:
+        self.queued -= entries
+        session.queued_bytes -= nbytes
+        self.queued_bytes -= nbytes
 
     def pop(self) -> TaskEntry | None:
         """The next task in round robin over sessions, or None."""
@@ -86,7 +135,7 @@ class Scheduler:
                 session.in_ready = False
                 continue
             entry = session.queue.popleft()
-            self.queued -= 1
+            self._took(session, 1, entry.nbytes)
             if session.queue:
                 self._ready.append(session)
             else:
@@ -102,14 +151,14 @@ class Scheduler:
         stale = [e for e in session.queue if e.plan_version < version]
         if stale:
             session.queue = deque(e for e in session.queue if e.plan_version >= version)
-            self.queued -= len(stale)
+            self._took(session, len(stale), sum(e.nbytes for e in stale))
         return stale
 
     def close(self, sid: bytes) -> Session | None:
         """Forget a session and its queued tasks."""
         session = self.sessions.pop(sid, None)
         if session is not None:
-            self.queued -= len(session.queue)
+            self._took(session, len(session.queue), session.queued_bytes)
             session.queue.clear()
         return session
 

@@ -4,6 +4,10 @@ Started by the front as ``python -m dataserver.server.worker`` (a fresh interpre
 never forked from a process that may hold CUDA, never handed a pickle), with
 ``CUDA_VISIBLE_DEVICES=""``, SIGINT ignored (the front decides when workers stop) and a
 parent-death signal so that it never outlives its front.
+
+Before it runs a task it writes the task's key into a small shared file the front reads if
+this process dies (``running.py``), so only the task it was running is blamed. If it cannot
+start (its dataset fails to build here), it writes the reason for the front and exits 3.
 """
 
 from __future__ import annotations
@@ -14,24 +18,39 @@ import logging
 import os
 import signal
 import sys
-from collections import OrderedDict
+from collections import Counter, OrderedDict
+from pathlib import Path
 from typing import Any
 
 import cv2
 import zmq
 
-from dataserver import protocol
 from dataserver.data.pipeline import build_output, prepare
 from dataserver.data.sample import Sample, SampleError
 from dataserver.data.spec import build_dataset, parse_spec
-from dataserver.protocol import Message, MsgType, ProtocolError
+from dataserver.loop import MessageGuard, inject, is_shutdown
+from dataserver.protocol import (
+    Bye,
+    Done,
+    ErrorMsg,
+    Message,
+    ProtocolError,
+    Ready,
+    Result,
+    Task,
+    decode,
+)
 from dataserver.security import start_server_curve
 from dataserver.server.config import bindable
 from dataserver.server.memory import keep_large_blocks
+from dataserver.server.outbox import Outbox, tracked
+from dataserver.server.running import RunningSlot
 
 log = logging.getLogger("dataserver.worker")
 
 PR_SET_PDEATHSIG = 1
+EXIT_START_FAILED = 3
+RESULTS_HWM = 16  # messages per client pipe; the Outbox bounds the bytes
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -74,7 +93,8 @@ class SourceCache:
 
 
 class Worker:
-    """One worker: a DEALER connected to the front's backend ROUTER."""
+    """One worker: a DEALER connected to the front's backend ROUTER, and (for the direct
+    result path) a ROUTER that clients connect to."""
 
     def __init__(
         self,
@@ -84,6 +104,8 @@ class Worker:
         cache_bytes: int,
         results_bind: str | None = None,
         curve: tuple[str, str] | None = None,
+        running: RunningSlot | None = None,
+        max_queued_bytes: int = 256 << 20,
     ) -> None:
         self.worker_id = worker_id
         self.backend = backend
@@ -92,7 +114,12 @@ class Worker:
         self.dataset = dataset
         self.size = len(dataset)
         self.cache = SourceCache(cache_bytes)
+        self.running = running
+        self.outbox = Outbox(max_queued_bytes)
+        self.counters: Counter[str] = Counter()
+        self.guard = MessageGuard(log, self.counters)
         self._applied: tuple[bytes, int] | None = None  # (session, control_seq) last applied
+        self._stop = False
 
     def run(self) -> None:
         ctx = zmq.Context(io_threads=1)
@@ -103,28 +130,16 @@ class Worker:
         endpoint = results.getsockopt_string(zmq.LAST_ENDPOINT) if results is not None else ""
         try:
             sock.connect(self.backend)
-            ready = {"worker": self.worker_id, "pid": os.getpid(), "results": endpoint}
-            sock.send_multipart(protocol.make(MsgType.READY, ready))
-            while True:
+            sock.send_multipart(
+                Ready(worker=self.worker_id, pid=os.getpid(), results=endpoint).encode()
+            )
+            self.guard.report = lambda site, exc: self._report(sock, site, exc)
+            while not self._stop:
                 frames = sock.recv_multipart(copy=False)
-                try:
-                    msg = protocol.decode(frames)
-                except ProtocolError as exc:
-                    log.error(
-                        "worker %d: dropped a bad message from the front: %s", self.worker_id, exc
-                    )
-                    continue
-                if msg.type is MsgType.BYE:
-                    break
-                if msg.type is not MsgType.TASK:
-                    continue
-                out = self.run_task(msg.header)
-                if out.type is MsgType.RESULT and self._send_direct(results, out):
-                    sock.send_multipart(protocol.make(MsgType.DONE, _done_header(out)))
-                    continue
-                sock.send_multipart(protocol.encode(out), copy=False)
-        except zmq.ContextTerminated:
-            pass
+                self.guard.run("worker.message", self._on_frames, frames, sock, results)
+        except zmq.ZMQError as exc:
+            if not is_shutdown(exc):
+                raise
         finally:
             sock.close(linger=0)
             if results is not None:
@@ -140,8 +155,10 @@ class Worker:
         results = ctx.socket(zmq.ROUTER)
         results.setsockopt(zmq.LINGER, 0)
         results.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unknown client: we hear it, and fall back
-        results.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a client that reconnects takes its name back
-        results.setsockopt(zmq.SNDHWM, 64)
+        # A client that reconnects takes its name back. With CURVE only the key that owns the
+        # session may use its name (the authenticator checks); without, it is a bearer token.
+        results.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        results.setsockopt(zmq.SNDHWM, RESULTS_HWM)
         results.setsockopt(zmq.RCVHWM, 1)
         results.setsockopt(zmq.MAXMSGSIZE, 1024)  # clients never send here: cut anyone who does
         auth = None
@@ -150,50 +167,110 @@ class Worker:
         results.bind(bindable(self.results_bind))
         return results, auth
 
-    def _send_direct(self, results: zmq.Socket[Any] | None, out: Message) -> bool:
+    def _report(self, sock: zmq.Socket[Any], site: str, exc: BaseException) -> None:
+        """Tell the front a message was dropped (it counts it as internal)."""
+        text = f"worker {self.worker_id}: {site}: dropped a message: {type(exc).__name__}: {exc}"
+        sock.send_multipart(ErrorMsg(message=text[:4000], kind="internal").encode(), zmq.NOBLOCK)
+
+    # ------------------------------------------------------------ messages
+
+    def _on_frames(self, frames: list[Any], sock: zmq.Socket[Any], results: Any) -> None:
+        try:
+            msg = decode(frames)
+        except ProtocolError as exc:
+            self.counters["malformed"] += 1
+            log.error("worker %d: dropped a bad message from the front: %s", self.worker_id, exc)
+            return
+        if isinstance(msg, Bye):
+            self._stop = True
+            return
+        if not isinstance(msg, Task):
+            return
+        inject("worker.task")
+        out = self._run_guarded(msg)
+        if isinstance(out, Result):
+            refused = self.outbox.refuse(
+                msg.session, out.image.nbytes if out.image is not None else 0
+            )
+            if refused is None and self._send_direct(results, out):
+                done = Done(
+                    session=out.session,
+                    task_id=out.task_id,
+                    plan_version=out.plan_version,
+                    decoded=out.decoded,
+                    samples=len(out.indices),
+                )
+                sock.send_multipart(done.encode())
+                return
+            if refused is not None and results is not None:
+                self.counters["results_dropped"] += 1
+                out = ErrorMsg(
+                    message=f"result not sent: {refused} (--max-queued-mb)",
+                    kind="dropped",
+                    session=msg.session,
+                    task_id=msg.task_id,
+                    plan_version=msg.plan_version,
+                )
+        sock.send_multipart(out.encode(), copy=False)
+
+    def _run_guarded(self, task: Task) -> Message:
+        """``run_task`` with the running slot set: if this process dies now, the front
+        blames this task and no other."""
+        if self.running is not None:
+            self.running.set(task.session, task.task_id)
+        try:
+            return self.run_task(task)
+        finally:
+            if self.running is not None:
+                self.running.clear()
+
+    def _send_direct(self, results: zmq.Socket[Any] | None, out: Result) -> bool:
         """Send a RESULT straight to its client; False when that client is not connected to
         this worker (the front forwards it instead)."""
         if results is None:
             return False
+        frames = out.encode()
+        image = tracked(frames[3])
         try:
             results.send_multipart(
-                [out.header["session"], *protocol.encode(out)], zmq.NOBLOCK, copy=False
+                [out.session, *frames[:3], image, *frames[4:]], zmq.NOBLOCK, copy=False
             )
         except zmq.ZMQError as exc:
             if exc.errno in (zmq.EHOSTUNREACH, zmq.EAGAIN):
                 return False
             raise
+        self.outbox.sent(
+            out.session, out.image.nbytes if out.image is not None else 0, image.tracker
+        )
         return True
 
-    def _apply_control(self, header: dict[str, Any]) -> None:
-        key = (header["session"], header["control_seq"])
+    def _apply_control(self, task: Task) -> None:
+        key = (task.session, task.control_seq)
         if key == self._applied:
             return
         setter = getattr(self.dataset, "set_control", None)
         if callable(setter):
-            setter(dict(header["control"]))
+            setter(dict(task.control))
         self._applied = key
 
-    def run_task(self, h: dict[str, Any]) -> Message:
-        """Run one TASK header; return its RESULT or ERROR."""
-        reply = {
-            "session": h["session"],
-            "task_id": h["task_id"],
-            "plan_version": h["plan_version"],
+    def run_task(self, task: Task) -> Message:
+        """Run one TASK; return its RESULT or ERROR (never raises)."""
+        ids: dict[str, Any] = {
+            "session": task.session,
+            "task_id": task.task_id,
+            "plan_version": task.plan_version,
         }
-        bad = [i for i in h["indices"] if i >= self.size]
+        bad = [i for i in task.indices if i >= self.size]
         if bad:
             msg = f"index {bad[0]} out of range: the dataset has {self.size} samples"
-            return Message(
-                MsgType.ERROR, {**reply, "index": bad[0], "message": msg, "kind": "request"}
-            )
+            return ErrorMsg(message=msg, kind="request", index=bad[0], **ids)
         try:
-            self._apply_control(h)
+            self._apply_control(task)
         except Exception as exc:
             msg = f"dataset.set_control raised {type(exc).__name__}: {exc}"
-            return Message(MsgType.ERROR, {**reply, "message": msg, "kind": "control"})
-        session, cseq, seed, epoch = h["session"], h["control_seq"], h["seed"], h["epoch"]
-        excluded = set(h.get("exclude", ()))
+            return ErrorMsg(message=msg[:4000], kind="control", **ids)
+        session, cseq, seed, epoch = task.session, task.control_seq, task.seed, task.epoch
+        excluded = set(task.exclude)
         decoded = 0
 
         def source(index: int) -> Sample:
@@ -210,34 +287,41 @@ class Worker:
 
         try:
             out = build_output(
-                source, h["indices"], h["grid"], tuple(h["out_hw"]), h["on_error"] == "skip"
+                source,
+                task.indices,
+                task.grid,
+                (task.out_hw[0], task.out_hw[1]),
+                task.on_error == "skip",
             )
         except SampleError as exc:
-            err = {
-                **reply,
-                "index": exc.index,
-                "file": exc.file,
-                "message": str(exc),
-                "kind": "sample",
-            }
-            return Message(MsgType.ERROR, err)
+            return ErrorMsg(
+                message=str(exc)[:4000], kind="sample", index=exc.index, file=exc.file, **ids
+            )
         except Exception as exc:
-            log.exception("worker %d: task %d failed", self.worker_id, h["task_id"])
-            msg = f"worker error on indices {h['indices']}: {type(exc).__name__}: {exc}"
-            return Message(MsgType.ERROR, {**reply, "message": msg, "kind": "internal"})
-        header = {
-            **reply,
-            "indices": out.indices,
-            "failed": [list(f) for f in out.failed],
-            "decoded": decoded,  # sources read and augmented for this task (cache misses)
-        }
-        return Message(MsgType.RESULT, header, [out.image, out.boxes, out.labels])
+            log.exception("worker %d: task %d failed", self.worker_id, task.task_id)
+            msg = f"worker error on indices {list(task.indices)}: {type(exc).__name__}: {exc}"
+            return ErrorMsg(message=msg[:4000], kind="internal", **ids)
+        return Result(
+            indices=tuple(out.indices),
+            failed=tuple((i, m[:4000]) for i, m in out.failed),
+            decoded=decoded,  # sources read and augmented for this task (cache misses)
+            image=out.image,
+            boxes=out.boxes,
+            labels=out.labels,
+            **ids,
+        )
 
 
-def _done_header(out: Message) -> dict[str, Any]:
-    h = out.header
-    keys = ("session", "task_id", "plan_version", "decoded")
-    return {**{k: h[k] for k in keys}, "samples": len(h["indices"])}
+def _start_failed(state_dir: str | None, slot: int, exc: BaseException) -> int:
+    """Tell the front, in one line, why this worker cannot start; exit status 3."""
+    line = f"{type(exc).__name__}: {exc}".replace("\n", " ")[:2000]
+    log.error("worker %d cannot start: %s", slot, line, exc_info=True)
+    if state_dir:
+        try:
+            Path(state_dir, f"worker-{slot}.err").write_text(line)
+        except OSError:
+            pass
+    return EXIT_START_FAILED
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -248,7 +332,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dataset", required=True)
     parser.add_argument("--dataset-args", default=None)
     parser.add_argument("--cache-mb", type=int, default=64)
+    parser.add_argument("--max-queued-mb", type=int, default=256)
     parser.add_argument("--results-bind", default=None)
+    parser.add_argument("--state-dir", default=None)
     parser.add_argument("--curve-secret-key", default=None)
     parser.add_argument("--curve-authorized-keys", default=None)
     args = parser.parse_args(argv)
@@ -259,12 +345,24 @@ def main(argv: list[str] | None = None) -> int:
     keep_large_blocks()
     cv2.setNumThreads(1)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
-    dataset = build_dataset(parse_spec(args.dataset, args.dataset_args))
+    try:
+        dataset = build_dataset(parse_spec(args.dataset, args.dataset_args))
+        len(dataset)
+    except Exception as exc:
+        return _start_failed(args.state_dir, args.worker_id, exc)
     curve = None
     if args.curve_secret_key and args.curve_authorized_keys:
         curve = (args.curve_secret_key, args.curve_authorized_keys)
+    running = RunningSlot.open(args.state_dir, args.worker_id) if args.state_dir else None
     Worker(
-        args.worker_id, args.backend, dataset, args.cache_mb << 20, args.results_bind, curve
+        args.worker_id,
+        args.backend,
+        dataset,
+        args.cache_mb << 20,
+        args.results_bind,
+        curve,
+        running,
+        args.max_queued_mb << 20,
     ).run()
     return 0
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 from typing import Any
 
@@ -146,3 +147,55 @@ class Slow:
 
 def slow(n: int = 64, ms: float = 10.0) -> Slow:
     return Slow(n, ms)
+
+
+class PoisonWhenStitched:
+    """Sample ``index`` is fine alone, but kills the worker process when it is read for a
+    stitched image (as a composition too large for memory would): its probes all pass,
+    and the composed image itself is the poison."""
+
+    def __init__(self, n: int, index: int) -> None:
+        self.inner = FlatDataset(n)
+        self.index = index
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        if index == self.index and _composing_grid() > 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return self.inner[index]
+
+
+def _composing_grid() -> int:
+    """The grid of the output image being composed (read from the worker's call stack)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "build_output":
+            return int(frame.f_locals.get("grid", 1))
+        frame = frame.f_back  # type: ignore[assignment]
+    return 1
+
+
+def poison_when_stitched(n: int = 32, index: int = 5) -> PoisonWhenStitched:
+    return PoisonWhenStitched(n, index)
+
+
+class FailsInWorker:
+    """Builds in the front (which checks the spec), fails in every worker: as a dataset
+    whose files are mounted only where the front runs would."""
+
+    def __init__(self, n: int) -> None:
+        if sys.argv[0].endswith(os.path.join("server", "worker.py")):
+            raise FileNotFoundError("/data/shard-0.tar: no such file (mounted on the front only)")
+        self.inner = FlatDataset(n)
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return self.inner[index]
+
+
+def fails_in_worker(n: int = 16) -> FailsInWorker:
+    return FailsInWorker(n)

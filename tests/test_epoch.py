@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dataserver_client.planner import (
+from dataserver_client.epoch import (
     REGULAR,
     STITCH,
+    Cursor,
     Layout,
-    Planner,
     epoch_order,
     shard_of,
     shard_size,
@@ -43,43 +43,43 @@ def test_shards_follow_distributed_sampler(n: int, world: int) -> None:
     assert len(flat) == len(set(flat)) == (n // world) * world  # disjoint, tail dropped
 
 
-def collect(planner: Planner) -> list[list[int]]:
+def collect(cursor: Cursor) -> list[list[int]]:
     out = []
-    while (plan := planner.next_plan()) is not None:
+    while (plan := cursor.next_plan()) is not None:
         out.append([i for t in plan.tasks for i in t.indices])
     return out
 
 
 def test_regular_and_stitched_batches_consume_b_and_kb_samples() -> None:
     shard = np.arange(37)
-    regular = collect(Planner(shard, layout(), REGULAR, 1))
+    regular = collect(Cursor(shard, layout(), REGULAR, 1))
     assert [len(b) for b in regular] == [4] * 9 + [1]
-    stitched = Planner(shard, layout(), STITCH, 1)
+    stitched = Cursor(shard, layout(), STITCH, 1)
     plan = stitched.next_plan()
     assert plan is not None and len(plan.tasks) == 4 and plan.tasks[0].grid == 2
     assert [t.indices for t in plan.tasks][1] == (4, 5, 6, 7)
     rest = collect(stitched)
     assert [len(b) for b in rest] == [16, 5]  # a short last group
-    last = Planner(shard, layout(), STITCH, 1)
+    last = Cursor(shard, layout(), STITCH, 1)
     last.position = 32
     final = last.next_plan()
     assert final is not None and [t.indices for t in final.tasks] == [(32, 33, 34, 35), (36,)]
 
 
 def test_batch_layout_is_k_times_more_images_at_a_quarter_size() -> None:
-    plan = Planner(np.arange(64), layout(kind="batch"), STITCH, 1).next_plan()
+    plan = Cursor(np.arange(64), layout(kind="batch"), STITCH, 1).next_plan()
     assert plan is not None
     assert len(plan.tasks) == 16 and plan.out_hw == (32, 32)
     assert all(t.grid == 1 and len(t.indices) == 1 for t in plan.tasks)
 
 
 def test_drop_last_drops_the_short_tail() -> None:
-    batches = collect(Planner(np.arange(10), layout(drop_last=True), REGULAR, 1))
+    batches = collect(Cursor(np.arange(10), layout(drop_last=True), REGULAR, 1))
     assert [len(b) for b in batches] == [4, 4]
 
 
 def test_rewind_replans_the_same_samples_in_order() -> None:
-    p = Planner(np.arange(40), layout(), REGULAR, 1)
+    p = Cursor(np.arange(40), layout(), REGULAR, 1)
     first = p.next_plan()
     second = p.next_plan()
     assert first is not None and second is not None

@@ -110,7 +110,7 @@ def cut_tasks(
     return tuple(TaskPlan(grp, g, (h, w)) for grp in groups), (h, w)
 
 
-class Planner:
+class Cursor:
     """Cuts one rank's shard of one epoch into batches, ahead of the trainer."""
 
     def __init__(self, shard: np.ndarray, layout: Layout, mode: str, plan_version: int) -> None:

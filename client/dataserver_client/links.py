@@ -1,0 +1,371 @@
+"""The servers as the client's I/O thread sees them: one ``ServerLink`` per server (its
+sockets, credit, outstanding tasks, liveness) and ``Links``, the set of them with the
+connection-level logic: handshakes, heartbeats, what socket events mean.
+
+Created, used and closed only in the I/O thread. ``Links`` reports what happened
+(``LinkEvent``s) and the engine decides what that does to tasks; nothing here knows about
+batches.
+
+Link states::
+
+    CONNECTING -(WELCOME)-> READY -(disconnected, or silent past the heartbeat timeout)-> LOST
+    LOST -(WELCOME again)-> READY
+"""
+
+from __future__ import annotations
+
+import enum
+import ipaddress
+import logging
+import re
+import socket
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from dataserver.protocol import Bye, Heartbeat, Hello, Welcome
+from dataserver_client.config import ClientConfig
+from dataserver_client.errors import DataServerError, NotAuthorized
+
+log = logging.getLogger("dataserver_client")
+
+MAX_WORKER_ENDPOINTS = 1024
+CLIENT_MAX_MSG = 1 << 30  # results are images: allow large ones, refuse absurd ones
+MONITORED = (
+    zmq.EVENT_HANDSHAKE_SUCCEEDED
+    | zmq.EVENT_DISCONNECTED
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+)
+_TCP = re.compile(r"^tcp://(?P<host>\[[^\]]+\]|[^:/]+):(?P<port>\d+)$")
+
+
+class LinkState(enum.IntEnum):
+    CONNECTING = 1
+    READY = 2
+    LOST = 3
+
+
+class EventKind(enum.Enum):
+    LOST = "lost"  # the server went away (its tasks should move)
+    RESULTS_BROKEN = "results_broken"  # a direct-result connection dropped (results in it are gone)
+    NOT_AUTHORIZED = "not_authorized"  # CURVE refused this client's key
+
+
+@dataclass(frozen=True)
+class LinkEvent:
+    kind: EventKind
+    link: ServerLink
+    why: str = ""
+
+
+def expand_addresses(addresses: str | Sequence[str]) -> list[str]:
+    """Server addresses, with DNS names that resolve to several hosts (a Kubernetes headless
+    Service) expanded into one address per host. IPv4 answers are preferred when a name has
+    both, since a server bound to an IPv4 interface never answers on IPv6."""
+    items = [addresses] if isinstance(addresses, str) else list(addresses)
+    out: list[str] = []
+    for addr in items:
+        m = _TCP.match(addr)
+        if m is None or _is_ip(m["host"].strip("[]")) or m["host"] == "localhost":
+            out.append(addr)
+            continue
+        try:
+            infos = socket.getaddrinfo(m["host"], int(m["port"]), type=socket.SOCK_STREAM)
+        except OSError:
+            out.append(addr)  # let ZeroMQ keep trying; the handshake timeout will say so
+            continue
+        v4 = sorted({str(i[4][0]) for i in infos if i[0] == socket.AF_INET})
+        v6 = sorted({str(i[4][0]) for i in infos if i[0] == socket.AF_INET6})
+        hosts = v4 or [f"[{h}]" for h in v6]
+        out.extend(f"tcp://{h}:{m['port']}" for h in hosts)
+    return list(dict.fromkeys(out))
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def announced_address(data_address: str, announced: str) -> str:
+    """Where to connect to an endpoint a server announces (control, worker results): its
+    port on the host we reached the server by (it may have bound 0.0.0.0, which is no
+    address to connect to)."""
+    m = _TCP.match(data_address)
+    a = re.match(r"^tcp://.*:(?P<port>\d+)$", announced)
+    if m is None or a is None:
+        return announced
+    return f"tcp://{m['host']}:{a['port']}"
+
+
+def _dealer(ctx: zmq.Context[Any], curve: dict[str, bytes] | None) -> zmq.Socket[Any]:
+    """A DEALER with the options every client socket to a server shares."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, CLIENT_MAX_MSG)
+    sock.setsockopt(zmq.RECONNECT_IVL, 100)
+    sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+    if curve:
+        sock.curve_serverkey = curve["server_public"]
+        sock.curve_publickey = curve["public"]
+        sock.curve_secretkey = curve["secret"]
+    return sock
+
+
+def _events(monitor: zmq.Socket[Any]) -> list[Any]:
+    out: list[Any] = []
+    while True:
+        try:
+            out.append(recv_monitor_message(monitor, zmq.NOBLOCK))
+        except zmq.Again:
+            return out
+
+
+class ServerLink:
+    """The client's side of one server: a DEALER to its front, and a DEALER connected to
+    every one of its workers for results sent straight to us."""
+
+    def __init__(
+        self, ctx: zmq.Context[Any], address: str, session: bytes, curve: dict[str, bytes] | None
+    ) -> None:
+        self.address = address
+        self.session = session
+        self.sock = _dealer(ctx, curve)
+        # Queue nothing for a server that is not connected: a send fails at once instead
+        # of piling up for a dead peer (or blocking when the queue is full).
+        self.sock.setsockopt(zmq.IMMEDIATE, 1)
+        self.monitor = self.sock.get_monitor_socket(MONITORED)
+        self.sock.connect(address)
+        # Named by our session, so each worker can address us.
+        self.results = _dealer(ctx, curve)
+        self.results.setsockopt(zmq.ROUTING_ID, session)
+        self.results_monitor = self.results.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.result_endpoints: set[str] = set()
+        self.connected = False  # a ZMTP handshake has completed on the current connection
+        self.was_lost = False
+        self.last_error = ""
+        self.state = LinkState.CONNECTING
+        self.welcome_msg: Welcome | None = None
+        self.server_id = ""
+        self.credit = 0
+        self.outstanding: dict[int, float] = {}  # task_id -> when sent
+        now = time.monotonic()
+        self.last_heard = now
+        self.last_sent = 0.0
+        self.last_hello = 0.0
+        self.sent_total = 0
+        self.results_total = 0
+
+    @property
+    def free(self) -> int:
+        if self.state is not LinkState.READY or not self.connected:
+            return 0
+        return self.credit - len(self.outstanding)
+
+    def send(self, frames: list[Any]) -> bool:
+        """Send without blocking; False when the server is not connected (or saturated)."""
+        try:
+            self.sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return False
+        self.last_sent = time.monotonic()
+        return True
+
+    def hello(self) -> bool:
+        self.last_hello = time.monotonic()
+        return self.send(Hello(session=self.session).encode())
+
+    def heartbeat(self) -> None:
+        self.send(Heartbeat(session=self.session).encode())
+
+    def sync_results(self, announced: Sequence[str]) -> None:
+        """Connect to the workers a server announces, and let go of those it no longer does."""
+        wanted = {
+            announced_address(self.address, e)
+            for e in announced[:MAX_WORKER_ENDPOINTS]
+            if e.startswith(("tcp://", "ipc://"))
+        }
+        for endpoint in sorted(wanted - self.result_endpoints):
+            self.results.connect(endpoint)
+        for endpoint in sorted(self.result_endpoints - wanted):
+            try:
+                self.results.disconnect(endpoint)
+            except zmq.ZMQError:
+                pass
+        self.result_endpoints = wanted
+
+    def welcome(self, msg: Welcome) -> bool:
+        """Take a WELCOME; True when it comes from a different server process than before
+        (a restart: whatever it held is gone)."""
+        restarted = bool(self.server_id) and msg.server_id != self.server_id
+        self.welcome_msg = msg
+        self.server_id = msg.server_id
+        self.credit = max(1, msg.credit)
+        self.state = LinkState.READY
+        self.connected = True  # a WELCOME came over a live connection
+        self.was_lost = False
+        self.sync_results(msg.results)
+        return restarted
+
+    def release(self, task_id: int) -> float | None:
+        """The server answered ``task_id``: its credit is free again. Returns when it was
+        sent (None if it was not outstanding here)."""
+        return self.outstanding.pop(task_id, None)
+
+    def take_outstanding(self) -> list[int]:
+        """Forget every outstanding task (they move elsewhere); their ids, oldest first."""
+        ids = list(self.outstanding)
+        self.outstanding.clear()
+        return ids
+
+    def close(self) -> None:
+        try:
+            if self.state is LinkState.READY:
+                self.sock.send_multipart(Bye(session=self.session).encode(), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+        self.sock.disable_monitor()
+        self.results.disable_monitor()
+        self.monitor.close(linger=0)
+        self.results_monitor.close(linger=0)
+        self.results.close(linger=0)
+        self.sock.close(linger=100)  # long enough for BYE to leave, short enough not to hang
+
+
+class Links:
+    """Every server link of one client, and what their connections are doing."""
+
+    def __init__(
+        self,
+        ctx: zmq.Context[Any],
+        config: ClientConfig,
+        session: bytes,
+        curve: dict[str, bytes] | None,
+    ) -> None:
+        self.config = config
+        self.links = [ServerLink(ctx, a, session, curve) for a in config.addresses]
+        for link in self.links:
+            link.hello()
+
+    def __iter__(self) -> Any:
+        return iter(self.links)
+
+    def any_ready(self) -> bool:
+        return any(link.state is LinkState.READY for link in self.links)
+
+    def best(self) -> ServerLink | None:
+        """The link with the most free credit, or None when none has any."""
+        link = max(self.links, key=lambda lk: lk.free)
+        return link if link.free > 0 else None
+
+    def handshake(self) -> dict[str, Any] | None:
+        """The dataset info once every server answered (None until then); raises
+        ``DataServerError`` when servers disagree, or refuse this client's image size."""
+        if any(link.welcome_msg is None for link in self.links):
+            return None
+        first = self.links[0].welcome_msg
+        assert first is not None
+        for link in self.links:
+            w = link.welcome_msg
+            assert w is not None
+            if (w.fingerprint, w.dataset_len) != (first.fingerprint, first.dataset_len):
+                raise DataServerError(
+                    f"servers disagree on the dataset: {self.links[0].address} serves "
+                    f"{first.fingerprint} ({first.dataset_len} samples), {link.address} "
+                    f"serves {w.fingerprint} ({w.dataset_len} samples)"
+                )
+            side = max(self.config.image_size)
+            if side > w.max_image_side:
+                raise DataServerError(
+                    f"{link.address} serves images of at most {w.max_image_side} pixels a side "
+                    f"(its --max-image-side); this client asks for {self.config.image_size}"
+                )
+        return {"dataset_len": first.dataset_len, "fingerprint": first.fingerprint}
+
+    def waiting_names(self) -> str:
+        return ", ".join(
+            link.address + (f" ({link.last_error})" if link.last_error else "")
+            for link in self.links
+            if link.welcome_msg is None
+        )
+
+    def on_monitor(self, link: ServerLink) -> list[LinkEvent]:
+        """What the front connection's events mean."""
+        out = []
+        for event in _events(link.monitor):
+            kind = event["event"]
+            if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                link.connected = True
+                link.last_error = ""
+                if link.state is not LinkState.READY:
+                    link.hello()
+            elif kind == zmq.EVENT_DISCONNECTED:
+                link.connected = False
+                if link.state is LinkState.READY:
+                    out.append(self.lose(link, "disconnected"))
+            elif kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                out.append(
+                    LinkEvent(
+                        EventKind.NOT_AUTHORIZED,
+                        link,
+                        f"not authorized by {link.address}: the server does not accept this "
+                        "client's CURVE key (is its public key in --curve-authorized-keys?)",
+                    )
+                )
+            elif kind in (
+                zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+                zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL,
+            ):
+                link.last_error = (
+                    "the connection handshake failed: a CURVE setting on one side only, "
+                    "or not a dataserver"
+                )
+        return out
+
+    def on_results_monitor(self, link: ServerLink) -> list[LinkEvent]:
+        """A direct-result connection dropped: results on their way in it are gone."""
+        events = _events(link.results_monitor)
+        if events and link.state is LinkState.READY:
+            endpoints = {str(e.get("endpoint", b""), "utf-8", "replace") for e in events}
+            return [LinkEvent(EventKind.RESULTS_BROKEN, link, ", ".join(sorted(endpoints)))]
+        return []
+
+    def lose(self, link: ServerLink, why: str) -> LinkEvent:
+        log.warning("%s lost (%s)", link.address, why)
+        link.state = LinkState.LOST
+        link.was_lost = True
+        link.last_error = why
+        return LinkEvent(EventKind.LOST, link, why)
+
+    def tick(self, now: float) -> list[LinkEvent]:
+        """Heartbeats, HELLOs to servers without a session, and silence past the timeout."""
+        out = []
+        cfg = self.config
+        for link in self.links:
+            if link.state is LinkState.READY:
+                if now - link.last_sent > cfg.heartbeat_interval:
+                    link.heartbeat()
+                if now - link.last_heard > cfg.heartbeat_timeout:
+                    out.append(self.lose(link, f"silent for {now - link.last_heard:.1f} s"))
+            else:
+                # Soon after a failed send (not connected yet); once a second while a sent
+                # HELLO waits for its WELCOME.
+                wait = 1.0 if link.connected else 0.2
+                if now - link.last_hello > wait:
+                    link.hello()
+        return out
+
+    def not_authorized(self, link: ServerLink, message: str) -> NotAuthorized:
+        return NotAuthorized(f"not authorized by {link.address}: {message}")
+
+    def close(self) -> None:
+        for link in self.links:
+            link.close()

@@ -1,0 +1,42 @@
+"""Asking a live server for its counters: what ``dataserver stats``, the bench and the tests
+use (here, below both, so that neither imports the other)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import zmq
+
+from dataserver.protocol import ProtocolError, Stats, decode
+
+
+def fetch_stats(
+    address: str,
+    timeout: float,
+    curve_server_key: str | None = None,
+    curve_secret_key: str | None = None,
+) -> dict[str, Any]:
+    """Ask a live server for its counters (raises TimeoutError when it does not answer)."""
+    ctx: zmq.Context[Any] = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    if curve_server_key or curve_secret_key:
+        from dataserver.security import client_curve_keys
+
+        if not (curve_server_key and curve_secret_key):
+            raise ValueError("--curve-server-key and --curve-secret-key go together")
+        keys = client_curve_keys(curve_server_key, curve_secret_key)
+        sock.curve_serverkey = keys["server_public"]
+        sock.curve_publickey = keys["public"]
+        sock.curve_secretkey = keys["secret"]
+    try:
+        sock.connect(address)
+        sock.send_multipart(Stats().encode())
+        if not sock.poll(int(timeout * 1000)):
+            raise TimeoutError(f"no answer from {address} within {timeout:g} s")
+        msg = decode(sock.recv_multipart())
+        if not isinstance(msg, Stats) or msg.stats is None:
+            raise ProtocolError(f"expected a STATS reply, got {msg.TYPE.name}")
+        return dict(msg.stats)
+    finally:
+        sock.close(linger=0)

@@ -1,0 +1,92 @@
+"""The dataserver wire protocol, shared by the client, the server front and its workers.
+
+No socket code lives here. Nothing is ever pickled. A message is a list of ZeroMQ frames::
+
+    frame 0    b"DS2"                 magic + protocol version (one ASCII digit)
+    frame 1    one byte               MsgType
+    frame 2    msgpack map            the header; header["arrays"] = [[dtype, [d0, d1, ...]], ...]
+    frame 3..  raw bytes, one frame   per array named in header["arrays"], C order, no padding
+
+- ``wire.py``: the envelope (frames, msgpack limits, array descriptors against buffers).
+- ``fields.py``: field codecs (type and range of one header field).
+- ``messages.py``: one dataclass per message type; ``decode`` returns the right one.
+
+``decode`` raises ``ProtocolError`` and nothing else, whatever the input; receivers count
+and drop it.
+"""
+
+from dataserver.protocol.fields import (
+    MAX_CONTROL_BYTES,
+    MAX_CONTROL_DEPTH,
+    MAX_INT,
+    MAX_SESSION_BYTES,
+    control_problem,
+)
+from dataserver.protocol.messages import (
+    MAX_BOXES,
+    MAX_IMAGE_SIDE,
+    MAX_TILES,
+    MESSAGES,
+    Bye,
+    Cancelled,
+    Control,
+    Done,
+    ErrorMsg,
+    Heartbeat,
+    Hello,
+    Message,
+    Ready,
+    Result,
+    Stats,
+    Task,
+    Welcome,
+    decode,
+)
+from dataserver.protocol.wire import (
+    ALLOWED_DTYPES,
+    MAGIC,
+    MAX_ARRAY_BYTES,
+    MAX_FRAMES,
+    MAX_HEADER_BYTES,
+    PROTOCOL_VERSION,
+    MsgType,
+    ProtocolError,
+    pack,
+    unpack,
+)
+
+__all__ = [
+    "ALLOWED_DTYPES",
+    "MAGIC",
+    "MAX_ARRAY_BYTES",
+    "MAX_BOXES",
+    "MAX_CONTROL_BYTES",
+    "MAX_CONTROL_DEPTH",
+    "MAX_FRAMES",
+    "MAX_HEADER_BYTES",
+    "MAX_IMAGE_SIDE",
+    "MAX_INT",
+    "MAX_SESSION_BYTES",
+    "MAX_TILES",
+    "MESSAGES",
+    "PROTOCOL_VERSION",
+    "Bye",
+    "Cancelled",
+    "Control",
+    "Done",
+    "ErrorMsg",
+    "Heartbeat",
+    "Hello",
+    "Message",
+    "MsgType",
+    "ProtocolError",
+    "Ready",
+    "Result",
+    "Stats",
+    "Task",
+    "Welcome",
+    "control_problem",
+    "decode",
+    "pack",
+    "unpack",
+]

@@ -1,0 +1,358 @@
+"""One small typed codec per message type.
+
+Each message is a dataclass whose fields name their codec (``fields.py``). ``encode()``
+gives frames; ``decode(frames)`` gives the message of the right class with every field
+checked for type and range, cross-field rules checked by ``_check``, and RESULT arrays
+checked by role. Absent optional fields read as None (or their default), and unknown
+header keys are ignored, so a newer peer may add fields.
+
+Who sends what (client = trainer, front = server's front process, worker = its workers)::
+
+    HELLO       client -> front      open (or re-open) a session
+    WELCOME     front  -> client     dataset, workers, credit, endpoints, limits
+    TASK        client -> front -> worker
+    RESULT      worker -> client (direct) or worker -> front -> client
+    DONE        worker -> front      "I sent that RESULT straight to the client"
+    ERROR       front | worker -> client, naming the task when there is one
+    CANCELLED   front  -> client     queued tasks of an older plan, dropped
+    CONTROL     client -> front      (control socket) new plan version / control values
+    HEARTBEAT   both ways            liveness; the front's reply lists worker endpoints
+    STATS       anyone <-> front     counters
+    BYE         client -> front, front -> worker
+    READY       worker -> front      a worker is up (and where clients reach it)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, ClassVar, TypeVar
+
+import numpy as np
+
+from dataserver.protocol.fields import (
+    MISSING,
+    SESSION,
+    Blob,
+    Choice,
+    Failures,
+    Int,
+    Ints,
+    Opt,
+    Text,
+    Texts,
+    Tree,
+    Values,
+)
+from dataserver.protocol.wire import MsgType, ProtocolError, pack, unpack
+
+MAX_IMAGE_SIDE = 16384  # the protocol's own cap; a server's --max-image-side may be lower
+MAX_TILES = 16  # grid 4 x 4
+MAX_BOXES = 1 << 16  # per output image
+MAX_WORKERS = 4096
+
+M = TypeVar("M", bound="Message")
+
+
+def f(codec: Any, default: Any = dataclasses.MISSING) -> Any:
+    """A message field read with ``codec`` (required unless it has a default)."""
+    if default is dataclasses.MISSING:
+        return dataclasses.field(metadata={"codec": codec})
+    return dataclasses.field(default=default, metadata={"codec": codec})
+
+
+class Message:
+    """Base of the typed messages."""
+
+    __slots__ = ()
+    TYPE: ClassVar[MsgType]
+    _codecs: ClassVar[tuple[tuple[str, Any], ...]] = ()
+
+    def header(self) -> dict[str, Any]:
+        out = {}
+        for name, _ in self._codecs:
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = value
+        return out
+
+    def arrays(self) -> list[np.ndarray]:
+        return []
+
+    def encode(self) -> list[Any]:
+        """Frames for ``send_multipart(frames, copy=False)``."""
+        return pack(self.TYPE, self.header(), self.arrays())
+
+    @classmethod
+    def read(cls: type[M], header: dict[str, Any], arrays: list[np.ndarray] | None) -> M:
+        values = {name: codec.read(name, header.get(name, MISSING)) for name, codec in cls._codecs}
+        msg = cls(**values)
+        msg._check(arrays)
+        return msg
+
+    def _check(self, arrays: list[np.ndarray] | None) -> None:
+        if arrays:
+            raise ProtocolError(f"{self.TYPE.name} carries no arrays, {len(arrays)} came")
+
+
+MESSAGES: dict[MsgType, type[Message]] = {}
+
+
+def message(cls: type[M]) -> type[M]:
+    """Register a message dataclass under its TYPE."""
+    cls._codecs = tuple(
+        (fld.name, fld.metadata["codec"])
+        for fld in dataclasses.fields(cls)  # type: ignore[arg-type]
+        if "codec" in fld.metadata
+    )
+    MESSAGES[cls.TYPE] = cls
+    return cls
+
+
+def decode(frames: Sequence[Any], with_arrays: bool = True) -> Message:
+    """Decode and check one message; raises ``ProtocolError`` naming what is wrong, and
+    nothing else (whatever a check missed is turned into one)."""
+    mtype, header, arrays = unpack(frames, with_arrays)
+    try:
+        return MESSAGES[mtype].read(header, arrays if with_arrays else None)
+    except ProtocolError as exc:
+        raise ProtocolError(f"{mtype.name}: {exc}") from None
+    except Exception as exc:
+        raise ProtocolError(f"{mtype.name}: unreadable ({type(exc).__name__}: {exc})") from None
+
+
+# ---------------------------------------------------------------------------- handshake
+
+
+@message
+@dataclasses.dataclass(slots=True, kw_only=True)
+class Hello(Message):
+    """Open a session (or re-open it after the server forgot it)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.HELLO
+    session: bytes = f(SESSION)
+
+
+@message
+@dataclasses.dataclass(slots=True, kw_only=True)
+class Welcome(Message):
+    """The server's answer to HELLO: what it serves and where to reach its parts."""
+
+    TYPE: ClassVar[MsgType] = MsgType.WELCOME
+    session: bytes = f(SESSION)
+    server_id: str = f(Text(64))
+    dataset_len: int = f(Int(0, 1 << 48))
+    fingerprint: str = f(Text(128))
+    workers: int = f(Int(1, MAX_WORKERS))
+    credit: int = f(Int(1, 1 << 16))
+    control: str = f(Text(512))
+    results: tuple[str, ...] = f(Texts(MAX_WORKERS, 512, default=()), ())
+    max_image_side: int = f(Int(1, MAX_IMAGE_SIDE, default=MAX_IMAGE_SIDE), MAX_IMAGE_SIDE)
+
+
+# ---------------------------------------------------------------------------- work
+
+
+@message
+@dataclasses.dataclass(slots=True, kw_only=True)
+class Task(Message):
+    """Compose one output image from ``indices`` (grid x grid cells, row-major)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.TASK
+    session: bytes = f(SESSION)
+    task_id: int = f(Int())
+    plan_version: int = f(Int())
+    epoch: int = f(Int())
+    seed: int = f(Int())
+    indices: tuple[int, ...] = f(Ints(1, MAX_TILES))
+    grid: int = f(Int(1, 4))
+    out_hw: tuple[int, ...] = f(Ints(2, 2, 1, MAX_IMAGE_SIDE))
+    on_error: str = f(Choice(("raise", "skip")))
+    control_seq: int = f(Int())
+    control: dict[str, Any] = f(Values())
+    exclude: tuple[int, ...] = f(Ints(0, MAX_TILES, default=()), ())
+
+    def _check(self, arrays: list[np.ndarray] | None) -> None:
+        Message._check(self, arrays)
+        if len(self.indices) > self.grid * self.grid:
+            raise ProtocolError(
+                f"{len(self.indices)} indices do not fit a {self.grid}x{self.grid} grid"
+            )
+        if min(self.out_hw) < self.grid:
+            raise ProtocolError(f"out_hw {self.out_hw} is smaller than the grid {self.grid}")
+
+    def canvas_bytes(self) -> int:
+        return 3 * self.out_hw[0] * self.out_hw[1]
+
+
+@message
+@dataclasses.dataclass(slots=True, kw_only=True)
+class Result(Message):
+    """One composed output image: image (3, H, W) uint8, boxes (M, 4) float32 xyxy,
+    labels (M,) int64; ``failed`` lists sources left out under on_error="skip"."""
+
+    TYPE: ClassVar[MsgType] = MsgType.RESULT
+    session: bytes = f(SESSION)
+    task_id: int = f(Int())
+    plan_version: int = f(Int())
+    indices: tuple[int, ...] = f(Ints(0, MAX_TILES))
+    failed: tuple[tuple[int, str], ...] = f(Failures(MAX_TILES), ())
+    decoded: int = f(Int(0, MAX_TILES, default=0), 0)
+    image: np.ndarray | None = None
+    boxes: np.ndarray | None = None
+    labels: np.ndarray | None = None
+
+    def arrays(self) -> list[np.ndarray]:
+        if self.image is None or self.boxes is None or self.labels is None:
+            raise ProtocolError("a RESULT needs its image, boxes and labels")
+        return [self.image, self.boxes, self.labels]
+
+    def _check(self, arrays: list[np.ndarray] | None) -> None:
+        if arrays is None:  # the front forwards it unread
+            return
+        if len(arrays) != 3:
+            raise ProtocolError(
+                f"RESULT carries 3 arrays (image, boxes, labels), {len(arrays)} came"
+            )
+        image, boxes, labels = arrays
+        if not (
+            image.dtype == np.uint8
+            and image.ndim == 3
+            and image.shape[0] == 3
+            and 1 <= image.shape[1] <= MAX_IMAGE_SIDE
+            and 1 <= image.shape[2] <= MAX_IMAGE_SIDE
+        ):
+            raise ProtocolError(
+                f"image must be uint8 (3, H, W), H, W <= {MAX_IMAGE_SIDE}: got {image.dtype} {image.shape}"
+            )
+        if not (boxes.dtype == np.float32 and boxes.ndim == 2 and boxes.shape[1] == 4):
+            raise ProtocolError(f"boxes must be float32 (M, 4): got {boxes.dtype} {boxes.shape}")
+        if not (labels.dtype == np.int64 and labels.shape == (boxes.shape[0],)):
+            raise ProtocolError(
+                f"labels must be int64 (M,) with M = {boxes.shape[0]}: got {labels.dtype} {labels.shape}"
+            )
+        if boxes.shape[0] > MAX_BOXES:
+            raise ProtocolError(f"{boxes.shape[0]} boxes exceed {MAX_BOXES}")
+        self.image, self.boxes, self.labels = image, boxes, labels
+
+
+@message
+@dataclasses.dataclass(slots=True, kw_only=True)
+class Done(Message):
+    """A worker sent a RESULT straight to its client."""
+
+    TYPE: ClassVar[MsgType] = MsgType.DONE
+    session: bytes = f(SESSION)
+    task_id: int = f(Int())
+    plan_version: int = f(Int())
+    decoded: int = f(Int(0, MAX_TILES, default=0), 0)
+    samples: int = f(Int(0, MAX_TILES, default=0), 0)
+
+
+@message
+@dataclasses.dataclass(slots=True, kw_only=True)
+class ErrorMsg(Message):
+    """Something went wrong; ``task_id`` names the task when there is one, ``kind`` says
+    what: sample, poison, request, control, internal, protocol, unknown_session, overload,
+    limit, maybe_lost, dropped, session_limit, not_owner."""
+
+    TYPE: ClassVar[MsgType] = MsgType.ERROR
+    message: str = f(Text())
+    kind: str = f(Text(32, default=""), "")
+    session: bytes | None = f(Opt(SESSION), None)
+    task_id: int | None = f(Opt(Int()), None)
+    plan_version: int | None = f(Opt(Int()), None)
+    index: int | None = f(Opt(Int()), None)
+    file: str | None = f(Opt(Text()), None)
+    indices: tuple[int, ...] | None = f(Opt(Ints(0, MAX_TILES)), None)
+
+
+@message
+@dataclasses.dataclass(slots=True, kw_only=True)
+class Cancelled(Message):
+    """Queued tasks of an older plan, dropped unrun (their credit is free again)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.CANCELLED
+    session: bytes = f(SESSION)
+    task_ids: tuple[int, ...] = f(Ints(0, 1 << 16))
+    plan_version: int = f(Int(default=0), 0)
+
+
+# ---------------------------------------------------------------------------- steering, liveness
+
+
+@message
+@dataclasses.dataclass(slots=True, kw_only=True)
+class Control(Message):
+    """A session's new plan version (and control values, and mode)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.CONTROL
+    session: bytes = f(SESSION)
+    plan_version: int = f(Int())
+    control_seq: int = f(Int())
+    control: dict[str, Any] = f(Values())
+    mode: str | None = f(Opt(Choice(("regular", "stitch"))), None)
+
+
+@message
+@dataclasses.dataclass(slots=True, kw_only=True)
+class Heartbeat(Message):
+    """Client -> front: ``session``. Front -> client: ``server_id`` and the live workers'
+    result endpoints."""
+
+    TYPE: ClassVar[MsgType] = MsgType.HEARTBEAT
+    session: bytes | None = f(Opt(SESSION), None)
+    server_id: str | None = f(Opt(Text(64)), None)
+    results: tuple[str, ...] | None = f(Opt(Texts(MAX_WORKERS, 512)), None)
+
+
+@message
+@dataclasses.dataclass(slots=True, kw_only=True)
+class Stats(Message):
+    """A request (no ``stats``) or the reply (``stats``: the server's counters)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.STATS
+    stats: dict[str, Any] | None = f(Opt(Tree()), None)
+
+
+@message
+@dataclasses.dataclass(slots=True, kw_only=True)
+class Bye(Message):
+    """End a session (client -> front) or stop (front -> worker)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.BYE
+    session: bytes | None = f(Opt(SESSION), None)
+
+
+@message
+@dataclasses.dataclass(slots=True, kw_only=True)
+class Ready(Message):
+    """A worker is up; clients reach it at ``results`` (empty: only through the front)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.READY
+    worker: int = f(Int(0, MAX_WORKERS))
+    pid: int = f(Int(1, 1 << 31))
+    results: str = f(Text(512, default=""), "")
+
+
+__all__ = [
+    "MAX_BOXES",
+    "MAX_IMAGE_SIDE",
+    "MAX_TILES",
+    "MESSAGES",
+    "Blob",
+    "Bye",
+    "Cancelled",
+    "Control",
+    "Done",
+    "ErrorMsg",
+    "Heartbeat",
+    "Hello",
+    "Message",
+    "Ready",
+    "Result",
+    "Stats",
+    "Task",
+    "Welcome",
+    "decode",
+]
