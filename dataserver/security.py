@@ -6,10 +6,11 @@ server.key_secret --curve-authorized-keys DIR`` accepts only clients whose publi
 is in DIR, and all traffic is encrypted.
 
 Sessions are bound to keys: with CURVE, a client's session id begins with a tag of its
-public key (``session_id``), and the server refuses a message, or a connection to a
-worker's result socket, whose session id does not carry the tag of the key that
-authenticated the connection. So no other key can use, or take over, a session. Without
-CURVE a session id is a bearer token: anyone on the network who learns it can use it.
+public key (``session_id``); the front refuses any message whose session id does not carry
+the tag of the key that authenticated its connection, and a worker sends results straight
+only to a connection that claimed the session with that key (``server/direct.py``). So no
+other key can use, or take over, a session. Without CURVE a session id is a bearer token:
+anyone on the network who learns it can use it.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from typing import Any
 
 import zmq
 import zmq.auth
-import zmq.utils.z85
 from zmq.auth.thread import ThreadAuthenticator
 
 TAG_BYTES = 8
@@ -42,20 +42,6 @@ def session_id(public_key_z85: bytes | None = None) -> bytes:
 def owns(session: bytes, user_id: str | None) -> bool:
     """Whether the CURVE user ``user_id`` (its z85 public key) may use ``session``."""
     return bool(user_id) and session[:TAG_BYTES] == session_tag(user_id or "")
-
-
-class SessionAuthenticator(ThreadAuthenticator):
-    """pyzmq's authenticator, plus: a connection that announces a routing id (a client's
-    result socket names itself by its session) must hold the key that session is tagged
-    with."""
-
-    async def handle_zap_message(self, msg: list[bytes]) -> None:
-        if len(msg) == 7 and msg[5] == b"CURVE" and msg[4]:
-            identity, key = msg[4], msg[6]
-            if not owns(identity, zmq.utils.z85.encode(key).decode()):
-                self._send_zap_reply(msg[1], b"400", b"session id not owned by this key")
-                return
-        await super().handle_zap_message(msg)
 
 
 class CurveKeyError(ValueError):
@@ -103,12 +89,12 @@ def client_curve_keys(server_key: str | bytes, secret_key: str | bytes) -> dict[
 
 def start_server_curve(
     ctx: zmq.Context[Any], secret_key_file: str, authorized_dir: str, sockets: list[zmq.Socket[Any]]
-) -> SessionAuthenticator:
+) -> ThreadAuthenticator:
     """Make ``sockets`` CURVE servers that accept only the public keys in ``authorized_dir``."""
     public, secret = load_keypair(secret_key_file, need_secret=True)
     if not Path(authorized_dir).is_dir():
         raise CurveKeyError(f"--curve-authorized-keys {authorized_dir} is not a directory")
-    auth = SessionAuthenticator(ctx)
+    auth = ThreadAuthenticator(ctx)
     auth.start()
     auth.configure_curve(domain="*", location=str(authorized_dir))
     for sock in sockets:

@@ -45,7 +45,12 @@ def test_ranks_average_their_ratios_and_stay_in_lockstep(start_server: Any) -> N
     assert r0["decisions"] == r1["decisions"]
     assert r0["modes"] == r1["modes"] and r0["steps"] == r1["steps"]  # same number of steps
     assert {"regular", "stitch"} <= set(r0["modes"])
-    # mean of (0.0, 0.15) = 0.075 < 0.1 -> stitch; mean of (0.0, 0.3) = 0.15 -> regular
-    assert all(m == "regular" for m in r0["modes"][:1])
+    for r in (r0, r1):
+        assert r["steps"] == list(range(len(r["steps"])))
+        # At step t the mean of the ranks' ratios is (0.0 + 0.15) / 2 = 0.075 < 0.1 (stitch)
+        # when t % 3 == 0, else (0.0 + 0.3) / 2 = 0.15 (regular): every decision is that...
+        assert r["decisions"] == ["stitch" if t % 3 == 0 else "regular" for t in r["steps"]]
+        # ... and every batch, on every rank, is in the mode decided after the one before.
+        assert r["modes"] == ["regular", *r["decisions"][:-1]]
     assert not set(r0["indices"]) & set(r1["indices"])
     assert sorted(r0["indices"] + r1["indices"]) == list(range(120))

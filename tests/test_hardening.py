@@ -53,11 +53,20 @@ def test_a_server_handler_that_raises_costs_one_message_and_the_epoch_is_exact(
         elapsed = time.monotonic() - start
         assert indices(got) == list(range(64))
         assert indices(epoch(client, 1)) == list(range(64))
-        assert client.stats()["asked_again_deadline"] >= 1  # the dropped ones, asked again
+        asked = client.stats().get("asked_again_deadline", 0)
     assert elapsed < 30  # a deadline of seconds, not the 60 s timeout
     stats = server.stats()
     assert stats["rejected"]["internal"] >= 1  # counted ...
     assert server.proc.poll() is None and stats["workers_started"] == 2  # ... and nothing died
+    if site == "front.backend":
+        # A dropped DONE: the result came straight from the worker; the front lets go of
+        # the task when that worker answers the next one, so the worker is not held busy.
+        assert stats["counters"]["worker_answers_lost"] >= 1
+    elif site == "worker.task":
+        # The worker names the task it dropped; the front runs it again at once.
+        assert stats["counters"]["tasks_retried"] >= 1
+    else:
+        assert asked >= 1  # a task the front dropped: the client asks again after its deadline
 
 
 def test_a_client_handler_that_raises_costs_one_message_and_the_epoch_is_exact(
@@ -81,7 +90,7 @@ def test_the_client_refuses_at_the_call_what_the_wire_would_refuse(
     synthetic_server: Server,
 ) -> None:
     address = synthetic_server.address
-    with pytest.raises(ValueError, match="seed must be in 0..2\\*\\*63-1, got -1"):
+    with pytest.raises(ValueError, match=r"seed must be in 0\.\.2\*\*63-1, got -1"):
         DataServerClient(address, seed=-1, **{**SMALL, "device": "cpu"})
     with pytest.raises(ValueError, match="exceeds 16384 pixels"):
         DataServerClient(address, image_size=(20000, 64), device="cpu")
@@ -211,11 +220,11 @@ def test_calls_after_the_io_thread_died_raise_at_once_with_the_cause(
             lambda: iter(client),
             lambda: client.feedback(0.5),
             lambda: client.set_mode("stitch"),
-            lambda: client.state_dict(),
-            lambda: client.stats(),
+            client.state_dict,
+            client.stats,
         ):
             start = time.monotonic()
-            with pytest.raises(DataServerError, match="fault injected at client.loop") as info:
+            with pytest.raises(DataServerError, match=r"fault injected at client\.loop") as info:
                 call()
             assert time.monotonic() - start < 1.0
             assert isinstance(info.value.__cause__, InjectedFault)
@@ -322,7 +331,7 @@ def test_the_router_blames_the_running_task_not_the_one_before_it(tmp_path: Path
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()
     slot = RunningSlot.open(str(tmp_path), 0)
-    handle = WorkerHandle(0, proc, None, 0.0, slot, identity=b"w0")  # type: ignore[arg-type]
+    handle = WorkerHandle(0, proc, None, 0.0, slot, identity=b"w0")
     pool = Pool()
     pool.workers[0] = handle
     scheduler = Scheduler(8, 64, 1 << 20, 1 << 20)
@@ -337,4 +346,3 @@ def test_the_router_blames_the_running_task_not_the_one_before_it(tmp_path: Path
     assert (a.attempts, b.attempts) == (0, 1)
     assert [e.task_id for e in session.queue] == [1, 2]  # both back, in order, A unblamed
     slot.close()
-

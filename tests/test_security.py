@@ -295,17 +295,25 @@ def test_a_session_is_bound_to_the_key_that_opened_it(start_server: Any, keys: P
             assert intruder.poll(5000)
             answer = protocol.decode(intruder.recv_multipart())
             assert isinstance(answer, protocol.ErrorMsg) and answer.kind == "not_owner"
-        # Taking over the victim's results at a worker: the handshake is refused.
-        thief = curve_dealer(ctx, keys, "intruder")
-        socks.append(thief)
-        thief.setsockopt(zmq.ROUTING_ID, session)
-        monitor = thief.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
-        socks.append(monitor)
-        thief.connect(welcome.results[0])
-        assert monitor.poll(5000), "a worker let another key take the session's name"
+        # Taking the victim's name at the workers' result sockets, claiming it with another
+        # key: the workers never send it a result (and the victim's own connections, which
+        # hold the name, cannot be taken over).
+        thieves = []
+        for endpoint in welcome.results:
+            thief = curve_dealer(ctx, keys, "intruder")
+            thief.setsockopt(zmq.ROUTING_ID, session)
+            thief.connect(endpoint)
+            socks.append(thief)
+            thieves.append(thief)
+        time.sleep(0.3)
+        for thief in thieves:
+            for _ in range(5):
+                thief.send_multipart(protocol.Hello(session=session).encode(), zmq.NOBLOCK)
         # The victim is untouched: its epoch is whole, and the refusals are counted.
         victim.set_epoch(0)
         assert sorted(i for b in victim for idx in b.indices for i in idx) == list(range(48))
+        for thief in thieves:
+            assert not thief.poll(500), "a worker sent the victim's result to another key"
     finally:
         victim.close()
         for s in socks:

@@ -184,7 +184,7 @@ class DataServerClient:
                     raise StopIteration
                 if not self._engine.is_alive():
                     self._active = False
-                    raise self._engine._dead_error()
+                    raise self._engine.dead_error()
                 if time.monotonic() - last > backstop:
                     raise DataServerError(f"no batch for {backstop:g} s (the I/O thread is stuck)")
                 h.cond.wait(0.25)
@@ -288,8 +288,13 @@ class DataServerClient:
     # ------------------------------------------------------------ lifetime
 
     def _check_open(self) -> None:
+        """Raise at once when the client is closed, or its I/O thread has died (with the
+        reason it died), instead of waiting for an answer that cannot come."""
         if self._closed:
             raise DataServerError("the client is closed")
+        if not self._engine.is_alive():
+            self._active = False
+            raise self._engine.dead_error()
 
     def close(self) -> None:
         """Say BYE to every server, stop the I/O thread, close every socket."""

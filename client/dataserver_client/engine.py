@@ -125,7 +125,7 @@ class Engine(threading.Thread):
         fut: Future[Any] = Future()
         with self._lock:
             if self._stopped:
-                raise self._dead_error()
+                raise self.dead_error()
             self._commands.append((fn, args, fut))
         self.wake()
         deadline = time.monotonic() + self.config.timeout + 10.0
@@ -134,11 +134,11 @@ class Engine(threading.Thread):
                 return fut.result(0.25)
             except TimeoutError:
                 if not self.is_alive() and not fut.done():
-                    raise self._dead_error() from None
+                    raise self.dead_error() from None
                 if time.monotonic() > deadline:
                     raise DataServerError("the client's I/O thread did not answer") from None
 
-    def _dead_error(self) -> DataServerError:
+    def dead_error(self) -> DataServerError:
         cause = self.handoff.fatal
         if isinstance(cause, DataServerError):
             return cause
@@ -204,7 +204,7 @@ class Engine(threading.Thread):
                 self._commands.clear()
             for _, _, fut in left:
                 if not fut.done():
-                    fut.set_exception(self._dead_error())
+                    fut.set_exception(self.dead_error())
             self._close_pipe()
             with self.handoff.cond:
                 if self.handoff.fatal is None:

@@ -138,6 +138,7 @@ class ServerLink:
     ) -> None:
         self.address = address
         self.session = session
+        self.curve = curve is not None
         self.sock = _dealer(ctx, curve)
         # Queue nothing for a server that is not connected: a send fails at once instead
         # of piling up for a dead peer (or blocking when the queue is full).
@@ -147,7 +148,9 @@ class ServerLink:
         # Named by our session, so each worker can address us.
         self.results = _dealer(ctx, curve)
         self.results.setsockopt(zmq.ROUTING_ID, session)
-        self.results_monitor = self.results.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.results_monitor = self.results.get_monitor_socket(
+            zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+        )
         self.result_endpoints: set[str] = set()
         self.connected = False  # a ZMTP handshake has completed on the current connection
         self.was_lost = False
@@ -185,6 +188,19 @@ class ServerLink:
 
     def heartbeat(self) -> None:
         self.send(Heartbeat(session=self.session).encode())
+        if self.curve:
+            self.claim()
+
+    def claim(self) -> None:
+        """With CURVE, claim our session on each worker connection (a worker sends results
+        straight only to a connection that claimed them with the session's key). The DEALER
+        deals one claim to each connected worker in turn."""
+        frames = Hello(session=self.session).encode()
+        for _ in self.result_endpoints:
+            try:
+                self.results.send_multipart(frames, zmq.NOBLOCK)
+            except zmq.Again:
+                return
 
     def sync_results(self, announced: Sequence[str]) -> None:
         """Connect to the workers a server announces, and let go of those it no longer does."""
@@ -331,10 +347,14 @@ class Links:
         return out
 
     def on_results_monitor(self, link: ServerLink) -> list[LinkEvent]:
-        """A direct-result connection dropped: results on their way in it are gone."""
+        """A direct-result connection came up (claim the session on it), or dropped (results
+        on their way in it are gone)."""
         events = _events(link.results_monitor)
-        if events and link.state is LinkState.READY:
-            endpoints = {str(e.get("endpoint", b""), "utf-8", "replace") for e in events}
+        if link.curve and any(e["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED for e in events):
+            link.claim()
+        dropped = [e for e in events if e["event"] == zmq.EVENT_DISCONNECTED]
+        if dropped and link.state is LinkState.READY:
+            endpoints = {str(e.get("endpoint", b""), "utf-8", "replace") for e in dropped}
             return [LinkEvent(EventKind.RESULTS_BROKEN, link, ", ".join(sorted(endpoints)))]
         return []
 

@@ -62,6 +62,16 @@ class Int:
 
 
 @dataclass(frozen=True)
+class Flag:
+    """A boolean."""
+
+    def read(self, name: str, value: Any) -> Any:
+        if not isinstance(value, bool):
+            raise _bad(name, "true or false", value)
+        return value
+
+
+@dataclass(frozen=True)
 class Float:
     """A finite number in [lo, hi]."""
 

@@ -36,6 +36,7 @@ from dataserver.protocol.fields import (
     Blob,
     Choice,
     Failures,
+    Flag,
     Int,
     Ints,
     Opt,
@@ -265,6 +266,7 @@ class ErrorMsg(Message):
     index: int | None = f(Opt(Int()), None)
     file: str | None = f(Opt(Text()), None)
     indices: tuple[int, ...] | None = f(Opt(Ints(0, MAX_TILES)), None)
+    retry: bool | None = f(Opt(Flag()), None)  # worker -> front: it may succeed if run again
 
 
 @message

@@ -312,6 +312,8 @@ class Front:
     def cancel(self, session: Session, entries: list[TaskEntry]) -> None:
         if not entries:
             return
+        for entry in entries:
+            self.scheduler.finish(entry)
         self.counters["tasks_cancelled"] += len(entries)
         self.reply(
             session,
@@ -423,6 +425,13 @@ class Front:
                 **ids,
             )
             return
+        live = self.scheduler.live.get((task.session, task.task_id))
+        if live is not None and (live.held_by is None or self.workers.is_running(live)):
+            # Asked again (its deadline passed) while it is still queued or running: the
+            # answer the first one makes is the answer. A task a worker holds but does not
+            # run may be one whose answer was lost: that one is run again.
+            self.counters["tasks_duplicate"] += 1
+            return
         side = self.config.max_image_side
         if max(task.out_hw) > side:
             self._refuse(
@@ -445,7 +454,7 @@ class Front:
                 why += f" (--max-queued-mb {self.config.max_queued_mb})"
             self._refuse(reason, identity, why, **ids)
             return
-        self.scheduler.push(
+        self.scheduler.admit(
             session,
             TaskEntry(session.sid, task.task_id, task.plan_version, task.indices, frames, nbytes),
         )

@@ -91,6 +91,15 @@ class WorkerRouter:
         if entry is None:
             return
         session = self.scheduler.sessions.get(entry.session)
+        if isinstance(msg, ErrorMsg) and msg.kind == "internal" and msg.retry:
+            # The worker's loop dropped this task as it raised: once more, then the error.
+            self.rejected["internal"] += 1
+            entry.attempts += 1
+            if entry.attempts < 2 and session is not None:
+                self.counters["tasks_retried"] += 1
+                self.scheduler.live[(entry.session, entry.task_id)] = entry
+                self.scheduler.push(session, entry, front=True)
+                return
         ok = not isinstance(msg, ErrorMsg)
         self.counters["tasks_done" if ok else "tasks_failed"] += 1
         if isinstance(msg, (Result, Done)):
@@ -116,16 +125,30 @@ class WorkerRouter:
 
     def _take(self, handle: WorkerHandle, msg: Result | ErrorMsg | Done) -> TaskEntry | None:
         """The entry ``msg`` answers, removed from the worker's; older entries go with it."""
+        found = None
         for i, entry in enumerate(handle.tasks):
             if entry.task_id == msg.task_id and entry.session == msg.session:
-                for _ in range(i):  # answered before this one, but the answer never came
-                    handle.tasks.popleft()
-                    self.counters["worker_answers_lost"] += 1
-                handle.tasks.popleft()
-                return entry
+                found = i  # the last such (a task asked again may be held twice)
+        if found is not None:
+            for _ in range(found):  # answered before this one, but the answer never came
+                lost = handle.tasks.popleft()
+                lost.held_by = None
+                self.scheduler.finish(lost)
+                self.counters["worker_answers_lost"] += 1
+            entry = handle.tasks.popleft()
+            entry.held_by = None
+            self.scheduler.finish(entry)
+            return entry
         log.error("worker %d answered task %s it was not given", handle.slot, msg.task_id)
         self.rejected["worker_unexpected"] += 1
         return None
+
+    def is_running(self, entry: TaskEntry) -> bool:
+        """Whether a worker holds ``entry`` and shows it running now."""
+        handle = entry.held_by
+        return handle is not None and handle.running.read() == task_key(
+            entry.session, entry.task_id
+        )
 
     def _on_ready(self, identity: bytes, msg: Ready) -> None:
         for handle in self.pool.workers.values():
@@ -159,8 +182,10 @@ class WorkerRouter:
                 if entry is None:
                     return
                 handle.tasks.append(entry)
+                entry.held_by = handle
                 if not self.clients.send_worker(handle.identity or b"", entry.frames):
                     handle.tasks.remove(entry)
+                    entry.held_by = None
                     session = self.scheduler.sessions.get(entry.session)
                     if session is not None:
                         self.scheduler.push(session, entry, front=True)
@@ -205,6 +230,8 @@ class WorkerRouter:
         self._warn_recent_direct(handle)
         entries: list[TaskEntry] = list(handle.tasks)
         handle.tasks.clear()
+        for entry in entries:
+            entry.held_by = None
         # Only the task it was running is to blame; the others go back unblamed, in order.
         blamed = next((e for e in entries if task_key(e.session, e.task_id) == running_key), None)
         for entry in reversed(entries):
@@ -220,6 +247,7 @@ class WorkerRouter:
             self.scheduler.push(owner, entry, front=True)
 
     def _poison(self, session: Session, entry: TaskEntry, code: int | None) -> None:
+        self.scheduler.finish(entry)
         self.counters["tasks_poisoned"] += 1
         how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
         names: Any = entry.indices[0] if len(entry.indices) == 1 else list(entry.indices)

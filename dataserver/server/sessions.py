@@ -27,7 +27,8 @@ class TaskEntry:
     indices: tuple[int, ...]
     frames: list[Any]
     nbytes: int = 0  # what its frames hold, counted against the queue caps
-    attempts: int = 0  # workers that died running it
+    attempts: int = 0  # workers that died running it (or dropped it as it raised)
+    held_by: Any = None  # the worker handle it was given to, while it holds it
 
 
 @dataclass(eq=False)
@@ -61,6 +62,9 @@ class Scheduler:
         self.session_bytes = session_bytes
         self.total_bytes = total_bytes
         self.sessions: dict[bytes, Session] = {}
+        # Tasks queued here or held by a worker, by (session, task_id): a client that asks
+        # again for one of these (its deadline passed) gets the answer the first one makes.
+        self.live: dict[tuple[bytes, int], TaskEntry] = {}
         self._ready: deque[Session] = deque()
         self.queued = 0
         self.queued_bytes = 0
@@ -108,6 +112,20 @@ class Scheduler:
                 f"queues hold {self.queued_bytes} bytes; at most {self.total_bytes}",
             )
         return None
+
+    def is_live(self, sid: bytes, task_id: int) -> bool:
+        return (sid, task_id) in self.live
+
+    def admit(self, session: Session, entry: TaskEntry) -> None:
+        """Queue a task a client sent."""
+        self.live[(entry.session, entry.task_id)] = entry
+        self.push(session, entry)
+
+    def finish(self, entry: TaskEntry) -> None:
+        """``entry`` was answered (or cancelled, or given up): no longer live."""
+        key = (entry.session, entry.task_id)
+        if self.live.get(key) is entry:
+            del self.live[key]
 
     def push(self, session: Session, entry: TaskEntry, front: bool = False) -> None:
         """Queue ``entry`` (at the head when ``front``: a task given back by a worker)."""
@@ -160,6 +178,8 @@ class Scheduler:
         if session is not None:
             self._took(session, len(session.queue), session.queued_bytes)
             session.queue.clear()
+            for key in [k for k in self.live if k[0] == sid]:
+                del self.live[key]
         return session
 
     def expired(self, ttl: float) -> list[bytes]:

@@ -40,17 +40,14 @@ from dataserver.protocol import (
     Task,
     decode,
 )
-from dataserver.security import start_server_curve
-from dataserver.server.config import bindable
+from dataserver.server.direct import DirectResults
 from dataserver.server.memory import keep_large_blocks
-from dataserver.server.outbox import Outbox, tracked
 from dataserver.server.running import RunningSlot
 
 log = logging.getLogger("dataserver.worker")
 
 PR_SET_PDEATHSIG = 1
 EXIT_START_FAILED = 3
-RESULTS_HWM = 16  # messages per client pipe; the Outbox bounds the bytes
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -115,10 +112,11 @@ class Worker:
         self.size = len(dataset)
         self.cache = SourceCache(cache_bytes)
         self.running = running
-        self.outbox = Outbox(max_queued_bytes)
+        self.max_queued_bytes = max_queued_bytes
         self.counters: Counter[str] = Counter()
         self.guard = MessageGuard(log, self.counters)
         self._applied: tuple[bytes, int] | None = None  # (session, control_seq) last applied
+        self._current: Task | None = None  # the task being handled
         self._stop = False
 
     def run(self) -> None:
@@ -126,8 +124,10 @@ class Worker:
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IDENTITY, f"w{self.worker_id}-{os.getpid()}".encode())
-        results, auth = self._results_socket(ctx)
-        endpoint = results.getsockopt_string(zmq.LAST_ENDPOINT) if results is not None else ""
+        results = None
+        if self.results_bind is not None:
+            results = DirectResults(ctx, self.results_bind, self.curve, self.max_queued_bytes)
+        endpoint = results.endpoint if results is not None else ""
         try:
             sock.connect(self.backend)
             sock.send_multipart(
@@ -143,38 +143,30 @@ class Worker:
         finally:
             sock.close(linger=0)
             if results is not None:
-                results.close(linger=0)
-            if auth is not None:
-                auth.stop()
+                results.close()
             ctx.term()
 
-    def _results_socket(self, ctx: zmq.Context[Any]) -> tuple[zmq.Socket[Any] | None, Any]:
-        """A ROUTER that clients connect to for results sent straight to them."""
-        if self.results_bind is None:
-            return None, None
-        results = ctx.socket(zmq.ROUTER)
-        results.setsockopt(zmq.LINGER, 0)
-        results.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unknown client: we hear it, and fall back
-        # A client that reconnects takes its name back. With CURVE only the key that owns the
-        # session may use its name (the authenticator checks); without, it is a bearer token.
-        results.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        results.setsockopt(zmq.SNDHWM, RESULTS_HWM)
-        results.setsockopt(zmq.RCVHWM, 1)
-        results.setsockopt(zmq.MAXMSGSIZE, 1024)  # clients never send here: cut anyone who does
-        auth = None
-        if self.curve is not None:
-            auth = start_server_curve(ctx, self.curve[0], self.curve[1], [results])
-        results.bind(bindable(self.results_bind))
-        return results, auth
-
     def _report(self, sock: zmq.Socket[Any], site: str, exc: BaseException) -> None:
-        """Tell the front a message was dropped (it counts it as internal)."""
+        """Tell the front a message was dropped (it counts it as internal); when it was a
+        task, name it, so the front runs it again (once) instead of waiting for it."""
         text = f"worker {self.worker_id}: {site}: dropped a message: {type(exc).__name__}: {exc}"
-        sock.send_multipart(ErrorMsg(message=text[:4000], kind="internal").encode(), zmq.NOBLOCK)
+        task, self._current = self._current, None
+        ids: dict[str, Any] = {}
+        if task is not None:
+            ids = {
+                "session": task.session,
+                "task_id": task.task_id,
+                "plan_version": task.plan_version,
+                "retry": True,
+            }
+        msg = ErrorMsg(message=text[:4000], kind="internal", **ids)
+        sock.send_multipart(msg.encode(), zmq.NOBLOCK)
 
     # ------------------------------------------------------------ messages
 
-    def _on_frames(self, frames: list[Any], sock: zmq.Socket[Any], results: Any) -> None:
+    def _on_frames(
+        self, frames: list[Any], sock: zmq.Socket[Any], results: DirectResults | None
+    ) -> None:
         try:
             msg = decode(frames)
         except ProtocolError as exc:
@@ -186,13 +178,12 @@ class Worker:
             return
         if not isinstance(msg, Task):
             return
+        self._current = msg  # named in the report if what follows raises
         inject("worker.task")
         out = self._run_guarded(msg)
-        if isinstance(out, Result):
-            refused = self.outbox.refuse(
-                msg.session, out.image.nbytes if out.image is not None else 0
-            )
-            if refused is None and self._send_direct(results, out):
+        if isinstance(out, Result) and results is not None:
+            sent = results.send(out)
+            if sent is True:
                 done = Done(
                     session=out.session,
                     task_id=out.task_id,
@@ -201,17 +192,19 @@ class Worker:
                     samples=len(out.indices),
                 )
                 sock.send_multipart(done.encode())
+                self._current = None
                 return
-            if refused is not None and results is not None:
+            if isinstance(sent, str):  # over a cap: the client is told, and asks again
                 self.counters["results_dropped"] += 1
                 out = ErrorMsg(
-                    message=f"result not sent: {refused} (--max-queued-mb)",
+                    message=f"result not sent: {sent} (--max-queued-mb)",
                     kind="dropped",
                     session=msg.session,
                     task_id=msg.task_id,
                     plan_version=msg.plan_version,
                 )
         sock.send_multipart(out.encode(), copy=False)
+        self._current = None
 
     def _run_guarded(self, task: Task) -> Message:
         """``run_task`` with the running slot set: if this process dies now, the front
@@ -223,26 +216,6 @@ class Worker:
         finally:
             if self.running is not None:
                 self.running.clear()
-
-    def _send_direct(self, results: zmq.Socket[Any] | None, out: Result) -> bool:
-        """Send a RESULT straight to its client; False when that client is not connected to
-        this worker (the front forwards it instead)."""
-        if results is None:
-            return False
-        frames = out.encode()
-        image = tracked(frames[3])
-        try:
-            results.send_multipart(
-                [out.session, *frames[:3], image, *frames[4:]], zmq.NOBLOCK, copy=False
-            )
-        except zmq.ZMQError as exc:
-            if exc.errno in (zmq.EHOSTUNREACH, zmq.EAGAIN):
-                return False
-            raise
-        self.outbox.sent(
-            out.session, out.image.nbytes if out.image is not None else 0, image.tracker
-        )
-        return True
 
     def _apply_control(self, task: Task) -> None:
         key = (task.session, task.control_seq)
