@@ -242,6 +242,8 @@ class FakeServer:
             MsgType.TASK,
         ]
 
+        any_message = messages()
+
         @_settings(self.count)
         @given(st.data())
         def fuzz(data: st.DataObject) -> None:
@@ -253,7 +255,7 @@ class FakeServer:
                 header = data.draw(headers(mtype))
                 naming = data.draw(st.sampled_from(["task", "session", "as drawn"]))
                 pick = data.draw(st.integers(0, 63))
-                anything = data.draw(messages())
+                anything = data.draw(any_message)
                 to_results = data.draw(st.booleans())
                 read_tasks()
                 if structured:  # fields varied from a valid message, often naming real work

@@ -101,45 +101,6 @@ EDGE_INTS = [
 MAX_PACKABLE = 2**64 - 1
 
 
-def edge_ints() -> st.SearchStrategy[int]:
-    return st.sampled_from(EDGE_INTS) | st.integers(-(2**63), MAX_PACKABLE)
-
-
-def edge_text() -> st.SearchStrategy[str]:
-    return st.sampled_from(
-        ["", "a", "raise", "skip", "stitch", "regular", "tcp://x:1", "x" * 4097, "é" * 300]
-    ) | st.text(max_size=20)
-
-
-def edge_bytes() -> st.SearchStrategy[bytes]:
-    return st.sampled_from([b"", b"\x00", SID, b"s" * 64, b"s" * 65, b"\xff" * 16]) | st.binary(
-        max_size=80
-    )
-
-
-def scalars() -> st.SearchStrategy[Any]:
-    return (
-        edge_ints()
-        | st.booleans()
-        | st.none()
-        | st.floats(allow_nan=True, allow_infinity=True)
-        | edge_text()
-        | edge_bytes()
-    )
-
-
-def nested() -> st.SearchStrategy[Any]:
-    """Lists and maps of scalars, nested, with string, bytes and integer keys."""
-    keys = st.text(max_size=4) | st.binary(max_size=4) | st.integers(-5, 5)
-    return st.recursive(
-        scalars(),
-        lambda children: (
-            st.lists(children, max_size=5) | st.dictionaries(keys, children, max_size=4)
-        ),
-        max_leaves=20,
-    )
-
-
 def deep(depth: int) -> Any:
     value: Any = 1
     for i in range(depth):
@@ -147,101 +108,168 @@ def deep(depth: int) -> Any:
     return value
 
 
-def variant(valid: Any) -> st.SearchStrategy[Any]:
-    """A field's value: its valid one, an edge value, another type, or a nested thing."""
-    return st.one_of(
-        st.just(valid),
-        scalars(),
-        nested(),
-        st.lists(edge_ints(), max_size=20),
-        st.sampled_from([[], [0], [2**63 - 1], [-1], [1] * 17, [0, 0], [16385, 10], [1, 1]]),
-        st.sampled_from(
-            [{}, {1: 2}, {b"k": 1}, {"a": deep(12)}, {"a": [1] * 3}, {"x" * 100: "y" * 70000}]
-        ),
-        st.just(deep(20)),
-    )
+# Strategies are built once, here: building them per draw costs far more than drawing.
+_EDGE_INTS = st.sampled_from(EDGE_INTS) | st.integers(-(2**63), MAX_PACKABLE)
+_EDGE_TEXT = st.sampled_from(
+    ["", "a", "raise", "skip", "stitch", "regular", "tcp://x:1", "x" * 4097, "é" * 300]
+) | st.text(max_size=20)
+_EDGE_BYTES = st.sampled_from([b"", b"\x00", SID, b"s" * 64, b"s" * 65, b"\xff" * 16]) | st.binary(
+    max_size=80
+)
+_SCALARS = (
+    _EDGE_INTS
+    | st.booleans()
+    | st.none()
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | _EDGE_TEXT
+    | _EDGE_BYTES
+)
+_KEYS = st.text(max_size=4) | st.binary(max_size=4) | st.integers(-5, 5)
+_NESTED = st.recursive(
+    _SCALARS,
+    lambda children: st.lists(children, max_size=5) | st.dictionaries(_KEYS, children, max_size=4),
+    max_leaves=20,
+)
+_OTHERS = st.one_of(
+    _SCALARS,
+    _NESTED,
+    st.lists(_EDGE_INTS, max_size=20),
+    st.sampled_from([[], [0], [2**63 - 1], [-1], [1] * 17, [0, 0], [16385, 10], [1, 1]]),
+    st.sampled_from(
+        [{}, {1: 2}, {b"k": 1}, {"a": deep(12)}, {"a": [1] * 3}, {"x" * 100: "y" * 70000}]
+    ),
+    st.just(deep(20)),
+)
+_HOW = st.sampled_from(["keep", "keep", "vary", "edge", "drop"])
+_EXTRA = st.dictionaries(st.text(max_size=8), _SCALARS, max_size=3)
+
+
+def edge_ints() -> st.SearchStrategy[int]:
+    return _EDGE_INTS
+
+
+def scalars() -> st.SearchStrategy[Any]:
+    return _SCALARS
+
+
+def nested() -> st.SearchStrategy[Any]:
+    """Lists and maps of scalars, nested, with string, bytes and integer keys."""
+    return _NESTED
+
+
+def _edge_of(valid: Any) -> st.SearchStrategy[Any]:
+    """Edge values of the field's own kind."""
+    if isinstance(valid, bool):
+        return _SCALARS
+    if isinstance(valid, int):
+        return _EDGE_INTS
+    if isinstance(valid, str):
+        return _EDGE_TEXT
+    if isinstance(valid, bytes):
+        return _EDGE_BYTES
+    return _OTHERS
 
 
 @st.composite
 def headers(draw: st.DrawFn, mtype: MsgType) -> dict[str, Any]:
+    return draw_header(draw, mtype)
+
+
+def draw_header(draw: st.DrawFn, mtype: MsgType) -> dict[str, Any]:
+    """A header of ``mtype``, field by field: each kept, varied to any other kind of value,
+    varied to an edge value of its own kind, or dropped; sometimes with extra keys."""
     header: dict[str, Any] = {}
     for key, valid in VALID[mtype].items():
-        how = draw(st.sampled_from(["keep", "keep", "vary", "drop"]))
+        how = draw(_HOW)
         if how == "keep":
             header[key] = valid
         elif how == "vary":
-            header[key] = draw(variant(valid))
-    if draw(st.booleans()):
-        header.update(draw(st.dictionaries(st.text(max_size=8), scalars(), max_size=3)))
+            header[key] = draw(_OTHERS)
+        elif how == "edge":
+            header[key] = draw(_edge_of(valid))
+    if draw(_BOOL):
+        header.update(draw(_EXTRA))
     return header
 
 
 DTYPES = ["|u1", "<f4", "<i8", "<i4", "<f8", "|O", ">f4", "<U4", "", "|b1"]
 
 
-@st.composite
-def array_specs(draw: st.DrawFn) -> tuple[list[Any], list[bytes]]:
+_COUNTS = st.sampled_from([3, 3, 3, 0, 1, 2, 4])
+_DTYPES = st.sampled_from(DTYPES)
+_SHAPES = st.sampled_from(
+    [
+        [],
+        [0],
+        [0, 2**62, 2**62],
+        [3, 0, 2**40],
+        [2**31, 2**31],
+        [3, 16385, 1],
+        [3, 1, 1],
+        [-1, 4],
+        [1, 1, 1, 1, 1],
+        [70000, 4],
+        [1, 5],
+    ]
+) | st.lists(_EDGE_INTS, max_size=5)
+_BOOL = st.booleans()
+_LIE = st.integers(0, 4)
+_FORM = st.integers(0, 4)
+_TENTH = st.integers(0, 9)
+_ENVELOPE = st.sampled_from(["ok"] * 8 + ["magic", "type", "cut", "extra"])
+_MAGICS = st.sampled_from([b"DS1", b"DS9", b"", b"DS2\x00", b"XXXX"])
+_TYPE_BYTES = st.sampled_from([b"", b"\x00", b"\xff", b"\x01\x02", bytes([13])])
+_CUT = st.integers(0, 64)
+
+
+def draw_arrays(draw: st.DrawFn) -> tuple[list[Any], list[bytes]]:
     """Descriptors and buffers: valid, or with edge dtypes, shapes and lying lengths."""
     specs: list[Any] = []
     buffers: list[bytes] = []
-    count = draw(st.sampled_from([3, 3, 3, 0, 1, 2, 4]))
+    count = draw(_COUNTS)
     for i in range(count):
         dtype, shape = VALID_ARRAYS[i] if i < 3 else VALID_ARRAYS[0]
-        if draw(st.booleans()):
-            dtype = draw(st.sampled_from(DTYPES))
-        if draw(st.booleans()):
-            shape = draw(
-                st.sampled_from(
-                    [
-                        [],
-                        [0],
-                        [0, 2**62, 2**62],
-                        [3, 0, 2**40],
-                        [2**31, 2**31],
-                        [3, 16385, 1],
-                        [3, 1, 1],
-                        [-1, 4],
-                        [1, 1, 1, 1, 1],
-                        [70000, 4],
-                        [1, 5],
-                    ]
-                )
-                | st.lists(edge_ints(), max_size=5)
-            )
+        if draw(_BOOL):
+            dtype = draw(_DTYPES)
+        if draw(_BOOL):
+            shape = draw(_SHAPES)
         item = {"|u1": 1, "<f4": 4, "<i8": 8, "<i4": 4, "<f8": 8}.get(dtype, 1)
         size = 1
         for d in shape:
             size *= d if isinstance(d, int) and 0 <= d < 2**20 else 1
         honest = size * item if size * item < 1 << 20 else 16
-        length = draw(st.sampled_from([honest, honest, 0, max(0, honest - 1), honest + 1]))
-        specs.append(
-            draw(st.sampled_from([[dtype, shape], [dtype, shape], [dtype], "x", [shape, dtype]]))
-        )
+        length = [honest, honest, 0, max(0, honest - 1), honest + 1][draw(_LIE)]
+        specs.append([[dtype, shape], [dtype, shape], [dtype], "x", [shape, dtype]][draw(_FORM)])
         buffers.append(bytes(length))
     return specs, buffers
 
 
-@st.composite
-def messages(draw: st.DrawFn, types: list[MsgType] | None = None) -> list[bytes]:
+def messages(types: list[MsgType] | None = None) -> st.SearchStrategy[list[bytes]]:
     """The frames of one message of a type in ``types`` (any type by default)."""
-    mtype = draw(st.sampled_from(types or list(MsgType)))
-    header = draw(headers(mtype))
-    buffers: list[bytes] = []
-    if mtype is MsgType.RESULT or draw(st.integers(0, 9)) == 0:
-        specs, buffers = draw(array_specs())
-        header["arrays"] = specs
-    try:
-        packed = msgpack.packb(header, use_bin_type=True)
-    except (OverflowError, TypeError, ValueError):
-        packed = msgpack.packb({"session": SID}, use_bin_type=True)
-    frames = [MAGIC, bytes([int(mtype)]), packed, *buffers]
-    envelope = draw(st.sampled_from(["ok"] * 8 + ["magic", "type", "cut", "extra"]))
-    if envelope == "magic":
-        frames[0] = draw(st.sampled_from([b"DS1", b"DS9", b"", b"DS2\x00", b"XXXX"]))
-    elif envelope == "type":
-        frames[1] = draw(st.sampled_from([b"", b"\x00", b"\xff", b"\x01\x02", bytes([13])]))
-    elif envelope == "cut":
-        frames = frames[: draw(st.integers(0, len(frames) - 1))]
-    elif envelope == "extra":
-        frames.append(b"\x00" * draw(st.integers(0, 64)))
-    return frames
+    pick = st.sampled_from(types or list(MsgType))
+
+    @st.composite
+    def one(draw: st.DrawFn) -> list[bytes]:
+        mtype = draw(pick)
+        header = draw_header(draw, mtype)
+        buffers: list[bytes] = []
+        if mtype is MsgType.RESULT or draw(_TENTH) == 0:
+            specs, buffers = draw_arrays(draw)
+            header["arrays"] = specs
+        try:
+            packed = msgpack.packb(header, use_bin_type=True)
+        except (OverflowError, TypeError, ValueError):
+            packed = msgpack.packb({"session": SID}, use_bin_type=True)
+        frames = [MAGIC, bytes([int(mtype)]), packed, *buffers]
+        envelope = draw(_ENVELOPE)
+        if envelope == "magic":
+            frames[0] = draw(_MAGICS)
+        elif envelope == "type":
+            frames[1] = draw(_TYPE_BYTES)
+        elif envelope == "cut":
+            frames = frames[: draw(_CUT) % len(frames)]
+        elif envelope == "extra":
+            frames.append(b"\x00" * draw(_CUT))
+        return frames
+
+    return one()
