@@ -16,6 +16,7 @@ from dataserver.data.spec import DEFAULT_SPEC, SpecError
 from dataserver.protocol import ProtocolError
 from dataserver.server.config import (
     DEFAULT_BIND,
+    DEFAULT_CACHE_GB,
     DEFAULT_MAX_IMAGE_SIDE,
     DEFAULT_MAX_QUEUED_MB,
     DEFAULT_MAX_SESSIONS,
@@ -56,7 +57,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         bind=args.bind,
         control_bind=args.control_bind,
         session_ttl=args.session_ttl,
-        cache_mb=args.cache_mb,
+        cache_gb=args.cache_gb if args.cache_mb is None else args.cache_mb / 1024,
         curve_secret_key=args.curve_secret_key,
         curve_authorized_keys=args.curve_authorized_keys,
         direct_results=args.direct_results,
@@ -180,7 +181,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--bind", default=DEFAULT_BIND, help=f"data endpoint (default {DEFAULT_BIND}; port * = any)"
     )
     p.add_argument("--control-bind", default=None, help="control endpoint (default: data port + 1)")
-    p.add_argument("--cache-mb", type=int, default=64, help="per-worker cache of prepared sources")
+    p.add_argument(
+        "--cache-gb",
+        type=float,
+        default=DEFAULT_CACHE_GB,
+        help="the store of decoded, fitted sources in shared memory, shared by every worker, "
+        f"epoch and job of this server (0: none) (default {DEFAULT_CACHE_GB:g})",
+    )
+    p.add_argument("--cache-mb", type=int, default=None, help="the same in MiB (an older spelling)")
     p.add_argument(
         "--session-ttl",
         type=float,
@@ -268,6 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--image-size", type=int, default=512)
     p.add_argument("--batches", type=int, default=40)
+    p.add_argument("--rounds", type=int, default=3, help="runs of each side, alternating")
     p.add_argument("--only", default=None, help="comma-separated figures to run")
     p.add_argument("--json", default=None, help="also write the results here")
     p.set_defaults(func=cmd_bench)

@@ -37,19 +37,21 @@ VALID: dict[MsgType, dict[str, Any]] = {
         "plan_version": 2,
         "epoch": 1,
         "seed": 0,
-        "indices": [4, 5, 6, 7],
+        "images": [[4, 5, 6, 7], [8, 9]],
         "grid": 2,
         "out_hw": [64, 48],
+        "fit_hw": [64, 48],
         "on_error": "raise",
         "control_seq": 1,
-        "control": {"active": 1, "nested": {"a": [1, 2]}},
         "exclude": [],
+        "priority": 0,
     },
     MsgType.RESULT: {
         "session": SID,
         "task_id": 7,
         "plan_version": 2,
-        "indices": [4, 5],
+        "images": [[4, 5], [8]],
+        "box_counts": [1, 0],
         "failed": [[6, "bad"]],
         "decoded": 2,
     },
@@ -67,8 +69,9 @@ VALID: dict[MsgType, dict[str, Any]] = {
         "session": SID,
         "plan_version": 3,
         "control_seq": 2,
-        "control": {"x": 1},
+        "control": {"x": 1, "nested": {"a": [1, 2]}},
         "mode": "stitch",
+        "cancel": [5, 6],
     },
     MsgType.HEARTBEAT: {"session": SID},
     MsgType.STATS: {},
@@ -77,8 +80,37 @@ VALID: dict[MsgType, dict[str, Any]] = {
     MsgType.DONE: {"session": SID, "task_id": 7, "plan_version": 2, "decoded": 1, "samples": 1},
 }
 
-# RESULT's arrays: image (3, 4, 5) uint8, boxes (1, 4) float32, labels (1,) int64.
-VALID_ARRAYS: list[tuple[str, list[int]]] = [("|u1", [3, 4, 5]), ("<f4", [1, 4]), ("<i8", [1])]
+# RESULT's arrays: two images (3, 4, 5) uint8, boxes (1, 4) float32, labels (1,) int64.
+VALID_ARRAYS: list[tuple[str, list[int]]] = [
+    ("|u1", [3, 4, 5]),
+    ("|u1", [3, 4, 5]),
+    ("<f4", [1, 4]),
+    ("<i8", [1]),
+]
+
+
+def task_header(
+    session: bytes,
+    task_id: int = 1,
+    plan_version: int = 1,
+    images: list[list[int]] | None = None,
+    side: int = 32,
+) -> dict[str, Any]:
+    """A valid TASK header (for tests that send tasks by hand)."""
+    return {
+        "session": session,
+        "task_id": task_id,
+        "plan_version": plan_version,
+        "epoch": 0,
+        "seed": 0,
+        "images": images or [[1]],
+        "grid": 1,
+        "out_hw": [side, side],
+        "fit_hw": [side, side],
+        "on_error": "raise",
+        "control_seq": 0,
+    }
+
 
 EDGE_INTS = [
     0,
@@ -195,7 +227,7 @@ def draw_header(draw: st.DrawFn, mtype: MsgType) -> dict[str, Any]:
 DTYPES = ["|u1", "<f4", "<i8", "<i4", "<f8", "|O", ">f4", "<U4", "", "|b1"]
 
 
-_COUNTS = st.sampled_from([3, 3, 3, 0, 1, 2, 4])
+_COUNTS = st.sampled_from([4, 4, 4, 0, 1, 2, 3, 5])
 _DTYPES = st.sampled_from(DTYPES)
 _SHAPES = st.sampled_from(
     [
@@ -228,7 +260,7 @@ def draw_arrays(draw: st.DrawFn) -> tuple[list[Any], list[bytes]]:
     buffers: list[bytes] = []
     count = draw(_COUNTS)
     for i in range(count):
-        dtype, shape = VALID_ARRAYS[i] if i < 3 else VALID_ARRAYS[0]
+        dtype, shape = VALID_ARRAYS[i] if i < len(VALID_ARRAYS) else VALID_ARRAYS[0]
         if draw(_BOOL):
             dtype = draw(_DTYPES)
         if draw(_BOOL):

@@ -16,15 +16,20 @@ def test_bench_reports_every_figure(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     cmd = [sys.executable, "-m", "dataserver.cli", "bench", "--images", "24", "--batches", "3"]
     cmd += ["--image-size", "64", "--batch-size", "4", "--workers", "1", "--json", str(out)]
-    cmd += ["--only", "dataloader,feedback,first_batch"]  # coordination needs 32 workers
+    cmd += ["--rounds", "1", "--only", "dataloader,overhead,cache,feedback,first_batch"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     results = json.loads(out.read_text())
     assert results["dataloader"]["vs_dataloader"] > 0
     assert results["dataloader"]["vs_physical_limit"] > 0
+    assert results["dataloader"]["client_cpu_us_per_image"] > 0
+    assert results["overhead"]["front_us_per_sample"] >= 0
+    assert results["overhead"]["dataloader_us_per_sample"] > 0
+    assert results["cache"]["cached_vs_dataloader"] > 0
+    assert 0 < results["cache"]["store_hit_rate"] <= 1
     assert results["feedback"]["flips_vs_constant_modes"] > 0
     assert results["first_batch"]["first_batch_ms"] > 0
-    assert "vs_dataloader" in proc.stdout
+    assert "vs_dataloader" in proc.stdout and "round 1/1: dataloader" in proc.stdout
 
 
 def test_unknown_figure_is_refused() -> None:

@@ -82,9 +82,9 @@ def test_stats_prints_a_live_servers_counters(synthetic_server: Any) -> None:
     proc = run("stats", synthetic_server.address, "--json")
     assert proc.returncode == 0, proc.stderr
     stats = json.loads(proc.stdout)
-    assert stats["workers_alive"] == 2 and stats["counters"]["tasks_done"] >= 96
+    assert stats["workers_alive"] == 2 and stats["counters"]["images_done"] >= 96
     text = run("stats", synthetic_server.address).stdout
-    assert "workers        2/2 alive" in text and "tasks_done" in text and "queue depth" in text
+    assert "workers        2/2 alive" in text and "images_done" in text and "queue depth" in text
 
 
 def test_stats_of_a_dead_address_fails_clearly() -> None:

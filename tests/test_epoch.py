@@ -46,7 +46,7 @@ def test_shards_follow_distributed_sampler(n: int, world: int) -> None:
 def collect(cursor: Cursor) -> list[list[int]]:
     out = []
     while (plan := cursor.next_plan()) is not None:
-        out.append([i for t in plan.tasks for i in t.indices])
+        out.append([i for t in plan.images for i in t.indices])
     return out
 
 
@@ -56,21 +56,21 @@ def test_regular_and_stitched_batches_consume_b_and_kb_samples() -> None:
     assert [len(b) for b in regular] == [4] * 9 + [1]
     stitched = Cursor(shard, layout(), STITCH, 1)
     plan = stitched.next_plan()
-    assert plan is not None and len(plan.tasks) == 4 and plan.tasks[0].grid == 2
-    assert [t.indices for t in plan.tasks][1] == (4, 5, 6, 7)
+    assert plan is not None and len(plan.images) == 4 and plan.images[0].grid == 2
+    assert [t.indices for t in plan.images][1] == (4, 5, 6, 7)
     rest = collect(stitched)
     assert [len(b) for b in rest] == [16, 5]  # a short last group
     last = Cursor(shard, layout(), STITCH, 1)
     last.position = 32
     final = last.next_plan()
-    assert final is not None and [t.indices for t in final.tasks] == [(32, 33, 34, 35), (36,)]
+    assert final is not None and [t.indices for t in final.images] == [(32, 33, 34, 35), (36,)]
 
 
 def test_batch_layout_is_k_times_more_images_at_a_quarter_size() -> None:
     plan = Cursor(np.arange(64), layout(kind="batch"), STITCH, 1).next_plan()
     assert plan is not None
-    assert len(plan.tasks) == 16 and plan.out_hw == (32, 32)
-    assert all(t.grid == 1 and len(t.indices) == 1 for t in plan.tasks)
+    assert len(plan.images) == 16 and plan.out_hw == (32, 32)
+    assert all(t.grid == 1 and len(t.indices) == 1 for t in plan.images)
 
 
 def test_drop_last_drops_the_short_tail() -> None:
@@ -87,6 +87,6 @@ def test_rewind_replans_the_same_samples_in_order() -> None:
     again = p.next_plan()
     assert again is not None
     assert (again.step, again.start, again.mode, again.plan_version) == (1, 4, STITCH, 2)
-    assert [i for t in again.tasks for i in t.indices] == list(range(4, 20))
+    assert [i for t in again.images for i in t.indices] == list(range(4, 20))
     with pytest.raises(ValueError, match="raise plan_version"):
         p.rewind(0, 0, REGULAR, 2)

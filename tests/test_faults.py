@@ -31,7 +31,7 @@ def kill(pid: int) -> None:
 def test_killed_workers_are_replaced_and_the_epoch_is_exact_and_identical(
     start_server: Any,
 ) -> None:
-    server = start_server(*SLOW, workers=2)
+    server = start_server(*SLOW, "--cache-gb", "0", workers=2)  # slow every time: killed mid-task
     kw: dict[str, Any] = {
         "batch_size": 8,
         "image_size": (48, 64),

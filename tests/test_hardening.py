@@ -72,15 +72,15 @@ def test_a_server_handler_that_raises_costs_one_message_and_the_epoch_is_exact(
 def test_a_client_handler_that_raises_costs_one_message_and_the_epoch_is_exact(
     synthetic_server: Server,
 ) -> None:
-    configure_faults("client.result:7")
+    configure_faults("client.result:3")
     try:
         with DataServerClient(synthetic_server.address, timeout=60, **SMALL) as client:
             assert indices(epoch(client)) == list(range(96))
             stats = client.stats()
     finally:
         configure_faults("")
-    assert stats["rejected"]["internal"] >= 10
-    assert stats["asked_again_deadline"] >= 10
+    assert stats["rejected"]["internal"] >= 3
+    assert stats["asked_again_deadline"] >= 3
 
 
 # ---------------------------------------------------------------- values refused at the call
@@ -133,7 +133,7 @@ def test_results_lost_on_the_direct_path_are_asked_again(start_server: Any) -> N
     on every other batch: results in them are lost after the workers' DONE."""
     if os.geteuid() != 0 or shutil.which("ss") is None:
         pytest.skip("needs root and ss (iproute2) to kill connections")
-    server = start_server(*SLOW, workers=2)
+    server = start_server(*SLOW, "--cache-gb", "0", workers=2)  # every epoch as slow
     ports = _ports(welcome_of(server.address).results)
     assert len(ports) == 2
     with DataServerClient(server.address, timeout=30, **SMALL) as client:
@@ -187,8 +187,13 @@ def test_every_server_lost_at_once_and_only_one_back_gets_all_the_tasks() -> Non
 
 
 def test_poison_probes_that_find_no_poisonous_source_do_not_loop(start_server: Any) -> None:
-    server = start_server(
-        "--dataset", "ds_plugins:poison_when_stitched", "--dataset-args", '{"n": 32, "index": 5}'
+    server = start_server(  # no store: every composition reads its sources from the dataset
+        "--dataset",
+        "ds_plugins:poison_when_stitched",
+        "--dataset-args",
+        '{"n": 32, "index": 5}',
+        "--cache-gb",
+        "0",
     )
     kw: dict[str, Any] = {**SMALL, "batch_size": 2, "shuffle": False, "timeout": 60}
     with DataServerClient(server.address, on_error="skip", **kw) as client:
@@ -300,6 +305,8 @@ def test_a_dying_worker_blames_only_the_task_it_was_running(start_server: Any) -
             assert delivered == [i for i in range(24) if not 4 <= i < 8]
     assert named == {7: 3}
     stats = server.stats()["counters"]
+    # Two deaths per epoch, blamed on the image holding sample 7 alone: the task it came in
+    # (with the images beside it) is answered poison once, the rest asked again.
     assert stats["tasks_poisoned"] == 3 and stats["worker_deaths"] == 6
 
 
@@ -337,7 +344,7 @@ def test_the_router_blames_the_running_task_not_the_one_before_it(tmp_path: Path
     scheduler = Scheduler(8, 64, 1 << 20, 1 << 20)
     session = scheduler.open(b"s" * 16, b"client")
     assert session is not None
-    a, b = (TaskEntry(session.sid, tid, 1, (tid,), []) for tid in (1, 2))
+    a, b = (TaskEntry(session.sid, tid, 1, ((tid,),), []) for tid in (1, 2))
     handle.tasks = deque([a, b])
     slot.set(session.sid, 2)  # B was running
     clients = Clients()

@@ -13,6 +13,7 @@ import msgpack
 import pytest
 import zmq
 from conftest import wait_until
+from fuzzing import task_header
 
 from dataserver import protocol
 from dataserver.protocol import MAGIC, MsgType
@@ -35,22 +36,6 @@ def raw_tcp(endpoint: str, payload: bytes) -> None:
             pass  # the server may hang up first: that is the point
 
 
-def task_header(session: bytes, plan_version: int = 1, task_id: int = 1) -> dict[str, Any]:
-    return {
-        "session": session,
-        "task_id": task_id,
-        "plan_version": plan_version,
-        "epoch": 0,
-        "seed": 0,
-        "indices": [1],
-        "grid": 1,
-        "out_hw": [32, 32],
-        "on_error": "raise",
-        "control_seq": 0,
-        "control": {},
-    }
-
-
 HOSTILE_FRAMES: list[list[bytes]] = [
     [os.urandom(40)],  # one frame of noise
     [os.urandom(3), os.urandom(1), os.urandom(30)],  # three frames of noise
@@ -64,7 +49,7 @@ HOSTILE_FRAMES: list[list[bytes]] = [
     [
         MAGIC,
         bytes([MsgType.TASK]),
-        msgpack.packb({**task_header(b"x" * 16), "control": {"a": [[[[[[[[[[1]]]]]]]]]]}}),
+        msgpack.packb({**task_header(b"x" * 16), "images": [[[[[[[[[[[1]]]]]]]]]]]}),
     ],
     # a valid header whose buffers lie about their size
     [
@@ -75,7 +60,8 @@ HOSTILE_FRAMES: list[list[bytes]] = [
                 "session": b"x" * 16,
                 "task_id": 1,
                 "plan_version": 1,
-                "indices": [],
+                "images": [[1]],
+                "box_counts": [0],
                 "failed": [],
                 "arrays": [["|u1", [3, 100, 100]], ["<f4", [0, 4]], ["<i8", [0]]],
             }
@@ -131,12 +117,10 @@ def test_hostile_traffic_is_rejected_counted_and_the_server_keeps_serving(
         attacker.send_multipart(protocol.pack(MsgType.TASK, task_header(b"u" * 16)))
         session = b"a" * 16
         attacker.send_multipart(protocol.pack(MsgType.HELLO, {"session": session}))
-        attacker.send_multipart(protocol.pack(MsgType.TASK, task_header(session, 5, task_id=1)))
+        attacker.send_multipart(protocol.pack(MsgType.TASK, task_header(session, 1, 5)))
+        attacker.send_multipart(protocol.pack(MsgType.TASK, task_header(session, 1, 5)))  # replay
         attacker.send_multipart(
-            protocol.pack(MsgType.TASK, task_header(session, 5, task_id=1))
-        )  # replay
-        attacker.send_multipart(
-            protocol.pack(MsgType.TASK, task_header(session, 2, task_id=2))
+            protocol.pack(MsgType.TASK, task_header(session, 2, 2))
         )  # overtaken
         # 5. An oversized frame (beyond the server's MAXMSGSIZE): the connection is dropped.
         big = ctx.socket(zmq.DEALER)

@@ -33,6 +33,7 @@ from dataserver.protocol import (
 def result_arrays() -> list[np.ndarray]:
     return [
         np.arange(3 * 4 * 5, dtype=np.uint8).reshape(3, 4, 5),
+        np.arange(3 * 4 * 5, dtype=np.uint8).reshape(3, 4, 5)[::-1].copy(),
         np.array([[1, 2, 3, 4]], dtype=np.float32),
         np.array([9], dtype=np.int64),
     ]
@@ -69,10 +70,11 @@ def test_round_trip_every_type(mtype: MsgType) -> None:
 def test_typed_fields_are_normalised() -> None:
     msg = decode(frames_of(MsgType.TASK))
     assert isinstance(msg, Task)
-    assert msg.indices == (4, 5, 6, 7) and msg.out_hw == (64, 48) and msg.exclude == ()
+    assert msg.images == ((4, 5, 6, 7), (8, 9)) and msg.indices == (4, 5, 6, 7, 8, 9)
+    assert msg.out_hw == (64, 48) and msg.exclude == ()
     res = decode(frames_of(MsgType.RESULT))
     assert isinstance(res, Result) and res.failed == ((6, "bad"),)
-    assert res.image is not None and res.image.shape == (3, 4, 5)
+    assert [p.shape for p in res.pixels] == [(3, 4, 5), (3, 4, 5)]
 
 
 def test_arrays_are_received_without_copy() -> None:
@@ -80,18 +82,23 @@ def test_arrays_are_received_without_copy() -> None:
     buf = bytearray(frames[3])
     frames[3] = buf
     msg = decode(frames)
-    assert isinstance(msg, Result) and msg.image is not None
+    assert isinstance(msg, Result)
     buf[0] = 200
-    assert msg.image.flat[0] == 200  # a view over the frame, not a copy
+    assert msg.pixels[0].flat[0] == 200  # a view over the frame, not a copy
 
 
 def test_frame_layout_is_as_documented() -> None:
     frames = frames_of(MsgType.RESULT)
-    assert frames[0] == b"DS2" == MAGIC
+    assert frames[0] == b"DS3" == MAGIC
     assert frames[1] == bytes([MsgType.RESULT])
     header = msgpack.unpackb(frames[2])
-    assert header["arrays"] == [["|u1", [3, 4, 5]], ["<f4", [1, 4]], ["<i8", [1]]]
-    assert len(frames) == 6
+    assert header["arrays"] == [
+        ["|u1", [3, 4, 5]],
+        ["|u1", [3, 4, 5]],
+        ["<f4", [1, 4]],
+        ["<i8", [1]],
+    ]
+    assert len(frames) == 7
 
 
 def _with_header(
@@ -105,7 +112,7 @@ def _with_header(
     [
         ([], "truncated"),
         ([MAGIC, bytes([MsgType.HELLO])], "truncated"),
-        ([b"DS1", bytes([MsgType.HELLO]), msgpack.packb({"session": SID})], "version '1'"),
+        ([b"DS2", bytes([MsgType.HELLO]), msgpack.packb({"session": SID})], "version '2'"),
         ([b"XYZ", bytes([MsgType.HELLO]), msgpack.packb({"session": SID})], "bad magic"),
         ([b"\x00" * 100, b"\x01", b"\x80"], "bad magic"),
         ([MAGIC, bytes([99]), msgpack.packb({})], "unknown message type"),
@@ -115,7 +122,7 @@ def _with_header(
         ([MAGIC, bytes([MsgType.HELLO]), msgpack.packb({})], "field 'session'"),
         ([MAGIC, bytes([MsgType.HELLO]), msgpack.packb({"session": "str"})], "bytes"),
         ([MAGIC, bytes([MsgType.HELLO]), b"\x81" + b"\x00" * (2 << 20)], "exceeds"),
-        ([MAGIC] * 17, "too many frames"),
+        ([MAGIC] * 73, "too many frames"),
     ],
 )
 def test_rejects_malformed(frames: list[bytes], match: str) -> None:
@@ -127,16 +134,20 @@ def _result(spec: list[Any], buffers: list[bytes]) -> list[bytes]:
     return _with_header(MsgType.RESULT, {**VALID[MsgType.RESULT], "arrays": spec}, buffers)
 
 
+IMG = ["|u1", [3, 4, 5]]
+
+
 def test_rejects_wrong_dtype() -> None:
-    frames = _result([["|O", [1]], ["<f4", [0, 4]], ["<i8", [0]]], [b"\x00" * 8, b"", b""])
+    spec = [["|O", [1]], IMG, ["<f4", [1, 4]], ["<i8", [1]]]
+    frames = _result(spec, [b"\x00" * 8, b"\x00" * 60, b"\x00" * 16, b"\x00" * 8])
     with pytest.raises(ProtocolError, match="dtype '\\|O' is not allowed"):
         decode(frames)
 
 
 def test_rejects_buffer_length_that_does_not_match_shape() -> None:
-    spec = [["|u1", [3, 4, 5]], ["<f4", [1, 4]], ["<i8", [1]]]
+    spec = [IMG, IMG, ["<f4", [1, 4]], ["<i8", [1]]]
     with pytest.raises(ProtocolError, match="60 bytes, but its frame holds 59"):
-        decode(_result(spec, [b"\x00" * 59, b"\x00" * 16, b"\x00" * 8]))
+        decode(_result(spec, [b"\x00" * 59, b"\x00" * 60, b"\x00" * 16, b"\x00" * 8]))
 
 
 @pytest.mark.parametrize(
@@ -147,21 +158,25 @@ def test_rejects_shapes_that_are_huge_or_hide_a_huge_dimension_behind_a_zero(
     shape: list[int],
 ) -> None:
     with pytest.raises(ProtocolError, match="array 0"):
-        decode(_result([["|u1", shape], ["<f4", [0, 4]], ["<i8", [0]]], [b"", b"", b""]))
+        decode(_result([["|u1", shape], IMG, ["<f4", [1, 4]], ["<i8", [1]]], [b""] * 4))
+
+
+BOXES = ["<f4", [1, 4]]
+LABELS = ["<i8", [1]]
 
 
 @pytest.mark.parametrize(
     ("arrays", "match"),
     [
-        ([["|u1", [4, 4, 5]], ["<f4", [0, 4]], ["<i8", [0]]], "image must be uint8 \\(3, H, W\\)"),
-        ([["|u1", [3, 16385, 1]], ["<f4", [0, 4]], ["<i8", [0]]], "image must be"),
-        ([["|u1", [3, 0, 5]], ["<f4", [0, 4]], ["<i8", [0]]], "image must be"),
-        ([["<f4", [3, 4, 5]], ["<f4", [0, 4]], ["<i8", [0]]], "image must be uint8"),
-        ([["|u1", [3, 4, 5]], ["<f4", [1, 5]], ["<i8", [1]]], "boxes must be float32 \\(M, 4\\)"),
-        ([["|u1", [3, 4, 5]], ["<f8", [1, 4]], ["<i8", [1]]], "boxes must be float32"),
-        ([["|u1", [3, 4, 5]], ["<f4", [1, 4]], ["<i8", [2]]], "labels must be int64"),
-        ([["|u1", [3, 4, 5]], ["<f4", [1, 4]], ["<i4", [1]]], "labels must be int64"),
-        ([["|u1", [3, 4, 5]], ["<f4", [70000, 4]], ["<i8", [70000]]], "boxes exceed"),
+        ([["|u1", [4, 4, 5]], IMG, BOXES, LABELS], r"image must be uint8 \(3, H, W\)"),
+        ([["|u1", [3, 16385, 1]], IMG, BOXES, LABELS], "image must be"),
+        ([["|u1", [3, 0, 5]], IMG, BOXES, LABELS], "image must be"),
+        ([["<f4", [3, 4, 5]], IMG, BOXES, LABELS], "image must be uint8"),
+        ([IMG, IMG, ["<f4", [1, 5]], LABELS], r"boxes must be float32 \(1, 4\)"),
+        ([IMG, IMG, ["<f8", [1, 4]], LABELS], "boxes must be float32"),
+        ([IMG, IMG, ["<f4", [2, 4]], ["<i8", [2]]], r"boxes must be float32 \(1, 4\)"),
+        ([IMG, IMG, BOXES, ["<i4", [1]]], "labels must be int64"),
+        ([IMG, BOXES, LABELS], "carries 4 arrays"),
     ],
 )
 def test_result_arrays_are_checked_by_role(arrays: list[Any], match: str) -> None:
@@ -173,10 +188,16 @@ def test_result_arrays_are_checked_by_role(arrays: list[Any], match: str) -> Non
         decode(_result(arrays, buffers))
 
 
+def test_result_box_counts_must_match_its_images() -> None:
+    header = {**VALID[MsgType.RESULT], "box_counts": [1]}
+    with pytest.raises(ProtocolError, match="1 box counts for 2 images"):
+        decode(_with_header(MsgType.RESULT, header))
+
+
 def test_rejects_missing_and_extra_buffers() -> None:
-    spec = [["|u1", [3, 1, 1]], ["<f4", [0, 4]], ["<i8", [0]]]
-    with pytest.raises(ProtocolError, match="names 3 array"):
-        decode(_result(spec, [b"\x00" * 3, b""]))
+    spec = [IMG, IMG, BOXES, LABELS]
+    with pytest.raises(ProtocolError, match="names 4 array"):
+        decode(_result(spec, [b"\x00" * 60, b"\x00" * 60, b"\x00" * 16]))
     with pytest.raises(ProtocolError, match="carries no arrays"):
         decode(_with_header(MsgType.HELLO, {"session": SID, "arrays": [["|u1", [1]]]}, [b"\x00"]))
 
@@ -186,10 +207,15 @@ def test_rejects_missing_and_extra_buffers() -> None:
     [
         ({"grid": 9}, "grid"),
         ({"grid": True}, "grid"),
-        ({"indices": []}, "indices"),
-        ({"indices": [1, 2, 3, 4, 5]}, "do not fit a 2x2 grid"),
-        ({"indices": [-1]}, "indices"),
-        ({"indices": [1.5]}, "indices"),
+        ({"images": []}, "images"),
+        ({"images": [[]]}, "images"),
+        ({"images": [[1]] * 65}, "images"),
+        ({"images": [[1, 2, 3, 4, 5]]}, "do not fit a 2x2 grid"),
+        ({"images": [[-1]]}, "images"),
+        ({"images": [[1.5]]}, "images"),
+        ({"images": [1, 2]}, "images"),
+        ({"fit_hw": [0, 10]}, "fit_hw"),
+        ({"priority": 2}, "priority"),
         ({"out_hw": [0, 10]}, "out_hw"),
         ({"out_hw": [1, 10]}, "smaller than the grid"),
         ({"out_hw": [10**6, 10]}, "out_hw"),
@@ -203,9 +229,7 @@ def test_rejects_missing_and_extra_buffers() -> None:
         ({"session": b""}, "session"),
         ({"session": b"s" * 65}, "session"),
         ({"session": "s" * 16}, "session"),
-        ({"control": {1: 2}}, "not valid msgpack|control"),
-        ({"control": {"a": {b"k": 1}}}, "control"),
-        ({"control": [1]}, "control"),
+        ({"control_seq": -1}, "control_seq"),
         ({"exclude": [-1]}, "exclude"),
         ({"exclude": "all"}, "exclude"),
     ],
@@ -220,7 +244,10 @@ def test_rejects_deeply_nested_and_oversized_control() -> None:
     for _ in range(50):
         nested = [nested]
     with pytest.raises(ProtocolError, match="nested deeper"):
-        decode(_with_header(MsgType.TASK, {**VALID[MsgType.TASK], "control": {"x": nested}}))
+        decode(_with_header(MsgType.CONTROL, {**VALID[MsgType.CONTROL], "control": {"x": nested}}))
+    for bad in ({1: 2}, {"a": {b"k": 1}}, [1]):
+        with pytest.raises(ProtocolError, match=r"not valid msgpack|control"):
+            decode(_with_header(MsgType.CONTROL, {**VALID[MsgType.CONTROL], "control": bad}))
     with pytest.raises(ProtocolError, match="bytes packed"):
         decode(
             _with_header(MsgType.CONTROL, {**VALID[MsgType.CONTROL], "control": {"x": "y" * 70000}})
@@ -306,4 +333,4 @@ def test_fuzz_mutated_real_messages(data: st.DataObject) -> None:
 
 def test_every_type_has_a_codec_and_an_example() -> None:
     assert set(MESSAGES) == set(MsgType) == set(VALID)
-    assert protocol.PROTOCOL_VERSION == 2
+    assert protocol.PROTOCOL_VERSION == 3

@@ -38,10 +38,12 @@ def colour(index: int) -> list[int]:
 
 
 def check_cell(
-    image: torch.Tensor, y0: int, x0: int, ch: int, cw: int, index: int
+    image: torch.Tensor, y0: int, x0: int, ch: int, cw: int, index: int, full: tuple[int, int]
 ) -> tuple[int, int]:
-    """The tile of ``index`` fills the top-left of its cell and nothing else of it."""
-    h, w = fit_size(*source_hw(index), ch, cw)
+    """The tile of ``index`` fills the top-left of its cell and nothing else of it. A source
+    is fitted to the image size ``full`` first (what a server's store keeps), then into its
+    cell."""
+    h, w = fit_size(*fit_size(*source_hw(index), *full), ch, cw)
     tile = image[:, y0 : y0 + h, x0 : x0 + w]
     assert (tile == torch.tensor(colour(index), dtype=torch.uint8)[:, None, None]).all(), index
     rest = image[:, y0 : y0 + ch, x0 : x0 + cw].clone()
@@ -69,7 +71,7 @@ def test_spatial_stitch_cells_and_boxes_match_indices(flat_server: Any, k: int, 
             assert target["labels"].tolist() == [i + 1 for i in idx]  # one box per tile, in order
             for t, index in enumerate(idx):
                 row, col = divmod(t, grid)
-                h, w = check_cell(image, row * ch, col * cw, ch, cw, index)
+                h, w = check_cell(image, row * ch, col * cw, ch, cw, index, (H, W))
                 box = target["boxes"][t].tolist()
                 # The middle half of the tile, offset into its cell (flip keeps it in place).
                 expected = [
@@ -100,7 +102,7 @@ def test_batch_layout_gives_k_times_more_images_at_cell_size(flat_server: Any) -
     assert first.images.shape == (12, 3, 64, 80)
     assert all(len(i) == 1 for i in first.indices)
     for image, target, (index,) in zip(first.images, first.targets, first.indices, strict=True):
-        h, w = check_cell(image, 0, 0, 64, 80, index)
+        h, w = check_cell(image, 0, 0, 64, 80, index, (128, 160))
         assert target["boxes"][0].tolist() == pytest.approx(
             [w / 4, h / 4, 3 * w / 4, 3 * h / 4], abs=1e-3
         )

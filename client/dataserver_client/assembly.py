@@ -89,7 +89,7 @@ class InflightBatch:
         self.plan = plan
         self.host = host
         self.array = host.numpy()  # a view: writes land in the (pinned) tensor
-        n = len(plan.tasks)
+        n = len(plan.images)
         self.boxes: list[np.ndarray | None] = [None] * n
         self.labels: list[np.ndarray | None] = [None] * n
         self.indices: list[list[int] | None] = [None] * n
@@ -105,20 +105,13 @@ class InflightBatch:
     def fill(
         self,
         slot: int,
-        image: np.ndarray,
         boxes: np.ndarray,
         labels: np.ndarray,
         indices: list[int],
         failed: list[int],
     ) -> None:
-        expected = self.array.shape[1:]
-        if image.shape != expected:
-            raise DataServerError(
-                f"server sent an image of shape {image.shape}, expected {expected}"
-            )
-        if boxes.ndim != 2 or boxes.shape[1] != 4 or labels.shape != (len(boxes),):
-            raise DataServerError(f"server sent boxes {boxes.shape} with labels {labels.shape}")
-        np.copyto(self.array[slot], image)
+        """Slot ``slot`` is answered: its pixels are already in place (received straight
+        into the buffer); these are its boxes, labels, indices and left-out samples."""
         self.boxes[slot] = np.array(boxes, dtype=np.float32)
         self.labels[slot] = np.array(labels, dtype=np.int64)
         self.indices[slot] = indices
@@ -150,7 +143,7 @@ class DeviceMover:
 
     def deliver(self, inflight: InflightBatch, epoch: int, buffers: HostBuffers) -> Delivery:
         plan = inflight.plan
-        keep = [s for s in range(len(plan.tasks)) if s not in inflight.dropped]
+        keep = [s for s in range(len(plan.images)) if s not in inflight.dropped]
         images = inflight.host
         if inflight.dropped:
             images = images[keep] if keep else images[:0]

@@ -19,11 +19,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
+from dataserver.protocol import MAX_TASK_IMAGES, Result
 from dataserver_client.assembly import Delivery, DeviceMover, HostBuffers, InflightBatch
 from dataserver_client.config import ClientConfig
-from dataserver_client.epoch import REGULAR, Cursor, TaskPlan, epoch_order, shard_of
+from dataserver_client.epoch import REGULAR, Cursor, epoch_order, shard_of, split_runs
 from dataserver_client.errors import DataServerError
 
 PROBE_HW = (8, 8)  # a probe composes one source into a tiny image: it only asks "does it kill?"
@@ -46,18 +45,25 @@ class Handoff:
 
 @dataclass(eq=False)
 class TaskRecord:
-    """A task the client wants answered: where its result goes, and which server has it."""
+    """A task the client wants answered: a run of images of one batch (their slots in it),
+    and which server has it."""
 
     task_id: int
     step: int
-    slot: int
+    slots: tuple[int, ...]  # the batch slots of its images, in order (-1: a probe's)
+    images: tuple[tuple[int, ...], ...]  # each image's source indices, in cell order
+    grid: int
+    out_hw: tuple[int, int]
     plan_version: int
-    task: TaskPlan
     link: Any = None  # the server it was last sent to (the engine's ServerLink), or None
     exclude: tuple[int, ...] = ()  # sources to leave out (found to kill workers)
     probe_of: TaskRecord | None = None  # a one-source probe run for this stitched task
     probes_left: int = 0
     poisoned: list[int] = field(default_factory=list)
+
+    @property
+    def indices(self) -> tuple[int, ...]:
+        return tuple(i for image in self.images for i in image)
 
 
 class PlanBook:
@@ -83,6 +89,7 @@ class PlanBook:
         self.pending: deque[TaskRecord] = deque()
         self.next_task_id = 1
         self.skipped_poison = 0
+        self.parallelism = 2  # worker slots over every ready server (the engine keeps it)
 
     # ------------------------------------------------------------ tasks
 
@@ -104,7 +111,7 @@ class PlanBook:
     def ask_again(self, recs: list[TaskRecord]) -> int:
         """Put still-wanted tasks at the head of the queue, in plan order; how many."""
         again = sorted(
-            (r for r in recs if self.tasks.get(r.task_id) is r), key=lambda r: (r.step, r.slot)
+            (r for r in recs if self.tasks.get(r.task_id) is r), key=lambda r: (r.step, r.slots[0])
         )
         for rec in reversed(again):
             rec.link = None
@@ -114,25 +121,34 @@ class PlanBook:
     def records(self, task_ids: list[int]) -> list[TaskRecord]:
         return [self.tasks[t] for t in task_ids if t in self.tasks]
 
-    def _new_task(self, step: int, slot: int, task: TaskPlan, **extra: Any) -> TaskRecord:
-        rec = TaskRecord(self.next_task_id, step, slot, self.plan_version, task, **extra)
+    def _new_task(
+        self,
+        step: int,
+        slots: tuple[int, ...],
+        images: tuple[tuple[int, ...], ...],
+        grid: int,
+        out_hw: tuple[int, int],
+        **extra: Any,
+    ) -> TaskRecord:
+        rec = TaskRecord(
+            self.next_task_id, step, slots, images, grid, out_hw, self.plan_version, **extra
+        )
         self.next_task_id += 1
         self.tasks[rec.task_id] = rec
         return rec
 
+    def tasks_per_batch(self, images: int) -> int:
+        """Tasks to cut a batch of ``images`` output images into: enough that every worker
+        of every server has its pipeline full with ``prefetch`` batches in flight, and no
+        more (each task costs a message each way and some Python on every side)."""
+        want = -(-self.parallelism // self.config.prefetch)
+        return max(1, min(images, max(want, -(-images // MAX_TASK_IMAGES))))
+
     # ------------------------------------------------------------ answers
 
-    def on_result(
-        self,
-        rec: TaskRecord,
-        image: np.ndarray,
-        boxes: np.ndarray,
-        labels: np.ndarray,
-        indices: list[int],
-        failed: list[int],
-    ) -> None:
-        """A wanted task's RESULT; raises ``DataServerError`` (the batch fails) when its
-        contents do not fit what was asked."""
+    def on_result(self, rec: TaskRecord, result: Result) -> None:
+        """A wanted task's RESULT (checked by the engine: one image per slot, the indices
+        asked); its pixels are already in the batch buffer."""
         del self.tasks[rec.task_id]
         if rec.probe_of is not None:
             self._probe_done(rec, bad=False)
@@ -140,17 +156,55 @@ class PlanBook:
         batch = self.inflight.get(rec.step)
         if batch is None:
             return
-        try:
-            batch.fill(rec.slot, image, boxes, labels, indices, failed)
-        except DataServerError as exc:
-            self.fail_batch(batch, exc)
-            return
+        assert result.boxes is not None and result.labels is not None
+        start = 0
+        for slot, kept, count in zip(rec.slots, result.images, result.box_counts, strict=True):
+            stop = start + count
+            if kept:
+                batch.fill(
+                    slot, result.boxes[start:stop], result.labels[start:stop], list(kept), []
+                )
+            else:  # every source of this image failed (on_error="skip")
+                batch.drop(slot, [])
+            start = stop
+        batch.skipped.extend(i for i, _ in result.failed)
         self._maybe_finish(batch)
 
-    def on_failure(self, rec: TaskRecord, kind: str, error: DataServerError) -> None:
-        """A wanted task's ERROR (a bad sample, a poison sample, a refused request)."""
+    def on_failure(
+        self, rec: TaskRecord, kind: str, error: DataServerError, image: int | None = None
+    ) -> None:
+        """A wanted task's ERROR (a bad sample, a poison sample, a refused request).
+        ``image``: for poison, which of the task's images was being composed."""
         skip = self.config.on_error == "skip"
-        if skip and kind == "poison" and rec.probe_of is None and len(rec.task.indices) > 1:
+        if kind == "poison" and rec.probe_of is None and len(rec.images) > 1:
+            # One image of the run kills workers: the rest of the run is asked again, the
+            # blame (or the skip) falls on that image alone. Without its number, every
+            # image is run on its own.
+            del self.tasks[rec.task_id]
+            pairs = list(zip(rec.slots, rec.images, strict=True))
+            if image is None or not 0 <= image < len(pairs):
+                for slot, one in reversed(pairs):
+                    single = self._new_task(rec.step, (slot,), (one,), rec.grid, rec.out_hw)
+                    single.plan_version = rec.plan_version
+                    self.pending.appendleft(single)
+                return
+            rest = pairs[:image] + pairs[image + 1 :]
+            if rest:
+                again = self._new_task(
+                    rec.step,
+                    tuple(slot for slot, _ in rest),
+                    tuple(one for _, one in rest),
+                    rec.grid,
+                    rec.out_hw,
+                )
+                again.plan_version = rec.plan_version
+                self.pending.appendleft(again)
+            slot, one = pairs[image]
+            bad = self._new_task(rec.step, (slot,), (one,), rec.grid, rec.out_hw)
+            bad.plan_version = rec.plan_version
+            self.on_failure(bad, kind, error)
+            return
+        if skip and kind == "poison" and rec.probe_of is None and len(rec.indices) > 1:
             self._probe(rec)  # still wanted: composed again once the probes say how
             return
         del self.tasks[rec.task_id]
@@ -161,7 +215,8 @@ class PlanBook:
         if batch is None:
             return
         if skip and kind in ("sample", "poison"):
-            batch.drop(rec.slot, list(rec.task.indices))
+            for slot, indices in zip(rec.slots, rec.images, strict=True):
+                batch.drop(slot, list(indices))
             self._maybe_finish(batch)
             return
         self.fail_batch(batch, error)
@@ -170,10 +225,10 @@ class PlanBook:
         """A stitched task killed two workers and on_error is "skip": find which of its
         sources does it, one small probe task each, then compose it without them, so only
         the bad samples are left out (not their k - 1 neighbours)."""
-        rec.probes_left = len(rec.task.indices)
+        rec.probes_left = len(rec.indices)
         rec.poisoned.clear()
-        for index in rec.task.indices:
-            probe = self._new_task(rec.step, -1, TaskPlan((index,), 1, PROBE_HW), probe_of=rec)
+        for index in rec.indices:
+            probe = self._new_task(rec.step, (-1,), ((index,),), 1, PROBE_HW, probe_of=rec)
             probe.plan_version = rec.plan_version
             self.pending.appendleft(probe)
 
@@ -182,7 +237,7 @@ class PlanBook:
         if parent is None:
             return
         if bad:
-            parent.poisoned.extend(probe.task.indices)
+            parent.poisoned.extend(probe.indices)
         parent.probes_left -= 1
         if parent.probes_left > 0 or self.tasks.get(parent.task_id) is not parent:
             return
@@ -197,7 +252,8 @@ class PlanBook:
         self.skipped_poison += 1
         batch = self.inflight.get(parent.step)
         if batch is not None:
-            batch.drop(parent.slot, list(parent.task.indices))
+            for slot, indices in zip(parent.slots, parent.images, strict=True):
+                batch.drop(slot, list(indices))
             self._maybe_finish(batch)
 
     # ------------------------------------------------------------ batches
@@ -247,10 +303,18 @@ class PlanBook:
                     self.handoff.cond.notify_all()
                 return
             self.plan_starts[plan.step] = plan.start
-            host = self.buffers.take((len(plan.tasks), 3, *plan.out_hw))
+            host = self.buffers.take((len(plan.images), 3, *plan.out_hw))
             self.inflight[plan.step] = InflightBatch(plan, host)
-            for slot, task in enumerate(plan.tasks):
-                self.pending.append(self._new_task(plan.step, slot, task))
+            images = plan.images
+            for run in split_runs(len(images), self.tasks_per_batch(len(images))):
+                rec = self._new_task(
+                    plan.step,
+                    tuple(run),
+                    tuple(images[j].indices for j in run),
+                    images[0].grid,
+                    plan.out_hw,
+                )
+                self.pending.append(rec)
 
     # ------------------------------------------------------------ commands
 

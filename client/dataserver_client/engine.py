@@ -28,6 +28,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
+import numpy as np
 import zmq
 
 from dataserver.loop import MessageGuard, inject, is_shutdown
@@ -36,11 +37,11 @@ from dataserver.protocol import (
     Control,
     ErrorMsg,
     Heartbeat,
+    Message,
     ProtocolError,
     Result,
     Task,
     Welcome,
-    decode,
 )
 from dataserver.security import session_id
 from dataserver_client.assembly import DeviceMover, HostBuffers
@@ -55,10 +56,12 @@ from dataserver_client.links import (
     ServerLink,
     announced_address,
 )
+from dataserver_client.receive import receive
 
 log = logging.getLogger("dataserver_client")
 
 POLL_MS = 50
+PIPELINE = 2  # tasks each worker holds at once (the server's own setting)
 TICK_S = 0.02  # liveness timers, not per message: 20 ms is plenty
 DRAIN = 256
 
@@ -280,27 +283,42 @@ class Engine(threading.Thread):
                 fut.set_exception(exc)
 
     def _drain(self, link: ServerLink, sock: zmq.Socket[Any], direct: bool) -> None:
+        site = "client.results" if direct else "client.data"
         for _ in range(DRAIN):
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                msg = receive(sock, self._destinations)
             except zmq.Again:
                 return
+            except ProtocolError as exc:
+                link.last_heard = time.monotonic()
+                self.rejected["malformed"] += 1
+                # The first few are worth a warning; a flood is counted (client.stats()).
+                level = logging.WARNING if self.rejected["malformed"] <= 5 else logging.DEBUG
+                log.log(level, "dropped a bad message from %s: %s", link.address, exc)
+                continue
             link.last_heard = time.monotonic()
-            self.guard.run(
-                "client.results" if direct else "client.data", self._on_frames, link, frames, direct
-            )
+            self.guard.run(site, self._on_message, link, msg, direct)
+
+    def _destinations(self, result: Result) -> list[np.ndarray] | None:
+        """Where the images of ``result`` go: its task's slots of the batch buffer (or a
+        probe's scratch), if the task is still wanted; None otherwise."""
+        if result.session != self.session:
+            return None
+        rec = self.book.wanted(result.task_id, result.plan_version)
+        if rec is None:
+            return None
+        if len(result.images) != len(rec.slots):
+            raise ProtocolError(f"{len(result.images)} images for a task of {len(rec.slots)}")
+        if rec.probe_of is not None:
+            return [np.empty((3, *rec.out_hw), np.uint8)]
+        batch = self.book.inflight.get(rec.step)
+        if batch is None:
+            return None
+        return [batch.array[slot] for slot in rec.slots]
 
     # ------------------------------------------------------------ messages
 
-    def _on_frames(self, link: ServerLink, frames: list[Any], direct: bool) -> None:
-        try:
-            msg = decode(frames)
-        except ProtocolError as exc:
-            self.rejected["malformed"] += 1
-            # The first few are worth a warning; a flood is counted (client.stats()).
-            level = logging.WARNING if self.rejected["malformed"] <= 5 else logging.DEBUG
-            log.log(level, "dropped a bad message from %s: %s", link.address, exc)
-            return
+    def _on_message(self, link: ServerLink, msg: Message, direct: bool) -> None:
         if direct and not isinstance(msg, Result):
             self.rejected["unexpected_type"] += 1  # workers send nothing else
             return
@@ -336,28 +354,25 @@ class Engine(threading.Thread):
             self.counters["late"] += 1  # superseded plan, or a second answer after asking again
             return
         self.last_progress = time.monotonic()
-        assert msg.image is not None and msg.boxes is not None and msg.labels is not None
-        failed = [i for i, _ in msg.failed]
-        kept = [i for i in rec.task.indices if i not in failed]
+        failed = {i for i, _ in msg.failed}
+        wanted = [tuple(i for i in image if i not in failed) for image in rec.images]
         if (
-            msg.image.shape[1:] != rec.task.out_hw
-            or list(msg.indices) != kept
-            or not set(failed) <= set(rec.task.indices)
+            len(msg.pixels) != len(rec.slots)
+            or list(msg.images) != wanted
+            or not failed <= set(rec.indices)
         ):
             self.rejected["wrong_answer"] += 1
             log.warning(
-                "%s answered task %d with %s of indices %s, not the %s of %s asked; asking again",
+                "%s answered task %d with images %s, not the %s asked; asking again",
                 link.address,
                 msg.task_id,
-                tuple(msg.image.shape[1:]),
-                list(msg.indices),
-                rec.task.out_hw,
-                list(rec.task.indices),
+                [list(i) for i in msg.images],
+                [list(i) for i in wanted],
             )
             self._ask_again([rec])
             return
         self.counters["results"] += 1
-        self.book.on_result(rec, msg.image, msg.boxes, msg.labels, kept, failed)
+        self.book.on_result(rec, msg)
 
     def _on_error(self, link: ServerLink, msg: ErrorMsg) -> None:
         if msg.task_id is None:
@@ -380,6 +395,10 @@ class Engine(threading.Thread):
                 self.counters[f"asked_again_{msg.kind}"] += 1
                 self._ask_again([rec])
             return
+        if msg.kind == "control_missing":  # it never had our control values: send them
+            self._send_control(link)
+            self._ask_again([rec])
+            return
         if msg.kind == "unknown_session":  # the server restarted or forgot us: handshake again
             self._ask_again([rec])
             if link.state is LinkState.READY:
@@ -393,7 +412,7 @@ class Engine(threading.Thread):
             msg.index,
             msg.file,
         )
-        self.book.on_failure(rec, msg.kind, error)
+        self.book.on_failure(rec, msg.kind, error, msg.image)
 
     def _on_cancelled(self, link: ServerLink, msg: Cancelled) -> None:
         for tid in msg.task_ids:
@@ -415,6 +434,9 @@ class Engine(threading.Thread):
                 return
         was_lost = link.was_lost
         restarted = link.welcome(msg)
+        if self.book.control_seq or self.book.plan_version:
+            self._send_control(link)  # a server met anew learns the session's values first
+        self._count_workers()
         endpoint = announced_address(link.address, msg.control)
         if endpoint not in self._control_endpoints:
             self._control_endpoints.add(endpoint)
@@ -436,6 +458,7 @@ class Engine(threading.Thread):
             if event.kind is EventKind.NOT_AUTHORIZED:
                 self._fail(NotAuthorized(event.why))
             elif event.kind is EventKind.LOST:
+                self._count_workers()
                 if self.links is not None and self.links.any_ready():
                     self._move_tasks(event.link)
             elif event.kind is EventKind.RESULTS_BROKEN:
@@ -450,6 +473,13 @@ class Engine(threading.Thread):
                         event.why,
                         n,
                     )
+
+    def _count_workers(self) -> None:
+        """How many tasks the ready servers can work on at once (the book cuts batches
+        into enough tasks to keep them all busy)."""
+        if self.links is not None:
+            workers = sum(lk.workers for lk in self.links if lk.state is LinkState.READY)
+            self.book.parallelism = max(1, workers) * PIPELINE
 
     def _move_tasks(self, link: ServerLink) -> int:
         recs = self.book.records(link.take_outstanding())
@@ -549,12 +579,12 @@ class Engine(threading.Thread):
                 plan_version=rec.plan_version,
                 epoch=book.epoch,
                 seed=self.config.seed,
-                indices=rec.task.indices,
-                grid=rec.task.grid,
-                out_hw=rec.task.out_hw,
+                images=rec.images,
+                grid=rec.grid,
+                out_hw=rec.out_hw,
+                fit_hw=self.config.image_size,
                 on_error=self.config.on_error,
                 control_seq=book.control_seq,
-                control=book.control,
                 exclude=rec.exclude,
             )
             if not link.send(task.encode()):
@@ -574,15 +604,30 @@ class Engine(threading.Thread):
 
     def steer(self, mode: str, control: dict[str, Any] | None) -> int:
         version = self.book.steer(mode, control)
-        msg = Control(
+        self._send_control(None)
+        return version
+
+    def _control_msg(self) -> Control:
+        return Control(
             session=self.session,
-            plan_version=version,
+            plan_version=self.book.plan_version,
             control_seq=self.book.control_seq,
             control=self.book.control,
-            mode=mode,
+            mode=self.book.mode,
         )
-        self.pub.send_multipart(msg.encode())
-        return version
+
+    def _send_control(self, link: ServerLink | None) -> None:
+        """The session's control values and plan to one server (``link``), or to every
+        server: on its data socket (reliable, and ahead of any task that needs them) and
+        published on the control socket."""
+        frames = self._control_msg().encode()
+        if link is not None:
+            link.send(frames)
+            return
+        self.pub.send_multipart(frames)
+        for each in self.links or ():
+            if each.state is LinkState.READY:
+                each.send(frames)
 
     def snapshot(self) -> dict[str, Any]:
         return self.book.snapshot()

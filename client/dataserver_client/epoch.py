@@ -73,8 +73,8 @@ class Layout:
 
 
 @dataclass(frozen=True)
-class TaskPlan:
-    """One output image: the source indices (cell order), grid side and output size."""
+class ImagePlan:
+    """One output image: its source indices (cell order), grid side and size."""
 
     indices: tuple[int, ...]
     grid: int
@@ -90,24 +90,37 @@ class BatchPlan:
     mode: str
     start: int
     stop: int
-    tasks: tuple[TaskPlan, ...]
+    images: tuple[ImagePlan, ...]
     out_hw: tuple[int, int]
 
 
-def cut_tasks(
+def split_runs(n: int, parts: int) -> list[range]:
+    """``range(n)`` cut into ``parts`` contiguous runs as even as can be (larger first)."""
+    parts = max(1, min(parts, n))
+    base, extra = divmod(n, parts)
+    out, start = [], 0
+    for p in range(parts):
+        size = base + (p < extra)
+        out.append(range(start, start + size))
+        start += size
+    return out
+
+
+def cut_images(
     indices: np.ndarray, layout: Layout, mode: str
-) -> tuple[tuple[TaskPlan, ...], tuple[int, int]]:
-    """The tasks that compose ``indices`` into one batch in ``mode``, and the image size."""
+) -> tuple[tuple[ImagePlan, ...], tuple[int, int]]:
+    """The output images that compose ``indices`` into one batch in ``mode``, and their
+    size."""
     h, w = layout.image_size
     if mode == REGULAR:
-        return tuple(TaskPlan((int(i),), 1, (h, w)) for i in indices), (h, w)
+        return tuple(ImagePlan((int(i),), 1, (h, w)) for i in indices), (h, w)
     g = layout.grid
     if layout.stitch_layout == "batch":
         small = (h // g, w // g)
-        return tuple(TaskPlan((int(i),), 1, small) for i in indices), small
+        return tuple(ImagePlan((int(i),), 1, small) for i in indices), small
     k = layout.stitch_k
     groups = [tuple(int(i) for i in indices[j : j + k]) for j in range(0, len(indices), k)]
-    return tuple(TaskPlan(grp, g, (h, w)) for grp in groups), (h, w)
+    return tuple(ImagePlan(grp, g, (h, w)) for grp in groups), (h, w)
 
 
 class Cursor:
@@ -133,8 +146,8 @@ class Cursor:
             return None
         take = min(want, left)
         start, stop = self.position, self.position + take
-        tasks, out_hw = cut_tasks(self.shard[start:stop], self.layout, self.mode)
-        plan = BatchPlan(self.step, self.plan_version, self.mode, start, stop, tasks, out_hw)
+        images, out_hw = cut_images(self.shard[start:stop], self.layout, self.mode)
+        plan = BatchPlan(self.step, self.plan_version, self.mode, start, stop, images, out_hw)
         self.position, self.step = stop, self.step + 1
         return plan
 

@@ -159,6 +159,7 @@ class ServerLink:
         self.welcome_msg: Welcome | None = None
         self.server_id = ""
         self.credit = 0
+        self.workers = 0
         self.outstanding: dict[int, float] = {}  # task_id -> when sent
         now = time.monotonic()
         self.last_heard = now
@@ -225,6 +226,7 @@ class ServerLink:
         self.welcome_msg = msg
         self.server_id = msg.server_id
         self.credit = max(1, msg.credit)
+        self.workers = msg.workers
         self.state = LinkState.READY
         self.connected = True  # a WELCOME came over a live connection
         self.was_lost = False

@@ -1,9 +1,12 @@
 """The anchors ``dataserver bench`` measures against, built from the same image code.
 
-``PipelineDataset`` is what a user would write for ``torch.utils.data.DataLoader``: read,
-flip, letterbox (``dataserver.data.pipeline``), one sample per item, collated into the
-same uint8 (N, 3, H, W) tensor and torchvision-style targets. Workers run OpenCV with one
-thread, as dataserver's workers do, so both sides do identical work per image.
+``PipelineDataset`` is what a careful user writes for ``torch.utils.data.DataLoader``:
+each item read, fitted, flipped and placed with OpenCV on one thread straight into a zero
+(3, H, W) uint8 canvas (``dataserver.data.pipeline``: no whole-image transpose), returned
+as a tensor; workers started with spawn and kept across epochs; batches collated by
+``torch.stack`` into shared memory in the worker (as DataLoader's default collate does), so
+the images reach the trainer without being pickled. Targets travel as small numpy arrays
+and become tensors in the trainer. Both sides of a comparison do identical work per image.
 """
 
 from __future__ import annotations
@@ -14,59 +17,76 @@ from typing import Any
 import cv2
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, get_worker_info
 
-from dataserver.data.pipeline import Output, build_output, prepare
+from dataserver.data.pipeline import compose_one
 from dataserver.data.spec import build_dataset, parse_spec
 
+Item = tuple[torch.Tensor, np.ndarray, np.ndarray]
 
-class PipelineDataset(Dataset[Output]):
+
+class PipelineDataset(Dataset[Item]):
     """A map-style Dataset doing dataserver's regular-mode work for one sample."""
 
     def __init__(
-        self, spec: str, image_size: tuple[int, int], seed: int = 0, epoch: int = 0
+        self,
+        spec: str,
+        image_size: tuple[int, int],
+        seed: int = 0,
+        epoch: int = 0,
+        spec_args: str | None = None,
     ) -> None:
         self.spec = spec
+        self.spec_args = spec_args
         self.image_size = image_size
         self.seed = seed
         self.epoch = epoch
         self._dataset: Any = None
-        self._len = len(build_dataset(parse_spec(spec)))
+        self._len = len(build_dataset(parse_spec(spec, spec_args)))
 
     def __len__(self) -> int:
         return self._len
 
     def _ds(self) -> Any:
         if self._dataset is None:
-            self._dataset = build_dataset(parse_spec(self.spec))
+            self._dataset = build_dataset(parse_spec(self.spec, self.spec_args))
         return self._dataset
 
-    def __getitem__(self, index: int) -> Output:
-        ds = self._ds()
-        return build_output(
-            lambda i: prepare(ds, i, self.seed, self.epoch), [index], 1, self.image_size, False
-        )
+    def __getitem__(self, index: int) -> Item:
+        size = self.image_size
+        canvas, out = compose_one(self._ds(), [index], 1, size, size, self.seed, self.epoch)
+        return torch.from_numpy(canvas), out.boxes, out.labels
 
 
-def collate(outputs: list[Output]) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]]]:
-    images = torch.from_numpy(np.stack([o.image for o in outputs]))
-    targets = [
-        {"boxes": torch.from_numpy(o.boxes), "labels": torch.from_numpy(o.labels)} for o in outputs
-    ]
-    return images, targets
+def collate(items: list[Item]) -> tuple[torch.Tensor, list[tuple[np.ndarray, np.ndarray]]]:
+    """``torch.stack`` of the images, into shared memory when in a worker (what
+    DataLoader's default collate does, sparing the copy into shared memory on the way out)."""
+    images = [item[0] for item in items]
+    out = None
+    if get_worker_info() is not None:
+        numel = sum(x.numel() for x in images)
+        storage = images[0].untyped_storage()._new_shared(numel)
+        out = images[0].new(storage).resize_(len(images), *images[0].shape)
+    return torch.stack(images, 0, out=out), [(item[1], item[2]) for item in items]
 
 
 def _one_thread(_: int) -> None:
     cv2.setNumThreads(1)
+    torch.set_num_threads(1)
 
 
 def make_dataloader(
-    spec: str, image_size: tuple[int, int], batch_size: int, workers: int, seed: int = 0
+    spec: str,
+    image_size: tuple[int, int],
+    batch_size: int,
+    workers: int,
+    spec_args: str | None = None,
+    seed: int = 0,
 ) -> DataLoader[Any]:
     generator = torch.Generator()
     generator.manual_seed(seed)
     return DataLoader(
-        PipelineDataset(spec, image_size, seed),
+        PipelineDataset(spec, image_size, seed, spec_args=spec_args),
         batch_size=batch_size,
         shuffle=True,
         num_workers=workers,
@@ -81,18 +101,24 @@ def make_dataloader(
     )
 
 
-def single_process_rate(spec: str, image_size: tuple[int, int], seconds: float = 3.0) -> float:
-    """Images/s of the decode+augment+letterbox pipeline in this one process, one thread."""
+def targets_of(pairs: list[tuple[np.ndarray, np.ndarray]]) -> list[dict[str, torch.Tensor]]:
+    """The torchvision-style targets, made in the trainer from the workers' arrays."""
+    return [{"boxes": torch.from_numpy(b), "labels": torch.from_numpy(lb)} for b, lb in pairs]
+
+
+def single_process_rate(
+    spec: str, image_size: tuple[int, int], spec_args: str | None = None, seconds: float = 3.0
+) -> float:
+    """Images/s of the read+fit+flip+place pipeline in this one process, one thread."""
     previous = cv2.getNumThreads()
     cv2.setNumThreads(1)
     try:
-        ds = build_dataset(parse_spec(spec))
+        ds = build_dataset(parse_spec(spec, spec_args))
         n = len(ds)
         done = 0
         start = time.perf_counter()
         while time.perf_counter() - start < seconds:
-            i = done % n
-            build_output(lambda j: prepare(ds, j, 0, 0), [i], 1, image_size, False)
+            compose_one(ds, [done % n], 1, image_size, image_size, 0, 0)
             done += 1
         return done / (time.perf_counter() - start)
     finally:

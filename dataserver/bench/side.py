@@ -2,10 +2,11 @@
 interpreter state (threads, OpenCV pools, allocators) with the other.
 
     python -m dataserver.bench.side dataloader --spec coco:... --workers 2 --batches 30
-    python -m dataserver.bench.side dataserver --address tcp://... --batches 30
+    python -m dataserver.bench.side dataserver --address tcp://... --server-pids 1,2,3
     python -m dataserver.bench.side single --spec coco:...    (one process, one thread)
 
-Prints one JSON line: {"images_per_s": ...}.
+Prints one JSON line: images/s, and the CPU seconds each process spent in the timed window
+(this process; the server's front and workers, or the DataLoader's workers).
 """
 
 from __future__ import annotations
@@ -18,41 +19,82 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from dataserver.bench.cpu import CpuWindow, cpu_seconds
+
 WARMUP = 3
 
 
-def timed_rate(batches: Iterator[int], count: int) -> float:
-    """Images/s over ``count`` batches after ``WARMUP`` untimed ones."""
-    for _ in range(WARMUP):
+def timed(
+    batches: Iterator[int], count: int, others: list[int], warmup: int = WARMUP
+) -> dict[str, Any]:
+    """Images/s over ``count`` batches after ``warmup`` untimed ones, with the CPU seconds
+    this process and ``others`` spent meanwhile."""
+    for _ in range(warmup):
         next(batches)
+    window = CpuWindow([os.getpid(), *others])
+    window.start()
     start = time.perf_counter()
     images = sum(next(batches) for _ in range(count))
-    return images / (time.perf_counter() - start)
+    elapsed = time.perf_counter() - start
+    spent = window.stop()
+    return {
+        "images_per_s": images / elapsed,
+        "images": images,
+        "seconds": elapsed,
+        "cpu_self_s": spent[0],
+        "cpu_others_s": spent[1:],
+    }
 
 
 def endless_loader(loader: Any) -> Iterator[int]:
+    from dataserver.bench.baselines import targets_of
+
     while True:
-        for images, _ in loader:
+        for images, pairs in loader:
+            targets_of(pairs)  # what the trainer would use, as the client hands it over
             yield len(images)
 
 
-def dataloader_side(args: argparse.Namespace) -> float:
+def dataloader_side(args: argparse.Namespace) -> dict[str, Any]:
     from dataserver.bench.baselines import make_dataloader
 
     size = (args.image_size, args.image_size)
-    loader = make_dataloader(args.spec, size, args.batch_size, args.workers)
-    return timed_rate(endless_loader(loader), args.batches)
+    loader = make_dataloader(args.spec, size, args.batch_size, args.workers, args.spec_args)
+    batches = endless_loader(loader)
+    next(batches)  # the workers exist from here on
+    pids = [w.pid for w in loader._iterator._workers]  # type: ignore[union-attr]
+    return timed(batches, args.batches, pids)
 
 
-def dataserver_side(args: argparse.Namespace) -> float:
-    from dataserver_client import DataServerClient, iterate_epochs
+def _client(args: argparse.Namespace) -> Any:
+    from dataserver_client import DataServerClient
 
-    size = (args.image_size, args.image_size)
     extra = json.loads(args.client_args)
-    with DataServerClient(
+    size = (args.image_size, args.image_size)
+    return DataServerClient(
         args.address.split(","), batch_size=args.batch_size, image_size=size, device="cpu", **extra
-    ) as client:
-        return timed_rate((len(b) for b in iterate_epochs(client)), args.batches)
+    )
+
+
+def _server_pids(args: argparse.Namespace) -> list[int]:
+    return [int(p) for p in args.server_pids.split(",") if p]
+
+
+def dataserver_side(args: argparse.Namespace) -> dict[str, Any]:
+    from dataserver_client import iterate_epochs
+
+    with _client(args) as client:
+        if args.warm_epochs:  # epochs untimed first (to fill the server's store)
+            for epoch in range(args.warm_epochs):
+                client.set_epoch(epoch)
+                for _ in client:
+                    pass
+        batches = (len(b) for b in iterate_epochs(client, args.warm_epochs))
+        out = timed(batches, args.batches, _server_pids(args))
+        out["client_stats"] = {
+            k: v for k, v in client.stats().items() if isinstance(v, (int, float))
+        }
+        return out
 
 
 def feedback_side(args: argparse.Namespace) -> dict[str, float]:
@@ -60,13 +102,10 @@ def feedback_side(args: argparse.Namespace) -> dict[str, float]:
     Stitcher's feedback does; flip_rate 0 keeps ``--mode`` throughout."""
     import random
 
-    from dataserver_client import DataServerClient, iterate_epochs
+    from dataserver_client import iterate_epochs
 
     rng = random.Random(args.seed)
-    size = (args.image_size, args.image_size)
-    with DataServerClient(
-        args.address, batch_size=args.batch_size, image_size=size, device="cpu"
-    ) as client:
+    with _client(args) as client:
         client.set_mode(args.mode)
         mode = args.mode
         batches = iterate_epochs(client)
@@ -104,13 +143,8 @@ def feedback_side(args: argparse.Namespace) -> dict[str, float]:
 
 def first_batch_side(args: argparse.Namespace) -> dict[str, float]:
     """Milliseconds from constructing a client (handshake included) to its first batch."""
-    from dataserver_client import DataServerClient
-
-    size = (args.image_size, args.image_size)
     start = time.perf_counter()
-    with DataServerClient(
-        args.address, batch_size=args.batch_size, image_size=size, device="cpu"
-    ) as client:
+    with _client(args) as client:
         connected = time.perf_counter()
         client.set_epoch(0)
         next(iter(client))
@@ -130,7 +164,7 @@ while True:
 """
 
 
-def rawzmq_side(args: argparse.Namespace) -> float:
+def rawzmq_side(args: argparse.Namespace) -> dict[str, Any]:
     """Bytes/s that ``workers`` processes pushing image-sized frames as fast as they can
     deliver to one PULL over TCP loopback: the transport's own ceiling."""
     import subprocess
@@ -147,13 +181,14 @@ def rawzmq_side(args: argparse.Namespace) -> float:
         for _ in range(args.workers)
     ]
     try:
-        count = args.batches * args.batch_size
-        for _ in range(WARMUP * args.batch_size):
-            pull.recv(copy=False)
-        start = time.perf_counter()
-        for _ in range(count):
-            pull.recv(copy=False)
-        return count * nbytes / (time.perf_counter() - start)
+
+        def frames() -> Iterator[int]:
+            while True:
+                for _ in range(args.batch_size):
+                    pull.recv(copy=False)
+                yield args.batch_size
+
+        return timed(frames(), args.batches, [p.pid for p in senders])
     finally:
         for p in senders:
             p.kill()
@@ -162,42 +197,42 @@ def rawzmq_side(args: argparse.Namespace) -> float:
         ctx.term()
 
 
-def single_side(args: argparse.Namespace) -> float:
+def single_side(args: argparse.Namespace) -> dict[str, Any]:
     from dataserver.bench.baselines import single_process_rate
 
-    return single_process_rate(args.spec, (args.image_size, args.image_size))
+    start = cpu_seconds(os.getpid())
+    rate = single_process_rate(args.spec, (args.image_size, args.image_size), args.spec_args)
+    return {"images_per_s": rate, "cpu_self_s": cpu_seconds(os.getpid()) - start}
+
+
+SIDES = {
+    "dataloader": dataloader_side,
+    "dataserver": dataserver_side,
+    "single": single_side,
+    "rawzmq": rawzmq_side,
+    "feedback": feedback_side,
+    "first_batch": first_batch_side,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument(
-        "side",
-        choices=["dataloader", "dataserver", "single", "feedback", "first_batch", "rawzmq"],
-    )
+    parser.add_argument("side", choices=sorted(SIDES))
     parser.add_argument("--spec", default="")
+    parser.add_argument("--spec-args", default=None)
     parser.add_argument("--address", default="")
+    parser.add_argument("--server-pids", default="")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--image-size", type=int, default=512)
     parser.add_argument("--batches", type=int, default=30)
+    parser.add_argument("--warm-epochs", type=int, default=0)
     parser.add_argument("--client-args", default="{}")
     parser.add_argument("--flip-rate", type=float, default=0.0)
     parser.add_argument("--mode", default="regular")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    if args.side in ("feedback", "first_batch"):
-        side = feedback_side if args.side == "feedback" else first_batch_side
-        print(json.dumps(side(args)), flush=True)
-        os._exit(0)
-    sides = {
-        "dataloader": dataloader_side,
-        "dataserver": dataserver_side,
-        "single": single_side,
-        "rawzmq": rawzmq_side,
-    }
-    rate = sides[args.side](args)
-    print(json.dumps({"images_per_s": rate}), flush=True)
-    sys.stdout.flush()
+    print(json.dumps(SIDES[args.side](args)), flush=True)
     os._exit(0)  # skip interpreter teardown: worker pools are not what is measured
 
 

@@ -1,7 +1,19 @@
-"""From a task's parameters to one output image: read, augment, compose.
+"""From a task's parameters to output images: read, fit, flip, compose. Pure functions.
 
-Used by server workers and, unchanged, by the DataLoader baseline in ``dataserver bench``,
-so both sides of every comparison run the same image code.
+The steps, and why they are split where they are:
+
+1. ``read``: the dataset's sample, checked (``SampleError`` names the index).
+2. ``fit``: resized to fit the client's image size, keeping its aspect ratio, stored as
+   CHW planes (``Source``). This is the expensive, mode-independent part, and what a
+   server's store keeps: the same fitted source serves a regular image, a cell of a
+   stitched one, every epoch and every job asking for that size.
+3. ``flips``: the augmentation, a function of (seed, epoch, index) only.
+4. ``compose_into``: each source placed at the top-left of its cell (fitted into the cell
+   when the cell is smaller), mirrored when its flip says so, written plane by plane
+   straight into the output canvas (the wire layout; no whole-image transpose).
+
+Used unchanged by the server's workers and by the DataLoader baseline of ``dataserver
+bench``, so both sides of every comparison run the same image code, and by the tests.
 """
 
 from __future__ import annotations
@@ -10,67 +22,180 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import cv2
 import numpy as np
 
 from dataserver.data.sample import Sample, SampleError, as_sample
-from dataserver.data.stitch import compose
-from dataserver.data.transforms import augment, augment_rng
+from dataserver.data.transforms import fit_size, keep_valid
+
+_MASK = (1 << 64) - 1
 
 
 @dataclass(slots=True)
-class Output:
-    """One composed output image (CHW uint8), its boxes and labels, the indices it holds
-    (in cell order) and the failures left out under on_error="skip" as (index, message)."""
+class Source:
+    """A source fitted to an image size: ``image`` uint8 (3, h, w); ``boxes`` float32
+    (M, 4) xyxy in its pixels; ``labels`` int64 (M,)."""
 
     image: np.ndarray
     boxes: np.ndarray
     labels: np.ndarray
-    indices: list[int]
-    failed: list[tuple[int, str]]
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.image.nbytes + self.boxes.nbytes + self.labels.nbytes)
 
 
-def prepare(dataset: Any, index: int, seed: int, epoch: int) -> Sample:
-    """Read sample ``index`` and apply the mode-independent augmentation.
-
-    Raises ``SampleError`` naming the index (and file, when the dataset names one).
-    """
+def read(dataset: Any, index: int) -> Sample:
+    """Sample ``index`` of ``dataset``, checked; ``SampleError`` names the index (and file,
+    when the dataset names one)."""
     try:
         raw = dataset[index]
     except SampleError:
         raise
     except Exception as exc:
         raise SampleError(index, f"{type(exc).__name__}: {exc}") from None
-    return augment(as_sample(index, raw), augment_rng(seed, epoch, index))
+    return as_sample(index, raw)
 
 
-def build_output(
-    get_source: Callable[[int], Sample],
+def fit(sample: Sample, fit_hw: Sequence[int]) -> Source:
+    """``sample`` resized to fit (H, W) keeping its aspect ratio, as CHW planes; boxes
+    scaled by the exact per-axis factors, clipped, degenerate ones dropped."""
+    height, width = sample.image.shape[:2]
+    new_h, new_w = fit_size(height, width, int(fit_hw[0]), int(fit_hw[1]))
+    image = sample.image
+    if (new_h, new_w) != (height, width):
+        image = cv2.resize(image, (new_w, new_h), interpolation=cv2.INTER_LINEAR)
+    planes = np.empty((3, new_h, new_w), dtype=np.uint8)
+    cv2.split(image, [planes[0], planes[1], planes[2]])
+    boxes, labels = _scaled(
+        sample.boxes, sample.labels, new_w / width, new_h / height, new_h, new_w
+    )
+    return Source(planes, boxes, labels)
+
+
+def _scaled(
+    boxes: np.ndarray, labels: np.ndarray, sx: float, sy: float, h: int, w: int
+) -> tuple[np.ndarray, np.ndarray]:
+    if not len(boxes):
+        return np.zeros((0, 4), np.float32), np.zeros((0,), np.int64)
+    out = boxes * np.array([sx, sy, sx, sy], dtype=np.float32)
+    np.clip(out[:, 0::2], 0.0, w, out=out[:, 0::2])
+    np.clip(out[:, 1::2], 0.0, h, out=out[:, 1::2])
+    return keep_valid(out, labels)
+
+
+def prepare(dataset: Any, index: int, fit_hw: Sequence[int]) -> Source:
+    """``read`` then ``fit``: what a worker does on a store miss."""
+    return fit(read(dataset, index), fit_hw)
+
+
+def _mix(x: int) -> int:
+    # splitmix64's finaliser: a cheap, well-mixed 64-bit hash
+    x = (x + 0x9E3779B97F4A7C15) & _MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+    return x ^ (x >> 31)
+
+
+def flip_of(seed: int, epoch: int, index: int) -> bool:
+    """The augmentation: mirror left-right or not, a function of (seed, epoch, index) only
+    (so a task rerun anywhere gives the same bytes), true for about half of the indices."""
+    return bool(_mix(_mix(_mix(seed & _MASK) ^ (epoch & _MASK)) ^ (index & _MASK)) >> 63)
+
+
+def place(
+    canvas: np.ndarray, y0: int, x0: int, cell_h: int, cell_w: int, source: Source, flip: bool
+) -> tuple[np.ndarray, np.ndarray]:
+    """Write ``source`` at the top-left of the cell (y0, x0, cell_h, cell_w) of a CHW
+    ``canvas``, fitted into the cell when it is larger, mirrored when ``flip``. Returns its
+    boxes in canvas pixels and their labels (clipped; degenerate ones dropped)."""
+    _, height, width = source.image.shape
+    new_h, new_w = fit_size(height, width, cell_h, cell_w)
+    same = (new_h, new_w) == (height, width)
+    for c in range(3):
+        dst = canvas[c, y0 : y0 + new_h, x0 : x0 + new_w]
+        if same:
+            if flip:
+                cv2.flip(source.image[c], 1, dst=dst)
+            else:
+                np.copyto(dst, source.image[c])
+        else:
+            cv2.resize(source.image[c], (new_w, new_h), dst=dst, interpolation=cv2.INTER_LINEAR)
+            if flip:
+                cv2.flip(dst, 1, dst=dst)
+    if not len(source.boxes):
+        return source.boxes, source.labels
+    sx, sy = new_w / width, new_h / height
+    boxes = source.boxes * np.array([sx, sy, sx, sy], dtype=np.float32)
+    if flip:
+        x1 = new_w - boxes[:, 2]
+        boxes[:, 2] = new_w - boxes[:, 0]
+        boxes[:, 0] = x1
+    np.clip(boxes[:, 0::2], 0.0, new_w, out=boxes[:, 0::2])
+    np.clip(boxes[:, 1::2], 0.0, new_h, out=boxes[:, 1::2])
+    boxes, labels = keep_valid(boxes, source.labels)
+    boxes += np.array([x0, y0, x0, y0], dtype=np.float32)
+    return boxes, labels
+
+
+@dataclass(slots=True)
+class Composed:
+    """One output image's boxes, labels, the indices it holds (cell order) and the
+    sources left out as (index, reason)."""
+
+    boxes: np.ndarray
+    labels: np.ndarray
+    indices: list[int]
+    failed: list[tuple[int, str]]
+
+
+def compose_into(
+    canvas: np.ndarray,
+    get_source: Callable[[int], Source],
     indices: Sequence[int],
     grid: int,
-    out_hw: tuple[int, int],
+    flips: Sequence[bool],
     skip_errors: bool,
-) -> Output:
-    """Compose one output image from ``indices``.
-
-    With ``skip_errors`` a failing source leaves its cell empty and is reported in
-    ``failed``; if every source fails, or without ``skip_errors``, the first
-    ``SampleError`` propagates.
-    """
-    sources: list[Sample | None] = []
+) -> Composed:
+    """Compose one output image into the zeroed CHW ``canvas`` from ``indices`` (cell t
+    = (t // grid, t % grid)). With ``skip_errors`` a failing source leaves its cell empty
+    and is reported; without, its ``SampleError`` propagates."""
+    _, out_h, out_w = canvas.shape
+    cell_h, cell_w = out_h // grid, out_w // grid
+    all_boxes = [np.zeros((0, 4), dtype=np.float32)]
+    all_labels = [np.zeros((0,), dtype=np.int64)]
     kept: list[int] = []
     failed: list[tuple[int, str]] = []
-    first_error: SampleError | None = None
-    for index in indices:
+    for t, index in enumerate(indices):
         try:
-            sources.append(get_source(index))
-            kept.append(index)
+            source = get_source(index)
         except SampleError as exc:
             if not skip_errors:
                 raise
-            first_error = first_error or exc
             failed.append((index, str(exc)))
-            sources.append(None)
-    if not kept and first_error is not None:
-        raise first_error
-    out = compose(sources, grid, *out_hw, chw=True)
-    return Output(out.image, out.boxes, out.labels, kept, failed)
+            continue
+        row, col = divmod(t, grid)
+        boxes, labels = place(canvas, row * cell_h, col * cell_w, cell_h, cell_w, source, flips[t])
+        all_boxes.append(boxes)
+        all_labels.append(labels)
+        kept.append(index)
+    return Composed(np.concatenate(all_boxes), np.concatenate(all_labels), kept, failed)
+
+
+def compose_one(
+    dataset: Any,
+    indices: Sequence[int],
+    grid: int,
+    out_hw: Sequence[int],
+    fit_hw: Sequence[int],
+    seed: int,
+    epoch: int,
+) -> tuple[np.ndarray, Composed]:
+    """One output image straight from the dataset (no store): what the DataLoader baseline
+    and the tests run. Bit-identical to what a worker sends for the same task."""
+    canvas = np.zeros((3, int(out_hw[0]), int(out_hw[1])), dtype=np.uint8)
+    flips = [flip_of(seed, epoch, i) for i in indices]
+    composed = compose_into(
+        canvas, lambda i: prepare(dataset, i, fit_hw), indices, grid, flips, False
+    )
+    return canvas, composed

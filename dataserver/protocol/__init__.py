@@ -25,6 +25,7 @@ from dataserver.protocol.fields import (
 from dataserver.protocol.messages import (
     MAX_BOXES,
     MAX_IMAGE_SIDE,
+    MAX_TASK_IMAGES,
     MAX_TILES,
     MESSAGES,
     Bye,
@@ -67,6 +68,7 @@ __all__ = [
     "MAX_IMAGE_SIDE",
     "MAX_INT",
     "MAX_SESSION_BYTES",
+    "MAX_TASK_IMAGES",
     "MAX_TILES",
     "MESSAGES",
     "PROTOCOL_VERSION",

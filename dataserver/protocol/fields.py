@@ -153,6 +153,29 @@ class Ints:
 
 
 @dataclass(frozen=True)
+class IntLists:
+    """A list of 1..``hi_n`` lists, each of ``lo_each``..``hi_each`` integers in
+    [0, MAX_INT]; read as a tuple of tuples."""
+
+    hi_n: int
+    hi_each: int
+    lo_each: int = 1
+
+    def read(self, name: str, value: Any) -> Any:
+        if not (isinstance(value, list) and 1 <= len(value) <= self.hi_n):
+            raise _bad(name, f"a list of 1..{self.hi_n} lists of integers", value)
+        out = []
+        for item in value:
+            if not (isinstance(item, list) and self.lo_each <= len(item) <= self.hi_each):
+                raise _bad(name, f"lists of {self.lo_each}..{self.hi_each} integers", item)
+            for v in item:
+                if not (is_int(v) and 0 <= v <= MAX_INT):
+                    raise _bad(name, "non-negative integers", v)
+            out.append(tuple(item))
+        return tuple(out)
+
+
+@dataclass(frozen=True)
 class Texts:
     """A list of at most ``hi_n`` strings of at most ``max_len`` characters; a tuple."""
 

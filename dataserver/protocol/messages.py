@@ -38,6 +38,7 @@ from dataserver.protocol.fields import (
     Failures,
     Flag,
     Int,
+    IntLists,
     Ints,
     Opt,
     Text,
@@ -51,6 +52,7 @@ MAX_IMAGE_SIDE = 16384  # the protocol's own cap; a server's --max-image-side ma
 MAX_TILES = 16  # grid 4 x 4
 MAX_BOXES = 1 << 16  # per output image
 MAX_WORKERS = 4096
+MAX_TASK_IMAGES = 64  # output images one TASK may ask for
 
 M = TypeVar("M", bound="Message")
 
@@ -157,7 +159,11 @@ class Welcome(Message):
 @message
 @dataclasses.dataclass(slots=True, kw_only=True)
 class Task(Message):
-    """Compose one output image from ``indices`` (grid x grid cells, row-major)."""
+    """Compose a run of output images of one batch: image i from the sources
+    ``images[i]`` (grid x grid cells, row-major), each source first fitted into ``fit_hw``
+    (the client's image size: what the server's store keeps), then into its cell.
+    ``control_seq`` names the control values the dataset must hold (sent once, by CONTROL);
+    ``priority`` 1 marks a speculative task (run when nothing else waits)."""
 
     TYPE: ClassVar[MsgType] = MsgType.TASK
     session: bytes = f(SESSION)
@@ -165,76 +171,102 @@ class Task(Message):
     plan_version: int = f(Int())
     epoch: int = f(Int())
     seed: int = f(Int())
-    indices: tuple[int, ...] = f(Ints(1, MAX_TILES))
+    images: tuple[tuple[int, ...], ...] = f(IntLists(MAX_TASK_IMAGES, MAX_TILES))
     grid: int = f(Int(1, 4))
     out_hw: tuple[int, ...] = f(Ints(2, 2, 1, MAX_IMAGE_SIDE))
+    fit_hw: tuple[int, ...] = f(Ints(2, 2, 1, MAX_IMAGE_SIDE))
     on_error: str = f(Choice(("raise", "skip")))
     control_seq: int = f(Int())
-    control: dict[str, Any] = f(Values())
     exclude: tuple[int, ...] = f(Ints(0, MAX_TILES, default=()), ())
+    priority: int = f(Int(0, 1, default=0), 0)
 
     def _check(self, arrays: list[np.ndarray] | None) -> None:
         Message._check(self, arrays)
-        if len(self.indices) > self.grid * self.grid:
-            raise ProtocolError(
-                f"{len(self.indices)} indices do not fit a {self.grid}x{self.grid} grid"
-            )
+        for indices in self.images:
+            if len(indices) > self.grid * self.grid:
+                raise ProtocolError(
+                    f"{len(indices)} indices do not fit a {self.grid}x{self.grid} grid"
+                )
         if min(self.out_hw) < self.grid:
             raise ProtocolError(f"out_hw {self.out_hw} is smaller than the grid {self.grid}")
 
+    @property
+    def indices(self) -> tuple[int, ...]:
+        """Every source index of the task, in order."""
+        return tuple(i for image in self.images for i in image)
+
     def canvas_bytes(self) -> int:
-        return 3 * self.out_hw[0] * self.out_hw[1]
+        return len(self.images) * 3 * self.out_hw[0] * self.out_hw[1]
 
 
 @message
 @dataclasses.dataclass(slots=True, kw_only=True)
 class Result(Message):
-    """One composed output image: image (3, H, W) uint8, boxes (M, 4) float32 xyxy,
-    labels (M,) int64; ``failed`` lists sources left out under on_error="skip"."""
+    """The images of one TASK, in its order: ``images[i]`` the indices image i holds (cell
+    order; sources left out under on_error="skip" are in ``failed``; none when all of its
+    sources were), ``box_counts[i]`` its boxes. Arrays: one (3, H, W) uint8 image per output image, then all boxes
+    (sum M, 4) float32 xyxy and labels (sum M,) int64, image by image."""
 
     TYPE: ClassVar[MsgType] = MsgType.RESULT
     session: bytes = f(SESSION)
     task_id: int = f(Int())
     plan_version: int = f(Int())
-    indices: tuple[int, ...] = f(Ints(0, MAX_TILES))
-    failed: tuple[tuple[int, str], ...] = f(Failures(MAX_TILES), ())
-    decoded: int = f(Int(0, MAX_TILES, default=0), 0)
-    image: np.ndarray | None = None
+    images: tuple[tuple[int, ...], ...] = f(IntLists(MAX_TASK_IMAGES, MAX_TILES, 0))
+    box_counts: tuple[int, ...] = f(Ints(0, MAX_TASK_IMAGES, 0, MAX_BOXES))
+    failed: tuple[tuple[int, str], ...] = f(Failures(MAX_TASK_IMAGES * MAX_TILES), ())
+    decoded: int = f(Int(0, MAX_TASK_IMAGES * MAX_TILES, default=0), 0)
+    pixels: list[np.ndarray] = dataclasses.field(default_factory=list)
     boxes: np.ndarray | None = None
     labels: np.ndarray | None = None
 
     def arrays(self) -> list[np.ndarray]:
-        if self.image is None or self.boxes is None or self.labels is None:
-            raise ProtocolError("a RESULT needs its image, boxes and labels")
-        return [self.image, self.boxes, self.labels]
+        if self.boxes is None or self.labels is None or len(self.pixels) != len(self.images):
+            raise ProtocolError("a RESULT needs one image per entry of images, boxes and labels")
+        return [*self.pixels, self.boxes, self.labels]
 
     def _check(self, arrays: list[np.ndarray] | None) -> None:
+        if len(self.box_counts) != len(self.images):
+            raise ProtocolError(f"{len(self.box_counts)} box counts for {len(self.images)} images")
         if arrays is None:  # the front forwards it unread
             return
-        if len(arrays) != 3:
+        n = len(self.images)
+        if len(arrays) != n + 2:
             raise ProtocolError(
-                f"RESULT carries 3 arrays (image, boxes, labels), {len(arrays)} came"
+                f"RESULT of {n} image(s) carries {n + 2} arrays, {len(arrays)} came"
             )
-        image, boxes, labels = arrays
-        if not (
-            image.dtype == np.uint8
-            and image.ndim == 3
-            and image.shape[0] == 3
-            and 1 <= image.shape[1] <= MAX_IMAGE_SIDE
-            and 1 <= image.shape[2] <= MAX_IMAGE_SIDE
-        ):
-            raise ProtocolError(
-                f"image must be uint8 (3, H, W), H, W <= {MAX_IMAGE_SIDE}: got {image.dtype} {image.shape}"
-            )
-        if not (boxes.dtype == np.float32 and boxes.ndim == 2 and boxes.shape[1] == 4):
-            raise ProtocolError(f"boxes must be float32 (M, 4): got {boxes.dtype} {boxes.shape}")
-        if not (labels.dtype == np.int64 and labels.shape == (boxes.shape[0],)):
-            raise ProtocolError(
-                f"labels must be int64 (M,) with M = {boxes.shape[0]}: got {labels.dtype} {labels.shape}"
-            )
-        if boxes.shape[0] > MAX_BOXES:
-            raise ProtocolError(f"{boxes.shape[0]} boxes exceed {MAX_BOXES}")
-        self.image, self.boxes, self.labels = image, boxes, labels
+        for image in arrays[:n]:
+            check_image(image)
+        boxes, labels = arrays[n], arrays[n + 1]
+        check_boxes(boxes, labels, sum(self.box_counts))
+        self.pixels, self.boxes, self.labels = list(arrays[:n]), boxes, labels
+
+
+def check_image(image: np.ndarray) -> None:
+    """An output image: uint8 (3, H, W), H and W within the protocol's cap."""
+    check_image_spec(image.dtype, image.shape)
+
+
+def check_image_spec(dtype: Any, shape: tuple[int, ...]) -> None:
+    """``check_image`` on a descriptor (before the bytes are received)."""
+    ok = (
+        np.dtype(dtype) == np.uint8
+        and len(shape) == 3
+        and shape[0] == 3
+        and 1 <= shape[1] <= MAX_IMAGE_SIDE
+        and 1 <= shape[2] <= MAX_IMAGE_SIDE
+    )
+    if not ok:
+        raise ProtocolError(
+            f"image must be uint8 (3, H, W), H, W <= {MAX_IMAGE_SIDE}: got {dtype} {shape}"
+        )
+
+
+def check_boxes(boxes: np.ndarray, labels: np.ndarray, count: int) -> None:
+    """Boxes float32 (M, 4) and labels int64 (M,), M = ``count``."""
+    if not (boxes.dtype == np.float32 and boxes.ndim == 2 and boxes.shape == (count, 4)):
+        raise ProtocolError(f"boxes must be float32 ({count}, 4): got {boxes.dtype} {boxes.shape}")
+    if not (labels.dtype == np.int64 and labels.shape == (count,)):
+        raise ProtocolError(f"labels must be int64 ({count},): got {labels.dtype} {labels.shape}")
 
 
 @message
@@ -246,8 +278,9 @@ class Done(Message):
     session: bytes = f(SESSION)
     task_id: int = f(Int())
     plan_version: int = f(Int())
-    decoded: int = f(Int(0, MAX_TILES, default=0), 0)
-    samples: int = f(Int(0, MAX_TILES, default=0), 0)
+    decoded: int = f(Int(0, MAX_TASK_IMAGES * MAX_TILES, default=0), 0)
+    samples: int = f(Int(0, MAX_TASK_IMAGES * MAX_TILES, default=0), 0)
+    images: int = f(Int(0, MAX_TASK_IMAGES, default=0), 0)
 
 
 @message
@@ -265,8 +298,9 @@ class ErrorMsg(Message):
     plan_version: int | None = f(Opt(Int()), None)
     index: int | None = f(Opt(Int()), None)
     file: str | None = f(Opt(Text()), None)
-    indices: tuple[int, ...] | None = f(Opt(Ints(0, MAX_TILES)), None)
+    indices: tuple[int, ...] | None = f(Opt(Ints(0, MAX_TASK_IMAGES * MAX_TILES)), None)
     retry: bool | None = f(Opt(Flag()), None)  # worker -> front: it may succeed if run again
+    image: int | None = f(Opt(Int(0, MAX_TASK_IMAGES)), None)  # poison: which of the task's
 
 
 @message
@@ -286,14 +320,18 @@ class Cancelled(Message):
 @message
 @dataclasses.dataclass(slots=True, kw_only=True)
 class Control(Message):
-    """A session's new plan version (and control values, and mode)."""
+    """Client -> front (data socket, and published on the control socket): the session's
+    control values as of ``control_seq``, its mode, and tasks it no longer wants (queued
+    ones are dropped at once, answered CANCELLED). Front -> worker: the values a session's
+    next task needs (``control`` and ``control_seq`` only)."""
 
     TYPE: ClassVar[MsgType] = MsgType.CONTROL
     session: bytes = f(SESSION)
-    plan_version: int = f(Int())
+    plan_version: int = f(Int(default=0), 0)
     control_seq: int = f(Int())
     control: dict[str, Any] = f(Values())
     mode: str | None = f(Opt(Choice(("regular", "stitch"))), None)
+    cancel: tuple[int, ...] = f(Ints(0, 1 << 16, default=()), ())
 
 
 @message

@@ -25,10 +25,10 @@ from typing import Any
 import msgpack
 import numpy as np
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 MAGIC = b"DS" + str(PROTOCOL_VERSION).encode()
 
-MAX_FRAMES = 16
+MAX_FRAMES = 72  # a RESULT: 3 + one image per output image (<= 64) + boxes + labels
 MAX_HEADER_BYTES = 1 << 20
 MAX_ARRAY_BYTES = 1 << 30
 MAX_NDIM = 4
@@ -122,6 +122,23 @@ def unpack(
 def _unpack(
     frames: Sequence[Any], with_arrays: bool
 ) -> tuple[MsgType, dict[str, Any], list[np.ndarray]]:
+    mtype, header, specs = _head(frames)
+    buffers = frames[3:]
+    if len(specs) != len(buffers):
+        raise ProtocolError(
+            f"header names {len(specs)} array(s) but {len(buffers)} buffer frame(s) came"
+        )
+    if not with_arrays:
+        return mtype, header, []
+    return (
+        mtype,
+        header,
+        [_array(i, spec, buf) for i, (spec, buf) in enumerate(zip(specs, buffers, strict=True))],
+    )
+
+
+def _head(frames: Sequence[Any]) -> tuple[MsgType, dict[str, Any], list[Any]]:
+    """Type, header and array descriptors, from the first three frames."""
     if len(frames) < 3:
         raise ProtocolError(f"truncated message: {len(frames)} frame(s), need at least 3")
     if len(frames) > MAX_FRAMES:
@@ -158,23 +175,14 @@ def _unpack(
     if not isinstance(header, dict):
         raise ProtocolError(f"header must be a map, got {type(header).__name__}")
     specs = header.pop("arrays", [])
-    if not isinstance(specs, list):
-        raise ProtocolError("header field 'arrays' must be a list")
-    buffers = frames[3:]
-    if len(specs) != len(buffers):
-        raise ProtocolError(
-            f"header names {len(specs)} array(s) but {len(buffers)} buffer frame(s) came"
-        )
-    if not with_arrays:
-        return mtype, header, []
-    return (
-        mtype,
-        header,
-        [_array(i, spec, buf) for i, (spec, buf) in enumerate(zip(specs, buffers, strict=True))],
-    )
+    if not isinstance(specs, list) or len(specs) > MAX_FRAMES:
+        raise ProtocolError(f"header field 'arrays' must be a list of <= {MAX_FRAMES}")
+    return mtype, header, specs
 
 
-def _array(i: int, spec: Any, frame: Any) -> np.ndarray:
+def check_spec(i: int, spec: Any) -> tuple[str, tuple[int, ...], int]:
+    """(dtype, shape, nbytes) of array descriptor ``i``, checked: an allowed dtype, at most
+    MAX_NDIM sizes, and a zero may not hide huge dimensions from the byte count."""
     if not (isinstance(spec, list) and len(spec) == 2):
         raise ProtocolError(f"array {i}: descriptor must be [dtype, shape]")
     dtype_str, shape = spec
@@ -186,13 +194,29 @@ def _array(i: int, spec: Any, frame: Any) -> np.ndarray:
         if not (isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_ARRAY_BYTES):
             raise ProtocolError(f"array {i}: shape {shape!r} holds an invalid size")
     itemsize = np.dtype(dtype_str).itemsize
-    # A zero may not hide huge dimensions: the other dimensions must fit on their own.
     if math.prod(d for d in shape if d) * itemsize > MAX_ARRAY_BYTES:
         raise ProtocolError(f"array {i}: shape {shape} exceeds {MAX_ARRAY_BYTES} bytes")
-    nbytes = math.prod(shape) * itemsize
+    return dtype_str, tuple(shape), math.prod(shape) * itemsize
+
+
+def _array(i: int, spec: Any, frame: Any) -> np.ndarray:
+    dtype_str, shape, nbytes = check_spec(i, spec)
     buf = view(frame)
     if len(buf) != nbytes:
         raise ProtocolError(
-            f"array {i}: shape {shape} x {itemsize} = {nbytes} bytes, but its frame holds {len(buf)}"
+            f"array {i}: shape {list(shape)} x {np.dtype(dtype_str).itemsize} = {nbytes} bytes, "
+            f"but its frame holds {len(buf)}"
         )
     return np.frombuffer(buf, dtype=dtype_str).reshape(shape)
+
+
+def unpack_head(frames: Sequence[Any]) -> tuple[MsgType, dict[str, Any], list[Any]]:
+    """(type, header, array descriptors) from a message's first three frames: for a
+    receiver that takes the array frames itself (straight into its buffers). Raises
+    ``ProtocolError`` and nothing else."""
+    try:
+        return _head(frames)
+    except ProtocolError:
+        raise
+    except Exception as exc:
+        raise ProtocolError(f"unreadable message ({type(exc).__name__}: {exc})") from None

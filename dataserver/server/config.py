@@ -13,6 +13,7 @@ DEFAULT_BIND = "tcp://127.0.0.1:5555"
 DEFAULT_MAX_SESSIONS = 1024
 DEFAULT_MAX_IMAGE_SIDE = 4096
 DEFAULT_MAX_QUEUED_MB = 256
+DEFAULT_CACHE_GB = 1.0
 SESSION_SHARE = 8  # one session may hold at most 1/8 of --max-queued-mb
 _TCP = re.compile(r"^tcp://(?P<host>\[[^\]]+\]|[^:/]+):(?P<port>\d+|\*)$")
 
@@ -31,7 +32,7 @@ class ServerConfig:
     bind: str = DEFAULT_BIND
     control_bind: str | None = None  # None: data port + 1 on the same interface
     session_ttl: float = 30.0  # seconds without traffic (clients beat every 0.5 s) before expiry
-    cache_mb: int = 64  # per worker: prepared sources kept for re-composition
+    cache_gb: float = DEFAULT_CACHE_GB  # the store of prepared sources, shared by all workers
     curve_secret_key: str | None = None
     curve_authorized_keys: str | None = None
     direct_results: bool = True  # workers send results straight to clients that reach them
@@ -59,10 +60,14 @@ class ServerConfig:
             raise ConfigError(f"--max-queued-mb must be >= 1, got {self.max_queued_mb}")
         if self.session_ttl <= 0:
             raise ConfigError(f"--session-ttl must be > 0, got {self.session_ttl}")
-        if self.cache_mb < 0:
-            raise ConfigError(f"--cache-mb must be >= 0, got {self.cache_mb}")
+        if not 0 <= self.cache_gb <= 1 << 14:
+            raise ConfigError(f"--cache-gb must be in 0..16384, got {self.cache_gb}")
         if (self.curve_secret_key is None) != (self.curve_authorized_keys is None):
             raise ConfigError("--curve-secret-key and --curve-authorized-keys go together")
+
+    @property
+    def cache_bytes(self) -> int:
+        return int(self.cache_gb * (1 << 30))
 
     @property
     def max_queued_bytes(self) -> int:

@@ -94,22 +94,23 @@ class DirectResults:
         self._read_claims()
         if self.curve is not None and out.session not in self.claims:
             return False
-        nbytes = out.image.nbytes if out.image is not None else 0
+        nbytes = sum(p.nbytes for p in out.pixels)
         refused = self.outbox.refuse(out.session, nbytes)
         if refused is not None:
             return refused
         frames = out.encode()
-        image = tracked(frames[3])
+        n = len(out.pixels)
+        images = [tracked(f) for f in frames[3 : 3 + n]]
         try:
             self.sock.send_multipart(
-                [out.session, *frames[:3], image, *frames[4:]], zmq.NOBLOCK, copy=False
+                [out.session, *frames[:3], *images, *frames[3 + n :]], zmq.NOBLOCK, copy=False
             )
         except zmq.ZMQError as exc:
             if exc.errno in (zmq.EHOSTUNREACH, zmq.EAGAIN):
                 self.claims.discard(out.session)
                 return False
             raise
-        self.outbox.sent(out.session, nbytes, image.tracker)
+        self.outbox.sent(out.session, nbytes, zmq.MessageTracker(*[f.tracker for f in images]))
         return True
 
     def close(self) -> None:

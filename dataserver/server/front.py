@@ -30,6 +30,7 @@ import time
 import uuid
 from collections import Counter, OrderedDict
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import zmq
@@ -56,6 +57,7 @@ from dataserver.server.outbox import Outbox, tracked
 from dataserver.server.pool import WorkerPool
 from dataserver.server.routing import PIPELINE, WorkerRouter
 from dataserver.server.sessions import Scheduler, Session, TaskEntry
+from dataserver.server.store import Store, default_dir
 
 log = logging.getLogger("dataserver.front")
 
@@ -114,17 +116,42 @@ class Front:
         self._owners: OrderedDict[bytes, str] = OrderedDict()  # identity -> CURVE user id
         self._auth: Any = None
         self._tmpdir = tempfile.mkdtemp(prefix="ds-")
+        self.store = self._make_store()
         self.pool = WorkerPool(
             f"ipc://{self._tmpdir}/backend",
             self._tmpdir,
             config.dataset,
             config.dataset_args,
-            config.cache_mb,
+            fingerprint,
+            (self.store.prefix, self.store.capacity) if self.store else None,
             config.max_queued_mb,
             results_bind(config.bind, self._tmpdir) if config.direct_results else None,
             config.curve,
         )
         self.workers = WorkerRouter(self.pool, self.scheduler, self, self.counters, self.rejected)
+
+    def _make_store(self) -> Store | None:
+        """The store of prepared sources: in /dev/shm (else beside the backend socket), at
+        most what that file system has free."""
+        want = self.config.cache_bytes
+        if want <= 0:
+            return None
+        directory = default_dir() or Path(self._tmpdir)
+        stat = os.statvfs(directory)
+        free = stat.f_bavail * stat.f_frsize
+        size = min(want, int(free * 0.9))
+        if size < want:
+            log.warning(
+                "--cache-gb %g: %s has %.1f GiB free; the store gets %.1f GiB",
+                self.config.cache_gb,
+                directory,
+                free / (1 << 30),
+                size / (1 << 30),
+            )
+        if size < 16 << 20:
+            log.warning("no room for a store of prepared sources in %s; serving without", directory)
+            return None
+        return Store.create(directory, f"dataserver-{self.server_id}", size)
 
     def stop(self) -> None:
         """Ask the loop to finish (safe from a signal handler)."""
@@ -259,6 +286,9 @@ class Front:
             if self._auth is not None:
                 self._auth.stop()
             ctx.destroy(linger=0)
+            if self.store is not None:
+                self.store.close()
+                self.store.unlink()
             shutil.rmtree(self._tmpdir, ignore_errors=True)
 
     # ------------------------------------------------------------------ sending (Clients)
@@ -285,10 +315,13 @@ class Front:
     def reply(self, session: Session, msg: Message) -> None:
         self._send_to(session.identity, msg)
 
-    def forward_result(self, session: Session, frames: list[Any], image_bytes: int) -> None:
-        """A worker's RESULT that could not go straight to its client: send it on, within
-        the outbox's bounds (beyond them the client is told, and asks again)."""
-        refused = self.outbox.refuse(session.sid, image_bytes)
+    def forward_result(self, session: Session, frames: list[Any], images: int) -> None:
+        """A worker's RESULT (of ``images`` images) that could not go straight to its
+        client: send it on, within the outbox's bounds (beyond them the client is told,
+        and asks again)."""
+        pixels = frames[3 : 3 + images]
+        nbytes = sum(len(memoryview(f)) for f in pixels)
+        refused = self.outbox.refuse(session.sid, nbytes)
         if refused is not None:
             self.counters["results_dropped"] += 1
             header = decode(frames, with_arrays=False)
@@ -303,11 +336,14 @@ class Front:
                 ),
             )
             return
-        image = tracked(frames[3].buffer) if len(frames) > 3 else None
-        out = [*frames[:3], image, *frames[4:]] if image is not None else frames
+        wrapped = [tracked(f) for f in pixels]
+        out = [*frames[:3], *wrapped, *frames[3 + images :]]
         if self._send(self.data, session.identity, out):
             self.counters["results_via_front"] += 1
-            self.outbox.sent(session.sid, image_bytes, image.tracker if image is not None else None)
+            if wrapped:
+                self.outbox.sent(
+                    session.sid, nbytes, zmq.MessageTracker(*[f.tracker for f in wrapped])
+                )
 
     def cancel(self, session: Session, entries: list[TaskEntry]) -> None:
         if not entries:
@@ -374,6 +410,12 @@ class Front:
                 self._on_task(identity, msg, frames[1:])
             case Hello():
                 self._on_hello(identity, msg)
+            case Control():
+                session = self.scheduler.touch(msg.session, identity)
+                if session is None:
+                    self.rejected["unknown_session"] += 1
+                else:
+                    self._steer(session, msg)
             case Heartbeat():
                 self.scheduler.touch(msg.session, identity)
                 beat = Heartbeat(server_id=self.server_id, results=self.workers.result_endpoints())
@@ -454,10 +496,16 @@ class Front:
                 why += f" (--max-queued-mb {self.config.max_queued_mb})"
             self._refuse(reason, identity, why, **ids)
             return
-        self.scheduler.admit(
-            session,
-            TaskEntry(session.sid, task.task_id, task.plan_version, task.indices, frames, nbytes),
-        )
+        if task.control_seq > session.control_seq:
+            # The CONTROL that names these values never came (this server restarted, or
+            # forgot the session): the client sends it again, then the task.
+            self._refuse(
+                "control_missing", identity, f"control values {task.control_seq} unknown", **ids
+            )
+            return
+        entry = TaskEntry(session.sid, task.task_id, task.plan_version, task.images, frames, nbytes)
+        entry.control_seq = task.control_seq
+        self.scheduler.admit(session, entry)
         self.counters["tasks_received"] += 1
 
     def _on_control(self, frames: list[Any]) -> None:
@@ -476,11 +524,23 @@ class Front:
         if session is None:
             self.rejected["control_unknown_session"] += 1
             return
-        if msg.plan_version < session.version:
+        self._steer(session, msg)
+
+    def _steer(self, session: Session, msg: Control) -> None:
+        """A session's CONTROL (from the data or the control socket; the second copy of
+        one is a no-op): new control values, older plans' queued tasks cancelled, and the
+        tasks it lists cancelled if still queued."""
+        if msg.plan_version < session.version or msg.control_seq < session.control_seq:
             self.rejected["control_stale"] += 1  # replayed or overtaken: nothing to do
             return
         self.counters["controls"] += 1
-        self.cancel(session, self.scheduler.cancel_older(session, msg.plan_version))
+        if msg.control_seq > session.control_seq:
+            session.control_seq, session.control = msg.control_seq, msg.control
+        seq = session.control_seq
+        gone = self.scheduler.cancel_older(session, msg.plan_version)
+        wanted = set(msg.cancel)
+        gone += self.scheduler.take(session, lambda e: e.task_id in wanted or e.control_seq < seq)
+        self.cancel(session, gone)
 
     def _housekeeping(self) -> None:
         for sid in self.scheduler.expired(self.config.session_ttl):
@@ -492,6 +552,18 @@ class Front:
             raise WorkerStartError(why)
 
     # ------------------------------------------------------------------ stats
+
+    def _store_stats(self) -> dict[str, Any] | None:
+        """The store of prepared sources: what it holds and how often it served a source."""
+        if self.store is None:
+            return None
+        decoded = self.counters.get("sources_decoded", 0)
+        reused = self.counters.get("sources_reused", 0)
+        return {
+            **self.store.usage(),
+            "hit_rate": round(reused / (decoded + reused), 4) if decoded + reused else None,
+            "path": self.store.prefix,
+        }
 
     def stats(self) -> dict[str, Any]:
         """The counters ``dataserver stats`` prints."""
@@ -517,6 +589,7 @@ class Front:
                 "max_image_side": self.config.max_image_side,
                 "max_queued_mb": self.config.max_queued_mb,
             },
+            "store": self._store_stats(),
             "counters": dict(self.counters),
             "rejected": dict(self.rejected),
             "rejected_total": sum(self.rejected.values()),

@@ -79,4 +79,4 @@ class Outbox:
 
 def tracked(data: Any) -> zmq.Frame:
     """A zero-copy frame over ``data`` whose tracker tells when ZeroMQ is done with it."""
-    return zmq.Frame(data, track=True, copy=False)
+    return zmq.Frame(getattr(data, "buffer", data), track=True, copy=False)

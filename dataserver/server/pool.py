@@ -35,6 +35,7 @@ class WorkerHandle:
     identity: bytes | None = None  # its DEALER's routing id, known once READY arrives
     tasks: deque[Any] = field(default_factory=deque)  # TaskEntries sent to it, oldest first
     results: str = ""  # the endpoint its clients connect to for direct results
+    controls: dict[bytes, int] = field(default_factory=dict)  # session -> control_seq it has
     # (time, session, task_id, plan_version) of results it sent straight to clients lately:
     # if it dies just after, one may not have left the process, so the client is told.
     recent_direct: deque[tuple[float, bytes, int, int]] = field(
@@ -59,7 +60,8 @@ class WorkerPool:
         state_dir: str,
         dataset: str,
         dataset_args: str | None,
-        cache_mb: int,
+        fingerprint: str,
+        store: tuple[str, int] | None,
         max_queued_mb: int,
         results_bind: str | None = None,
         curve: tuple[str, str] | None = None,
@@ -68,7 +70,8 @@ class WorkerPool:
         self.state_dir = state_dir
         self.dataset = dataset
         self.dataset_args = dataset_args
-        self.cache_mb = cache_mb
+        self.fingerprint = fingerprint
+        self.store = store  # (path prefix, bytes) of the store workers map, if there is one
         self.max_queued_mb = max_queued_mb
         self.results_bind = results_bind  # may hold "{slot}"
         self.curve = curve
@@ -94,8 +97,8 @@ class WorkerPool:
             str(os.getpid()),
             "--dataset",
             self.dataset,
-            "--cache-mb",
-            str(self.cache_mb),
+            "--fingerprint",
+            self.fingerprint,
             "--max-queued-mb",
             str(self.max_queued_mb),
             "--state-dir",
@@ -103,6 +106,8 @@ class WorkerPool:
         ]
         if self.dataset_args is not None:
             cmd += ["--dataset-args", self.dataset_args]
+        if self.store is not None:
+            cmd += ["--store", self.store[0], "--store-bytes", str(self.store[1])]
         if self.results_bind is not None:
             cmd += ["--results-bind", self.results_bind.format(slot=slot)]
         if self.curve is not None:

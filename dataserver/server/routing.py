@@ -18,7 +18,16 @@ from collections import Counter
 from typing import Any, Protocol
 
 from dataserver.loop import inject
-from dataserver.protocol import Done, ErrorMsg, Message, ProtocolError, Ready, Result, decode
+from dataserver.protocol import (
+    Control,
+    Done,
+    ErrorMsg,
+    Message,
+    ProtocolError,
+    Ready,
+    Result,
+    decode,
+)
 from dataserver.server.pool import WorkerHandle, WorkerPool
 from dataserver.server.running import task_key
 from dataserver.server.sessions import Scheduler, Session, TaskEntry
@@ -33,7 +42,7 @@ class Clients(Protocol):
     """What the router needs from the front to reach sessions."""
 
     def reply(self, session: Session, msg: Message) -> None: ...
-    def forward_result(self, session: Session, frames: list[Any], image_bytes: int) -> None: ...
+    def forward_result(self, session: Session, frames: list[Any], images: int) -> None: ...
     def cancel(self, session: Session, entries: list[TaskEntry]) -> None: ...
     def send_worker(self, identity: bytes, frames: list[Any]) -> bool: ...
 
@@ -103,7 +112,8 @@ class WorkerRouter:
         ok = not isinstance(msg, ErrorMsg)
         self.counters["tasks_done" if ok else "tasks_failed"] += 1
         if isinstance(msg, (Result, Done)):
-            samples = msg.samples if isinstance(msg, Done) else len(msg.indices)
+            samples = msg.samples if isinstance(msg, Done) else sum(len(i) for i in msg.images)
+            self.counters["images_done"] += msg.images if isinstance(msg, Done) else len(msg.images)
             self.counters["sources_decoded"] += msg.decoded
             self.counters["sources_reused"] += max(0, samples - msg.decoded)
         if isinstance(msg, Done):  # the worker sent the RESULT straight to the client
@@ -118,8 +128,7 @@ class WorkerRouter:
             self.counters["results_orphaned"] += 1
             return
         if isinstance(msg, Result):
-            image_bytes = len(memoryview(frames[4])) if len(frames) > 4 else 0
-            self.clients.forward_result(session, frames[1:], image_bytes)
+            self.clients.forward_result(session, frames[1:], len(msg.images))
         else:
             self.clients.reply(session, msg)
 
@@ -146,7 +155,7 @@ class WorkerRouter:
     def is_running(self, entry: TaskEntry) -> bool:
         """Whether a worker holds ``entry`` and shows it running now."""
         handle = entry.held_by
-        return handle is not None and handle.running.read() == task_key(
+        return handle is not None and handle.running.read()[0] == task_key(
             entry.session, entry.task_id
         )
 
@@ -183,6 +192,7 @@ class WorkerRouter:
                     return
                 handle.tasks.append(entry)
                 entry.held_by = handle
+                self._send_control(handle, entry)
                 if not self.clients.send_worker(handle.identity or b"", entry.frames):
                     handle.tasks.remove(entry)
                     entry.held_by = None
@@ -190,6 +200,22 @@ class WorkerRouter:
                     if session is not None:
                         self.scheduler.push(session, entry, front=True)
                     return
+
+    def _send_control(self, handle: WorkerHandle, entry: TaskEntry) -> None:
+        """Give the worker the session's control values before a task that needs values it
+        does not have yet (sent once per change, not with every task)."""
+        if entry.control_seq == 0 or handle.controls.get(entry.session) == entry.control_seq:
+            return
+        session = self.scheduler.sessions.get(entry.session)
+        if session is None or session.control_seq != entry.control_seq:
+            return  # a task of older values: its answer is not wanted anyway
+        msg = Control(
+            session=entry.session, control_seq=session.control_seq, control=session.control
+        )
+        if self.clients.send_worker(handle.identity or b"", msg.encode()):
+            handle.controls[entry.session] = entry.control_seq
+            if len(handle.controls) > 4096:
+                handle.controls.pop(next(iter(handle.controls)))
 
     def _next_entry(self) -> TaskEntry | None:
         """The next queued task that is still wanted (older plans are answered CANCELLED)."""
@@ -216,7 +242,7 @@ class WorkerRouter:
 
     def _on_death(self, handle: WorkerHandle) -> None:
         code = handle.proc.returncode
-        running_key = handle.running.read()
+        running_key, running_image = handle.running.read()
         log.warning(
             "worker %d (pid %d) died (exit %s); replacing it", handle.slot, handle.pid, code
         )
@@ -241,16 +267,20 @@ class WorkerRouter:
             if entry is blamed:
                 entry.attempts += 1
                 if entry.attempts >= 2:
-                    self._poison(owner, entry, code)
+                    self._poison(owner, entry, code, running_image)
                     continue
                 self.counters["tasks_retried"] += 1
             self.scheduler.push(owner, entry, front=True)
 
-    def _poison(self, session: Session, entry: TaskEntry, code: int | None) -> None:
+    def _poison(self, session: Session, entry: TaskEntry, code: int | None, image: int) -> None:
+        """Answer a task that killed two workers: poison, naming the image of it that was
+        being composed when the last one died (and its sample, when it has one)."""
         self.scheduler.finish(entry)
         self.counters["tasks_poisoned"] += 1
         how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
-        names: Any = entry.indices[0] if len(entry.indices) == 1 else list(entry.indices)
+        image = min(image, len(entry.images) - 1)
+        indices = entry.images[image]
+        names: Any = indices[0] if len(indices) == 1 else list(indices)
         self.clients.reply(
             session,
             ErrorMsg(
@@ -260,8 +290,9 @@ class WorkerRouter:
                 session=entry.session,
                 task_id=entry.task_id,
                 plan_version=entry.plan_version,
-                indices=entry.indices,
-                index=entry.indices[0] if len(entry.indices) == 1 else None,
+                indices=indices,
+                index=indices[0] if len(indices) == 1 else None,
+                image=image,
             ),
         )
 

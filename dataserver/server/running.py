@@ -1,9 +1,10 @@
 """Which task a worker is running, readable by the front after the worker died.
 
 One 16-byte file per worker slot in the server's private directory, mapped by both: the
-worker writes the key of the task it starts (and zeros when done), the front reads it when
-it reaps the worker. So a death is blamed on the task that was running, and never on the
-task queued behind it, nor on one already answered whose DONE the front had not yet read.
+worker writes the key of the task it starts, then the number of the image of it that it
+composes (and zeros when done); the front reads it when it reaps the worker. So a death is
+blamed on the task that was running, and within it on the image, and never on the task
+queued behind it, nor on one already answered whose DONE the front had not yet read.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import os
 import struct
 from pathlib import Path
 
-_LAYOUT = struct.Struct("<QQ")  # (task key, 1 while running)
+_LAYOUT = struct.Struct("<QII")  # (task key, 1 while running, the image it composes)
+_IMAGE = struct.Struct("<I")  # the last field alone
 
 
 def task_key(session: bytes, task_id: int) -> int:
@@ -41,15 +43,19 @@ class RunningSlot:
         return cls(Path(state_dir) / f"running-{slot}")
 
     def set(self, session: bytes, task_id: int) -> None:
-        _LAYOUT.pack_into(self._map, 0, task_key(session, task_id), 1)
+        _LAYOUT.pack_into(self._map, 0, task_key(session, task_id), 1, 0)
+
+    def image(self, n: int) -> None:
+        """The running task is now composing its image ``n``."""
+        _IMAGE.pack_into(self._map, 12, n)
 
     def clear(self) -> None:
-        _LAYOUT.pack_into(self._map, 0, 0, 0)
+        _LAYOUT.pack_into(self._map, 0, 0, 0, 0)
 
-    def read(self) -> int:
-        """The key of the running task, or 0 when none ran."""
-        key, running = _LAYOUT.unpack_from(self._map, 0)
-        return int(key) if running else 0
+    def read(self) -> tuple[int, int]:
+        """(key of the running task, the image it was composing), or (0, 0) when none ran."""
+        key, running, image = _LAYOUT.unpack_from(self._map, 0)
+        return (int(key), int(image)) if running else (0, 0)
 
     def close(self) -> None:
         self._map.close()

@@ -24,9 +24,10 @@ class TaskEntry:
     session: bytes
     task_id: int
     plan_version: int
-    indices: tuple[int, ...]
+    images: tuple[tuple[int, ...], ...]  # each output image's sources
     frames: list[Any]
     nbytes: int = 0  # what its frames hold, counted against the queue caps
+    control_seq: int = 0  # the control values it needs
     attempts: int = 0  # workers that died running it (or dropped it as it raised)
     held_by: Any = None  # the worker handle it was given to, while it holds it
 
@@ -38,6 +39,8 @@ class Session:
     sid: bytes
     identity: bytes  # the ROUTER routing id of its latest message
     version: int = 0  # newest plan_version seen; older queued tasks are cancelled
+    control_seq: int = 0  # its control values, as of this sequence number
+    control: dict[str, Any] = field(default_factory=dict)
     queue: deque[TaskEntry] = field(default_factory=deque)
     queued_bytes: int = 0
     last_seen: float = field(default_factory=time.monotonic)
@@ -171,6 +174,14 @@ class Scheduler:
             session.queue = deque(e for e in session.queue if e.plan_version >= version)
             self._took(session, len(stale), sum(e.nbytes for e in stale))
         return stale
+
+    def take(self, session: Session, which: Any) -> list[TaskEntry]:
+        """Remove and return the session's queued tasks for which ``which(entry)``."""
+        gone = [e for e in session.queue if which(e)]
+        if gone:
+            session.queue = deque(e for e in session.queue if not which(e))
+            self._took(session, len(gone), sum(e.nbytes for e in gone))
+        return gone
 
     def close(self, sid: bytes) -> Session | None:
         """Forget a session and its queued tasks."""

@@ -5,6 +5,12 @@ never forked from a process that may hold CUDA, never handed a pickle), with
 ``CUDA_VISIBLE_DEVICES=""``, SIGINT ignored (the front decides when workers stop) and a
 parent-death signal so that it never outlives its front.
 
+A TASK is a run of output images of one batch. Each source comes from the server's store
+(decoded and fitted once, shared by every worker, epoch and job) or is made and stored;
+then every image is composed straight into the canvas its frames are sent from. Control
+values arrive once per change (CONTROL, forwarded by the front before the first task that
+needs them), not in every task.
+
 Before it runs a task it writes the task's key into a small shared file the front reads if
 this process dies (``running.py``), so only the task it was running is blamed. If it cannot
 start (its dataset fails to build here), it writes the reason for the front and exits 3.
@@ -14,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import hashlib
 import logging
 import os
 import signal
@@ -23,14 +30,17 @@ from pathlib import Path
 from typing import Any
 
 import cv2
+import msgpack
+import numpy as np
 import zmq
 
-from dataserver.data.pipeline import build_output, prepare
-from dataserver.data.sample import Sample, SampleError
+from dataserver.data.pipeline import Source, compose_into, flip_of, prepare
+from dataserver.data.sample import SampleError
 from dataserver.data.spec import build_dataset, parse_spec
 from dataserver.loop import MessageGuard, inject, is_shutdown
 from dataserver.protocol import (
     Bye,
+    Control,
     Done,
     ErrorMsg,
     Message,
@@ -43,11 +53,13 @@ from dataserver.protocol import (
 from dataserver.server.direct import DirectResults
 from dataserver.server.memory import keep_large_blocks
 from dataserver.server.running import RunningSlot
+from dataserver.server.store import Store, store_key
 
 log = logging.getLogger("dataserver.worker")
 
 PR_SET_PDEATHSIG = 1
 EXIT_START_FAILED = 3
+SESSIONS_KEPT = 1024  # control values of this many sessions are remembered
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -60,33 +72,10 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
-class SourceCache:
-    """Prepared (read + augmented) sources of recent tasks, bounded in bytes, LRU.
-
-    Keyed by everything that determines a prepared source, so a hit is always exact:
-    (session, control_seq, seed, epoch, index). A re-planned task (after a mode switch)
-    that lands here re-composes instead of re-decoding.
-    """
-
-    def __init__(self, max_bytes: int) -> None:
-        self.max_bytes = max_bytes
-        self.nbytes = 0
-        self._items: OrderedDict[tuple[Any, ...], Sample] = OrderedDict()
-
-    def get(self, key: tuple[Any, ...]) -> Sample | None:
-        sample = self._items.get(key)
-        if sample is not None:
-            self._items.move_to_end(key)
-        return sample
-
-    def put(self, key: tuple[Any, ...], sample: Sample) -> None:
-        if sample.nbytes > self.max_bytes or key in self._items:
-            return
-        self._items[key] = sample
-        self.nbytes += sample.nbytes
-        while self.nbytes > self.max_bytes:
-            _, old = self._items.popitem(last=False)
-            self.nbytes -= old.nbytes
+def control_key(values: dict[str, Any]) -> str:
+    """What identifies a set of control values in a store key."""
+    packed = msgpack.packb(values, use_bin_type=True)
+    return hashlib.blake2b(packed, digest_size=8).hexdigest()
 
 
 class Worker:
@@ -98,7 +87,8 @@ class Worker:
         worker_id: int,
         backend: str,
         dataset: Any,
-        cache_bytes: int,
+        fingerprint: str = "",
+        store: Store | None = None,
         results_bind: str | None = None,
         curve: tuple[str, str] | None = None,
         running: RunningSlot | None = None,
@@ -109,12 +99,15 @@ class Worker:
         self.results_bind = results_bind
         self.curve = curve
         self.dataset = dataset
+        self.fingerprint = fingerprint
         self.size = len(dataset)
-        self.cache = SourceCache(cache_bytes)
+        self.store = store
         self.running = running
         self.max_queued_bytes = max_queued_bytes
         self.counters: Counter[str] = Counter()
         self.guard = MessageGuard(log, self.counters)
+        self._setter = getattr(dataset, "set_control", None)
+        self._controls: OrderedDict[bytes, tuple[int, dict[str, Any]]] = OrderedDict()
         self._applied: tuple[bytes, int] | None = None  # (session, control_seq) last applied
         self._current: Task | None = None  # the task being handled
         self._stop = False
@@ -173,6 +166,12 @@ class Worker:
             self.counters["malformed"] += 1
             log.error("worker %d: dropped a bad message from the front: %s", self.worker_id, exc)
             return
+        if isinstance(msg, Control):
+            self._controls[msg.session] = (msg.control_seq, msg.control)
+            self._controls.move_to_end(msg.session)
+            if len(self._controls) > SESSIONS_KEPT:
+                self._controls.popitem(last=False)
+            return
         if isinstance(msg, Bye):
             self._stop = True
             return
@@ -189,7 +188,8 @@ class Worker:
                     task_id=out.task_id,
                     plan_version=out.plan_version,
                     decoded=out.decoded,
-                    samples=len(out.indices),
+                    samples=sum(len(i) for i in out.images),
+                    images=len(out.images),
                 )
                 sock.send_multipart(done.encode())
                 self._current = None
@@ -217,14 +217,20 @@ class Worker:
             if self.running is not None:
                 self.running.clear()
 
-    def _apply_control(self, task: Task) -> None:
+    def _apply_control(self, task: Task) -> str:
+        """Give the dataset the control values ``task`` needs; return their store key."""
+        if task.control_seq == 0:
+            values: dict[str, Any] = {}
+        else:
+            known = self._controls.get(task.session)
+            if known is None or known[0] != task.control_seq:
+                raise LookupError(f"control values {task.control_seq} of this session never came")
+            values = known[1]
         key = (task.session, task.control_seq)
-        if key == self._applied:
-            return
-        setter = getattr(self.dataset, "set_control", None)
-        if callable(setter):
-            setter(dict(task.control))
+        if callable(self._setter) and key != self._applied:
+            self._setter(dict(values))
         self._applied = key
+        return control_key(values) if callable(self._setter) else ""
 
     def run_task(self, task: Task) -> Message:
         """Run one TASK; return its RESULT or ERROR (never raises)."""
@@ -238,34 +244,14 @@ class Worker:
             msg = f"index {bad[0]} out of range: the dataset has {self.size} samples"
             return ErrorMsg(message=msg, kind="request", index=bad[0], **ids)
         try:
-            self._apply_control(task)
+            ckey = self._apply_control(task)
+        except LookupError as exc:
+            return ErrorMsg(message=str(exc), kind="control_missing", **ids)
         except Exception as exc:
             msg = f"dataset.set_control raised {type(exc).__name__}: {exc}"
             return ErrorMsg(message=msg[:4000], kind="control", **ids)
-        session, cseq, seed, epoch = task.session, task.control_seq, task.seed, task.epoch
-        excluded = set(task.exclude)
-        decoded = 0
-
-        def source(index: int) -> Sample:
-            nonlocal decoded
-            if index in excluded:  # the client found it kills workers: leave its cell empty
-                raise SampleError(index, "killed worker processes when read; left out")
-            key = (session, cseq, seed, epoch, index)
-            sample = self.cache.get(key)
-            if sample is None:
-                sample = prepare(self.dataset, index, seed, epoch)
-                decoded += 1
-                self.cache.put(key, sample)
-            return sample
-
         try:
-            out = build_output(
-                source,
-                task.indices,
-                task.grid,
-                (task.out_hw[0], task.out_hw[1]),
-                task.on_error == "skip",
-            )
+            return self._compose(task, ckey, ids)
         except SampleError as exc:
             return ErrorMsg(
                 message=str(exc)[:4000], kind="sample", index=exc.index, file=exc.file, **ids
@@ -274,13 +260,63 @@ class Worker:
             log.exception("worker %d: task %d failed", self.worker_id, task.task_id)
             msg = f"worker error on indices {list(task.indices)}: {type(exc).__name__}: {exc}"
             return ErrorMsg(message=msg[:4000], kind="internal", **ids)
+
+    def _compose(self, task: Task, ckey: str, ids: dict[str, Any]) -> Result:
+        out_h, out_w = task.out_hw
+        fit_hw = (task.fit_hw[0], task.fit_hw[1])
+        canvas = np.zeros((len(task.images), 3, out_h, out_w), dtype=np.uint8)
+        excluded = set(task.exclude)
+        store = self.store
+        decoded = 0
+        positions: list[int] = []
+
+        def make(index: int) -> Source:
+            nonlocal decoded
+            decoded += 1
+            return prepare(self.dataset, index, fit_hw)
+
+        def source(index: int) -> Source:
+            if index in excluded:  # the client found it kills workers: leave its cell empty
+                raise SampleError(index, "killed worker processes when read; left out")
+            if store is None:
+                return make(index)
+            key = store_key(self.fingerprint, index, fit_hw, ckey)
+            src, pos = store.get(key, lambda: make(index))
+            positions.append(pos)
+            return src
+
+        def direct(index: int) -> Source:
+            if index in excluded:
+                raise SampleError(index, "killed worker processes when read; left out")
+            return make(index)
+
+        skip = task.on_error == "skip"
+        kept: list[tuple[int, ...]] = []
+        failed: list[tuple[int, str]] = []
+        boxes: list[np.ndarray] = []
+        labels: list[np.ndarray] = []
+        for n, indices in enumerate(task.images):
+            if self.running is not None:
+                self.running.image(n)
+            flips = [flip_of(task.seed, task.epoch, i) for i in indices]
+            positions.clear()
+            done = compose_into(canvas[n], source, indices, task.grid, flips, skip)
+            if store is not None and not all(store.intact(p) for p in positions):
+                canvas[n] = 0  # the store wrote over a source as we read it: from scratch
+                done = compose_into(canvas[n], direct, indices, task.grid, flips, skip)
+            # (under on_error="skip" an image whose every source failed holds no index)
+            kept.append(tuple(done.indices))
+            failed.extend((i, m[:4000]) for i, m in done.failed)
+            boxes.append(done.boxes)
+            labels.append(done.labels)
         return Result(
-            indices=tuple(out.indices),
-            failed=tuple((i, m[:4000]) for i, m in out.failed),
-            decoded=decoded,  # sources read and augmented for this task (cache misses)
-            image=out.image,
-            boxes=out.boxes,
-            labels=out.labels,
+            images=tuple(kept),
+            box_counts=tuple(len(b) for b in boxes),
+            failed=tuple(failed),
+            decoded=decoded,  # sources read and fitted for this task (store misses)
+            pixels=list(canvas),
+            boxes=np.concatenate(boxes) if boxes else np.zeros((0, 4), np.float32),
+            labels=np.concatenate(labels) if labels else np.zeros((0,), np.int64),
             **ids,
         )
 
@@ -304,7 +340,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parent-pid", type=int, required=True)
     parser.add_argument("--dataset", required=True)
     parser.add_argument("--dataset-args", default=None)
-    parser.add_argument("--cache-mb", type=int, default=64)
+    parser.add_argument("--fingerprint", default="")
+    parser.add_argument("--store", default=None, help="the store's path prefix")
+    parser.add_argument("--store-bytes", type=int, default=0)
     parser.add_argument("--max-queued-mb", type=int, default=256)
     parser.add_argument("--results-bind", default=None)
     parser.add_argument("--state-dir", default=None)
@@ -321,6 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         dataset = build_dataset(parse_spec(args.dataset, args.dataset_args))
         len(dataset)
+        store = Store(args.store, args.store_bytes) if args.store else None
     except Exception as exc:
         return _start_failed(args.state_dir, args.worker_id, exc)
     curve = None
@@ -331,7 +370,8 @@ def main(argv: list[str] | None = None) -> int:
         args.worker_id,
         args.backend,
         dataset,
-        args.cache_mb << 20,
+        args.fingerprint,
+        store,
         args.results_bind,
         curve,
         running,

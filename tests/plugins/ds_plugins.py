@@ -171,7 +171,7 @@ def _composing_grid() -> int:
     """The grid of the output image being composed (read from the worker's call stack)."""
     frame = sys._getframe(1)
     while frame is not None:
-        if frame.f_code.co_name == "build_output":
+        if frame.f_code.co_name == "compose_into":
             return int(frame.f_locals.get("grid", 1))
         frame = frame.f_back  # type: ignore[assignment]
     return 1

@@ -1,0 +1,110 @@
+"""Receiving one message, with a RESULT's images received straight into the batch buffer.
+
+A RESULT's image frames are the bulk of all traffic. Rather than a frame per image that is
+then copied into the batch (two copies in this process: the kernel's into ZeroMQ's frame,
+then ours into the batch), the header is read first, the task it answers is looked up,
+and each image frame is received with ``recv_into`` into its slot of the batch buffer (one
+copy). Everything is checked as ``protocol.decode`` would check it, and anything wrong
+raises ``ProtocolError`` only, after the rest of the message has been read off the socket
+(so the next receive starts at a message boundary).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import zmq
+
+from dataserver.protocol import (
+    MAX_FRAMES,
+    MESSAGES,
+    Message,
+    MsgType,
+    ProtocolError,
+    Result,
+    decode,
+)
+from dataserver.protocol.messages import check_boxes, check_image_spec
+from dataserver.protocol.wire import check_spec, unpack_head
+
+Destinations = Callable[[Result], "list[np.ndarray] | None"]
+
+
+def _rest(sock: zmq.Socket[Any]) -> list[Any]:
+    frames = []
+    while sock.getsockopt(zmq.RCVMORE):
+        frames.append(sock.recv(copy=False))
+        if len(frames) > MAX_FRAMES:
+            while sock.getsockopt(zmq.RCVMORE):  # read it all off, keep none of it
+                sock.recv(copy=False)
+            raise ProtocolError(f"too many frames: more than {MAX_FRAMES}")
+    return frames
+
+
+def receive(sock: zmq.Socket[Any], destinations: Destinations) -> Message:
+    """The next message on ``sock`` (``zmq.Again`` when there is none). For a RESULT that
+    ``destinations(result)`` wants, its images land in the arrays it returns (one
+    contiguous (3, H, W) uint8 array per image); ``result.pixels`` are those arrays."""
+    first = sock.recv(zmq.NOBLOCK, copy=False)
+    try:
+        return _receive(sock, first, destinations)
+    except ProtocolError:
+        _rest(sock)
+        raise
+    except zmq.ZMQError:
+        raise
+    except Exception as exc:
+        _rest(sock)
+        raise ProtocolError(f"unreadable message ({type(exc).__name__}: {exc})") from None
+
+
+def _receive(sock: zmq.Socket[Any], first: Any, destinations: Destinations) -> Message:
+    head = [first]
+    while len(head) < 3 and sock.getsockopt(zmq.RCVMORE):
+        head.append(sock.recv(copy=False))
+    is_result = len(head) == 3 and bytes(memoryview(head[1])) == bytes((MsgType.RESULT,))
+    if not is_result:
+        return decode(head + _rest(sock))
+    mtype, header, specs = unpack_head(head)
+    result = MESSAGES[mtype].read(header, None)
+    assert isinstance(result, Result)
+    n = len(result.images)
+    if len(specs) != n + 2:
+        raise ProtocolError(f"RESULT of {n} image(s) names {len(specs)} arrays, not {n + 2}")
+    shapes = [check_spec(i, spec) for i, spec in enumerate(specs)]
+    dest = destinations(result)
+    pixels: list[np.ndarray] = []
+    for i in range(n):
+        dtype, shape, nbytes = shapes[i]
+        check_image_spec(dtype, shape)
+        if not sock.getsockopt(zmq.RCVMORE):
+            raise ProtocolError(f"RESULT ends after {i} of its {n} images")
+        if dest is None:  # not wanted (late, or a duplicate): read it off, keep nothing
+            sock.recv(copy=False)
+            continue
+        target = dest[i]
+        if target.shape != shape:
+            sock.recv(copy=False)
+            raise ProtocolError(f"image {i} of {shape}, not the {target.shape} asked")
+        got = sock.recv_into(target.data.cast("B"))
+        if got != nbytes:
+            raise ProtocolError(f"image {i}: its frame holds {got} bytes, not {nbytes}")
+        pixels.append(target)
+    arrays = []
+    for i in (n, n + 1):
+        if not sock.getsockopt(zmq.RCVMORE):
+            raise ProtocolError("RESULT ends before its boxes and labels")
+        frame = sock.recv(copy=False)
+        dtype, shape, nbytes = shapes[i]
+        buf = memoryview(frame.buffer)
+        if len(buf) != nbytes:
+            raise ProtocolError(f"array {i}: its frame holds {len(buf)} bytes, not {nbytes}")
+        arrays.append(np.frombuffer(buf, dtype=dtype).reshape(shape))
+    if sock.getsockopt(zmq.RCVMORE):
+        raise ProtocolError("RESULT carries frames after its labels")
+    check_boxes(arrays[0], arrays[1], sum(result.box_counts))
+    result.pixels = pixels if dest is not None else []
+    result.boxes, result.labels = arrays
+    return result

@@ -1,0 +1,349 @@
+"""The figures of ``dataserver bench``: each a ratio of two measurements taken in the same
+run, alternating the sides and keeping each side's median (the machines these run on are
+shared and noisy). Absolute rates and CPU costs are reported too, for context."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from dataserver.admin import fetch_stats
+from dataserver.demo import start_server, stop_server
+
+Progress = Callable[[str], None]
+
+
+def run_side(side: str, args: argparse.Namespace, **opts: Any) -> dict[str, Any]:
+    """Run one side of a comparison in a fresh process; return what it printed."""
+    cmd = [sys.executable, "-m", "dataserver.bench.side", side]
+    base = {
+        "workers": args.workers,
+        "batch_size": args.batch_size,
+        "image_size": args.image_size,
+        "batches": args.batches,
+    }
+    for key, value in {**base, **opts}.items():
+        cmd += [f"--{key.replace('_', '-')}", str(value)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
+    if out.returncode != 0 or not lines:
+        raise RuntimeError(f"bench side {side} failed:\n{out.stderr[-3000:]}")
+    return dict(json.loads(lines[-1]))
+
+
+@contextmanager
+def server(flags: list[str], timeout: float = 60.0) -> Iterator[tuple[str, list[int]]]:
+    """A ``dataserver serve`` for the figure: (address, [front pid, worker pids...])."""
+    proc, address = start_server(flags, timeout=timeout)
+    try:
+        pids = [proc.pid, *fetch_stats(address, 10)["worker_pids"]]
+        yield address, pids
+    finally:
+        stop_server(proc)
+
+
+def med(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def rounds(
+    args: argparse.Namespace, progress: Progress, sides: dict[str, Callable[[], dict[str, Any]]]
+) -> dict[str, list[dict[str, Any]]]:
+    """Each side ``args.rounds`` times, alternating; progress after each run."""
+    out: dict[str, list[dict[str, Any]]] = {name: [] for name in sides}
+    for r in range(args.rounds):
+        for name, run in sides.items():
+            result = run()
+            out[name].append(result)
+            rate = result.get("images_per_s")
+            shown = f"{rate:,.0f} images/s" if isinstance(rate, (int, float)) else ""
+            progress(f"round {r + 1}/{args.rounds}: {name} {shown}")
+    return out
+
+
+def _per_image_ms(run: dict[str, Any]) -> float:
+    return 1000 * (run["cpu_self_s"] + sum(run["cpu_others_s"])) / run["images"]
+
+
+def fig_dataloader(args: argparse.Namespace, spec: str, progress: Progress) -> dict[str, Any]:
+    """images/s vs the tuned DataLoader(num_workers=W), and vs W x the single-process rate;
+    CPU per delivered image (every process), and the client's own CPU per image."""
+    with server(["--dataset", spec, "--workers", str(args.workers)]) as (address, pids):
+        runs = rounds(
+            args,
+            progress,
+            {
+                "dataserver": lambda: run_side(
+                    "dataserver", args, address=address, server_pids=",".join(map(str, pids))
+                ),
+                "dataloader": lambda: run_side("dataloader", args, spec=spec),
+                "single": lambda: run_side("single", args, spec=spec),
+            },
+        )
+    ds = med([r["images_per_s"] for r in runs["dataserver"]])
+    dl = med([r["images_per_s"] for r in runs["dataloader"]])
+    single = med([r["images_per_s"] for r in runs["single"]])
+    return {
+        "dataserver_images_per_s": round(ds, 1),
+        "dataloader_images_per_s": round(dl, 1),
+        "single_process_images_per_s": round(single, 1),
+        "vs_dataloader": round(ds / dl, 3),
+        "vs_physical_limit": round(ds / (args.workers * single), 3),
+        "cpu_ms_per_image_dataserver": round(
+            med([_per_image_ms(r) for r in runs["dataserver"]]), 2
+        ),
+        "cpu_ms_per_image_dataloader": round(
+            med([_per_image_ms(r) for r in runs["dataloader"]]), 2
+        ),
+        "cpu_ms_per_image_single_process": round(
+            med([1000 / r["images_per_s"] for r in runs["single"]]), 2
+        ),
+        "client_cpu_us_per_image": round(
+            med([1e6 * r["cpu_self_s"] / r["images"] for r in runs["dataserver"]]), 1
+        ),
+        "rounds_images_per_s": {
+            k: [round(r["images_per_s"], 1) for r in v] for k, v in runs.items()
+        },
+    }
+
+
+def fig_overhead(args: argparse.Namespace, spec: str, progress: Progress) -> dict[str, Any]:
+    """The service's own CPU per sample, with samples that cost nothing to make (32 x 32,
+    0 ms): client, front and workers, beside DataLoader's main process and workers on the
+    same samples and pipeline."""
+    zero = "dataserver.data.simulated:simulated"
+    dataset_args = json.dumps({"n": 4096, "ms": 0, "size": 32})
+    opts = {"image_size": 32, "batch_size": 64, "batches": max(args.batches, 100)}
+    flags = ["--dataset", zero, "--dataset-args", dataset_args, "--workers", str(args.workers)]
+    with server(flags) as (address, pids):
+        runs = rounds(
+            args,
+            progress,
+            {
+                "dataserver": lambda: run_side(
+                    "dataserver",
+                    args,
+                    address=address,
+                    server_pids=",".join(map(str, pids)),
+                    **opts,
+                ),
+                "dataloader": lambda: run_side(
+                    "dataloader", args, spec=zero, spec_args=dataset_args, **opts
+                ),
+            },
+        )
+
+    def us(values: list[float], run: dict[str, Any]) -> float:
+        return 1e6 * sum(values) / run["images"]
+
+    ds, dl = runs["dataserver"], runs["dataloader"]
+    client = med([us([r["cpu_self_s"]], r) for r in ds])
+    front = med([us(r["cpu_others_s"][:1], r) for r in ds])
+    workers = med([us(r["cpu_others_s"][1:], r) for r in ds])
+    return {
+        "dataserver_us_per_sample": round(
+            med([us([r["cpu_self_s"], *r["cpu_others_s"]], r) for r in ds]), 1
+        ),
+        "client_us_per_sample": round(client, 1),
+        "front_us_per_sample": round(front, 1),
+        "workers_us_per_sample": round(workers, 1),
+        "dataloader_us_per_sample": round(
+            med([us([r["cpu_self_s"], *r["cpu_others_s"]], r) for r in dl]), 1
+        ),
+        "dataloader_main_us_per_sample": round(med([us([r["cpu_self_s"]], r) for r in dl]), 1),
+        "dataserver_samples_per_s": round(med([r["images_per_s"] for r in ds]), 1),
+        "dataloader_samples_per_s": round(med([r["images_per_s"] for r in dl]), 1),
+    }
+
+
+def fig_cache(args: argparse.Namespace, spec: str, progress: Progress) -> dict[str, Any]:
+    """Epoch 2 onward with the server's store of prepared sources (one epoch untimed fills
+    it) vs DataLoader, which decodes every epoch."""
+    flags = ["--dataset", spec, "--workers", str(args.workers), "--cache-gb", "2"]
+    with server(flags) as (address, pids):
+        runs = rounds(
+            args,
+            progress,
+            {
+                "dataserver_cached": lambda: run_side(
+                    "dataserver",
+                    args,
+                    address=address,
+                    server_pids=",".join(map(str, pids)),
+                    warm_epochs=1,
+                ),
+                "dataloader": lambda: run_side("dataloader", args, spec=spec),
+            },
+        )
+        stats = fetch_stats(address, 10)
+    ds = med([r["images_per_s"] for r in runs["dataserver_cached"]])
+    dl = med([r["images_per_s"] for r in runs["dataloader"]])
+    store = stats.get("store") or {}
+    return {
+        "cached_images_per_s": round(ds, 1),
+        "dataloader_images_per_s": round(dl, 1),
+        "cached_vs_dataloader": round(ds / dl, 3),
+        "store_hit_rate": store.get("hit_rate"),
+        "store_bytes": store.get("bytes"),
+        "cpu_ms_per_image_cached": round(
+            med([_per_image_ms(r) for r in runs["dataserver_cached"]]), 2
+        ),
+    }
+
+
+def fig_feedback(args: argparse.Namespace, spec: str, progress: Progress) -> dict[str, Any]:
+    """samples/s with the mode flipping on ~20% of steps vs one constant mode, same server,
+    and the source decodes the flips cost (decoded by the server minus samples delivered)."""
+    with server(["--dataset", spec, "--workers", str(args.workers), "--cache-gb", "0"]) as (
+        address,
+        _,
+    ):
+        runs: dict[str, list[dict[str, Any]]] = {"flips": [], "regular": [], "stitch": []}
+        for r in range(args.rounds):
+            for name, flip, mode in (
+                ("flips", 0.2, "regular"),
+                ("regular", 0.0, "regular"),
+                ("stitch", 0.0, "stitch"),
+            ):
+                before = fetch_stats(address, 10)["counters"].get("sources_decoded", 0)
+                out = run_side("feedback", args, address=address, flip_rate=flip, mode=mode, seed=r)
+                out["decoded"] = (
+                    fetch_stats(address, 10)["counters"].get("sources_decoded", 0) - before
+                )
+                runs[name].append(out)
+                progress(
+                    f"round {r + 1}/{args.rounds}: {name} {out['samples_per_s']:,.0f} samples/s"
+                )
+
+    # What the same batches would cost at each mode's constant-mode speed: the ratio
+    # isolates the price of switching from the (large) difference between the modes.
+    regular_bps = med([o["regular_batches"] / o["elapsed"] for o in runs["regular"]])
+    stitch_bps = med([o["stitch_batches"] / o["elapsed"] for o in runs["stitch"]])
+    vs_mix = [
+        (o["regular_batches"] / regular_bps + o["stitch_batches"] / stitch_bps) / o["elapsed"]
+        for o in runs["flips"]
+    ]
+    extra = [o["decoded"] / max(1, o["total_samples"]) - 1 for o in runs["flips"]]
+    per_flip = [
+        (o["decoded"] - o["total_samples"]) / max(1, o["total_flips"]) for o in runs["flips"]
+    ]
+    return {
+        "flips_vs_constant_modes": round(med(vs_mix), 3),
+        "flips_samples_per_s": round(med([o["samples_per_s"] for o in runs["flips"]]), 1),
+        "regular_samples_per_s": round(med([o["samples_per_s"] for o in runs["regular"]]), 1),
+        "stitch_samples_per_s": round(med([o["samples_per_s"] for o in runs["stitch"]]), 1),
+        "flip_rate": round(med([o["flips"] / args.batches for o in runs["flips"]]), 3),
+        "stitched_share": round(
+            med([o["stitch_batches"] / args.batches for o in runs["flips"]]), 3
+        ),
+        "extra_decodes_per_sample_with_flips": round(med(extra), 3),
+        "extra_decodes_per_flip": round(med(per_flip), 1),
+        "note": "flips_vs_constant_modes = (time the flip run's batches take at constant-mode "
+        "speed) / (time they took); samples/s counts dataset samples (a stitched image holds k); "
+        "served without the store, so that every flip's cost shows",
+    }
+
+
+def fig_first_batch(args: argparse.Namespace, spec: str, progress: Progress) -> dict[str, Any]:
+    """Time from a new client to its first batch, against a running, idle server."""
+    with server(["--dataset", spec, "--workers", str(args.workers)]) as (address, _):
+        runs = []
+        for r in range(5):
+            runs.append(run_side("first_batch", args, address=address))
+            progress(f"run {r + 1}/5: {runs[-1]['first_batch_ms']:.0f} ms")
+    return {
+        "first_batch_ms": round(med([r["first_batch_ms"] for r in runs]), 1),
+        "handshake_ms": round(med([r["handshake_ms"] for r in runs]), 1),
+        "runs_ms": [round(r["first_batch_ms"], 1) for r in runs],
+    }
+
+
+def fig_coordination(args: argparse.Namespace, spec: str, progress: Progress) -> dict[str, Any]:
+    """4 servers x 8 workers, samples that take 10 ms each (sleeping, not computing): the
+    samples/s one client gets vs the ideal 32 x 100 = 3,200/s."""
+    servers, workers, ms = 4, 8, 10.0
+    dataset_args = json.dumps({"n": 8192, "ms": ms, "size": 32})
+    flags = [
+        "--dataset",
+        "dataserver.data.simulated:simulated",
+        "--dataset-args",
+        dataset_args,
+        "--workers",
+        str(workers),
+        "--cache-gb",
+        "0",
+    ]
+    started = []
+    try:
+        for n in range(servers):
+            started.append(start_server(flags, timeout=120))
+            progress(f"server {n + 1}/{servers} up")
+        addresses = ",".join(address for _, address in started)
+        opts = {"batch_size": 64, "image_size": 32, "client_args": json.dumps({"prefetch": 2})}
+        coord = argparse.Namespace(**vars(args))
+        runs = rounds(
+            coord,
+            progress,
+            {"dataserver": lambda: run_side("dataserver", coord, address=addresses, **opts)},
+        )
+    finally:
+        for proc, _ in started:
+            stop_server(proc)
+    ideal = servers * workers * 1000.0 / ms
+    rate = med([r["images_per_s"] for r in runs["dataserver"]])
+    return {
+        "samples_per_s": round(rate, 1),
+        "ideal_samples_per_s": ideal,
+        "vs_ideal": round(rate / ideal, 3),
+        "rounds": [round(r["images_per_s"], 1) for r in runs["dataserver"]],
+    }
+
+
+def fig_transport(args: argparse.Namespace, spec: str, progress: Progress) -> dict[str, Any]:
+    """Delivered GB/s of pre-decoded samples (no decode: pixels in memory, fitted at their
+    own size) vs raw ZeroMQ PUSH/PULL of same-sized frames from as many processes."""
+    nbytes = 3 * args.image_size * args.image_size
+    dataset_args = json.dumps({"n": 32, "size": args.image_size})
+    flags = [
+        "--dataset",
+        "dataserver.data.simulated:predecoded",
+        "--dataset-args",
+        dataset_args,
+        "--workers",
+        str(args.workers),
+    ]
+    with server(flags) as (address, pids):
+        runs = rounds(
+            args,
+            progress,
+            {
+                "dataserver": lambda: run_side(
+                    "dataserver", args, address=address, server_pids=",".join(map(str, pids))
+                ),
+                "rawzmq": lambda: run_side("rawzmq", args),
+            },
+        )
+    o = med([r["images_per_s"] * nbytes for r in runs["dataserver"]])
+    r = med([r["images_per_s"] * nbytes for r in runs["rawzmq"]])
+    return {
+        "dataserver_gb_per_s": round(o / 1e9, 3),
+        "raw_zmq_gb_per_s": round(r / 1e9, 3),
+        "vs_raw_zmq": round(o / r, 3),
+    }
+
+
+FIGURES: dict[str, Callable[[argparse.Namespace, str, Progress], dict[str, Any]]] = {
+    "dataloader": fig_dataloader,
+    "overhead": fig_overhead,
+    "cache": fig_cache,
+    "feedback": fig_feedback,
+    "first_batch": fig_first_batch,
+    "coordination": fig_coordination,
+    "transport": fig_transport,
+}

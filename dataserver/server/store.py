@@ -1,0 +1,510 @@
+"""The server's store of prepared sources: decoded and fitted (``pipeline.Source``), in
+shared memory that every worker of the server maps, bounded in bytes (``--cache-gb``).
+
+It serves three uses: epochs after the first (a hit skips the decode), several jobs with
+the same dataset and image size (same key, same bytes), and zero-stall mode flips (the
+sources of the next batch, decoded once, serve whichever mode is decided).
+
+Layout: two files in a private directory (``/dev/shm`` when there is one):
+
+- the *arena*, a ring of bytes: each entry's image planes (3, h, w) uint8, then its boxes
+  (M, 4) float32 and labels (M,) int64, contiguous;
+- the *index*: a header (head position, ring size, a dirty flag), an open addressing hash
+  table of 64-byte entries (key, state, owner pid, position, shape), and a journal of
+  (position, key) in ring order, from which the oldest entries are evicted.
+
+Entries are written at the ring's head; room is made by evicting the oldest entries (an
+entry read while in the oldest quarter of the ring is first copied to the head: LRU,
+approximately). Positions are monotonic byte counts, so "the bytes of this entry are
+intact" is ``head - ring <= position``. The arena's pages are reserved (``fallocate``)
+64 MiB at a time as the head first reaches them; if shared memory runs out, the ring
+stops growing there instead of the process dying on a write to a page that cannot be had.
+
+Concurrency: one ``flock`` on the index file serialises every change and lookup; readers
+compose straight from the ring without the lock and check afterwards (``intact``) that the
+head has not passed over what they read. A source being made by one worker is marked
+PENDING with its pid; another worker that needs it waits rather than decoding it twice
+(unless the owner died). A process killed in the middle of a change leaves the dirty flag
+set; the next one to take the lock empties the index (a cache may lose entries; a torn
+table it may not keep).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import logging
+import mmap
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dataserver.data.pipeline import Source
+
+log = logging.getLogger("dataserver.store")
+
+MAGIC = 0x44535354_4F524532  # "DSSTORE2"
+EMPTY, PENDING, READY = 0, 1, 2
+PENDING_WAIT_S = 30.0  # how long to wait for a source another live worker is making
+ENTRY_BYTES = 8192  # hash table slots: one per this many bytes of ring
+MIN_ENTRIES = 1024
+CHUNK = 64 << 20  # arena pages are reserved this much at a time
+
+_HEADER = np.dtype(
+    [
+        ("magic", "<u8"),
+        ("capacity", "<u8"),
+        ("entries", "<u8"),
+        ("head", "<u8"),  # bytes ever written: the position of the next write
+        ("ring", "<u8"),  # the ring's size: capacity, or less if memory ran out
+        ("reserved", "<u8"),  # arena bytes reserved so far
+        ("journal_head", "<u8"),
+        ("journal_tail", "<u8"),
+        ("dirty", "<u8"),
+        ("owner", "<u8"),  # pid of the front that made it
+        ("_pad", "<u8", (6,)),
+    ]
+)
+_ENTRY = np.dtype(
+    [
+        ("k0", "<u8"),
+        ("k1", "<u8"),
+        ("state", "<u4"),
+        ("pid", "<u4"),
+        ("pos", "<u8"),
+        ("nbytes", "<u8"),
+        ("h", "<u4"),
+        ("w", "<u4"),
+        ("nboxes", "<u4"),
+        ("_pad", "<u4", (3,)),
+    ]
+)
+_JOURNAL = np.dtype([("pos", "<u8"), ("k0", "<u8"), ("k1", "<u8")])
+
+
+def store_key(*parts: object) -> tuple[int, int]:
+    """A 128-bit key for what determines a prepared source (never (0, 0))."""
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=16).digest()
+    k0 = int.from_bytes(digest[:8], "little") or 1
+    return k0, int.from_bytes(digest[8:], "little")
+
+
+def _layout(capacity: int) -> tuple[int, int]:
+    entries = max(MIN_ENTRIES, capacity // ENTRY_BYTES)
+    index_bytes = _HEADER.itemsize + entries * (_ENTRY.itemsize + _JOURNAL.itemsize)
+    return entries, index_bytes
+
+
+def default_dir() -> Path | None:
+    """``/dev/shm`` where there is a writable one."""
+    shm = Path("/dev/shm")
+    return shm if shm.is_dir() and os.access(shm, os.W_OK) else None
+
+
+@dataclass
+class StoreStats:
+    hits: int = 0
+    misses: int = 0
+    waits: int = 0  # sources another worker was making, waited for
+    evictions: int = 0
+    refreshes: int = 0
+    torn: int = 0  # reads written over while being used (composed again)
+
+
+class Store:
+    """One process's view of a server's store."""
+
+    def __init__(self, prefix: str, capacity: int, create: bool = False) -> None:
+        self.prefix = prefix
+        self.capacity = capacity
+        self.entries, index_bytes = _layout(capacity)
+        self.stats = StoreStats()
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        self._index_fd = os.open(prefix + ".index", flags, 0o600)
+        self._arena_fd = os.open(prefix + ".arena", flags, 0o600)
+        if create:
+            os.ftruncate(self._index_fd, index_bytes)
+            os.posix_fallocate(self._index_fd, 0, index_bytes)
+            os.ftruncate(self._arena_fd, capacity)
+        self._index_map = mmap.mmap(self._index_fd, index_bytes)
+        self._arena_map = mmap.mmap(self._arena_fd, capacity)
+        buf = memoryview(self._index_map)
+        self.header = np.frombuffer(buf, _HEADER, 1, 0)
+        off = _HEADER.itemsize
+        self.table = np.frombuffer(buf, _ENTRY, self.entries, off)
+        off += self.entries * _ENTRY.itemsize
+        self.journal = np.frombuffer(buf, _JOURNAL, self.entries, off)
+        self.arena = np.frombuffer(memoryview(self._arena_map), np.uint8)
+        h = self.header[0]
+        if create:
+            h["magic"], h["capacity"], h["entries"] = MAGIC, capacity, self.entries
+            h["ring"], h["owner"] = capacity, os.getpid()
+        elif int(h["magic"]) != MAGIC or int(h["capacity"]) != capacity:
+            raise ValueError(f"{prefix}: not a store of {capacity} bytes")
+        self._pid = os.getpid()
+
+    @classmethod
+    def create(cls, directory: Path, name: str, capacity: int) -> Store:
+        """A new, empty store; stores left by fronts that died are removed first."""
+        sweep(directory)
+        return cls(str(directory / name), capacity, create=True)
+
+    def unlink(self) -> None:
+        for suffix in (".index", ".arena"):
+            Path(self.prefix + suffix).unlink(missing_ok=True)
+
+    def close(self) -> None:
+        """Unmap (once no view of a source read from it is alive: until then, the maps
+        stay, and go with the last view) and close the files."""
+        del self.header, self.table, self.journal, self.arena
+        for m in (self._index_map, self._arena_map):
+            try:
+                m.close()
+            except BufferError:
+                pass
+        os.close(self._index_fd)
+        os.close(self._arena_fd)
+
+    # ------------------------------------------------------------ locking
+
+    def _lock(self) -> None:
+        fcntl.flock(self._index_fd, fcntl.LOCK_EX)
+        h = self.header[0]
+        if int(h["dirty"]):  # a process died mid-change: start afresh
+            log.warning("store %s: a process died while changing it; emptied", self.prefix)
+            self.table[:] = 0
+            self.journal[:] = 0
+            h["journal_head"] = h["journal_tail"] = 0
+            h["dirty"] = 0
+
+    def _unlock(self) -> None:
+        fcntl.flock(self._index_fd, fcntl.LOCK_UN)
+
+    def _dirty(self, on: bool) -> None:
+        self.header[0]["dirty"] = 1 if on else 0
+
+    # ------------------------------------------------------------ hash table
+
+    def _find(self, k0: int, k1: int) -> int:
+        """The slot holding the key, or -1."""
+        n = self.entries
+        table = self.table
+        i = k0 % n
+        for _ in range(n):
+            e = table[i]
+            if int(e["state"]) == EMPTY:
+                return -1
+            if int(e["k0"]) == k0 and int(e["k1"]) == k1:
+                return i
+            i = (i + 1) % n
+        return -1
+
+    def _free_slot(self, k0: int) -> int:
+        n = self.entries
+        i = k0 % n
+        for _ in range(n):
+            if int(self.table[i]["state"]) == EMPTY:
+                return i
+            i = (i + 1) % n
+        return -1
+
+    def _delete(self, i: int) -> None:
+        """Empty slot ``i``, moving later entries of its cluster back (no tombstones)."""
+        n = self.entries
+        table = self.table
+        table[i] = 0
+        j = i
+        while True:
+            j = (j + 1) % n
+            if int(table[j]["state"]) == EMPTY:
+                return
+            home = int(table[j]["k0"]) % n
+            # j may move to i unless its home lies cyclically in (i, j].
+            between = (i < home <= j) if i <= j else (home > i or home <= j)
+            if not between:
+                table[i] = table[j]
+                table[j] = 0
+                i = j
+
+    # ------------------------------------------------------------ ring
+
+    def _reserve(self, end: int) -> None:
+        """Reserve arena pages up to ``end`` (first lap only), in chunks, smaller ones when
+        a chunk does not fit; when nothing more fits, the ring ends where reserved pages
+        end (a write to a page that cannot be had would kill the process)."""
+        h = self.header[0]
+        reserved = int(h["reserved"])
+        size = CHUNK
+        while reserved < end and reserved < self.capacity:
+            size = min(size, self.capacity - reserved)
+            try:
+                os.posix_fallocate(self._arena_fd, reserved, size)
+            except OSError as exc:
+                if exc.errno == errno.ENOSPC and size > (1 << 20):
+                    size //= 2
+                    continue
+                if exc.errno == errno.ENOSPC:
+                    log.warning(
+                        "store %s: shared memory ran out at %d MiB; the store is that big",
+                        self.prefix,
+                        reserved >> 20,
+                    )
+                    h["ring"] = max(reserved, 1)
+                    h["reserved"] = reserved
+                    return
+                if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                    raise
+                reserved = self.capacity  # cannot reserve here (not tmpfs): write as we go
+                break
+            reserved += size
+        h["reserved"] = reserved
+
+    def _alloc(self, nbytes: int) -> int:
+        """Make room for ``nbytes`` at the head (evicting the oldest); return its position,
+        or -1 when it cannot be held."""
+        h = self.header[0]
+        head = int(h["head"])
+        ring = int(h["ring"])
+        if head < ring:  # first lap: the pages must be reserved first
+            self._reserve(min(head + nbytes, self.capacity))
+            ring = int(h["ring"])
+        if nbytes > ring // 4:
+            return -1
+        if head % ring + nbytes > ring:  # does not fit before the end: start the next lap
+            head += ring - head % ring
+        end = head + nbytes
+        self._evict_before(end - ring)
+        h["head"] = end
+        return head
+
+    def _evict_before(self, position: int) -> None:
+        """Drop every entry whose bytes begin before ``position``, oldest first."""
+        h = self.header[0]
+        tail, jhead = int(h["journal_tail"]), int(h["journal_head"])
+        n = self.entries
+        while tail < jhead:
+            rec = self.journal[tail % n]
+            pos = int(rec["pos"])
+            if pos >= position:
+                break
+            i = self._find(int(rec["k0"]), int(rec["k1"]))
+            if i >= 0 and int(self.table[i]["state"]) == READY and int(self.table[i]["pos"]) == pos:
+                self._delete(i)
+                self.stats.evictions += 1
+            tail += 1
+        h["journal_tail"] = tail
+
+    def _journal(self, pos: int, k0: int, k1: int) -> None:
+        h = self.header[0]
+        n = self.entries
+        if int(h["journal_head"]) - int(h["journal_tail"]) >= n:  # full: the oldest goes
+            self._evict_before(int(self.journal[int(h["journal_tail"]) % n]["pos"]) + 1)
+        jhead = int(h["journal_head"])
+        rec = self.journal[jhead % n]
+        rec["pos"], rec["k0"], rec["k1"] = pos, k0, k1
+        h["journal_head"] = jhead + 1
+
+    def _ready_count(self) -> int:
+        h = self.header[0]
+        return int(h["journal_head"]) - int(h["journal_tail"])
+
+    # ------------------------------------------------------------ use
+
+    def get(self, key: tuple[int, int], make: Callable[[], Source]) -> tuple[Source, int]:
+        """The source for ``key``: from the store, or made by ``make()`` and stored. While
+        another live worker makes the same source, wait for it instead of making it
+        twice. Returns (source, position); position >= 0 means its arrays are views into
+        the ring: check ``intact(position)`` after using them."""
+        k0, k1 = key
+        deadline = time.monotonic() + PENDING_WAIT_S
+        waited = False
+        while True:
+            self._lock()
+            try:
+                i = self._find(k0, k1)
+                if i >= 0 and int(self.table[i]["state"]) == READY:
+                    pos = self._refresh(i)
+                    self.stats.hits += 1
+                    self.stats.waits += waited
+                    return self._view(k0, k1, pos), pos
+                if i >= 0:  # PENDING
+                    owner = int(self.table[i]["pid"])
+                    mine = owner == self._pid or not _alive(owner)
+                    if mine or time.monotonic() > deadline:
+                        self._dirty(True)
+                        self.table[i]["pid"] = self._pid
+                        self._dirty(False)
+                        break
+                else:
+                    if self._ready_count() >= self.entries * 3 // 4:  # the table is filling
+                        self._dirty(True)
+                        self._evict_before(
+                            int(self.header[0]["head"]) - int(self.header[0]["ring"]) // 2
+                        )
+                        self._dirty(False)
+                    slot = self._free_slot(k0)
+                    if slot < 0:
+                        return make(), -1  # no room at all: make it, do not keep it
+                    self._dirty(True)
+                    e = self.table[slot]
+                    e["k0"], e["k1"], e["state"], e["pid"] = k0, k1, PENDING, self._pid
+                    self._dirty(False)
+                    break
+            finally:
+                self._unlock()
+            waited = True
+            time.sleep(0.0005)
+        self.stats.misses += 1
+        try:
+            source = make()
+        except BaseException:
+            self._forget(k0, k1)
+            raise
+        self._put(k0, k1, source)
+        return source, -1
+
+    def intact(self, position: int) -> bool:
+        """Whether the bytes read at ``position`` were not written over since."""
+        if position < 0:
+            return True
+        self._lock()
+        try:
+            h = self.header[0]
+            ok = int(h["head"]) - int(h["ring"]) <= position
+        finally:
+            self._unlock()
+        if not ok:
+            self.stats.torn += 1
+        return ok
+
+    def _forget(self, k0: int, k1: int) -> None:
+        self._lock()
+        try:
+            i = self._find(k0, k1)
+            if (
+                i >= 0
+                and int(self.table[i]["state"]) == PENDING
+                and int(self.table[i]["pid"]) == self._pid
+            ):
+                self._dirty(True)
+                self._delete(i)
+                self._dirty(False)
+        finally:
+            self._unlock()
+
+    def _put(self, k0: int, k1: int, source: Source) -> None:
+        _, h, w = source.image.shape
+        m = len(source.boxes)
+        img = 3 * h * w
+        nbytes = img + 24 * m
+        self._lock()
+        try:
+            i = self._find(k0, k1)
+            if (
+                i < 0
+                or int(self.table[i]["state"]) != PENDING
+                or int(self.table[i]["pid"]) != self._pid
+            ):
+                return  # taken over meanwhile: the other one will store it
+            self._dirty(True)
+            pos = self._alloc(nbytes)
+            i = self._find(k0, k1)  # eviction may have moved our slot
+            if pos < 0:
+                if i >= 0:
+                    self._delete(i)
+                self._dirty(False)
+                return
+            off = pos % int(self.header[0]["ring"])
+            arena = self.arena
+            arena[off : off + img] = source.image.reshape(-1)
+            arena[off + img : off + img + 16 * m] = source.boxes.reshape(-1).view(np.uint8)
+            arena[off + img + 16 * m : off + nbytes] = source.labels.reshape(-1).view(np.uint8)
+            e = self.table[i]
+            e["pos"], e["nbytes"], e["h"], e["w"], e["nboxes"] = pos, nbytes, h, w, m
+            e["state"], e["pid"] = READY, 0
+            self._journal(pos, k0, k1)
+            self._dirty(False)
+        finally:
+            self._unlock()
+
+    def _view(self, k0: int, k1: int, pos: int) -> Source:
+        e = self.table[self._find(k0, k1)]
+        h, w, m = int(e["h"]), int(e["w"]), int(e["nboxes"])
+        off = pos % int(self.header[0]["ring"])
+        img = 3 * h * w
+        image = self.arena[off : off + img].reshape(3, h, w)
+        boxes = self.arena[off + img : off + img + 16 * m].view(np.float32).reshape(m, 4)
+        labels = self.arena[off + img + 16 * m : off + img + 24 * m].view(np.int64)
+        return Source(image, boxes, labels)
+
+    def _refresh(self, i: int) -> int:
+        """An entry in the oldest quarter of the ring is copied to the head (so what is
+        read stays, and what is not goes first). Returns its (new) position."""
+        hd = self.header[0]
+        e = self.table[i]
+        pos, nbytes, ring = int(e["pos"]), int(e["nbytes"]), int(hd["ring"])
+        if pos >= int(hd["head"]) - ring + ring // 4 or nbytes > ring // 4:
+            return pos
+        k0, k1, h, w, m = int(e["k0"]), int(e["k1"]), int(e["h"]), int(e["w"]), int(e["nboxes"])
+        data = self.arena[pos % ring : pos % ring + nbytes].copy()
+        self._dirty(True)
+        new = self._alloc(nbytes)
+        ring = int(hd["ring"])
+        i = self._find(k0, k1)
+        if i < 0:  # evicted to make room for itself (a store of a few entries)
+            i = self._free_slot(k0)
+            self.table[i]["k0"], self.table[i]["k1"] = k0, k1
+        e = self.table[i]
+        e["state"], e["pid"], e["pos"], e["nbytes"] = READY, 0, new, nbytes
+        e["h"], e["w"], e["nboxes"] = h, w, m
+        self.arena[new % ring : new % ring + nbytes] = data
+        self._journal(new, k0, k1)
+        self._dirty(False)
+        self.stats.refreshes += 1
+        return new
+
+    def usage(self) -> dict[str, Any]:
+        """Entries and bytes held (for stats)."""
+        self._lock()
+        try:
+            ready = self.table["state"] == READY
+            return {
+                "entries": int(np.count_nonzero(ready)),
+                "bytes": int(self.table["nbytes"][ready].sum()),
+                "capacity_bytes": int(self.header[0]["ring"]),
+            }
+        finally:
+            self._unlock()
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep(directory: Path) -> None:
+    """Remove stores whose front is gone (left behind by a front killed with SIGKILL)."""
+    for index in directory.glob("dataserver-*.index"):
+        try:
+            with open(index, "rb") as f:
+                raw = f.read(_HEADER.itemsize)
+            header = np.frombuffer(raw, _HEADER, 1)[0]
+            if int(header["magic"]) != MAGIC or _alive(int(header["owner"])):
+                continue
+        except (OSError, ValueError):
+            continue
+        for suffix in (".index", ".arena"):
+            index.with_suffix(suffix).unlink(missing_ok=True)
