@@ -61,6 +61,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         curve_secret_key=args.curve_secret_key,
         curve_authorized_keys=args.curve_authorized_keys,
         direct_results=args.direct_results,
+        local_results=args.local_results,
         max_sessions=args.max_sessions,
         max_image_side=args.max_image_side,
         max_queued_mb=args.max_queued_mb,
@@ -226,6 +227,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=True,
         help="workers send results straight to clients that can reach them (default: on; "
         "results fall back to the front otherwise)",
+    )
+    p.add_argument(
+        "--local-results",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="workers also offer their results over ipc, which clients on this host use "
+        "instead of TCP (default: on)",
     )
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=cmd_serve)

@@ -266,13 +266,8 @@ class FakeServer:
                         header["session"] = session
                     arrays: list[bytes] = []
                     if mtype is MsgType.RESULT:
-                        header["arrays"] = [
-                            ["|u1", [3, 32, 32]],
-                            ["|u1", [3, 32, 32]],
-                            ["<f4", [1, 4]],
-                            ["<i8", [1]],
-                        ]
-                        arrays = [bytes(3 * 32 * 32), bytes(3 * 32 * 32), bytes(16), bytes(8)]
+                        header["arrays"] = [["|u1", [2, 3, 32, 32]], ["<f4", [1, 4]], ["<i8", [1]]]
+                        arrays = [bytes(2 * 3 * 32 * 32), bytes(16), bytes(8)]
                     try:
                         packed = msgpack.packb(header, use_bin_type=True)
                     except (OverflowError, TypeError, ValueError):

@@ -44,15 +44,24 @@ def test_servers_with_different_datasets_are_refused(start_server: Any) -> None:
         DataServerClient([a.address, b.address], device="cpu", timeout=5)
 
 
-@pytest.mark.parametrize("direct", [True, False])
+@pytest.mark.parametrize(
+    ("flags", "transport"),
+    [
+        (["--direct-results"], "ipc://"),  # a client on the server's host: over ipc
+        (["--direct-results", "--no-local-results"], "tcp://"),
+        (["--no-direct-results"], None),
+    ],
+)
 def test_results_come_straight_from_workers_or_through_the_front(
-    start_server: Any, direct: bool
+    start_server: Any, flags: list[str], transport: str | None
 ) -> None:
-    flag = "--direct-results" if direct else "--no-direct-results"
-    server = start_server("--dataset", "synthetic:images=48,seed=2", flag, workers=2)
+    direct = transport is not None
+    server = start_server("--dataset", "synthetic:images=48,seed=2", *flags, workers=2)
     with DataServerClient(server.address, batch_size=8, image_size=(64, 64), device="cpu") as c:
         c.set_epoch(0)
         assert sorted(i for b in c for idx in b.indices for i in idx) == list(range(48))
+        endpoints = c._engine.links.links[0].result_endpoints if c._engine.links else set()
+        assert all(e.startswith(transport or "-") for e in endpoints) if direct else not endpoints
     counters = server.stats()["counters"]
     assert counters["images_done"] == 48
     direct_count = counters.get("results_direct", 0)

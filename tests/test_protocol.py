@@ -32,8 +32,7 @@ from dataserver.protocol import (
 
 def result_arrays() -> list[np.ndarray]:
     return [
-        np.arange(3 * 4 * 5, dtype=np.uint8).reshape(3, 4, 5),
-        np.arange(3 * 4 * 5, dtype=np.uint8).reshape(3, 4, 5)[::-1].copy(),
+        np.arange(2 * 3 * 4 * 5, dtype=np.uint8).reshape(2, 3, 4, 5),
         np.array([[1, 2, 3, 4]], dtype=np.float32),
         np.array([9], dtype=np.int64),
     ]
@@ -74,7 +73,7 @@ def test_typed_fields_are_normalised() -> None:
     assert msg.out_hw == (64, 48) and msg.exclude == ()
     res = decode(frames_of(MsgType.RESULT))
     assert isinstance(res, Result) and res.failed == ((6, "bad"),)
-    assert [p.shape for p in res.pixels] == [(3, 4, 5), (3, 4, 5)]
+    assert res.pixels is not None and res.pixels.shape == (2, 3, 4, 5)
 
 
 def test_arrays_are_received_without_copy() -> None:
@@ -82,9 +81,9 @@ def test_arrays_are_received_without_copy() -> None:
     buf = bytearray(frames[3])
     frames[3] = buf
     msg = decode(frames)
-    assert isinstance(msg, Result)
+    assert isinstance(msg, Result) and msg.pixels is not None
     buf[0] = 200
-    assert msg.pixels[0].flat[0] == 200  # a view over the frame, not a copy
+    assert msg.pixels.flat[0] == 200  # a view over the frame, not a copy
 
 
 def test_frame_layout_is_as_documented() -> None:
@@ -92,13 +91,8 @@ def test_frame_layout_is_as_documented() -> None:
     assert frames[0] == b"DS3" == MAGIC
     assert frames[1] == bytes([MsgType.RESULT])
     header = msgpack.unpackb(frames[2])
-    assert header["arrays"] == [
-        ["|u1", [3, 4, 5]],
-        ["|u1", [3, 4, 5]],
-        ["<f4", [1, 4]],
-        ["<i8", [1]],
-    ]
-    assert len(frames) == 7
+    assert header["arrays"] == [["|u1", [2, 3, 4, 5]], ["<f4", [1, 4]], ["<i8", [1]]]
+    assert len(frames) == 6
 
 
 def _with_header(
@@ -122,7 +116,7 @@ def _with_header(
         ([MAGIC, bytes([MsgType.HELLO]), msgpack.packb({})], "field 'session'"),
         ([MAGIC, bytes([MsgType.HELLO]), msgpack.packb({"session": "str"})], "bytes"),
         ([MAGIC, bytes([MsgType.HELLO]), b"\x81" + b"\x00" * (2 << 20)], "exceeds"),
-        ([MAGIC] * 73, "too many frames"),
+        ([MAGIC] * 17, "too many frames"),
     ],
 )
 def test_rejects_malformed(frames: list[bytes], match: str) -> None:
@@ -134,20 +128,22 @@ def _result(spec: list[Any], buffers: list[bytes]) -> list[bytes]:
     return _with_header(MsgType.RESULT, {**VALID[MsgType.RESULT], "arrays": spec}, buffers)
 
 
-IMG = ["|u1", [3, 4, 5]]
+IMG = ["|u1", [2, 3, 4, 5]]
+BOXES = ["<f4", [1, 4]]
+LABELS = ["<i8", [1]]
 
 
 def test_rejects_wrong_dtype() -> None:
-    spec = [["|O", [1]], IMG, ["<f4", [1, 4]], ["<i8", [1]]]
-    frames = _result(spec, [b"\x00" * 8, b"\x00" * 60, b"\x00" * 16, b"\x00" * 8])
+    spec = [["|O", [1]], BOXES, LABELS]
+    frames = _result(spec, [b"\x00" * 8, b"\x00" * 16, b"\x00" * 8])
     with pytest.raises(ProtocolError, match="dtype '\\|O' is not allowed"):
         decode(frames)
 
 
 def test_rejects_buffer_length_that_does_not_match_shape() -> None:
-    spec = [IMG, IMG, ["<f4", [1, 4]], ["<i8", [1]]]
-    with pytest.raises(ProtocolError, match="60 bytes, but its frame holds 59"):
-        decode(_result(spec, [b"\x00" * 59, b"\x00" * 60, b"\x00" * 16, b"\x00" * 8]))
+    spec = [IMG, BOXES, LABELS]
+    with pytest.raises(ProtocolError, match="120 bytes, but its frame holds 119"):
+        decode(_result(spec, [b"\x00" * 119, b"\x00" * 16, b"\x00" * 8]))
 
 
 @pytest.mark.parametrize(
@@ -158,25 +154,23 @@ def test_rejects_shapes_that_are_huge_or_hide_a_huge_dimension_behind_a_zero(
     shape: list[int],
 ) -> None:
     with pytest.raises(ProtocolError, match="array 0"):
-        decode(_result([["|u1", shape], IMG, ["<f4", [1, 4]], ["<i8", [1]]], [b""] * 4))
-
-
-BOXES = ["<f4", [1, 4]]
-LABELS = ["<i8", [1]]
+        decode(_result([["|u1", shape], BOXES, LABELS], [b""] * 3))
 
 
 @pytest.mark.parametrize(
     ("arrays", "match"),
     [
-        ([["|u1", [4, 4, 5]], IMG, BOXES, LABELS], r"image must be uint8 \(3, H, W\)"),
-        ([["|u1", [3, 16385, 1]], IMG, BOXES, LABELS], "image must be"),
-        ([["|u1", [3, 0, 5]], IMG, BOXES, LABELS], "image must be"),
-        ([["<f4", [3, 4, 5]], IMG, BOXES, LABELS], "image must be uint8"),
-        ([IMG, IMG, ["<f4", [1, 5]], LABELS], r"boxes must be float32 \(1, 4\)"),
-        ([IMG, IMG, ["<f8", [1, 4]], LABELS], "boxes must be float32"),
-        ([IMG, IMG, ["<f4", [2, 4]], ["<i8", [2]]], r"boxes must be float32 \(1, 4\)"),
-        ([IMG, IMG, BOXES, ["<i4", [1]]], "labels must be int64"),
-        ([IMG, BOXES, LABELS], "carries 4 arrays"),
+        ([["|u1", [2, 4, 4, 5]], BOXES, LABELS], r"images must be uint8 \(2, 3, H, W\)"),
+        ([["|u1", [1, 3, 4, 5]], BOXES, LABELS], r"images must be uint8 \(2, 3, H, W\)"),
+        ([["|u1", [2, 3, 16385, 1]], BOXES, LABELS], "images must be"),
+        ([["|u1", [2, 3, 0, 5]], BOXES, LABELS], "images must be"),
+        ([["|u1", [3, 4, 5]], BOXES, LABELS], "images must be"),
+        ([["<f4", [2, 3, 4, 5]], BOXES, LABELS], "images must be uint8"),
+        ([IMG, ["<f4", [1, 5]], LABELS], r"boxes must be float32 \(1, 4\)"),
+        ([IMG, ["<f8", [1, 4]], LABELS], "boxes must be float32"),
+        ([IMG, ["<f4", [2, 4]], ["<i8", [2]]], r"boxes must be float32 \(1, 4\)"),
+        ([IMG, BOXES, ["<i4", [1]]], "labels must be int64"),
+        ([IMG, BOXES], "carries 3 arrays"),
     ],
 )
 def test_result_arrays_are_checked_by_role(arrays: list[Any], match: str) -> None:
@@ -195,9 +189,9 @@ def test_result_box_counts_must_match_its_images() -> None:
 
 
 def test_rejects_missing_and_extra_buffers() -> None:
-    spec = [IMG, IMG, BOXES, LABELS]
-    with pytest.raises(ProtocolError, match="names 4 array"):
-        decode(_result(spec, [b"\x00" * 60, b"\x00" * 60, b"\x00" * 16]))
+    spec = [IMG, BOXES, LABELS]
+    with pytest.raises(ProtocolError, match="names 3 array"):
+        decode(_result(spec, [b"\x00" * 120, b"\x00" * 16]))
     with pytest.raises(ProtocolError, match="carries no arrays"):
         decode(_with_header(MsgType.HELLO, {"session": SID, "arrays": [["|u1", [1]]]}, [b"\x00"]))
 

@@ -299,22 +299,23 @@ class Engine(threading.Thread):
             link.last_heard = time.monotonic()
             self.guard.run(site, self._on_message, link, msg, direct)
 
-    def _destinations(self, result: Result) -> list[np.ndarray] | None:
-        """Where the images of ``result`` go: its task's slots of the batch buffer (or a
-        probe's scratch), if the task is still wanted; None otherwise."""
+    def _destinations(self, result: Result) -> np.ndarray | None:
+        """Where the images of ``result`` go: its task's slots of the batch buffer (a
+        scratch array for a probe, or for slots that are not consecutive), if the task
+        is still wanted; None otherwise."""
         if result.session != self.session:
             return None
         rec = self.book.wanted(result.task_id, result.plan_version)
         if rec is None:
             return None
-        if len(result.images) != len(rec.slots):
-            raise ProtocolError(f"{len(result.images)} images for a task of {len(rec.slots)}")
-        if rec.probe_of is not None:
-            return [np.empty((3, *rec.out_hw), np.uint8)]
+        n = len(rec.slots)
+        if len(result.images) != n:
+            raise ProtocolError(f"{len(result.images)} images for a task of {n}")
         batch = self.book.inflight.get(rec.step)
-        if batch is None:
-            return None
-        return [batch.array[slot] for slot in rec.slots]
+        first = rec.slots[0]
+        if rec.probe_of is not None or batch is None or rec.slots != tuple(range(first, first + n)):
+            return np.empty((n, 3, *rec.out_hw), np.uint8)
+        return batch.array[first : first + n]
 
     # ------------------------------------------------------------ messages
 
@@ -337,7 +338,7 @@ class Engine(threading.Thread):
                 self._on_welcome(link, msg)
             case Heartbeat():
                 if msg.results is not None:
-                    link.sync_results(msg.results)
+                    link.sync_results(msg.results, msg.local or ())
             case _:
                 self.rejected["unexpected_type"] += 1
 
@@ -356,11 +357,7 @@ class Engine(threading.Thread):
         self.last_progress = time.monotonic()
         failed = {i for i, _ in msg.failed}
         wanted = [tuple(i for i in image if i not in failed) for image in rec.images]
-        if (
-            len(msg.pixels) != len(rec.slots)
-            or list(msg.images) != wanted
-            or not failed <= set(rec.indices)
-        ):
+        if msg.pixels is None or list(msg.images) != wanted or not failed <= set(rec.indices):
             self.rejected["wrong_answer"] += 1
             log.warning(
                 "%s answered task %d with images %s, not the %s asked; asking again",
@@ -372,6 +369,14 @@ class Engine(threading.Thread):
             self._ask_again([rec])
             return
         self.counters["results"] += 1
+        batch = self.book.inflight.get(rec.step)
+        if (
+            batch is not None
+            and rec.probe_of is None
+            and not np.shares_memory(msg.pixels, batch.array)
+        ):
+            for j, slot in enumerate(rec.slots):  # received apart: slots not consecutive
+                batch.array[slot] = msg.pixels[j]
         self.book.on_result(rec, msg)
 
     def _on_error(self, link: ServerLink, msg: ErrorMsg) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import enum
 import ipaddress
 import logging
+import os
 import re
 import socket
 import time
@@ -106,6 +107,19 @@ def announced_address(data_address: str, announced: str) -> str:
     return f"tcp://{m['host']}:{a['port']}"
 
 
+def _same_host(local: Sequence[str], token: str) -> bool:
+    """Whether the server's ``token`` is in the file beside its first ipc endpoint (then
+    this client shares its host and file system, and its ipc endpoints reach it)."""
+    if not token or not local or not local[0].startswith("ipc://"):
+        return False
+    path = os.path.join(os.path.dirname(local[0][len("ipc://") :]), "host-token")
+    try:
+        with open(path) as f:
+            return f.read(128).strip() == token
+    except OSError:
+        return False
+
+
 def _dealer(ctx: zmq.Context[Any], curve: dict[str, bytes] | None) -> zmq.Socket[Any]:
     """A DEALER with the options every client socket to a server shares."""
     sock = ctx.socket(zmq.DEALER)
@@ -152,6 +166,7 @@ class ServerLink:
             zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
         )
         self.result_endpoints: set[str] = set()
+        self.local_token = ""
         self.connected = False  # a ZMTP handshake has completed on the current connection
         self.was_lost = False
         self.last_error = ""
@@ -203,11 +218,19 @@ class ServerLink:
             except zmq.Again:
                 return
 
-    def sync_results(self, announced: Sequence[str]) -> None:
-        """Connect to the workers a server announces, and let go of those it no longer does."""
+    def sync_results(
+        self, announced: Sequence[str], local: Sequence[str] = (), token: str | None = None
+    ) -> None:
+        """Connect to the workers a server announces, and let go of those it no longer does.
+        A worker's ipc endpoint (``local``, same order) is preferred when this client is on
+        the server's host: when the server's token can be read beside it."""
+        if token is not None:
+            self.local_token = token
+        use_local = len(local) == len(announced) and _same_host(local, self.local_token)
+        chosen = local if use_local else announced
         wanted = {
             announced_address(self.address, e)
-            for e in announced[:MAX_WORKER_ENDPOINTS]
+            for e in chosen[:MAX_WORKER_ENDPOINTS]
             if e.startswith(("tcp://", "ipc://"))
         }
         for endpoint in sorted(wanted - self.result_endpoints):
@@ -225,12 +248,13 @@ class ServerLink:
         restarted = bool(self.server_id) and msg.server_id != self.server_id
         self.welcome_msg = msg
         self.server_id = msg.server_id
+        self.local_token = msg.local_token
         self.credit = max(1, msg.credit)
         self.workers = msg.workers
         self.state = LinkState.READY
         self.connected = True  # a WELCOME came over a live connection
         self.was_lost = False
-        self.sync_results(msg.results)
+        self.sync_results(msg.results, msg.local, msg.local_token)
         return restarted
 
     def release(self, task_id: int) -> float | None:

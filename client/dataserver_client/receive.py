@@ -1,10 +1,9 @@
 """Receiving one message, with a RESULT's images received straight into the batch buffer.
 
-A RESULT's image frames are the bulk of all traffic. Rather than a frame per image that is
-then copied into the batch (two copies in this process: the kernel's into ZeroMQ's frame,
-then ours into the batch), the header is read first, the task it answers is looked up,
-and each image frame is received with ``recv_into`` into its slot of the batch buffer (one
-copy). Everything is checked as ``protocol.decode`` would check it, and anything wrong
+A RESULT's image frame is the bulk of all traffic. Rather than a frame that is then
+copied into the batch, the header is read first, the task it answers is looked up, and
+the frame of its images is received with ``recv_into`` straight into its slots of the
+batch buffer (a task's images are consecutive slots). Everything is checked as ``protocol.decode`` would check it, and anything wrong
 raises ``ProtocolError`` only, after the rest of the message has been read off the socket
 (so the next receive starts at a message boundary).
 """
@@ -26,10 +25,10 @@ from dataserver.protocol import (
     Result,
     decode,
 )
-from dataserver.protocol.messages import check_boxes, check_image_spec
+from dataserver.protocol.messages import check_boxes, check_images_spec
 from dataserver.protocol.wire import check_spec, unpack_head
 
-Destinations = Callable[[Result], "list[np.ndarray] | None"]
+Destinations = Callable[[Result], "np.ndarray | None"]
 
 
 def _rest(sock: zmq.Socket[Any]) -> list[Any]:
@@ -45,8 +44,8 @@ def _rest(sock: zmq.Socket[Any]) -> list[Any]:
 
 def receive(sock: zmq.Socket[Any], destinations: Destinations) -> Message:
     """The next message on ``sock`` (``zmq.Again`` when there is none). For a RESULT that
-    ``destinations(result)`` wants, its images land in the arrays it returns (one
-    contiguous (3, H, W) uint8 array per image); ``result.pixels`` are those arrays."""
+    ``destinations(result)`` wants, its images land in the contiguous (N, 3, H, W) uint8
+    array it returns, and ``result.pixels`` is that array (None when not wanted)."""
     first = sock.recv(zmq.NOBLOCK, copy=False)
     try:
         return _receive(sock, first, destinations)
@@ -71,29 +70,25 @@ def _receive(sock: zmq.Socket[Any], first: Any, destinations: Destinations) -> M
     result = MESSAGES[mtype].read(header, None)
     assert isinstance(result, Result)
     n = len(result.images)
-    if len(specs) != n + 2:
-        raise ProtocolError(f"RESULT of {n} image(s) names {len(specs)} arrays, not {n + 2}")
+    if len(specs) != 3:
+        raise ProtocolError(f"RESULT names {len(specs)} arrays, not 3 (images, boxes, labels)")
     shapes = [check_spec(i, spec) for i, spec in enumerate(specs)]
+    dtype, shape, nbytes = shapes[0]
+    check_images_spec(dtype, shape, n)
+    if not sock.getsockopt(zmq.RCVMORE):
+        raise ProtocolError("RESULT ends before its images")
     dest = destinations(result)
-    pixels: list[np.ndarray] = []
-    for i in range(n):
-        dtype, shape, nbytes = shapes[i]
-        check_image_spec(dtype, shape)
-        if not sock.getsockopt(zmq.RCVMORE):
-            raise ProtocolError(f"RESULT ends after {i} of its {n} images")
-        if dest is None:  # not wanted (late, or a duplicate): read it off, keep nothing
-            sock.recv(copy=False)
-            continue
-        target = dest[i]
-        if target.shape != shape:
-            sock.recv(copy=False)
-            raise ProtocolError(f"image {i} of {shape}, not the {target.shape} asked")
-        got = sock.recv_into(target.data.cast("B"))
+    if dest is None:  # not wanted (late, or a duplicate): read it off, keep nothing
+        sock.recv(copy=False)
+    elif dest.shape != shape:
+        sock.recv(copy=False)
+        raise ProtocolError(f"images of {shape}, not the {dest.shape} asked")
+    else:
+        got = sock.recv_into(dest.data.cast("B"))
         if got != nbytes:
-            raise ProtocolError(f"image {i}: its frame holds {got} bytes, not {nbytes}")
-        pixels.append(target)
+            raise ProtocolError(f"images: the frame holds {got} bytes, not {nbytes}")
     arrays = []
-    for i in (n, n + 1):
+    for i in (1, 2):
         if not sock.getsockopt(zmq.RCVMORE):
             raise ProtocolError("RESULT ends before its boxes and labels")
         frame = sock.recv(copy=False)
@@ -105,6 +100,6 @@ def _receive(sock: zmq.Socket[Any], first: Any, destinations: Destinations) -> M
     if sock.getsockopt(zmq.RCVMORE):
         raise ProtocolError("RESULT carries frames after its labels")
     check_boxes(arrays[0], arrays[1], sum(result.box_counts))
-    result.pixels = pixels if dest is not None else []
+    result.pixels = dest
     result.boxes, result.labels = arrays
     return result

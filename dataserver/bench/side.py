@@ -143,6 +143,8 @@ def feedback_side(args: argparse.Namespace) -> dict[str, float]:
 
 def first_batch_side(args: argparse.Namespace) -> dict[str, float]:
     """Milliseconds from constructing a client (handshake included) to its first batch."""
+    import dataserver_client  # noqa: F401  (imported before the clock starts, as a trainer has it)
+
     start = time.perf_counter()
     with _client(args) as client:
         connected = time.perf_counter()
@@ -168,6 +170,7 @@ def rawzmq_side(args: argparse.Namespace) -> dict[str, Any]:
     """Bytes/s that ``workers`` processes pushing image-sized frames as fast as they can
     deliver to one PULL over TCP loopback: the transport's own ceiling."""
     import subprocess
+    import tempfile
 
     import zmq
 
@@ -175,9 +178,13 @@ def rawzmq_side(args: argparse.Namespace) -> dict[str, Any]:
     ctx: zmq.Context[Any] = zmq.Context()
     pull = ctx.socket(zmq.PULL)
     pull.setsockopt(zmq.RCVHWM, 8)
-    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    if args.transport == "ipc":
+        endpoint = f"ipc://{tempfile.mkdtemp(prefix='ds-raw-')}/pull"
+        pull.bind(endpoint)
+    else:
+        endpoint = f"tcp://127.0.0.1:{pull.bind_to_random_port('tcp://127.0.0.1')}"
     senders = [
-        subprocess.Popen([sys.executable, "-c", RAW_SENDER, f"tcp://127.0.0.1:{port}", str(nbytes)])
+        subprocess.Popen([sys.executable, "-c", RAW_SENDER, endpoint, str(nbytes)])
         for _ in range(args.workers)
     ]
     try:
@@ -231,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--flip-rate", type=float, default=0.0)
     parser.add_argument("--mode", default="regular")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--transport", default="tcp", choices=["tcp", "ipc"])
     args = parser.parse_args(argv)
     print(json.dumps(SIDES[args.side](args)), flush=True)
     os._exit(0)  # skip interpreter teardown: worker pools are not what is measured

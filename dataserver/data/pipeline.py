@@ -79,8 +79,7 @@ def _scaled(
     if not len(boxes):
         return np.zeros((0, 4), np.float32), np.zeros((0,), np.int64)
     out = boxes * np.array([sx, sy, sx, sy], dtype=np.float32)
-    np.clip(out[:, 0::2], 0.0, w, out=out[:, 0::2])
-    np.clip(out[:, 1::2], 0.0, h, out=out[:, 1::2])
+    np.clip(out, 0.0, np.array([w, h, w, h], dtype=np.float32), out=out)
     return keep_valid(out, labels)
 
 
@@ -112,27 +111,35 @@ def place(
     _, height, width = source.image.shape
     new_h, new_w = fit_size(height, width, cell_h, cell_w)
     same = (new_h, new_w) == (height, width)
+    if same and not flip:
+        np.copyto(canvas[:, y0 : y0 + new_h, x0 : x0 + new_w], source.image)
     for c in range(3):
         dst = canvas[c, y0 : y0 + new_h, x0 : x0 + new_w]
         if same:
             if flip:
                 cv2.flip(source.image[c], 1, dst=dst)
-            else:
-                np.copyto(dst, source.image[c])
         else:
             cv2.resize(source.image[c], (new_w, new_h), dst=dst, interpolation=cv2.INTER_LINEAR)
             if flip:
                 cv2.flip(dst, 1, dst=dst)
     if not len(source.boxes):
         return source.boxes, source.labels
+    if same:  # the boxes are already clipped to the source and none is degenerate
+        boxes = source.boxes.copy()
+        if flip:
+            x1 = width - boxes[:, 2]
+            boxes[:, 2] = width - boxes[:, 0]
+            boxes[:, 0] = x1
+        if x0 or y0:
+            boxes += np.array([x0, y0, x0, y0], dtype=np.float32)
+        return boxes, source.labels.copy()
     sx, sy = new_w / width, new_h / height
     boxes = source.boxes * np.array([sx, sy, sx, sy], dtype=np.float32)
     if flip:
         x1 = new_w - boxes[:, 2]
         boxes[:, 2] = new_w - boxes[:, 0]
         boxes[:, 0] = x1
-    np.clip(boxes[:, 0::2], 0.0, new_w, out=boxes[:, 0::2])
-    np.clip(boxes[:, 1::2], 0.0, new_h, out=boxes[:, 1::2])
+    np.clip(boxes, 0.0, np.array([new_w, new_h, new_w, new_h], dtype=np.float32), out=boxes)
     boxes, labels = keep_valid(boxes, source.labels)
     boxes += np.array([x0, y0, x0, y0], dtype=np.float32)
     return boxes, labels
@@ -179,6 +186,8 @@ def compose_into(
         all_boxes.append(boxes)
         all_labels.append(labels)
         kept.append(index)
+    if len(all_boxes) == 2:  # one source: no need to join
+        return Composed(all_boxes[1], all_labels[1], kept, failed)
     return Composed(np.concatenate(all_boxes), np.concatenate(all_labels), kept, failed)
 
 

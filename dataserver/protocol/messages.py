@@ -151,6 +151,10 @@ class Welcome(Message):
     control: str = f(Text(512))
     results: tuple[str, ...] = f(Texts(MAX_WORKERS, 512, default=()), ())
     max_image_side: int = f(Int(1, MAX_IMAGE_SIDE, default=MAX_IMAGE_SIDE), MAX_IMAGE_SIDE)
+    # The same workers' ipc endpoints, for a client on this host (it proves it is by
+    # finding ``local_token`` in the file beside them).
+    local: tuple[str, ...] = f(Texts(MAX_WORKERS, 512, default=()), ())
+    local_token: str = f(Text(64, default=""), "")
 
 
 # ---------------------------------------------------------------------------- work
@@ -204,8 +208,9 @@ class Task(Message):
 class Result(Message):
     """The images of one TASK, in its order: ``images[i]`` the indices image i holds (cell
     order; sources left out under on_error="skip" are in ``failed``; none when all of its
-    sources were), ``box_counts[i]`` its boxes. Arrays: one (3, H, W) uint8 image per output image, then all boxes
-    (sum M, 4) float32 xyxy and labels (sum M,) int64, image by image."""
+    sources were), ``box_counts[i]`` its boxes. Arrays: all the images as one
+    (N, 3, H, W) uint8 array, then all boxes (sum M, 4) float32 xyxy and labels (sum M,)
+    int64, image by image."""
 
     TYPE: ClassVar[MsgType] = MsgType.RESULT
     session: bytes = f(SESSION)
@@ -215,49 +220,43 @@ class Result(Message):
     box_counts: tuple[int, ...] = f(Ints(0, MAX_TASK_IMAGES, 0, MAX_BOXES))
     failed: tuple[tuple[int, str], ...] = f(Failures(MAX_TASK_IMAGES * MAX_TILES), ())
     decoded: int = f(Int(0, MAX_TASK_IMAGES * MAX_TILES, default=0), 0)
-    pixels: list[np.ndarray] = dataclasses.field(default_factory=list)
+    pixels: np.ndarray | None = None
     boxes: np.ndarray | None = None
     labels: np.ndarray | None = None
 
     def arrays(self) -> list[np.ndarray]:
-        if self.boxes is None or self.labels is None or len(self.pixels) != len(self.images):
-            raise ProtocolError("a RESULT needs one image per entry of images, boxes and labels")
-        return [*self.pixels, self.boxes, self.labels]
+        if self.pixels is None or self.boxes is None or self.labels is None:
+            raise ProtocolError("a RESULT needs its images, boxes and labels")
+        return [self.pixels, self.boxes, self.labels]
 
     def _check(self, arrays: list[np.ndarray] | None) -> None:
         if len(self.box_counts) != len(self.images):
             raise ProtocolError(f"{len(self.box_counts)} box counts for {len(self.images)} images")
         if arrays is None:  # the front forwards it unread
             return
-        n = len(self.images)
-        if len(arrays) != n + 2:
+        if len(arrays) != 3:
             raise ProtocolError(
-                f"RESULT of {n} image(s) carries {n + 2} arrays, {len(arrays)} came"
+                f"RESULT carries 3 arrays (images, boxes, labels), {len(arrays)} came"
             )
-        for image in arrays[:n]:
-            check_image(image)
-        boxes, labels = arrays[n], arrays[n + 1]
+        pixels, boxes, labels = arrays
+        check_images_spec(pixels.dtype, pixels.shape, len(self.images))
         check_boxes(boxes, labels, sum(self.box_counts))
-        self.pixels, self.boxes, self.labels = list(arrays[:n]), boxes, labels
+        self.pixels, self.boxes, self.labels = pixels, boxes, labels
 
 
-def check_image(image: np.ndarray) -> None:
-    """An output image: uint8 (3, H, W), H and W within the protocol's cap."""
-    check_image_spec(image.dtype, image.shape)
-
-
-def check_image_spec(dtype: Any, shape: tuple[int, ...]) -> None:
-    """``check_image`` on a descriptor (before the bytes are received)."""
+def check_images_spec(dtype: Any, shape: tuple[int, ...], n: int) -> None:
+    """A RESULT's images: uint8 (n, 3, H, W), H and W within the protocol's cap."""
     ok = (
         np.dtype(dtype) == np.uint8
-        and len(shape) == 3
-        and shape[0] == 3
-        and 1 <= shape[1] <= MAX_IMAGE_SIDE
+        and len(shape) == 4
+        and shape[0] == n
+        and shape[1] == 3
         and 1 <= shape[2] <= MAX_IMAGE_SIDE
+        and 1 <= shape[3] <= MAX_IMAGE_SIDE
     )
     if not ok:
         raise ProtocolError(
-            f"image must be uint8 (3, H, W), H, W <= {MAX_IMAGE_SIDE}: got {dtype} {shape}"
+            f"images must be uint8 ({n}, 3, H, W), H, W <= {MAX_IMAGE_SIDE}: got {dtype} {shape}"
         )
 
 
@@ -344,6 +343,7 @@ class Heartbeat(Message):
     session: bytes | None = f(Opt(SESSION), None)
     server_id: str | None = f(Opt(Text(64)), None)
     results: tuple[str, ...] | None = f(Opt(Texts(MAX_WORKERS, 512)), None)
+    local: tuple[str, ...] | None = f(Opt(Texts(MAX_WORKERS, 512)), None)
 
 
 @message
@@ -373,6 +373,7 @@ class Ready(Message):
     worker: int = f(Int(0, MAX_WORKERS))
     pid: int = f(Int(1, 1 << 31))
     results: str = f(Text(512, default=""), "")
+    local: str = f(Text(512, default=""), "")  # its ipc endpoint, for clients on this host
 
 
 __all__ = [

@@ -28,7 +28,7 @@ import numpy as np
 PROTOCOL_VERSION = 3
 MAGIC = b"DS" + str(PROTOCOL_VERSION).encode()
 
-MAX_FRAMES = 72  # a RESULT: 3 + one image per output image (<= 64) + boxes + labels
+MAX_FRAMES = 16
 MAX_HEADER_BYTES = 1 << 20
 MAX_ARRAY_BYTES = 1 << 30
 MAX_NDIM = 4

@@ -36,6 +36,7 @@ class ServerConfig:
     curve_secret_key: str | None = None
     curve_authorized_keys: str | None = None
     direct_results: bool = True  # workers send results straight to clients that reach them
+    local_results: bool = True  # ... over ipc to clients on this host
     # Resource caps: what would exceed one is refused with an ERROR naming its flag.
     max_sessions: int = DEFAULT_MAX_SESSIONS
     max_image_side: int = DEFAULT_MAX_IMAGE_SIDE

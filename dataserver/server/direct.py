@@ -41,6 +41,7 @@ class DirectResults:
         bind: str,
         curve: tuple[str, str] | None,
         max_queued_bytes: int,
+        local: str | None = None,
     ) -> None:
         self.curve = curve
         self.outbox = Outbox(max_queued_bytes)
@@ -59,6 +60,12 @@ class DirectResults:
             self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.sock.bind(bindable(bind))
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        # Clients on this host connect here instead (a unix socket: about 40% less CPU per
+        # byte on both sides than TCP over loopback).
+        self.local = ""
+        if local is not None and not bind.startswith("ipc://"):
+            self.sock.bind(local)
+            self.local = local
 
     def _read_claims(self) -> None:
         if self.monitor is not None:
@@ -94,23 +101,22 @@ class DirectResults:
         self._read_claims()
         if self.curve is not None and out.session not in self.claims:
             return False
-        nbytes = sum(p.nbytes for p in out.pixels)
+        nbytes = out.pixels.nbytes if out.pixels is not None else 0
         refused = self.outbox.refuse(out.session, nbytes)
         if refused is not None:
             return refused
         frames = out.encode()
-        n = len(out.pixels)
-        images = [tracked(f) for f in frames[3 : 3 + n]]
+        image = tracked(frames[3])
         try:
             self.sock.send_multipart(
-                [out.session, *frames[:3], *images, *frames[3 + n :]], zmq.NOBLOCK, copy=False
+                [out.session, *frames[:3], image, *frames[4:]], zmq.NOBLOCK, copy=False
             )
         except zmq.ZMQError as exc:
             if exc.errno in (zmq.EHOSTUNREACH, zmq.EAGAIN):
                 self.claims.discard(out.session)
                 return False
             raise
-        self.outbox.sent(out.session, nbytes, zmq.MessageTracker(*[f.tracker for f in images]))
+        self.outbox.sent(out.session, nbytes, image.tracker)
         return True
 
     def close(self) -> None:

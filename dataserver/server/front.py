@@ -116,6 +116,10 @@ class Front:
         self._owners: OrderedDict[bytes, str] = OrderedDict()  # identity -> CURVE user id
         self._auth: Any = None
         self._tmpdir = tempfile.mkdtemp(prefix="ds-")
+        # A client that can read this token beside the workers' ipc sockets is on this host
+        # (and sees this file system): it takes their results over ipc.
+        self.local_token = uuid.uuid4().hex
+        Path(self._tmpdir, "host-token").write_text(self.local_token)
         self.store = self._make_store()
         self.pool = WorkerPool(
             f"ipc://{self._tmpdir}/backend",
@@ -127,6 +131,7 @@ class Front:
             config.max_queued_mb,
             results_bind(config.bind, self._tmpdir) if config.direct_results else None,
             config.curve,
+            config.local_results,
         )
         self.workers = WorkerRouter(self.pool, self.scheduler, self, self.counters, self.rejected)
 
@@ -315,12 +320,10 @@ class Front:
     def reply(self, session: Session, msg: Message) -> None:
         self._send_to(session.identity, msg)
 
-    def forward_result(self, session: Session, frames: list[Any], images: int) -> None:
-        """A worker's RESULT (of ``images`` images) that could not go straight to its
-        client: send it on, within the outbox's bounds (beyond them the client is told,
-        and asks again)."""
-        pixels = frames[3 : 3 + images]
-        nbytes = sum(len(memoryview(f)) for f in pixels)
+    def forward_result(self, session: Session, frames: list[Any]) -> None:
+        """A worker's RESULT that could not go straight to its client: send it on, within
+        the outbox's bounds (beyond them the client is told, and asks again)."""
+        nbytes = len(memoryview(frames[3])) if len(frames) > 3 else 0
         refused = self.outbox.refuse(session.sid, nbytes)
         if refused is not None:
             self.counters["results_dropped"] += 1
@@ -336,14 +339,12 @@ class Front:
                 ),
             )
             return
-        wrapped = [tracked(f) for f in pixels]
-        out = [*frames[:3], *wrapped, *frames[3 + images :]]
+        image = tracked(frames[3]) if len(frames) > 3 else None
+        out = [*frames[:3], image, *frames[4:]] if image is not None else frames
         if self._send(self.data, session.identity, out):
             self.counters["results_via_front"] += 1
-            if wrapped:
-                self.outbox.sent(
-                    session.sid, nbytes, zmq.MessageTracker(*[f.tracker for f in wrapped])
-                )
+            if image is not None:
+                self.outbox.sent(session.sid, nbytes, image.tracker)
 
     def cancel(self, session: Session, entries: list[TaskEntry]) -> None:
         if not entries:
@@ -418,7 +419,8 @@ class Front:
                     self._steer(session, msg)
             case Heartbeat():
                 self.scheduler.touch(msg.session, identity)
-                beat = Heartbeat(server_id=self.server_id, results=self.workers.result_endpoints())
+                results, local = self.workers.result_endpoints()
+                beat = Heartbeat(server_id=self.server_id, results=results, local=local)
                 self._send_to(identity, beat)
             case Stats():
                 self._send_to(identity, Stats(stats=self.stats()))
@@ -441,6 +443,7 @@ class Front:
             )
             return
         self.counters["hellos"] += 1
+        results, local = self.workers.result_endpoints()
         self._send_to(
             identity,
             Welcome(
@@ -451,8 +454,10 @@ class Front:
                 workers=self.n_workers,
                 credit=self.credit,
                 control=self.endpoints["control"],
-                results=self.workers.result_endpoints(),
+                results=results,
                 max_image_side=self.config.max_image_side,
+                local=local,
+                local_token=self.local_token,
             ),
         )
 

@@ -35,6 +35,7 @@ class WorkerHandle:
     identity: bytes | None = None  # its DEALER's routing id, known once READY arrives
     tasks: deque[Any] = field(default_factory=deque)  # TaskEntries sent to it, oldest first
     results: str = ""  # the endpoint its clients connect to for direct results
+    local: str = ""  # the same, over ipc, for clients on this host
     controls: dict[bytes, int] = field(default_factory=dict)  # session -> control_seq it has
     # (time, session, task_id, plan_version) of results it sent straight to clients lately:
     # if it dies just after, one may not have left the process, so the client is told.
@@ -65,7 +66,9 @@ class WorkerPool:
         max_queued_mb: int,
         results_bind: str | None = None,
         curve: tuple[str, str] | None = None,
+        local_results: bool = True,
     ) -> None:
+        self.local_results = local_results
         self.backend = backend
         self.state_dir = state_dir
         self.dataset = dataset
@@ -110,6 +113,8 @@ class WorkerPool:
             cmd += ["--store", self.store[0], "--store-bytes", str(self.store[1])]
         if self.results_bind is not None:
             cmd += ["--results-bind", self.results_bind.format(slot=slot)]
+            if self.local_results:
+                cmd += ["--local-results"]
         if self.curve is not None:
             cmd += ["--curve-secret-key", self.curve[0], "--curve-authorized-keys", self.curve[1]]
         env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")

@@ -42,7 +42,7 @@ class Clients(Protocol):
     """What the router needs from the front to reach sessions."""
 
     def reply(self, session: Session, msg: Message) -> None: ...
-    def forward_result(self, session: Session, frames: list[Any], images: int) -> None: ...
+    def forward_result(self, session: Session, frames: list[Any]) -> None: ...
     def cancel(self, session: Session, entries: list[TaskEntry]) -> None: ...
     def send_worker(self, identity: bytes, frames: list[Any]) -> bool: ...
 
@@ -128,7 +128,7 @@ class WorkerRouter:
             self.counters["results_orphaned"] += 1
             return
         if isinstance(msg, Result):
-            self.clients.forward_result(session, frames[1:], len(msg.images))
+            self.clients.forward_result(session, frames[1:])
         else:
             self.clients.reply(session, msg)
 
@@ -164,15 +164,19 @@ class WorkerRouter:
             if handle.pid == msg.pid and handle.identity is None:
                 handle.identity = identity
                 handle.results = msg.results
+                handle.local = msg.local
                 self.by_identity[identity] = handle
                 self.ready.append(handle)
                 self.pool.mark_ready(handle)
                 return
         log.warning("READY from unknown worker pid %d", msg.pid)
 
-    def result_endpoints(self) -> tuple[str, ...]:
-        """Where clients connect to receive results straight from the workers."""
-        return tuple(sorted(w.results for w in self.ready if w.results))
+    def result_endpoints(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """Where clients connect to receive results straight from the workers: over the
+        network, and (the same workers, in the same order) over ipc for clients on this
+        host."""
+        pairs = sorted((w.results, w.local) for w in self.ready if w.results)
+        return tuple(r for r, _ in pairs), tuple(local for _, local in pairs)
 
     # ------------------------------------------------------------ dispatch
 

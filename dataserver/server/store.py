@@ -40,6 +40,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -88,11 +89,28 @@ _ENTRY = np.dtype(
 _JOURNAL = np.dtype([("pos", "<u8"), ("k0", "<u8"), ("k1", "<u8")])
 
 
+_MASK = (1 << 64) - 1
+
+
+def _mix(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+    return x ^ (x >> 31)
+
+
 def store_key(*parts: object) -> tuple[int, int]:
     """A 128-bit key for what determines a prepared source (never (0, 0))."""
     digest = hashlib.blake2b(repr(parts).encode(), digest_size=16).digest()
     k0 = int.from_bytes(digest[:8], "little") or 1
     return k0, int.from_bytes(digest[8:], "little")
+
+
+def index_keys(base: tuple[int, int], indices: list[int]) -> list[tuple[int, int]]:
+    """``store_key(*parts, index)`` for many indices at once, cheaply: ``base`` is
+    ``store_key(*parts)``, mixed with each index (128 bits, so distinct keys stay distinct)."""
+    b0, b1 = base
+    return [(_mix(b0 ^ i) or 1, _mix(b1 + i * 0x9E3779B97F4A7C15 & _MASK)) for i in indices]
 
 
 def _layout(capacity: int) -> tuple[int, int]:
@@ -369,6 +387,73 @@ class Store:
         self._put(k0, k1, source)
         return source, -1
 
+    def fetch(
+        self, keys: list[tuple[int, int]], make: Callable[[int], Source]
+    ) -> tuple[list[Source | None], int]:
+        """``get`` for many keys under one lock: the sources (``make(i)`` for the i-th key
+        where the store lacks it, or None where ``make`` raised: call ``make(i)`` again to
+        see why), and the oldest ring position read (check ``intact`` once after use)."""
+        out: list[Source | None] = [None] * len(keys)
+        views: list[tuple[int, int]] = []  # (i, position) of hits
+        mine: list[int] = []  # keys this call makes
+        later: list[int] = []  # keys another live worker is making
+        self._lock()
+        try:
+            for i, (k0, k1) in enumerate(keys):
+                slot = self._find(k0, k1)
+                if slot >= 0 and int(self.table[slot]["state"]) == READY:
+                    pos = self._refresh(slot)
+                    views.append((i, pos))
+                    out[i] = self._view(k0, k1, pos)
+                    self.stats.hits += 1
+                elif slot >= 0:
+                    owner = int(self.table[slot]["pid"])
+                    if owner == self._pid or not _alive(owner):
+                        self._dirty(True)
+                        self.table[slot]["pid"] = self._pid
+                        self._dirty(False)
+                        mine.append(i)
+                    else:
+                        later.append(i)
+                else:
+                    if self._ready_count() >= self.entries * 3 // 4:
+                        self._dirty(True)
+                        h = self.header[0]
+                        self._evict_before(int(h["head"]) - int(h["ring"]) // 2)
+                        self._dirty(False)
+                    free = self._free_slot(k0)
+                    if free < 0:
+                        later.append(i)
+                        continue
+                    self._dirty(True)
+                    e = self.table[free]
+                    e["k0"], e["k1"], e["state"], e["pid"] = k0, k1, PENDING, self._pid
+                    self._dirty(False)
+                    mine.append(i)
+        finally:
+            self._unlock()
+        made: list[tuple[int, Source]] = []
+        for i in mine:
+            self.stats.misses += 1
+            try:
+                source = make(i)
+            except Exception:
+                self._forget(*keys[i])
+                continue
+            out[i] = source
+            made.append((i, source))
+        if made:
+            self._put_many([(keys[i], src) for i, src in made])
+        for i in later:  # rare: wait for the other worker, one by one
+            try:
+                out[i], pos = self.get(keys[i], partial(make, i))
+            except Exception:
+                continue
+            if pos >= 0:
+                views.append((i, pos))
+        oldest = min((pos for _, pos in views), default=-1)
+        return out, oldest
+
     def intact(self, position: int) -> bool:
         """Whether the bytes read at ``position`` were not written over since."""
         if position < 0:
@@ -399,39 +484,47 @@ class Store:
             self._unlock()
 
     def _put(self, k0: int, k1: int, source: Source) -> None:
+        self._put_many([((k0, k1), source)])
+
+    def _put_many(self, items: list[tuple[tuple[int, int], Source]]) -> None:
+        """Store sources this process made (their entries PENDING, its own), one lock."""
+        self._lock()
+        try:
+            for (k0, k1), source in items:
+                self._store_one(k0, k1, source)
+        finally:
+            self._unlock()
+
+    def _store_one(self, k0: int, k1: int, source: Source) -> None:
         _, h, w = source.image.shape
         m = len(source.boxes)
         img = 3 * h * w
         nbytes = img + 24 * m
-        self._lock()
-        try:
-            i = self._find(k0, k1)
-            if (
-                i < 0
-                or int(self.table[i]["state"]) != PENDING
-                or int(self.table[i]["pid"]) != self._pid
-            ):
-                return  # taken over meanwhile: the other one will store it
-            self._dirty(True)
-            pos = self._alloc(nbytes)
-            i = self._find(k0, k1)  # eviction may have moved our slot
-            if pos < 0:
-                if i >= 0:
-                    self._delete(i)
-                self._dirty(False)
-                return
-            off = pos % int(self.header[0]["ring"])
-            arena = self.arena
-            arena[off : off + img] = source.image.reshape(-1)
-            arena[off + img : off + img + 16 * m] = source.boxes.reshape(-1).view(np.uint8)
-            arena[off + img + 16 * m : off + nbytes] = source.labels.reshape(-1).view(np.uint8)
-            e = self.table[i]
-            e["pos"], e["nbytes"], e["h"], e["w"], e["nboxes"] = pos, nbytes, h, w, m
-            e["state"], e["pid"] = READY, 0
-            self._journal(pos, k0, k1)
+        i = self._find(k0, k1)
+        if (
+            i < 0
+            or int(self.table[i]["state"]) != PENDING
+            or int(self.table[i]["pid"]) != self._pid
+        ):
+            return  # taken over meanwhile: the other one will store it
+        self._dirty(True)
+        pos = self._alloc(nbytes)
+        i = self._find(k0, k1)  # eviction may have moved our slot
+        if pos < 0:
+            if i >= 0:
+                self._delete(i)
             self._dirty(False)
-        finally:
-            self._unlock()
+            return
+        off = pos % int(self.header[0]["ring"])
+        arena = self.arena
+        arena[off : off + img] = source.image.reshape(-1)
+        arena[off + img : off + img + 16 * m] = source.boxes.reshape(-1).view(np.uint8)
+        arena[off + img + 16 * m : off + nbytes] = source.labels.reshape(-1).view(np.uint8)
+        e = self.table[i]
+        e["pos"], e["nbytes"], e["h"], e["w"], e["nboxes"] = pos, nbytes, h, w, m
+        e["state"], e["pid"] = READY, 0
+        self._journal(pos, k0, k1)
+        self._dirty(False)
 
     def _view(self, k0: int, k1: int, pos: int) -> Source:
         e = self.table[self._find(k0, k1)]

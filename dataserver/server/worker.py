@@ -26,6 +26,7 @@ import os
 import signal
 import sys
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +54,7 @@ from dataserver.protocol import (
 from dataserver.server.direct import DirectResults
 from dataserver.server.memory import keep_large_blocks
 from dataserver.server.running import RunningSlot
-from dataserver.server.store import Store, store_key
+from dataserver.server.store import Store, index_keys, store_key
 
 log = logging.getLogger("dataserver.worker")
 
@@ -93,8 +94,12 @@ class Worker:
         curve: tuple[str, str] | None = None,
         running: RunningSlot | None = None,
         max_queued_bytes: int = 256 << 20,
+        state_dir: str | None = None,
+        local_results: bool = False,
     ) -> None:
         self.worker_id = worker_id
+        self.state_dir = state_dir
+        self.local_results = local_results
         self.backend = backend
         self.results_bind = results_bind
         self.curve = curve
@@ -119,13 +124,21 @@ class Worker:
         sock.setsockopt(zmq.IDENTITY, f"w{self.worker_id}-{os.getpid()}".encode())
         results = None
         if self.results_bind is not None:
-            results = DirectResults(ctx, self.results_bind, self.curve, self.max_queued_bytes)
-        endpoint = results.endpoint if results is not None else ""
+            local = None
+            if self.local_results and self.state_dir:
+                local = f"ipc://{self.state_dir}/results-{self.worker_id}"
+            results = DirectResults(
+                ctx, self.results_bind, self.curve, self.max_queued_bytes, local
+            )
+        ready = Ready(
+            worker=self.worker_id,
+            pid=os.getpid(),
+            results=results.endpoint if results is not None else "",
+            local=results.local if results is not None else "",
+        )
         try:
             sock.connect(self.backend)
-            sock.send_multipart(
-                Ready(worker=self.worker_id, pid=os.getpid(), results=endpoint).encode()
-            )
+            sock.send_multipart(ready.encode())
             self.guard.report = lambda site, exc: self._report(sock, site, exc)
             while not self._stop:
                 frames = sock.recv_multipart(copy=False)
@@ -262,34 +275,49 @@ class Worker:
             return ErrorMsg(message=msg[:4000], kind="internal", **ids)
 
     def _compose(self, task: Task, ckey: str, ids: dict[str, Any]) -> Result:
-        out_h, out_w = task.out_hw
         fit_hw = (task.fit_hw[0], task.fit_hw[1])
-        canvas = np.zeros((len(task.images), 3, out_h, out_w), dtype=np.uint8)
         excluded = set(task.exclude)
-        store = self.store
+        wanted = list(dict.fromkeys(i for i in task.indices if i not in excluded))
         decoded = 0
-        positions: list[int] = []
+        image_of: dict[
+            int, int
+        ] = {}  # the first image of the task each source is in (for the running slot)
+        for n, indices in enumerate(task.images):
+            for i in indices:
+                image_of.setdefault(i, n)
 
         def make(index: int) -> Source:
             nonlocal decoded
             decoded += 1
+            if self.running is not None:  # a death now is blamed on the image it is read for
+                self.running.image(image_of.get(index, 0))
             return prepare(self.dataset, index, fit_hw)
+
+        got: dict[int, Source | None] = {}
+        oldest = -1
+        if self.store is not None:
+            keys = index_keys(store_key(self.fingerprint, fit_hw, ckey), wanted)
+            sources, oldest = self.store.fetch(keys, lambda k: make(wanted[k]))
+            got = dict(zip(wanted, sources, strict=True))
 
         def source(index: int) -> Source:
             if index in excluded:  # the client found it kills workers: leave its cell empty
                 raise SampleError(index, "killed worker processes when read; left out")
-            if store is None:
-                return make(index)
-            key = store_key(self.fingerprint, index, fit_hw, ckey)
-            src, pos = store.get(key, lambda: make(index))
-            positions.append(pos)
-            return src
+            src = got.get(index)
+            return src if src is not None else make(index)  # (a failed one raises again)
 
-        def direct(index: int) -> Source:
-            if index in excluded:
-                raise SampleError(index, "killed worker processes when read; left out")
-            return make(index)
+        result = self._compose_with(task, source, ids)
+        if self.store is not None and not self.store.intact(oldest):
+            got.clear()  # the store wrote over a source as we read it: compose from scratch
+            result = self._compose_with(task, source, ids)
+        result.decoded = decoded  # sources read and fitted for this task (store misses)
+        return result
 
+    def _compose_with(
+        self, task: Task, source: Callable[[int], Source], ids: dict[str, Any]
+    ) -> Result:
+        out_h, out_w = task.out_hw
+        canvas = np.zeros((len(task.images), 3, out_h, out_w), dtype=np.uint8)
         skip = task.on_error == "skip"
         kept: list[tuple[int, ...]] = []
         failed: list[tuple[int, str]] = []
@@ -299,11 +327,7 @@ class Worker:
             if self.running is not None:
                 self.running.image(n)
             flips = [flip_of(task.seed, task.epoch, i) for i in indices]
-            positions.clear()
             done = compose_into(canvas[n], source, indices, task.grid, flips, skip)
-            if store is not None and not all(store.intact(p) for p in positions):
-                canvas[n] = 0  # the store wrote over a source as we read it: from scratch
-                done = compose_into(canvas[n], direct, indices, task.grid, flips, skip)
             # (under on_error="skip" an image whose every source failed holds no index)
             kept.append(tuple(done.indices))
             failed.extend((i, m[:4000]) for i, m in done.failed)
@@ -313,10 +337,9 @@ class Worker:
             images=tuple(kept),
             box_counts=tuple(len(b) for b in boxes),
             failed=tuple(failed),
-            decoded=decoded,  # sources read and fitted for this task (store misses)
-            pixels=list(canvas),
-            boxes=np.concatenate(boxes) if boxes else np.zeros((0, 4), np.float32),
-            labels=np.concatenate(labels) if labels else np.zeros((0,), np.int64),
+            pixels=canvas,
+            boxes=np.concatenate(boxes),
+            labels=np.concatenate(labels),
             **ids,
         )
 
@@ -345,6 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--store-bytes", type=int, default=0)
     parser.add_argument("--max-queued-mb", type=int, default=256)
     parser.add_argument("--results-bind", default=None)
+    parser.add_argument("--local-results", action="store_true")
     parser.add_argument("--state-dir", default=None)
     parser.add_argument("--curve-secret-key", default=None)
     parser.add_argument("--curve-authorized-keys", default=None)
@@ -376,6 +400,8 @@ def main(argv: list[str] | None = None) -> int:
         curve,
         running,
         args.max_queued_mb << 20,
+        args.state_dir,
+        args.local_results,
     ).run()
     return 0
 
