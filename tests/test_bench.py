@@ -22,7 +22,7 @@ def test_bench_reports_every_figure(tmp_path: Path) -> None:
     results = json.loads(out.read_text())
     assert results["dataloader"]["vs_dataloader"] > 0
     assert results["dataloader"]["vs_physical_limit"] > 0
-    assert results["dataloader"]["client_cpu_us_per_image"] > 0
+    assert results["dataloader"]["client_cpu_us_per_image"] >= 0  # (10 ms CPU clock ticks)
     assert results["overhead"]["front_us_per_sample"] >= 0
     assert results["overhead"]["dataloader_us_per_sample"] > 0
     assert results["cache"]["cached_vs_dataloader"] > 0

@@ -89,9 +89,9 @@ class Relay:
         self.listener.close()
 
 
-def epoch_indices(address: str, **curve: Any) -> list[int]:
+def epoch_indices(address: str, **options: Any) -> list[int]:
     """One epoch's indices, sorted, from a client of ``address``."""
-    with DataServerClient(address, batch_size=8, image_size=(32, 32), device="cpu", **curve) as c:
+    with DataServerClient(address, batch_size=8, image_size=(32, 32), device="cpu", **options) as c:
         c.set_epoch(0)
         return sorted(i for b in c for idx in b.indices for i in idx)
 
@@ -177,8 +177,9 @@ def test_nothing_readable_on_any_port_with_curve(start_server: Any, keys: Path) 
         "--no-local-results",
     )
     capture = capture_or_skip()
-    try:
-        assert epoch_indices(server.address, **client_keys(keys)) == list(range(48))
+    try:  # (and not written straight into the client's memory: shared_memory=False)
+        got = epoch_indices(server.address, shared_memory=False, **client_keys(keys))
+        assert got == list(range(48))
     finally:
         wire = capture.stop()
     assert len(wire) > 48 * 32 * 32 * 3  # the images were on the wire...
@@ -193,7 +194,7 @@ def test_the_capture_sees_plaintext_without_curve(start_server: Any) -> None:
     server = start_server("--dataset", "ds_plugins:flat", "--dataset-args", '{"n": 48}')
     capture = capture_or_skip()
     try:
-        assert epoch_indices(server.address) == list(range(48))
+        assert epoch_indices(server.address, shared_memory=False) == list(range(48))
     finally:
         wire = capture.stop()
     assert b"fingerprint" in wire and b"task_id" in wire

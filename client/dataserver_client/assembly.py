@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from dataserver.landing import LandingArea
 from dataserver_client.batch import Batch
 from dataserver_client.epoch import BatchPlan
 from dataserver_client.errors import DataServerError
@@ -23,38 +24,97 @@ from dataserver_client.errors import DataServerError
 
 class HostBuffers:
     """Host memory for batch images, recycled: pinned for CUDA (free again once the device
-    copy that read it is done), plain for CPU (free again once the trainer let go of it)."""
+    copy that read it is done), plain for CPU (free again once the trainer let go of it).
 
-    def __init__(self, device: torch.device, keep: int) -> None:
+    With a ``landing`` area (``dataserver.landing``: shared memory that workers on this host
+    write results into), buffers are its regions while any is free. A region's generation
+    is bumped (sealed) when its batch is complete, before the trainer sees it, and before
+    it serves another batch, so no late writer can touch it."""
+
+    def __init__(self, device: torch.device, keep: int, landing: LandingArea | None = None) -> None:
         self.pinned = device.type == "cuda"
         self.keep = keep
+        self.landing = landing
         self._free: dict[tuple[int, ...], list[tuple[torch.Tensor, Any]]] = {}
         self._lent: list[torch.Tensor] = []
+        self._region: dict[int, int] = {}  # storage data_ptr -> landing region
+        self._unsealed: list[tuple[torch.Tensor, Any]] = []  # regions to seal before reuse
         self.allocated = 0
         # Private but long-standing torch API; without it CPU buffers are simply not reused.
         self._use_count = getattr(torch._C, "_storage_Use_Count", None)
-        self._alone = 0
+        self._alone: dict[int, int] = {}  # storage data_ptr -> use count when alone
+        self._registered = False
+        if landing is not None and self.pinned:
+            self._registered = _register(landing)
 
     def take(self, shape: tuple[int, ...]) -> torch.Tensor:
         if not self.pinned:
             self._reclaim()
+        self._seal_given()
         free = self._free.get(shape)
         if free:
             tensor, event = free.pop()
             if event is not None:
                 event.synchronize()  # the device copy that read it is done
             return tensor
-        tensor = torch.empty(shape, dtype=torch.uint8, pin_memory=self.pinned)
+        nbytes = int(np.prod(shape))
+        landing = self.landing
+        if landing is not None and landing.free and nbytes <= landing.region_bytes:
+            region = landing.free.pop()
+            base = torch.from_numpy(landing.buffer(region)[:nbytes])
+            tensor = base.view(shape)
+            self._region[tensor.untyped_storage().data_ptr()] = region
+        else:
+            pin = self.pinned and not self._registered
+            tensor = torch.empty(shape, dtype=torch.uint8, pin_memory=pin)
         self.allocated += 1
-        if self._use_count is not None and not self._alone:
-            self._alone = self._count(tensor)
+        if self._use_count is not None:
+            self._alone[tensor.untyped_storage().data_ptr()] = self._count(tensor)
         return tensor
 
+    def landing_of(self, tensor: torch.Tensor) -> tuple[int, int, int] | None:
+        """(region, generation, file offset of the tensor's first byte) for a buffer that
+        is a landing region; None for one that is not."""
+        region = self._region.get(tensor.untyped_storage().data_ptr())
+        if region is None or self.landing is None:
+            return None
+        return region, self.landing.generation(region), self.landing.offset(region)
+
+    def seal(self, tensor: torch.Tensor) -> bool:
+        """Seal a landing buffer whose batch is complete (no writer may touch it now);
+        False: a worker is writing it this moment, try again. True for other buffers."""
+        region = self._region.get(tensor.untyped_storage().data_ptr())
+        if region is None or self.landing is None:
+            return True
+        return self.landing.seal(region)
+
     def give(self, tensor: torch.Tensor, event: Any = None) -> None:
-        """Return a buffer nobody else holds (pinned: once ``event``, the copy reading it, is done)."""
+        """Return a buffer nobody else holds (pinned: once ``event``, the copy reading it,
+        is done). A landing buffer is sealed before it serves again."""
+        if tensor.untyped_storage().data_ptr() in self._region:
+            self._unsealed.append((tensor, event))
+            self._seal_given()
+            return
         free = self._free.setdefault(tuple(tensor.shape), [])
         if len(free) < self.keep:
             free.append((tensor, event))
+
+    def _seal_given(self) -> None:
+        if not self._unsealed or self.landing is None:
+            return
+        waiting = []
+        for tensor, event in self._unsealed:
+            region = self._region[tensor.untyped_storage().data_ptr()]
+            if self.landing.seal(region):
+                free = self._free.setdefault(tuple(tensor.shape), [])
+                if len(free) < self.keep:
+                    free.append((tensor, event))
+                else:  # the region itself goes back, to be viewed in another shape
+                    del self._region[tensor.untyped_storage().data_ptr()]
+                    self.landing.free.append(region)
+            else:
+                waiting.append((tensor, event))
+        self._unsealed = waiting
 
     def lend(self, tensor: torch.Tensor) -> torch.Tensor:
         """CPU: the tensor to hand the trainer, a view of ``tensor``; ``tensor`` comes back
@@ -75,11 +135,34 @@ class HostBuffers:
             return
         held = []
         for tensor in self._lent:
-            if self._count(tensor) <= self._alone:
+            alone = self._alone.get(tensor.untyped_storage().data_ptr(), 1)
+            if self._count(tensor) <= alone:
                 self.give(tensor)
             else:
                 held.append(tensor)
         self._lent = held
+
+    def close(self) -> None:
+        if self._registered and self.landing is not None:
+            _unregister(self.landing)
+            self._registered = False
+
+
+def _register(landing: LandingArea) -> bool:
+    """Pin the landing file's pages for CUDA (so copies from it are asynchronous)."""
+    try:
+        ptr = np.frombuffer(landing.map, np.uint8).ctypes.data
+        return int(torch.cuda.cudart().cudaHostRegister(ptr, len(landing.map), 0)) == 0
+    except Exception:
+        return False
+
+
+def _unregister(landing: LandingArea) -> None:
+    try:
+        ptr = np.frombuffer(landing.map, np.uint8).ctypes.data
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+    except Exception:
+        pass
 
 
 class InflightBatch:

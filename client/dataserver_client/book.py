@@ -56,6 +56,7 @@ class TaskRecord:
     out_hw: tuple[int, int]
     plan_version: int
     link: Any = None  # the server it was last sent to (the engine's ServerLink), or None
+    land_gen: int | None = None  # the landing generation it was last sent with
     exclude: tuple[int, ...] = ()  # sources to leave out (found to kill workers)
     probe_of: TaskRecord | None = None  # a one-source probe run for this stitched task
     probes_left: int = 0
@@ -89,6 +90,7 @@ class PlanBook:
         self.pending: deque[TaskRecord] = deque()
         self.next_task_id = 1
         self.skipped_poison = 0
+        self.sealing: list[InflightBatch] = []  # complete, waiting for their buffer's seal
         self.parallelism = 2  # worker slots over every ready server (the engine keeps it)
 
     # ------------------------------------------------------------ tasks
@@ -263,10 +265,29 @@ class PlanBook:
             return
         step = batch.plan.step
         del self.inflight[step]
+        if not self.buffers.seal(batch.host):  # a late writer is in it: deliver once out
+            self.sealing.append(batch)
+            return
+        self._deliver(batch)
+
+    def _deliver(self, batch: InflightBatch) -> None:
+        step = batch.plan.step
         delivery = self.mover.deliver(batch, self.epoch, self.buffers)
         with self.handoff.cond:
             self.handoff.ready[step] = delivery
             self.handoff.cond.notify_all()
+
+    def retry_seals(self) -> None:
+        """Deliver the complete batches whose buffers could not be sealed before."""
+        if not self.sealing:
+            return
+        waiting = []
+        for batch in self.sealing:
+            if self.buffers.seal(batch.host):
+                self._deliver(batch)
+            else:
+                waiting.append(batch)
+        self.sealing = waiting
 
     def fail_batch(self, batch: InflightBatch, error: DataServerError) -> None:
         step = batch.plan.step
@@ -357,8 +378,9 @@ class PlanBook:
         return self.plan_version
 
     def _drop_plans(self) -> None:
-        for batch in self.inflight.values():
+        for batch in [*self.inflight.values(), *self.sealing]:
             self.buffers.give(batch.host)
+        self.sealing.clear()
         self.inflight.clear()
         self.plan_starts.clear()
         self.tasks.clear()

@@ -48,7 +48,9 @@ class DataServerClient:
     env RANK/WORLD_SIZE, then 0/1; ``device`` to "cuda" when available. ``prefetch`` is
     how many batches are prepared ahead of the trainer. CURVE: ``curve_server_key`` (the
     server's public key) and ``curve_secret_key`` (this client's secret key), as paths to
-    ``dataserver keygen`` files or as bytes.
+    ``dataserver keygen`` files or as bytes. ``shared_memory``: let workers on this host
+    write batches straight into this process's memory (``/dev/shm``; default on; results
+    from other hosts come over the network either way).
     """
 
     def __init__(
@@ -71,6 +73,7 @@ class DataServerClient:
         prefetch: int = 2,
         curve_server_key: str | bytes | None = None,
         curve_secret_key: str | bytes | None = None,
+        shared_memory: bool = True,
     ) -> None:
         if rank is None or world_size is None:
             auto_rank, auto_world = default_rank_world()
@@ -92,6 +95,7 @@ class DataServerClient:
             on_error=on_error,
             timeout=float(timeout),
             prefetch=int(prefetch),
+            shared_memory=bool(shared_memory),
         )
         self.config.validate()
         curve = _load_curve(curve_server_key, curve_secret_key)

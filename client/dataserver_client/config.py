@@ -33,6 +33,7 @@ class ClientConfig:
     prefetch: int = 2
     heartbeat_interval: float = 0.5
     heartbeat_timeout: float = 3.0
+    shared_memory: bool = True  # workers on this host may write batches straight into memory
 
     def validate(self) -> None:
         def bad(what: str) -> ValueError:

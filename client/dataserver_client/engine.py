@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 import zmq
 
+from dataserver.landing import LandingArea, land_dir
 from dataserver.loop import MessageGuard, inject, is_shutdown
 from dataserver.protocol import (
     Cancelled,
@@ -90,6 +91,22 @@ class Deadlines:
         return self._value
 
 
+def _landing(config: ClientConfig, session: bytes) -> LandingArea | None:
+    """The shared-memory buffers workers on this host may write results into, if there
+    is a /dev/shm to make them in."""
+    directory = land_dir()
+    if directory is None or not config.shared_memory:
+        return None
+    h, w = config.image_size
+    try:
+        return LandingArea(
+            directory, session.hex(), config.prefetch + 3, config.batch_size * 3 * h * w
+        )
+    except OSError as exc:
+        log.info("no landing buffers (%s): results come over the socket", exc)
+        return None
+
+
 class Engine(threading.Thread):
     """The I/O thread of one ``DataServerClient``."""
 
@@ -102,7 +119,8 @@ class Engine(threading.Thread):
         self.curve = curve
         self.session = session_id(curve["public"] if curve else None)
         self.mover = DeviceMover(config.device)
-        self.buffers = HostBuffers(config.device, keep=config.prefetch + 2)
+        self.landing = _landing(config, self.session)
+        self.buffers = HostBuffers(config.device, keep=config.prefetch + 2, landing=self.landing)
         self.book = PlanBook(config, handoff, self.mover, self.buffers)
         self.handshake: Future[dict[str, Any]] = Future()
         self.counters: Counter[str] = Counter(late=0, cancelled=0, results=0, reissued=0)
@@ -209,6 +227,9 @@ class Engine(threading.Thread):
                 if not fut.done():
                     fut.set_exception(self.dead_error())
             self._close_pipe()
+            self.buffers.close()
+            if self.landing is not None:
+                self.landing.close()
             with self.handoff.cond:
                 if self.handoff.fatal is None:
                     self.handoff.fatal = DataServerError("the client is closed")
@@ -262,6 +283,7 @@ class Engine(threading.Thread):
             if not self.handshake.done():
                 self._check_handshake(links, started)
                 continue
+            self.book.retry_seals()
             self.book.fill()
             self._dispatch(links)
             now = time.monotonic()
@@ -357,9 +379,12 @@ class Engine(threading.Thread):
         self.last_progress = time.monotonic()
         failed = {i for i, _ in msg.failed}
         wanted = [tuple(i for i in image if i not in failed) for image in rec.images]
-        if msg.pixels is None or list(msg.images) != wanted or not failed <= set(rec.indices):
+        no_pixels = rec.land_gen is None if msg.landed else msg.pixels is None
+        if no_pixels or list(msg.images) != wanted or not failed <= set(rec.indices):
             self.rejected["wrong_answer"] += 1
-            log.warning(
+            level = logging.WARNING if self.rejected["wrong_answer"] <= 5 else logging.DEBUG
+            log.log(
+                level,
                 "%s answered task %d with images %s, not the %s asked; asking again",
                 link.address,
                 msg.task_id,
@@ -370,9 +395,12 @@ class Engine(threading.Thread):
             return
         self.counters["results"] += 1
         batch = self.book.inflight.get(rec.step)
-        if (
+        if msg.landed:
+            self.counters["results_landed"] += 1
+        elif (
             batch is not None
             and rec.probe_of is None
+            and msg.pixels is not None
             and not np.shares_memory(msg.pixels, batch.array)
         ):
             for j, slot in enumerate(rec.slots):  # received apart: slots not consecutive
@@ -592,6 +620,7 @@ class Engine(threading.Thread):
                 control_seq=book.control_seq,
                 exclude=rec.exclude,
             )
+            rec.land_gen = self._land(task, rec)
             if not link.send(task.encode()):
                 book.pending.appendleft(rec)  # not connected after all: try again shortly
                 return
@@ -599,6 +628,25 @@ class Engine(threading.Thread):
             link.outstanding[rec.task_id] = time.monotonic()
             link.sent_total += 1
             rec.link = link
+
+    def _land(self, task: Task, rec: TaskRecord) -> int | None:
+        """Name the landing place of ``task``'s images (a worker on this host writes them
+        straight into the batch buffer): its batch's buffer is a landing region, and the
+        task's slots are consecutive. Returns the generation named, or None."""
+        batch = self.book.inflight.get(rec.step)
+        if self.landing is None or batch is None or rec.probe_of is not None:
+            return None
+        where = self.buffers.landing_of(batch.host)
+        first = rec.slots[0]
+        if where is None or rec.slots != tuple(range(first, first + len(rec.slots))):
+            return None
+        region, generation, offset = where
+        task.land_path = self.landing.path
+        task.land_token = self.landing.token
+        task.land_region = region
+        task.land_gen = generation
+        task.land_offset = offset + first * 3 * rec.out_hw[0] * rec.out_hw[1]
+        return generation
 
     # ------------------------------------------------------------ commands (I/O thread)
 

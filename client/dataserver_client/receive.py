@@ -70,25 +70,28 @@ def _receive(sock: zmq.Socket[Any], first: Any, destinations: Destinations) -> M
     result = MESSAGES[mtype].read(header, None)
     assert isinstance(result, Result)
     n = len(result.images)
-    if len(specs) != 3:
-        raise ProtocolError(f"RESULT names {len(specs)} arrays, not 3 (images, boxes, labels)")
+    want = 2 if result.landed else 3
+    if len(specs) != want:
+        raise ProtocolError(f"RESULT names {len(specs)} arrays, not {want}")
     shapes = [check_spec(i, spec) for i, spec in enumerate(specs)]
-    dtype, shape, nbytes = shapes[0]
-    check_images_spec(dtype, shape, n)
-    if not sock.getsockopt(zmq.RCVMORE):
-        raise ProtocolError("RESULT ends before its images")
-    dest = destinations(result)
-    if dest is None:  # not wanted (late, or a duplicate): read it off, keep nothing
-        sock.recv(copy=False)
-    elif dest.shape != shape:
-        sock.recv(copy=False)
-        raise ProtocolError(f"images of {shape}, not the {dest.shape} asked")
-    else:
-        got = sock.recv_into(dest.data.cast("B"))
-        if got != nbytes:
-            raise ProtocolError(f"images: the frame holds {got} bytes, not {nbytes}")
+    dest = None
+    if not result.landed:  # the images come in this message: into the batch buffer
+        dtype, shape, nbytes = shapes[0]
+        check_images_spec(dtype, shape, n)
+        if not sock.getsockopt(zmq.RCVMORE):
+            raise ProtocolError("RESULT ends before its images")
+        dest = destinations(result)
+        if dest is None:  # not wanted (late, or a duplicate): read it off, keep nothing
+            sock.recv(copy=False)
+        elif dest.shape != shape:
+            sock.recv(copy=False)
+            raise ProtocolError(f"images of {shape}, not the {dest.shape} asked")
+        else:
+            got = sock.recv_into(dest.data.cast("B"))
+            if got != nbytes:
+                raise ProtocolError(f"images: the frame holds {got} bytes, not {nbytes}")
     arrays = []
-    for i in (1, 2):
+    for i in (want - 2, want - 1):
         if not sock.getsockopt(zmq.RCVMORE):
             raise ProtocolError("RESULT ends before its boxes and labels")
         frame = sock.recv(copy=False)

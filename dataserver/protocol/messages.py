@@ -183,6 +183,13 @@ class Task(Message):
     control_seq: int = f(Int())
     exclude: tuple[int, ...] = f(Ints(0, MAX_TILES, default=()), ())
     priority: int = f(Int(0, 1, default=0), 0)
+    # Landing (same host): write the images into the client's shared-memory buffer
+    # (``dataserver/landing.py``) instead of sending them, if the worker can.
+    land_path: str = f(Text(256, default=""), "")
+    land_token: str = f(Text(64, default=""), "")
+    land_region: int = f(Int(0, 1 << 16, default=0), 0)
+    land_gen: int = f(Int(default=0), 0)
+    land_offset: int = f(Int(default=0), 0)
 
     def _check(self, arrays: list[np.ndarray] | None) -> None:
         Message._check(self, arrays)
@@ -220,13 +227,17 @@ class Result(Message):
     box_counts: tuple[int, ...] = f(Ints(0, MAX_TASK_IMAGES, 0, MAX_BOXES))
     failed: tuple[tuple[int, str], ...] = f(Failures(MAX_TASK_IMAGES * MAX_TILES), ())
     decoded: int = f(Int(0, MAX_TASK_IMAGES * MAX_TILES, default=0), 0)
+    landed: bool | None = f(Opt(Flag()), None)  # the images are in the client's buffer
     pixels: np.ndarray | None = None
     boxes: np.ndarray | None = None
     labels: np.ndarray | None = None
 
     def arrays(self) -> list[np.ndarray]:
-        if self.pixels is None or self.boxes is None or self.labels is None:
-            raise ProtocolError("a RESULT needs its images, boxes and labels")
+        if self.boxes is None or self.labels is None or (self.pixels is None) != bool(self.landed):
+            raise ProtocolError("a RESULT needs its images (unless landed), boxes and labels")
+        if self.landed:
+            return [self.boxes, self.labels]
+        assert self.pixels is not None
         return [self.pixels, self.boxes, self.labels]
 
     def _check(self, arrays: list[np.ndarray] | None) -> None:
@@ -234,14 +245,17 @@ class Result(Message):
             raise ProtocolError(f"{len(self.box_counts)} box counts for {len(self.images)} images")
         if arrays is None:  # the front forwards it unread
             return
-        if len(arrays) != 3:
-            raise ProtocolError(
-                f"RESULT carries 3 arrays (images, boxes, labels), {len(arrays)} came"
-            )
-        pixels, boxes, labels = arrays
-        check_images_spec(pixels.dtype, pixels.shape, len(self.images))
+        want = 2 if self.landed else 3
+        if len(arrays) != want:
+            raise ProtocolError(f"RESULT carries {want} arrays, {len(arrays)} came")
+        if self.landed:
+            boxes, labels = arrays
+        else:
+            pixels, boxes, labels = arrays
+            check_images_spec(pixels.dtype, pixels.shape, len(self.images))
+            self.pixels = pixels
         check_boxes(boxes, labels, sum(self.box_counts))
-        self.pixels, self.boxes, self.labels = pixels, boxes, labels
+        self.boxes, self.labels = boxes, labels
 
 
 def check_images_spec(dtype: Any, shape: tuple[int, ...], n: int) -> None:

@@ -106,17 +106,16 @@ class DirectResults:
         if refused is not None:
             return refused
         frames = out.encode()
-        image = tracked(frames[3])
+        image = tracked(frames[3]) if out.pixels is not None else None
+        parts = [*frames[:3], image, *frames[4:]] if image is not None else frames
         try:
-            self.sock.send_multipart(
-                [out.session, *frames[:3], image, *frames[4:]], zmq.NOBLOCK, copy=False
-            )
+            self.sock.send_multipart([out.session, *parts], zmq.NOBLOCK, copy=False)
         except zmq.ZMQError as exc:
             if exc.errno in (zmq.EHOSTUNREACH, zmq.EAGAIN):
                 self.claims.discard(out.session)
                 return False
             raise
-        self.outbox.sent(out.session, nbytes, image.tracker)
+        self.outbox.sent(out.session, nbytes, image.tracker if image is not None else None)
         return True
 
     def close(self) -> None:

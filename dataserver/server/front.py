@@ -320,9 +320,13 @@ class Front:
     def reply(self, session: Session, msg: Message) -> None:
         self._send_to(session.identity, msg)
 
-    def forward_result(self, session: Session, frames: list[Any]) -> None:
+    def forward_result(self, session: Session, frames: list[Any], landed: bool) -> None:
         """A worker's RESULT that could not go straight to its client: send it on, within
         the outbox's bounds (beyond them the client is told, and asks again)."""
+        if landed:  # no pixels in it: only a header, boxes and labels
+            if self._send(self.data, session.identity, frames):
+                self.counters["results_via_front"] += 1
+            return
         nbytes = len(memoryview(frames[3])) if len(frames) > 3 else 0
         refused = self.outbox.refuse(session.sid, nbytes)
         if refused is not None:

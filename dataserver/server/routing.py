@@ -42,7 +42,7 @@ class Clients(Protocol):
     """What the router needs from the front to reach sessions."""
 
     def reply(self, session: Session, msg: Message) -> None: ...
-    def forward_result(self, session: Session, frames: list[Any]) -> None: ...
+    def forward_result(self, session: Session, frames: list[Any], landed: bool) -> None: ...
     def cancel(self, session: Session, entries: list[TaskEntry]) -> None: ...
     def send_worker(self, identity: bytes, frames: list[Any]) -> bool: ...
 
@@ -128,7 +128,7 @@ class WorkerRouter:
             self.counters["results_orphaned"] += 1
             return
         if isinstance(msg, Result):
-            self.clients.forward_result(session, frames[1:])
+            self.clients.forward_result(session, frames[1:], bool(msg.landed))
         else:
             self.clients.reply(session, msg)
 

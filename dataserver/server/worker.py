@@ -38,6 +38,7 @@ import zmq
 from dataserver.data.pipeline import Source, compose_into, flip_of, prepare
 from dataserver.data.sample import SampleError
 from dataserver.data.spec import build_dataset, parse_spec
+from dataserver.landing import Landings
 from dataserver.loop import MessageGuard, inject, is_shutdown
 from dataserver.protocol import (
     Bye,
@@ -116,6 +117,8 @@ class Worker:
         self._applied: tuple[bytes, int] | None = None  # (session, control_seq) last applied
         self._current: Task | None = None  # the task being handled
         self._stop = False
+        self.landings = Landings()
+        self._tasks = 0
 
     def run(self) -> None:
         ctx = zmq.Context(io_threads=1)
@@ -193,6 +196,11 @@ class Worker:
         self._current = msg  # named in the report if what follows raises
         inject("worker.task")
         out = self._run_guarded(msg)
+        if isinstance(out, Result) and out.landed:
+            self.counters["results_landed"] += 1
+        self._tasks += 1
+        if self._tasks % 256 == 0:
+            self.landings.purge()
         if isinstance(out, Result) and results is not None:
             sent = results.send(out)
             if sent is True:
@@ -263,8 +271,17 @@ class Worker:
         except Exception as exc:
             msg = f"dataset.set_control raised {type(exc).__name__}: {exc}"
             return ErrorMsg(message=msg[:4000], kind="control", **ids)
+        shape = (len(task.images), 3, task.out_hw[0], task.out_hw[1])
         try:
-            return self._compose(task, ckey, ids)
+            with self.landings.target(
+                task.land_path,
+                task.land_token,
+                task.land_region,
+                task.land_gen,
+                task.land_offset,
+                shape,
+            ) as dest:
+                return self._compose(task, ckey, ids, dest)
         except SampleError as exc:
             return ErrorMsg(
                 message=str(exc)[:4000], kind="sample", index=exc.index, file=exc.file, **ids
@@ -274,14 +291,15 @@ class Worker:
             msg = f"worker error on indices {list(task.indices)}: {type(exc).__name__}: {exc}"
             return ErrorMsg(message=msg[:4000], kind="internal", **ids)
 
-    def _compose(self, task: Task, ckey: str, ids: dict[str, Any]) -> Result:
+    def _compose(
+        self, task: Task, ckey: str, ids: dict[str, Any], dest: np.ndarray | None
+    ) -> Result:
+        """Compose ``task`` into ``dest`` (the client's landing buffer) or a new canvas."""
         fit_hw = (task.fit_hw[0], task.fit_hw[1])
         excluded = set(task.exclude)
         wanted = list(dict.fromkeys(i for i in task.indices if i not in excluded))
         decoded = 0
-        image_of: dict[
-            int, int
-        ] = {}  # the first image of the task each source is in (for the running slot)
+        image_of: dict[int, int] = {}  # the first image each source is in (running slot)
         for n, indices in enumerate(task.images):
             for i in indices:
                 image_of.setdefault(i, n)
@@ -306,18 +324,26 @@ class Worker:
             src = got.get(index)
             return src if src is not None else make(index)  # (a failed one raises again)
 
-        result = self._compose_with(task, source, ids)
+        result = self._compose_with(task, source, ids, dest)
         if self.store is not None and not self.store.intact(oldest):
             got.clear()  # the store wrote over a source as we read it: compose from scratch
-            result = self._compose_with(task, source, ids)
+            result = self._compose_with(task, source, ids, dest)
         result.decoded = decoded  # sources read and fitted for this task (store misses)
         return result
 
     def _compose_with(
-        self, task: Task, source: Callable[[int], Source], ids: dict[str, Any]
+        self,
+        task: Task,
+        source: Callable[[int], Source],
+        ids: dict[str, Any],
+        dest: np.ndarray | None,
     ) -> Result:
         out_h, out_w = task.out_hw
-        canvas = np.zeros((len(task.images), 3, out_h, out_w), dtype=np.uint8)
+        if dest is None:
+            canvas = np.zeros((len(task.images), 3, out_h, out_w), dtype=np.uint8)
+        else:
+            canvas = dest
+            canvas.fill(0)
         skip = task.on_error == "skip"
         kept: list[tuple[int, ...]] = []
         failed: list[tuple[int, str]] = []
@@ -337,7 +363,8 @@ class Worker:
             images=tuple(kept),
             box_counts=tuple(len(b) for b in boxes),
             failed=tuple(failed),
-            pixels=canvas,
+            pixels=canvas if dest is None else None,
+            landed=True if dest is not None else None,
             boxes=np.concatenate(boxes),
             labels=np.concatenate(labels),
             **ids,
