@@ -10,12 +10,14 @@ its generation, and the byte offset of its first image.
 
 Rules that make a late or duplicate writer harmless, by construction:
 
-- a worker writes a region only while holding a POSIX lock on that region's generation
-  word, and only if the generation is still the one its task names;
-- the client bumps a region's generation, under the same lock, the moment its batch is
-  complete (before the trainer sees it), or dropped. A writer that comes after finds the
-  generation changed and writes nothing (it sends the pixels over the socket instead,
-  which the client then drops as unwanted).
+- a worker writes its task's bytes of a region only while holding a POSIX lock on those
+  bytes, and only if the region's generation is still the one its task names (so workers
+  writing different tasks of one batch do not wait for each other);
+- the client bumps a region's generation while holding a lock on the whole region (which
+  no writer can hold a part of meanwhile), the moment its batch is complete (before the
+  trainer sees it), or dropped. A writer that comes after finds the generation changed
+  and writes nothing (it sends the pixels over the socket instead, which the client then
+  drops as unwanted).
 
 A worker opens only files named ``dataserver-land-*`` directly in the landing directory,
 without following links, regular files owned by its own user, with the magic and token
@@ -40,7 +42,7 @@ import numpy as np
 MAGIC = 0x444E414C53445331  # "1SDSLAND"
 PREFIX = "dataserver-land-"
 HEADER = 4096
-_HEAD = struct.Struct("<QQ32s")  # magic, owner pid, token
+_HEAD = struct.Struct("<QQ32sQQ")  # magic, owner pid, token, regions, region bytes
 GEN_AT = 64  # generation words (u64 each) start here
 MAX_REGIONS = (HEADER - GEN_AT) // 8
 
@@ -66,7 +68,7 @@ def sweep(directory: Path) -> None:
     for path in directory.glob(PREFIX + "*"):
         try:
             with open(path, "rb") as f:
-                magic, pid, _ = _HEAD.unpack(f.read(_HEAD.size))
+                magic, pid, *_ = _HEAD.unpack(f.read(_HEAD.size))
         except (OSError, struct.error):
             continue
         if magic == MAGIC and not _alive(pid):
@@ -94,7 +96,7 @@ class LandingArea:
             os.close(self.fd)
             os.unlink(self.path)
             raise
-        _HEAD.pack_into(self.map, 0, MAGIC, os.getpid(), self.token.encode())
+        _HEAD.pack_into(self.map, 0, MAGIC, os.getpid(), self.token.encode(), regions, region_bytes)
         self._gens = np.frombuffer(self.map, np.uint64, regions, GEN_AT)
         self.free = list(range(regions))
 
@@ -111,15 +113,16 @@ class LandingArea:
 
     def seal(self, region: int) -> bool:
         """Bump the region's generation, so that no writer can touch it any more; False
-        (try again later) while a worker holds its lock, writing."""
+        (try again later) while a worker holds a lock on a part of it, writing."""
+        start = self.offset(region)
         try:
-            fcntl.lockf(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 8, GEN_AT + 8 * region)
+            fcntl.lockf(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB, self.region_bytes, start)
         except OSError:
             return False
         try:
             self._gens[region] += 1
         finally:
-            fcntl.lockf(self.fd, fcntl.LOCK_UN, 8, GEN_AT + 8 * region)
+            fcntl.lockf(self.fd, fcntl.LOCK_UN, self.region_bytes, start)
         return True
 
     def close(self) -> None:
@@ -141,9 +144,11 @@ class Landings:
     def __init__(self, directory: Path | None = None, keep: int = 32) -> None:
         self.directory = directory if directory is not None else land_dir()
         self.keep = keep
-        self._open: OrderedDict[tuple[str, str], tuple[int, mmap.mmap] | None] = OrderedDict()
+        self._open: OrderedDict[tuple[str, str], tuple[int, mmap.mmap, int, int] | None] = (
+            OrderedDict()
+        )
 
-    def _file(self, path: str, token: str) -> tuple[int, mmap.mmap] | None:
+    def _file(self, path: str, token: str) -> tuple[int, mmap.mmap, int, int] | None:
         key = (path, token)
         if key in self._open:
             self._open.move_to_end(key)
@@ -158,7 +163,7 @@ class Landings:
                 os.close(old[0])
         return opened
 
-    def _check(self, path: str, token: str) -> tuple[int, mmap.mmap] | None:
+    def _check(self, path: str, token: str) -> tuple[int, mmap.mmap, int, int] | None:
         if self.directory is None:
             return None
         name = os.path.basename(path)
@@ -173,14 +178,15 @@ class Landings:
             if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_size < HEADER:
                 raise ValueError("not a landing file")
             m = mmap.mmap(fd, st.st_size)
-            magic, _, stored = _HEAD.unpack_from(m, 0)
-            if magic != MAGIC or stored.decode(errors="replace") != token:
+            magic, _, stored, regions, region_bytes = _HEAD.unpack_from(m, 0)
+            fits = 0 < regions <= MAX_REGIONS and HEADER + regions * region_bytes <= len(m)
+            if magic != MAGIC or stored.decode(errors="replace") != token or not fits:
                 m.close()
                 raise ValueError("not this client's landing file")
         except (OSError, ValueError):
             os.close(fd)
             return None
-        return fd, m
+        return fd, m, regions, region_bytes
 
     @contextmanager
     def target(
@@ -196,14 +202,15 @@ class Landings:
         None: send the pixels over the socket)."""
         opened = self._file(path, token) if path else None
         nbytes = int(np.prod(shape))
-        if opened is None or not 0 <= region < MAX_REGIONS:
+        if opened is None or region < 0:
             yield None
             return
-        fd, m = opened
-        if offset < HEADER or offset + nbytes > len(m):
-            yield None
+        fd, m, regions, region_bytes = opened
+        start = HEADER + region * region_bytes
+        if region >= regions or offset < start or offset + nbytes > start + region_bytes:
+            yield None  # not inside the region it names
             return
-        fcntl.lockf(fd, fcntl.LOCK_EX, 8, GEN_AT + 8 * region)
+        fcntl.lockf(fd, fcntl.LOCK_EX, nbytes, offset)  # these bytes only: others write theirs
         try:
             current = struct.unpack_from("<Q", m, GEN_AT + 8 * region)[0]
             if current != generation:
@@ -211,7 +218,7 @@ class Landings:
                 return
             yield np.frombuffer(m, np.uint8, nbytes, offset).reshape(shape)
         finally:
-            fcntl.lockf(fd, fcntl.LOCK_UN, 8, GEN_AT + 8 * region)
+            fcntl.lockf(fd, fcntl.LOCK_UN, nbytes, offset)
 
     def purge(self) -> None:
         """Close the files their clients removed (their memory is freed only then)."""

@@ -288,7 +288,9 @@ def fig_coordination(args: argparse.Namespace, spec: str, progress: Progress) ->
             started.append(start_server(flags, timeout=120))
             progress(f"server {n + 1}/{servers} up")
         addresses = ",".join(address for _, address in started)
-        opts = {"batch_size": 64, "image_size": 32, "client_args": json.dumps({"prefetch": 2})}
+        # Prefetch 4: with 32 workers and batches of 64, two batches in flight would leave
+        # two samples per task (a message per 20 ms of work, each way, per worker).
+        opts = {"batch_size": 64, "image_size": 32, "client_args": json.dumps({"prefetch": 4})}
         coord = argparse.Namespace(**vars(args))
         runs = rounds(
             coord,
