@@ -9,6 +9,13 @@ results are deterministic, so a second answer (after a task was asked again) is 
 
 Zero-stale steering lives in ``steer``: it bumps ``plan_version``, clears every batch the
 trainer has not taken, and rewinds the cursor to the first of them.
+
+Zero-stall mode flips live in ``flip``: beside the batches planned in the current mode, the
+book plans the *next* batch in the other mode too (the lookahead batch: the same samples
+from the same shard position, so its sources are the ones the servers' stores hold or are
+decoding anyway). A mode flip promotes it to be the next batch (ready at once when it is
+complete), keeps the batch it replaces as the new lookahead (a flip back promotes it
+again), and drops the deeper batches of the old mode, cancelling their tasks by id.
 """
 
 from __future__ import annotations
@@ -22,7 +29,15 @@ from typing import Any
 from dataserver.protocol import MAX_TASK_IMAGES, Result
 from dataserver_client.assembly import Delivery, DeviceMover, HostBuffers, InflightBatch
 from dataserver_client.config import ClientConfig
-from dataserver_client.epoch import REGULAR, Cursor, epoch_order, shard_of, split_runs
+from dataserver_client.epoch import (
+    REGULAR,
+    STITCH,
+    BatchPlan,
+    Cursor,
+    epoch_order,
+    shard_of,
+    split_runs,
+)
 from dataserver_client.errors import DataServerError
 
 PROBE_HW = (8, 8)  # a probe composes one source into a tiny image: it only asks "does it kill?"
@@ -49,7 +64,7 @@ class TaskRecord:
     and which server has it."""
 
     task_id: int
-    step: int
+    batch: InflightBatch  # the batch its images go to
     slots: tuple[int, ...]  # the batch slots of its images, in order (-1: a probe's)
     images: tuple[tuple[int, ...], ...]  # each image's source indices, in cell order
     grid: int
@@ -58,9 +73,15 @@ class TaskRecord:
     link: Any = None  # the server it was last sent to (the engine's ServerLink), or None
     land_gen: int | None = None  # the landing generation it was last sent with
     exclude: tuple[int, ...] = ()  # sources to leave out (found to kill workers)
+    prefer: Any = None  # the server whose store should hold its sources (several servers)
+    keys: tuple[int, ...] = ()  # its images' affinity keys (several servers)
     probe_of: TaskRecord | None = None  # a one-source probe run for this stitched task
     probes_left: int = 0
     poisoned: list[int] = field(default_factory=list)
+
+    @property
+    def step(self) -> int:
+        return self.batch.plan.step
 
     @property
     def indices(self) -> tuple[int, ...]:
@@ -85,13 +106,26 @@ class PlanBook:
         self.control_seq = 0
         self.cursor: Cursor | None = None
         self.inflight: dict[int, InflightBatch] = {}
-        self.plan_starts: dict[int, int] = {}
+        self.plans: dict[int, BatchPlan] = {}  # the current mode's plans, from step taken on
         self.tasks: dict[int, TaskRecord] = {}
         self.pending: deque[TaskRecord] = deque()
         self.next_task_id = 1
         self.skipped_poison = 0
         self.sealing: list[InflightBatch] = []  # complete, waiting for their buffer's seal
         self.parallelism = 2  # worker slots over every ready server (the engine keeps it)
+        # With several servers: the server an affinity key goes to (rendezvous hashing over
+        # the ready ones, kept by the engine), or None for "any".
+        self.route: Callable[[int], Any] = lambda key: None
+        self.owner: dict[int, Any] = {}  # affinity key -> the server its sources went to
+        # The lookahead: batch ``taken`` planned in the other mode (see the module's doc).
+        self.lookahead = config.lookahead and self.layout.stitch_k > 1
+        self.armed = False  # set once the trainer steers the mode (feedback, set_mode)
+        self.alt_plan: BatchPlan | None = None
+        self.alt: InflightBatch | None = None  # its batch while being answered or sealed
+        self.alt_ready: Delivery | DataServerError | None = None  # its batch once finished
+        self._alt_tried: tuple[int, int, str] | None = None
+        self.to_cancel: list[tuple[Any, int]] = []  # (link, task id) sent but not wanted now
+        self.flips = {"promoted": 0, "promoted_ready": 0, "replanned": 0}
 
     # ------------------------------------------------------------ tasks
 
@@ -102,13 +136,48 @@ class PlanBook:
             return None
         return rec
 
-    def pop_pending(self) -> TaskRecord | None:
-        """The next task to send, skipping those no longer wanted."""
-        while self.pending:
-            rec = self.pending.popleft()
-            if self.tasks.get(rec.task_id) is rec:
-                return rec
+    def pop_pending(self, link: Any = None) -> TaskRecord | None:
+        """The next task to send to ``link``, skipping those no longer wanted.
+
+        With several servers: the first task that prefers ``link`` (its sources belong in
+        that server's store); else the first whose sources no other server has begun on
+        (it moves to ``link``, with every task sharing its samples: a server with free
+        credit does not idle while such work waits). None: nothing ``link`` should take
+        now: what is left belongs where its sources are (or are being decoded), and is
+        composed there sooner than another server could decode them again."""
+        pending = self.pending
+        while pending and self.tasks.get(pending[0].task_id) is not pending[0]:
+            pending.popleft()
+        if not pending:
+            return None
+        head = pending[0]
+        if link is None or head.prefer is None or head.prefer is link:
+            return self._take(0, link)
+        movable = None
+        for j, rec in enumerate(pending):
+            if self.tasks.get(rec.task_id) is not rec:
+                continue
+            if rec.prefer is None or rec.prefer is link:
+                return self._take(j, link)
+            if movable is None and all(self.owner.get(k, link) is link for k in rec.keys):
+                movable = j
+        if movable is not None:
+            return self._take(movable, link)
         return None
+
+    def _take(self, j: int, link: Any) -> TaskRecord:
+        rec = self.pending[j]
+        del self.pending[j]
+        if rec.keys and link is not None:
+            for key in rec.keys:
+                self.owner[key] = link
+            if rec.prefer is not link:  # it moved: so do the tasks that share its samples
+                keys = set(rec.keys)
+                for other in self.pending:
+                    if other.prefer is not link and not keys.isdisjoint(other.keys):
+                        other.prefer = link
+                rec.prefer = link
+        return rec
 
     def ask_again(self, recs: list[TaskRecord]) -> int:
         """Put still-wanted tasks at the head of the queue, in plan order; how many."""
@@ -125,19 +194,27 @@ class PlanBook:
 
     def _new_task(
         self,
-        step: int,
+        batch: InflightBatch,
         slots: tuple[int, ...],
         images: tuple[tuple[int, ...], ...],
         grid: int,
         out_hw: tuple[int, int],
+        plan_version: int | None = None,
         **extra: Any,
     ) -> TaskRecord:
-        rec = TaskRecord(
-            self.next_task_id, step, slots, images, grid, out_hw, self.plan_version, **extra
-        )
+        version = self.plan_version if plan_version is None else plan_version
+        rec = TaskRecord(self.next_task_id, batch, slots, images, grid, out_hw, version, **extra)
         self.next_task_id += 1
         self.tasks[rec.task_id] = rec
         return rec
+
+    def batch_of(self, rec: TaskRecord) -> InflightBatch | None:
+        """The batch a wanted task's images go to, while that batch is still planned and
+        being answered."""
+        batch = rec.batch
+        if batch is self.alt or self.inflight.get(batch.plan.step) is batch:
+            return batch
+        return None
 
     def tasks_per_batch(self, images: int) -> int:
         """Tasks to cut a batch of ``images`` output images into: enough that every worker
@@ -155,7 +232,7 @@ class PlanBook:
         if rec.probe_of is not None:
             self._probe_done(rec, bad=False)
             return
-        batch = self.inflight.get(rec.step)
+        batch = self.batch_of(rec)
         if batch is None:
             return
         assert result.boxes is not None and result.labels is not None
@@ -186,24 +263,24 @@ class PlanBook:
             pairs = list(zip(rec.slots, rec.images, strict=True))
             if image is None or not 0 <= image < len(pairs):
                 for slot, one in reversed(pairs):
-                    single = self._new_task(rec.step, (slot,), (one,), rec.grid, rec.out_hw)
-                    single.plan_version = rec.plan_version
+                    single = self._new_task(
+                        rec.batch, (slot,), (one,), rec.grid, rec.out_hw, rec.plan_version
+                    )
                     self.pending.appendleft(single)
                 return
             rest = pairs[:image] + pairs[image + 1 :]
             if rest:
                 again = self._new_task(
-                    rec.step,
+                    rec.batch,
                     tuple(slot for slot, _ in rest),
                     tuple(one for _, one in rest),
                     rec.grid,
                     rec.out_hw,
+                    rec.plan_version,
                 )
-                again.plan_version = rec.plan_version
                 self.pending.appendleft(again)
             slot, one = pairs[image]
-            bad = self._new_task(rec.step, (slot,), (one,), rec.grid, rec.out_hw)
-            bad.plan_version = rec.plan_version
+            bad = self._new_task(rec.batch, (slot,), (one,), rec.grid, rec.out_hw, rec.plan_version)
             self.on_failure(bad, kind, error)
             return
         if skip and kind == "poison" and rec.probe_of is None and len(rec.indices) > 1:
@@ -213,7 +290,7 @@ class PlanBook:
         if rec.probe_of is not None:
             self._probe_done(rec, bad=kind in ("sample", "poison"))
             return
-        batch = self.inflight.get(rec.step)
+        batch = self.batch_of(rec)
         if batch is None:
             return
         if skip and kind in ("sample", "poison"):
@@ -230,8 +307,9 @@ class PlanBook:
         rec.probes_left = len(rec.indices)
         rec.poisoned.clear()
         for index in rec.indices:
-            probe = self._new_task(rec.step, (-1,), ((index,),), 1, PROBE_HW, probe_of=rec)
-            probe.plan_version = rec.plan_version
+            probe = self._new_task(
+                rec.batch, (-1,), ((index,),), 1, PROBE_HW, rec.plan_version, probe_of=rec
+            )
             self.pending.appendleft(probe)
 
     def _probe_done(self, probe: TaskRecord, bad: bool) -> None:
@@ -252,7 +330,7 @@ class PlanBook:
         # itself is the poison. Leave all of it out (counted), rather than kill more workers.
         del self.tasks[parent.task_id]
         self.skipped_poison += 1
-        batch = self.inflight.get(parent.step)
+        batch = self.batch_of(parent)
         if batch is not None:
             for slot, indices in zip(parent.slots, parent.images, strict=True):
                 batch.drop(slot, list(indices))
@@ -263,18 +341,20 @@ class PlanBook:
     def _maybe_finish(self, batch: InflightBatch) -> None:
         if not batch.complete:
             return
-        step = batch.plan.step
-        del self.inflight[step]
+        if batch is not self.alt:
+            del self.inflight[batch.plan.step]
         if not self.buffers.seal(batch.host):  # a late writer is in it: deliver once out
             self.sealing.append(batch)
             return
         self._deliver(batch)
 
     def _deliver(self, batch: InflightBatch) -> None:
-        step = batch.plan.step
         delivery = self.mover.deliver(batch, self.epoch, self.buffers)
+        if batch is self.alt:  # finished, kept until a flip promotes it or the step passes
+            self.alt, self.alt_ready = None, delivery
+            return
         with self.handoff.cond:
-            self.handoff.ready[step] = delivery
+            self.handoff.ready[batch.plan.step] = delivery
             self.handoff.cond.notify_all()
 
     def retry_seals(self) -> None:
@@ -290,18 +370,24 @@ class PlanBook:
         self.sealing = waiting
 
     def fail_batch(self, batch: InflightBatch, error: DataServerError) -> None:
+        self._forget(lambda r: r.batch is batch)
+        self.buffers.give(batch.host)
+        if batch is self.alt:  # the trainer gets the error if a flip promotes it
+            self.alt, self.alt_ready = None, error
+            return
         step = batch.plan.step
         self.inflight.pop(step, None)
-        self._forget(lambda r: r.step == step)
-        self.buffers.give(batch.host)
         with self.handoff.cond:
             self.handoff.ready[step] = error
             self.handoff.cond.notify_all()
 
-    def _forget(self, which: Callable[[TaskRecord], bool]) -> None:
-        """Stop wanting some tasks; those already sent stay outstanding until answered."""
+    def _forget(self, which: Callable[[TaskRecord], bool], cancel: bool = False) -> None:
+        """Stop wanting some tasks; those already sent stay outstanding until answered
+        (with ``cancel``, the servers are asked to drop them if still queued)."""
         for tid in [t for t, r in self.tasks.items() if which(r)]:
-            del self.tasks[tid]
+            rec = self.tasks.pop(tid)
+            if cancel and rec.link is not None:
+                self.to_cancel.append((rec.link, tid))
         self.pending = deque(r for r in self.pending if not which(r))
 
     def taken(self) -> int:
@@ -309,33 +395,115 @@ class PlanBook:
             return self.handoff.taken
 
     def fill(self) -> None:
-        """Plan batches until ``prefetch`` are planned beyond what the trainer has taken."""
+        """Plan batches until ``prefetch`` are planned beyond what the trainer has taken;
+        with lookahead, the next batch in the other mode right after the next batch."""
         cursor = self.cursor
-        if cursor is None or self.handoff.end_step is not None:
+        if cursor is None:
             return
-        taken = self.taken()
-        for step in [s for s in self.plan_starts if s < taken]:
-            del self.plan_starts[step]
-        while cursor.step - taken < self.config.prefetch:
-            plan = cursor.next_plan()
-            if plan is None:
-                with self.handoff.cond:
-                    self.handoff.end_step = cursor.step
-                    self.handoff.cond.notify_all()
-                return
-            self.plan_starts[plan.step] = plan.start
-            host = self.buffers.take((len(plan.images), 3, *plan.out_hw))
-            self.inflight[plan.step] = InflightBatch(plan, host)
-            images = plan.images
-            for run in split_runs(len(images), self.tasks_per_batch(len(images))):
+        with self.handoff.cond:
+            taken = self.handoff.taken
+            ended = self.handoff.end_step is not None
+        for step in [s for s in self.plans if s < taken]:
+            del self.plans[step]
+        if self.alt_plan is not None and self.alt_plan.step != taken:
+            self._drop_alt()  # the trainer took that step in the current mode
+        while not ended and cursor.step <= taken:  # the next batch first
+            ended = not self._plan_next(cursor)
+        if self.lookahead and self.armed and self.alt_plan is None:
+            self._plan_alt(cursor, taken)
+        while not ended and cursor.step - taken < self.config.prefetch:
+            ended = not self._plan_next(cursor)
+
+    def _plan_next(self, cursor: Cursor) -> bool:
+        plan = cursor.next_plan()
+        if plan is None:
+            with self.handoff.cond:
+                self.handoff.end_step = cursor.step
+                self.handoff.cond.notify_all()
+            return False
+        self.plans[plan.step] = plan
+        self.inflight[plan.step] = self._plan_tasks(plan)
+        return True
+
+    def _plan_tasks(self, plan: BatchPlan) -> InflightBatch:
+        """The batch's buffer and tasks: runs of consecutive images, cut where the server
+        their sources belong to changes (several servers), else evenly."""
+        batch = InflightBatch(plan, self.buffers.take((len(plan.images), 3, *plan.out_hw)))
+        images = plan.images
+        n = len(images)
+        keys = [self._affinity(plan, j) for j in range(n)]
+        owner = self.owner
+        servers = [owner.get(key) or self.route(key) for key in keys]
+        segments: list[tuple[int, int]] = []  # [start, stop) of one preferred server
+        for j in range(n):
+            if j and servers[j] is servers[j - 1]:
+                segments[-1] = (segments[-1][0], j + 1)
+            else:
+                segments.append((j, j + 1))
+        parts = self.tasks_per_batch(n)
+        for start, stop in segments:
+            share = max(1, round(parts * (stop - start) / n))
+            for run in split_runs(stop - start, share):
+                slots = tuple(start + j for j in run)
                 rec = self._new_task(
-                    plan.step,
-                    tuple(run),
-                    tuple(images[j].indices for j in run),
+                    batch,
+                    slots,
+                    tuple(images[j].indices for j in slots),
                     images[0].grid,
                     plan.out_hw,
+                    prefer=servers[start],
+                    keys=tuple(keys[j] for j in slots) if servers[start] is not None else (),
                 )
                 self.pending.append(rec)
+        return batch
+
+    def _affinity(self, plan: BatchPlan, j: int) -> int:
+        """The key that picks the server for image ``j`` of ``plan``: with lookahead, the
+        first sample of its group of k shard positions (one stitched image's worth), so the
+        samples that one flip may stitch together are decoded into one server's store; else
+        its first sample (the same server every epoch: cross-epoch cache hits)."""
+        first = plan.images[j].indices[0]
+        if not (self.lookahead and self.armed) or self.cursor is None:
+            return first
+        k = self.layout.stitch_k
+        per_image = k if plan.mode == STITCH and self.layout.stitch_layout == "spatial" else 1
+        position = plan.start + j * per_image
+        return int(self.cursor.shard[position - position % k])
+
+    def _plan_alt(self, cursor: Cursor, taken: int) -> None:
+        """Plan batch ``taken`` in the other mode, from the same shard position."""
+        primary = self.plans.get(taken)
+        if primary is not None:
+            start = primary.start
+        elif cursor.step == taken:  # the current mode has no batch left there; the other may
+            start = cursor.position
+        else:
+            return
+        other = STITCH if self.mode == REGULAR else REGULAR
+        key = (taken, start, other)
+        if self._alt_tried == key:
+            return  # tried already: the shard has too few samples left for it
+        self._alt_tried = key
+        plan = cursor.plan_at(taken, start, other)
+        if plan is None:
+            return
+        self.alt_plan = plan
+        self.alt = self._plan_tasks(plan)
+
+    def _drop_alt(self) -> None:
+        """Forget the lookahead batch: its tasks (cancelled on the servers), its buffer."""
+        alt = self.alt
+        if alt is not None:
+            self._forget(lambda r: r.batch is alt, cancel=True)
+            if alt in self.sealing:
+                self.sealing.remove(alt)
+            self.buffers.give(alt.host)
+        self.alt_plan, self.alt, self.alt_ready = None, None, None
+
+    def set_lookahead(self, on: bool) -> None:
+        self.lookahead = on
+        if not on and self.alt_plan is not None:
+            self._drop_alt()
 
     # ------------------------------------------------------------ commands
 
@@ -344,6 +512,7 @@ class PlanBook:
         self.epoch = epoch
         self.plan_version += 1
         self._drop_plans()
+        self.owner.clear()
         cfg = self.config
         order = epoch_order(dataset_len, cfg.seed, epoch, cfg.shuffle)
         shard = shard_of(order, cfg.rank, cfg.world_size, cfg.drop_last)
@@ -356,6 +525,54 @@ class PlanBook:
             self.handoff.fatal = None
         return len(shard)
 
+    def flip(self, mode: str) -> bool:
+        """Switch to ``mode`` from the next batch on by promoting the lookahead batch, which
+        is that batch in that mode (ready at once when complete). False when there is no
+        such batch: the caller then steers, planning everything again."""
+        self.fill()  # the trainer may flip right after taking a batch: catch up first
+        alt_plan, cursor = self.alt_plan, self.cursor
+        if alt_plan is None or cursor is None or alt_plan.mode != mode or mode == self.mode:
+            return False
+        with self.handoff.cond:
+            taken = self.handoff.taken
+            primary = self.plans.get(taken)
+            if alt_plan.step != taken or (primary is not None and primary.start != alt_plan.start):
+                return False
+            old_ready = self.handoff.ready.pop(taken, None)
+            for step in [s for s in self.handoff.ready if s > taken]:
+                del self.handoff.ready[step]  # deeper batches of the old mode
+            self.handoff.end_step = None
+        # The old mode's batch ``taken``, at whatever stage it is, becomes the lookahead.
+        old = self.inflight.pop(taken, None)
+        if old is None:
+            old = next(
+                (b for b in self.sealing if b.plan.step == taken and b is not self.alt), None
+            )
+        deeper = [b for s, b in self.inflight.items() if s > taken]
+        deeper += [b for b in self.sealing if b.plan.step > taken]
+        gone = set(map(id, deeper))
+        self._forget(lambda r: id(r.batch) in gone, cancel=True)
+        for batch in deeper:
+            self.inflight.pop(batch.plan.step, None)
+            self.buffers.give(batch.host)
+        self.sealing = [b for b in self.sealing if id(b) not in gone]
+        for step in [s for s in self.plans if s > taken]:
+            del self.plans[step]
+        new, new_ready = self.alt, self.alt_ready
+        self.alt_plan, self.alt, self.alt_ready = primary, old, old_ready
+        self.plans[taken] = alt_plan
+        self.flips["promoted"] += 1
+        if new_ready is not None:
+            self.flips["promoted_ready"] += 1
+            with self.handoff.cond:
+                self.handoff.ready[taken] = new_ready
+                self.handoff.cond.notify_all()
+        elif new is not None and new not in self.sealing:
+            self.inflight[taken] = new
+        self.mode = mode
+        cursor.jump(taken + 1, alt_plan.stop, mode)
+        return True
+
     def steer(self, mode: str, control: dict[str, Any] | None) -> int:
         """Switch mode and/or control values from the next batch the trainer takes on.
 
@@ -363,6 +580,8 @@ class PlanBook:
         again from its first sample under the new plan.
         """
         self.plan_version += 1
+        if control is None and mode != self.mode:
+            self.flips["replanned"] += 1
         self.mode = mode
         if control is not None:
             self.control = {**self.control, **control}
@@ -372,7 +591,8 @@ class PlanBook:
                 taken = self.handoff.taken
                 self.handoff.ready.clear()
                 self.handoff.end_step = None
-            position = self.plan_starts.get(taken, self.cursor.position)
+            first = self.plans.get(taken)
+            position = first.start if first is not None else self.cursor.position
             self._drop_plans()
             self.cursor.rewind(taken, position, mode, self.plan_version)
         return self.plan_version
@@ -380,9 +600,12 @@ class PlanBook:
     def _drop_plans(self) -> None:
         for batch in [*self.inflight.values(), *self.sealing]:
             self.buffers.give(batch.host)
+        if self.alt is not None and self.alt not in self.sealing:
+            self.buffers.give(self.alt.host)
+        self.alt_plan, self.alt, self.alt_ready, self._alt_tried = None, None, None, None
         self.sealing.clear()
         self.inflight.clear()
-        self.plan_starts.clear()
+        self.plans.clear()
         self.tasks.clear()
         self.pending.clear()
 
@@ -390,7 +613,8 @@ class PlanBook:
         """The resumable position: the first batch the trainer has not taken."""
         taken = self.taken()
         cursor = self.cursor
-        position = self.plan_starts.get(taken, cursor.position) if cursor else 0
+        first = self.plans.get(taken)
+        position = first.start if first is not None else cursor.position if cursor else 0
         return {
             "epoch": self.epoch,
             "position": position,

@@ -50,7 +50,11 @@ class DataServerClient:
     server's public key) and ``curve_secret_key`` (this client's secret key), as paths to
     ``dataserver keygen`` files or as bytes. ``shared_memory``: let workers on this host
     write batches straight into this process's memory (``/dev/shm``; default on; results
-    from other hosts come over the network either way).
+    from other hosts come over the network either way). ``lookahead``: once the trainer
+    steers the mode (``feedback``/``set_mode``), also prepare the next batch in the other
+    mode, from the same samples, so the batch after a flip is ready when asked (default
+    on; composition is done twice, never a decode, where the servers keep a store of
+    sources: ``serve --cache-gb``; without one it stays off).
     """
 
     def __init__(
@@ -74,6 +78,7 @@ class DataServerClient:
         curve_server_key: str | bytes | None = None,
         curve_secret_key: str | bytes | None = None,
         shared_memory: bool = True,
+        lookahead: bool = True,
     ) -> None:
         if rank is None or world_size is None:
             auto_rank, auto_world = default_rank_world()
@@ -96,6 +101,7 @@ class DataServerClient:
             timeout=float(timeout),
             prefetch=int(prefetch),
             shared_memory=bool(shared_memory),
+            lookahead=bool(lookahead),
         )
         self.config.validate()
         curve = _load_curve(curve_server_key, curve_secret_key)
@@ -117,6 +123,7 @@ class DataServerClient:
         self._resume: dict[str, Any] | None = None
         self._closed = False
         self._generation = 0
+        self._steering = False
 
     # ------------------------------------------------------------ epoch
 
@@ -234,6 +241,11 @@ class DataServerClient:
     def _steer(self, mode: str, control: dict[str, Any] | None) -> None:
         self._check_open()
         self._feedback_seq += 1
+        if control is None and not self._steering:
+            # A trainer that steers the mode: from now on keep the next batch ready in the
+            # other mode too (one that never does pays nothing for it).
+            self._steering = True
+            self._engine.call(self._engine.arm_lookahead)
         if mode != self._mode or control is not None:
             self._engine.call(self._engine.steer, mode, control)
             self._mode = mode

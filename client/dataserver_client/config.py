@@ -34,6 +34,7 @@ class ClientConfig:
     heartbeat_interval: float = 0.5
     heartbeat_timeout: float = 3.0
     shared_memory: bool = True  # workers on this host may write batches straight into memory
+    lookahead: bool = True  # prepare the next batch in the other mode too (zero-stall flips)
 
     def validate(self) -> None:
         def bad(what: str) -> ValueError:

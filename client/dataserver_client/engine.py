@@ -20,6 +20,7 @@ from the latencies seen, so nothing waits for ``timeout`` unless a server is rea
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -65,6 +66,19 @@ POLL_MS = 50
 PIPELINE = 2  # tasks each worker holds at once (the server's own setting)
 TICK_S = 0.02  # liveness timers, not per message: 20 ms is plenty
 DRAIN = 256
+MAX_CANCEL = 4096  # task ids per CONTROL
+
+
+_MASK = (1 << 64) - 1
+_SPAN = float(1 << 64) + 2.0
+
+
+def _mix(x: int) -> int:
+    """splitmix64's finaliser: a well-mixed 64-bit hash of ``x``."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+    return x ^ (x >> 31)
 
 
 class Deadlines:
@@ -100,7 +114,7 @@ def _landing(config: ClientConfig, session: bytes) -> LandingArea | None:
     h, w = config.image_size
     try:
         return LandingArea(
-            directory, session.hex(), config.prefetch + 3, config.batch_size * 3 * h * w
+            directory, session.hex(), config.prefetch + 5, config.batch_size * 3 * h * w
         )
     except OSError as exc:
         log.info("no landing buffers (%s): results come over the socket", exc)
@@ -120,8 +134,10 @@ class Engine(threading.Thread):
         self.session = session_id(curve["public"] if curve else None)
         self.mover = DeviceMover(config.device)
         self.landing = _landing(config, self.session)
-        self.buffers = HostBuffers(config.device, keep=config.prefetch + 2, landing=self.landing)
+        self.buffers = HostBuffers(config.device, keep=config.prefetch + 4, landing=self.landing)
         self.book = PlanBook(config, handoff, self.mover, self.buffers)
+        self.book.route = self._route
+        self._ready_links: list[ServerLink] = []
         self.handshake: Future[dict[str, Any]] = Future()
         self.counters: Counter[str] = Counter(late=0, cancelled=0, results=0, reissued=0)
         self.rejected: Counter[str] = Counter()
@@ -285,6 +301,8 @@ class Engine(threading.Thread):
                 continue
             self.book.retry_seals()
             self.book.fill()
+            if self.book.to_cancel:
+                self._cancel()
             self._dispatch(links)
             now = time.monotonic()
             if now >= next_tick:
@@ -333,7 +351,7 @@ class Engine(threading.Thread):
         n = len(rec.slots)
         if len(result.images) != n:
             raise ProtocolError(f"{len(result.images)} images for a task of {n}")
-        batch = self.book.inflight.get(rec.step)
+        batch = self.book.batch_of(rec)
         first = rec.slots[0]
         if rec.probe_of is not None or batch is None or rec.slots != tuple(range(first, first + n)):
             return np.empty((n, 3, *rec.out_hw), np.uint8)
@@ -394,7 +412,7 @@ class Engine(threading.Thread):
             self._ask_again([rec])
             return
         self.counters["results"] += 1
-        batch = self.book.inflight.get(rec.step)
+        batch = self.book.batch_of(rec)
         if msg.landed:
             self.counters["results_landed"] += 1
         elif (
@@ -470,6 +488,7 @@ class Engine(threading.Thread):
         if self.book.control_seq or self.book.plan_version:
             self._send_control(link)  # a server met anew learns the session's values first
         self._count_workers()
+        self._check_lookahead()
         endpoint = announced_address(link.address, msg.control)
         if endpoint not in self._control_endpoints:
             self._control_endpoints.add(endpoint)
@@ -511,8 +530,43 @@ class Engine(threading.Thread):
         """How many tasks the ready servers can work on at once (the book cuts batches
         into enough tasks to keep them all busy)."""
         if self.links is not None:
-            workers = sum(lk.workers for lk in self.links if lk.state is LinkState.READY)
-            self.book.parallelism = max(1, workers) * PIPELINE
+            ready = [lk for lk in self.links if lk.state is LinkState.READY]
+            self.book.parallelism = max(1, sum(lk.workers for lk in ready)) * PIPELINE
+            self._ready_links = ready if len(ready) > 1 else []
+            live = set(self._ready_links)
+            for rec in self.book.pending:  # a server gone: its waiting tasks go to anyone
+                if rec.prefer is not None and rec.prefer not in live:
+                    rec.prefer = None
+            owner = self.book.owner
+            if any(v not in live for v in owner.values()):
+                self.book.owner = {k: v for k, v in owner.items() if v in live}
+
+    def _route(self, key: int) -> ServerLink | None:
+        """Weighted rendezvous hashing: the ready server an affinity key belongs to (None
+        with one server), each server winning keys in proportion to its workers. A server
+        joining or leaving moves only the keys it wins or held."""
+        ready = self._ready_links
+        if not ready:
+            return None
+        return max(ready, key=lambda lk: lk.workers / -math.log((_mix(lk.salt ^ key) + 1) / _SPAN))
+
+    def arm_lookahead(self) -> None:
+        self.book.armed = True
+
+    def _check_lookahead(self) -> None:
+        """Lookahead composes the next batch in both modes from the same sources: worth it
+        only where every server keeps the sources it decoded (a store); without one, it
+        would decode them twice. Off, flips replan (zero stale batches either way)."""
+        if self.links is None or not self.config.lookahead:
+            return
+        stores = all(
+            lk.welcome_msg.store_bytes > 0 for lk in self.links if lk.welcome_msg is not None
+        )
+        if self.book.lookahead and not stores:
+            log.info("a server keeps no store of sources (--cache-gb 0): lookahead is off")
+            self.book.set_lookahead(False)
+        elif not self.book.lookahead and stores and self.config.stitch_k > 1:
+            self.book.set_lookahead(True)
 
     def _move_tasks(self, link: ServerLink) -> int:
         recs = self.book.records(link.take_outstanding())
@@ -599,13 +653,15 @@ class Engine(threading.Thread):
 
     def _dispatch(self, links: Links) -> None:
         book = self.book
+        skip: set[ServerLink] = set()  # links with nothing they should take now
         while book.pending:
-            link = links.best()
+            link = links.best(skip)
             if link is None:
                 return
-            rec = book.pop_pending()
+            rec = book.pop_pending(link)
             if rec is None:
-                return
+                skip.add(link)
+                continue
             task = Task(
                 session=self.session,
                 task_id=rec.task_id,
@@ -633,7 +689,7 @@ class Engine(threading.Thread):
         """Name the landing place of ``task``'s images (a worker on this host writes them
         straight into the batch buffer): its batch's buffer is a landing region, and the
         task's slots are consecutive. Returns the generation named, or None."""
-        batch = self.book.inflight.get(rec.step)
+        batch = self.book.batch_of(rec)
         if self.landing is None or batch is None or rec.probe_of is not None:
             return None
         where = self.buffers.landing_of(batch.host)
@@ -656,9 +712,26 @@ class Engine(threading.Thread):
         return n
 
     def steer(self, mode: str, control: dict[str, Any] | None) -> int:
+        if control is None and self.book.flip(mode):
+            self._cancel()  # the old mode's deeper batches; the plan itself stands
+            return self.book.plan_version
         version = self.book.steer(mode, control)
         self._send_control(None)
         return version
+
+    def _cancel(self) -> None:
+        """Ask servers to drop queued tasks the plan no longer wants (by id: the rest of
+        the plan stands, so its version does not change)."""
+        by_link: dict[ServerLink, list[int]] = {}
+        for link, task_id in self.book.to_cancel:
+            if task_id in link.outstanding:
+                by_link.setdefault(link, []).append(task_id)
+        self.book.to_cancel.clear()
+        for link, ids in by_link.items():
+            for start in range(0, len(ids), MAX_CANCEL):
+                msg = self._control_msg()
+                msg.cancel = tuple(ids[start : start + MAX_CANCEL])
+                link.send(msg.encode())
 
     def _control_msg(self) -> Control:
         return Control(
@@ -685,6 +758,13 @@ class Engine(threading.Thread):
     def snapshot(self) -> dict[str, Any]:
         return self.book.snapshot()
 
+    def _lookahead_state(self) -> dict[str, Any] | None:
+        """The lookahead batch, if one is planned: its step, mode and whether it is done."""
+        plan = self.book.alt_plan
+        if plan is None:
+            return None
+        return {"step": plan.step, "mode": plan.mode, "ready": self.book.alt_ready is not None}
+
     def restore(self, mode: str, control: dict[str, Any], control_seq: int) -> None:
         self.book.restore(mode, control, control_seq)
 
@@ -694,6 +774,8 @@ class Engine(threading.Thread):
             **self.counters,
             "rejected": dict(self.rejected),
             "plan_version": self.book.plan_version,
+            "flips": dict(self.book.flips),
+            "lookahead": self._lookahead_state(),
             "skipped_poison_images": self.book.skipped_poison,
             "task_deadline_s": round(self.deadlines.value, 3),
             "host_buffers_allocated": self.buffers.allocated,

@@ -138,17 +138,22 @@ class Cursor:
     def remaining(self) -> int:
         return len(self.shard) - self.position
 
-    def next_plan(self) -> BatchPlan | None:
-        """Plan the next batch, or None when the epoch has no more."""
-        want = self.layout.samples_per_batch(self.mode)
-        left = self.remaining
+    def plan_at(self, step: int, start: int, mode: str) -> BatchPlan | None:
+        """Batch ``step`` cut from shard position ``start`` in ``mode`` (None when the shard
+        has too few samples left). Pure: the cursor does not move."""
+        want = self.layout.samples_per_batch(mode)
+        left = len(self.shard) - start
         if left <= 0 or (self.layout.drop_last and left < want):
             return None
-        take = min(want, left)
-        start, stop = self.position, self.position + take
-        images, out_hw = cut_images(self.shard[start:stop], self.layout, self.mode)
-        plan = BatchPlan(self.step, self.plan_version, self.mode, start, stop, images, out_hw)
-        self.position, self.step = stop, self.step + 1
+        stop = start + min(want, left)
+        images, out_hw = cut_images(self.shard[start:stop], self.layout, mode)
+        return BatchPlan(step, self.plan_version, mode, start, stop, images, out_hw)
+
+    def next_plan(self) -> BatchPlan | None:
+        """Plan the next batch, or None when the epoch has no more."""
+        plan = self.plan_at(self.step, self.position, self.mode)
+        if plan is not None:
+            self.position, self.step = plan.stop, plan.step + 1
         return plan
 
     def rewind(self, step: int, position: int, mode: str, plan_version: int) -> None:
@@ -157,3 +162,9 @@ class Cursor:
             raise ValueError("a rewind must raise plan_version")
         self.step, self.position = step, position
         self.mode, self.plan_version = mode, plan_version
+
+    def jump(self, step: int, position: int, mode: str) -> None:
+        """Go on from batch ``step`` at ``position`` in ``mode``, under the same plan: the
+        batches before ``step`` were planned already (a lookahead batch promoted on a mode
+        flip), and every plan after them is dropped by the caller."""
+        self.step, self.position, self.mode = step, position, mode

@@ -15,6 +15,7 @@ Link states::
 from __future__ import annotations
 
 import enum
+import hashlib
 import ipaddress
 import logging
 import os
@@ -151,6 +152,9 @@ class ServerLink:
         self, ctx: zmq.Context[Any], address: str, session: bytes, curve: dict[str, bytes] | None
     ) -> None:
         self.address = address
+        self.salt = int.from_bytes(
+            hashlib.blake2b(address.encode(), digest_size=8).digest(), "little"
+        )
         self.session = session
         self.curve = curve is not None
         self.sock = _dealer(ctx, curve)
@@ -303,10 +307,13 @@ class Links:
     def any_ready(self) -> bool:
         return any(link.state is LinkState.READY for link in self.links)
 
-    def best(self) -> ServerLink | None:
-        """The link with the most free credit, or None when none has any."""
-        link = max(self.links, key=lambda lk: lk.free)
-        return link if link.free > 0 else None
+    def best(
+        self, skip: set[ServerLink] | frozenset[ServerLink] = frozenset()
+    ) -> ServerLink | None:
+        """The link with the most free credit (leaving out ``skip``), or None when none
+        has any."""
+        free = [lk for lk in self.links if lk.free > 0 and lk not in skip]
+        return max(free, key=lambda lk: lk.free) if free else None
 
     def handshake(self) -> dict[str, Any] | None:
         """The dataset info once every server answered (None until then); raises

@@ -9,6 +9,7 @@ import json
 import statistics
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -17,6 +18,7 @@ from dataserver.admin import fetch_stats
 from dataserver.demo import start_server, stop_server
 
 Progress = Callable[[str], None]
+FLIP_IMAGES = 1024  # flip_stall times whole epochs: enough steps (and flips) per epoch
 
 
 def run_side(side: str, args: argparse.Namespace, **opts: Any) -> dict[str, Any]:
@@ -253,6 +255,78 @@ def fig_feedback(args: argparse.Namespace, spec: str, progress: Progress) -> dic
     }
 
 
+def _quantile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 1)
+
+
+def fig_flip_stall(args: argparse.Namespace, spec: str, progress: Progress) -> dict[str, Any]:
+    """The wait in ``next()`` right after a mode flip vs after no flip, for a trainer whose
+    step leaves the CPU free (150 ms, and 60 ms where the pool cannot keep up in stitch mode),
+    flipping on ~20% of steps, over whole epochs of a fresh server (so its decode count
+    compares with the samples delivered); with the client's lookahead on (the default) and
+    off (every flip replans from nothing)."""
+    import tempfile
+
+    from dataserver.data.coco import write_synthetic_coco
+
+    with tempfile.TemporaryDirectory(prefix="ds-flips-") as tmp:
+        n = FLIP_IMAGES
+        progress(f"writing {n} synthetic JPEGs (whole epochs of them are timed)")
+        ann = write_synthetic_coco(tmp, n, seed=1)
+        flip_spec = f"coco:{ann}"
+        cases = [(ms, la) for ms in (150, 60) for la in (True, False)]
+        runs: dict[tuple[int, bool], list[dict[str, Any]]] = {c: [] for c in cases}
+        for r in range(args.rounds):
+            for step_ms, lookahead in cases:
+                flags = ["--dataset", flip_spec, "--workers", str(args.workers)]
+                with server(flags) as (address, _):
+                    out = run_side(
+                        "flip_stall",
+                        args,
+                        address=address,
+                        step_ms=step_ms,
+                        flip_rate=0.2,
+                        seed=r,
+                        client_args=json.dumps({"stitch_k": 4, "lookahead": lookahead}),
+                    )
+                    time.sleep(0.3)  # the workers' last DONE counts land
+                    decoded = fetch_stats(address, 10)["counters"].get("sources_decoded", 0)
+                out["extra_decodes"] = decoded - out["samples"]
+                runs[(step_ms, lookahead)].append(out)
+                after = out["waits_ms"]["flip"]
+                progress(
+                    f"round {r + 1}/{args.rounds}: step {step_ms} ms, lookahead "
+                    f"{'on' if lookahead else 'off'}: {out['flips']} flips, median wait after "
+                    f"a flip {_quantile(after, 0.5)} ms, extra decodes {out['extra_decodes']}"
+                )
+    result: dict[str, Any] = {}
+    for (step_ms, lookahead), outs in runs.items():
+        flip = [w for o in outs for w in o["waits_ms"]["flip"]]
+        calm = [w for o in outs for w in o["waits_ms"]["no_flip"]]
+        flips = sum(o["flips"] for o in outs)
+        extra = sum(o["extra_decodes"] for o in outs)
+        samples = sum(o["samples"] for o in outs)
+        m_flip, m_calm = _quantile(flip, 0.5), _quantile(calm, 0.5)
+        key = f"step_{step_ms}ms_lookahead_{'on' if lookahead else 'off'}"
+        result[key] = {
+            "stall_ms": round(m_flip - m_calm, 1) if m_flip is not None and m_calm else None,
+            "wait_after_flip_ms": {"median": m_flip, "p90": _quantile(flip, 0.9)},
+            "wait_after_no_flip_ms": {"median": m_calm, "p90": _quantile(calm, 0.9)},
+            "flips": flips,
+            "flips_ready_when_asked": sum(o["flips_promoted_ready"] for o in outs),
+            "extra_decodes_per_flip": round(extra / max(1, flips), 2),
+            "extra_decodes_share": round(extra / max(1, samples), 4),
+        }
+    result["note"] = (
+        "stall_ms = median wait in next() after a flip minus after no flip (target <= 5 ms at "
+        "150 ms); extra decodes = sources the server decoded beyond the epoch's samples"
+    )
+    return result
+
+
 def fig_first_batch(args: argparse.Namespace, spec: str, progress: Progress) -> dict[str, Any]:
     """Time from a new client to its first batch, against a running, idle server."""
     with server(["--dataset", spec, "--workers", str(args.workers)]) as (address, _):
@@ -353,6 +427,7 @@ FIGURES: dict[str, Callable[[argparse.Namespace, str, Progress], dict[str, Any]]
     "overhead": fig_overhead,
     "cache": fig_cache,
     "feedback": fig_feedback,
+    "flip_stall": fig_flip_stall,
     "first_batch": fig_first_batch,
     "coordination": fig_coordination,
     "transport": fig_transport,

@@ -141,6 +141,49 @@ def feedback_side(args: argparse.Namespace) -> dict[str, float]:
     }
 
 
+def flip_stall_side(args: argparse.Namespace) -> dict[str, Any]:
+    """A trainer whose step leaves the CPU free for ``--step-ms`` (a GPU-bound step), then
+    flips the mode on a random ~``flip_rate`` of steps (seeded), over one whole epoch (so
+    the server's decode count compares with the samples delivered). Reports the wait in
+    ``next()`` after each step, split by whether the mode was flipped before it."""
+    import random
+
+    rng = random.Random(args.seed)
+    waits: dict[str, list[float]] = {"flip": [], "no_flip": []}
+    samples = flips = 0
+    with _client(args) as client:
+        client.set_epoch(0)
+        it = iter(client)
+        flipped = False
+        step = 0
+        mode = client.mode
+        while True:
+            start = time.perf_counter()
+            try:
+                batch = next(it)
+            except StopIteration:
+                break
+            wait = time.perf_counter() - start
+            if step >= WARMUP:
+                waits["flip" if flipped else "no_flip"].append(wait * 1e3)
+            samples += batch.num_samples
+            step += 1
+            time.sleep(args.step_ms / 1e3)
+            flipped = rng.random() < args.flip_rate
+            if flipped:
+                mode = "stitch" if mode == "regular" else "regular"
+                client.set_mode(mode)
+                flips += 1
+        stats = client.stats()
+    return {
+        "waits_ms": waits,
+        "samples": samples,
+        "steps": step,
+        "flips": flips,
+        "flips_promoted_ready": stats["flips"]["promoted_ready"],
+    }
+
+
 def first_batch_side(args: argparse.Namespace) -> dict[str, float]:
     """Milliseconds from constructing a client (handshake included) to its first batch."""
     import dataserver_client  # noqa: F401  (imported before the clock starts, as a trainer has it)
@@ -239,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mode", default="regular")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--transport", default="tcp", choices=["tcp", "ipc"])
+    parser.add_argument("--step-ms", type=float, default=150.0)
     args = parser.parse_args(argv)
     print(json.dumps(SIDES[args.side](args)), flush=True)
     os._exit(0)  # skip interpreter teardown: worker pools are not what is measured

@@ -155,6 +155,8 @@ class Welcome(Message):
     # finding ``local_token`` in the file beside them).
     local: tuple[str, ...] = f(Texts(MAX_WORKERS, 512, default=()), ())
     local_token: str = f(Text(64, default=""), "")
+    # Bytes of its store of prepared sources (0: none; every task decodes its sources).
+    store_bytes: int = f(Int(0, 1 << 50, default=0), 0)
 
 
 # ---------------------------------------------------------------------------- work

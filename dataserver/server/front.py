@@ -462,6 +462,7 @@ class Front:
                 max_image_side=self.config.max_image_side,
                 local=local,
                 local_token=self.local_token,
+                store_bytes=self.store.capacity if self.store is not None else 0,
             ),
         )
 

@@ -1,0 +1,166 @@
+"""Zero-stall mode flips: the client prepares the next batch in the other mode too, from the
+same samples, so a flip is served by a batch that was ready before it; no source is decoded
+twice for it, and the batches are bit-identical to those of a client without lookahead."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import pytest
+import torch
+
+from dataserver_client import Batch, DataServerClient
+
+pytestmark = pytest.mark.timeout(180)
+
+N = 150  # not a multiple of a batch in either mode: the epoch ends with partial batches
+
+
+def client_for(server: Any, lookahead: bool, **kw: Any) -> DataServerClient:
+    return DataServerClient(
+        server.address,
+        batch_size=4,
+        image_size=(64, 64),
+        stitch_k=4,
+        seed=11,
+        prefetch=3,
+        device="cpu",
+        lookahead=lookahead,
+        **kw,
+    )
+
+
+def signature(batch: Batch) -> tuple[Any, ...]:
+    return (
+        batch.step,
+        batch.mode,
+        batch.indices,
+        batch.images.numpy().tobytes(),
+        [(t["boxes"].numpy().tobytes(), t["labels"].tolist()) for t in batch.targets],
+    )
+
+
+def run_flipping(client: DataServerClient, epoch: int, wait_ready: bool) -> list[Batch]:
+    """One epoch that flips mode after every batch (with ``wait_ready``: only once the
+    lookahead batch is complete, so every flip must be served by it)."""
+    from conftest import wait_until
+
+    client.set_epoch(epoch)
+    batches = []
+    mode = client.mode
+    client.set_mode(mode)  # no change, but a trainer that steers: the lookahead starts
+    for batch in client:
+        assert batch.mode == mode, f"batch {batch.step} is stale"
+        batches.append(batch)
+        if wait_ready:
+            nxt = batch.step + 1
+
+            def ready(step: int = nxt) -> bool:
+                la = client.stats()["lookahead"] or {}
+                return bool(la.get("step") == step and la.get("ready"))
+
+            # (the last batch has no next one: nothing to wait for)
+            wait_until(ready, 30 if len(delivered(batches)) < N else 0.5)
+        mode = "stitch" if mode == "regular" else "regular"
+        client.set_mode(mode)
+    return batches
+
+
+def delivered(batches: list[Batch]) -> list[int]:
+    return [i for b in batches for cell in b.indices for i in cell]
+
+
+def test_a_flip_at_every_step_is_exact_and_bit_identical_to_no_lookahead(
+    start_server: Any,
+) -> None:
+    server = start_server("--dataset", f"synthetic:images={N},seed=5", workers=2)
+    runs = {}
+    for lookahead in (True, False):
+        with client_for(server, lookahead) as c:
+            batches = run_flipping(c, epoch=1, wait_ready=False)
+            stats = c.stats()
+            if lookahead:  # all but the flip after the last batch (no batch to promote)
+                assert stats["flips"]["promoted"] == len(batches) - 1
+                assert stats["flips"]["replanned"] == 1
+            else:
+                assert stats["flips"]["promoted"] == 0
+                assert stats["flips"]["replanned"] == len(batches)
+            runs[lookahead] = batches
+    with_la, without = runs[True], runs[False]
+    assert [b.mode for b in with_la] == ["regular", "stitch"] * (len(with_la) // 2) + [
+        "regular"
+    ] * (len(with_la) % 2)
+    got = delivered(with_la)
+    assert len(got) == N and sorted(got) == list(range(N)), "not exactly once"
+    assert [signature(b) for b in with_la] == [signature(b) for b in without]
+
+
+def test_flips_are_served_by_batches_made_before_them_and_no_source_is_decoded_twice(
+    start_server: Any,
+) -> None:
+    # A fresh server (its store counts decodes from zero), large enough for the epoch.
+    server = start_server("--dataset", f"synthetic:images={N},seed=5", workers=2)
+    with client_for(server, True) as c:
+        batches = run_flipping(c, epoch=0, wait_ready=True)
+        flips = c.stats()["flips"]
+    assert flips["promoted"] == flips["promoted_ready"] == len(batches) - 1
+    got = delivered(batches)
+    assert sorted(got) == list(range(N))
+    decoded = server.stats()["counters"]["sources_decoded"]
+    # Every sample of the epoch was decoded once: the lookahead composed some of them in
+    # both modes (and some batches were dropped after a flip), but read and fitted them once.
+    assert decoded == N, f"{decoded} decodes for {N} samples"
+
+
+def test_lookahead_follows_the_steps_without_flips_and_control_replans(start_server: Any) -> None:
+    """Without flips the lookahead batch moves with the trainer (always the next step, in
+    the other mode); control() still drops every planned batch, the lookahead with them."""
+    from conftest import wait_until
+
+    server = start_server("--dataset", f"synthetic:images={N},seed=5", workers=2)
+    with client_for(server, True) as c:
+        c.set_mode("regular")  # a trainer that steers (though not yet flipping)
+        c.set_epoch(0)
+        it = iter(c)
+        for step in range(3):
+            batch = next(it)
+            assert batch.step == step and batch.mode == "regular"
+            assert wait_until(
+                lambda s=step: (c.stats()["lookahead"] or {}).get("step") == s + 1, 30
+            )
+            assert c.stats()["lookahead"]["mode"] == "stitch"
+        version = c.stats()["plan_version"]
+        c.control(anything=1)
+        assert c.stats()["plan_version"] == version + 1
+        rest = list(it)
+        assert all(b.mode == "regular" for b in rest)
+        modes = Counter(b.mode for b in rest)
+        assert modes["regular"] == -(-(N - 12) // 4)
+    assert torch.cat([b.images for b in rest]).shape[1:] == (3, 64, 64)
+
+
+def test_two_servers_flip_exactly_and_keep_each_sample_in_one_store(start_server: Any) -> None:
+    """With two servers the samples a flip may stitch together are sent to one server (the
+    group of k shard positions is the affinity key), so its store has them for either mode."""
+    a = start_server("--dataset", f"synthetic:images={N},seed=5", workers=2)
+    b = start_server("--dataset", f"synthetic:images={N},seed=5", workers=2)
+    alone = start_server("--dataset", f"synthetic:images={N},seed=5", workers=2)
+    with DataServerClient(
+        [a.address, b.address],
+        batch_size=4,
+        image_size=(64, 64),
+        stitch_k=4,
+        seed=11,
+        prefetch=3,
+        device="cpu",
+    ) as c:
+        two = run_flipping(c, epoch=2, wait_ready=False)
+        assert c.stats()["flips"]["promoted"] == len(two) - 1
+    with client_for(alone, False) as c:
+        one = run_flipping(c, epoch=2, wait_ready=False)
+    assert sorted(delivered(two)) == list(range(N))
+    assert [signature(x) for x in two] == [signature(y) for y in one]
+    decoded = [s.stats()["counters"]["sources_decoded"] for s in (a, b)]
+    assert min(decoded) > N // 5, decoded  # both did a real share
+    assert sum(decoded) <= N + 8, decoded  # (one server's worth each, give or take a group)
