@@ -285,6 +285,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--image-size", type=int, default=512)
     p.add_argument("--batches", type=int, default=40)
     p.add_argument("--rounds", type=int, default=3, help="runs of each side, alternating")
+    p.add_argument(
+        "--flip-images",
+        type=int,
+        default=1024,
+        help="flip_stall: images of its own data set (it times whole epochs of them)",
+    )
     p.add_argument("--only", default=None, help="comma-separated figures to run")
     p.add_argument("--json", default=None, help="also write the results here")
     p.set_defaults(func=cmd_bench)

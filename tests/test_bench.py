@@ -16,7 +16,8 @@ def test_bench_reports_every_figure(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     cmd = [sys.executable, "-m", "dataserver.cli", "bench", "--images", "24", "--batches", "3"]
     cmd += ["--image-size", "64", "--batch-size", "4", "--workers", "1", "--json", str(out)]
-    cmd += ["--rounds", "1", "--only", "dataloader,overhead,cache,feedback,first_batch"]
+    cmd += ["--rounds", "1", "--flip-images", "64"]
+    cmd += ["--only", "dataloader,overhead,cache,feedback,flip_stall,first_batch"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     results = json.loads(out.read_text())
@@ -29,6 +30,8 @@ def test_bench_reports_every_figure(tmp_path: Path) -> None:
     assert 0 < results["cache"]["store_hit_rate"] <= 1
     assert results["feedback"]["flips_vs_constant_modes"] > 0
     assert results["first_batch"]["first_batch_ms"] > 0
+    stall = results["flip_stall"]["step_150ms_lookahead_on"]
+    assert stall["flips"] >= 0 and stall["wait_after_no_flip_ms"]["median"] is not None
     assert "vs_dataloader" in proc.stdout and "round 1/1: dataloader" in proc.stdout
 
 

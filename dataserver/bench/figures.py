@@ -18,7 +18,6 @@ from dataserver.admin import fetch_stats
 from dataserver.demo import start_server, stop_server
 
 Progress = Callable[[str], None]
-FLIP_IMAGES = 1024  # flip_stall times whole epochs: enough steps (and flips) per epoch
 
 
 def run_side(side: str, args: argparse.Namespace, **opts: Any) -> dict[str, Any]:
@@ -273,7 +272,7 @@ def fig_flip_stall(args: argparse.Namespace, spec: str, progress: Progress) -> d
     from dataserver.data.coco import write_synthetic_coco
 
     with tempfile.TemporaryDirectory(prefix="ds-flips-") as tmp:
-        n = FLIP_IMAGES
+        n = args.flip_images
         progress(f"writing {n} synthetic JPEGs (whole epochs of them are timed)")
         ann = write_synthetic_coco(tmp, n, seed=1)
         flip_spec = f"coco:{ann}"

@@ -143,7 +143,8 @@ def feedback_side(args: argparse.Namespace) -> dict[str, float]:
 
 def flip_stall_side(args: argparse.Namespace) -> dict[str, Any]:
     """A trainer whose step leaves the CPU free for ``--step-ms`` (a GPU-bound step), then
-    flips the mode on a random ~``flip_rate`` of steps (seeded), over one whole epoch (so
+    sets the mode (every step, as ``feedback()`` would), flipping it on a random
+    ~``flip_rate`` of steps (seeded), over one whole epoch (so
     the server's decode count compares with the samples delivered). Reports the wait in
     ``next()`` after each step, split by whether the mode was flipped before it."""
     import random
@@ -172,8 +173,8 @@ def flip_stall_side(args: argparse.Namespace) -> dict[str, Any]:
             flipped = rng.random() < args.flip_rate
             if flipped:
                 mode = "stitch" if mode == "regular" else "regular"
-                client.set_mode(mode)
                 flips += 1
+            client.set_mode(mode)  # every step, as a trainer calling feedback() does
         stats = client.stats()
     return {
         "waits_ms": waits,
@@ -262,6 +263,7 @@ SIDES = {
     "rawzmq": rawzmq_side,
     "feedback": feedback_side,
     "first_batch": first_batch_side,
+    "flip_stall": flip_stall_side,
 }
 
 
