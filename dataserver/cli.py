@@ -17,6 +17,7 @@ from dataserver.protocol import ProtocolError
 from dataserver.server.config import (
     DEFAULT_BIND,
     DEFAULT_CACHE_GB,
+    DEFAULT_DRAIN_SECONDS,
     DEFAULT_MAX_IMAGE_SIDE,
     DEFAULT_MAX_QUEUED_MB,
     DEFAULT_MAX_SESSIONS,
@@ -65,6 +66,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_sessions=args.max_sessions,
         max_image_side=args.max_image_side,
         max_queued_mb=args.max_queued_mb,
+        drain_seconds=args.drain_seconds,
     )
 
     def announce(front: Any) -> None:
@@ -108,7 +110,8 @@ def cmd_stats(args: argparse.Namespace) -> int:
         return _fail("dataserver stats", str(exc), 1)
     except (ValueError, CurveKeyError) as exc:
         return _fail("dataserver stats", str(exc), 2)
-    healthy = stats["workers_alive"] >= stats["workers"]
+    # Ready: every worker alive and not draining (a draining server leaves the Service).
+    healthy = stats["workers_alive"] >= stats["workers"] and not stats.get("draining")
     if args.json:
         print(json.dumps(stats, indent=2, sort_keys=True))
         return 0 if healthy or not args.check else 1
@@ -120,6 +123,8 @@ def cmd_stats(args: argparse.Namespace) -> int:
         f"{stats['workers_busy']} busy, {stats['workers_started']} started"
     )
     print(f"  queue depth    {stats['queue_depth']}")
+    if stats.get("draining"):
+        print(f"  draining       for {stats['draining']['for_s']} s")
     print(f"  sessions       {stats['sessions']}")
     for key, value in sorted(stats["counters"].items()):
         print(f"  {key:<22} {value}")
@@ -234,6 +239,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=True,
         help="workers also offer their results over ipc, which clients on this host use "
         "instead of TCP (default: on)",
+    )
+    p.add_argument(
+        "--drain-seconds",
+        type=float,
+        default=DEFAULT_DRAIN_SECONDS,
+        help="on SIGTERM: take no new tasks, tell clients (they move their queued tasks), "
+        "finish running ones, exit within this many seconds (0: stop at once; SIGINT or a "
+        f"second SIGTERM always stops at once) (default {DEFAULT_DRAIN_SECONDS:g})",
     )
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=cmd_serve)

@@ -103,9 +103,15 @@ class Server:
             self.proc.kill()
             self.proc.wait(10)
 
-    def stop(self, timeout: float = 10.0) -> int | None:
+    def drain(self) -> None:
+        """SIGTERM: the server drains (``--drain-seconds``) and exits by itself."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
+
+    def stop(self, timeout: float = 10.0) -> int | None:
+        """SIGINT: stop at once (no drain), as a server that goes away does."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:

@@ -17,7 +17,6 @@ from dataserver_client.config import ClientConfig, default_rank_world, resolve_d
 from dataserver_client.engine import Engine
 from dataserver_client.epoch import MODES, REGULAR, STITCH, shard_size
 from dataserver_client.errors import DataServerError
-from dataserver_client.links import expand_addresses
 
 log = logging.getLogger("dataserver_client")
 
@@ -54,7 +53,12 @@ class DataServerClient:
     steers the mode (``feedback``/``set_mode``), also prepare the next batch in the other
     mode, from the same samples, so the batch after a flip is ready when asked (default
     on; composition is done twice, never a decode, where the servers keep a store of
-    sources: ``serve --cache-gb``; without one it stays off).
+    sources: ``serve --cache-gb``; without one it stays off). ``discovery_interval``:
+    seconds between re-resolutions of the DNS names among ``addresses`` (a Kubernetes
+    headless Service): servers that appear join the running epoch, servers that disappear
+    have their tasks moved at once (``0``: resolve once). ``metrics_port``: serve this
+    client's metrics (the time ``next()`` waits for data, samples/s) in Prometheus' format
+    on that port of this process; ``stats()`` has them either way.
     """
 
     def __init__(
@@ -79,13 +83,15 @@ class DataServerClient:
         curve_secret_key: str | bytes | None = None,
         shared_memory: bool = True,
         lookahead: bool = True,
+        discovery_interval: float = 5.0,
+        metrics_port: int | None = None,
     ) -> None:
         if rank is None or world_size is None:
             auto_rank, auto_world = default_rank_world()
             rank = auto_rank if rank is None else rank
             world_size = auto_world if world_size is None else world_size
         self.config = ClientConfig(
-            addresses=tuple(expand_addresses(addresses)),
+            addresses=tuple([addresses] if isinstance(addresses, str) else addresses),
             batch_size=int(batch_size),
             image_size=(int(image_size[0]), int(image_size[1])),
             shuffle=bool(shuffle),
@@ -102,6 +108,8 @@ class DataServerClient:
             prefetch=int(prefetch),
             shared_memory=bool(shared_memory),
             lookahead=bool(lookahead),
+            discovery_interval=float(discovery_interval),
+            metrics_port=None if metrics_port is None else int(metrics_port),
         )
         self.config.validate()
         curve = _load_curve(curve_server_key, curve_secret_key)

@@ -35,6 +35,8 @@ class ClientConfig:
     heartbeat_timeout: float = 3.0
     shared_memory: bool = True  # workers on this host may write batches straight into memory
     lookahead: bool = True  # prepare the next batch in the other mode too (zero-stall flips)
+    discovery_interval: float = 5.0  # seconds between re-resolutions of DNS names (0: once)
+    metrics_port: int | None = None  # serve the client's metrics (Prometheus) on this port
 
     def validate(self) -> None:
         def bad(what: str) -> ValueError:
@@ -68,6 +70,10 @@ class ClientConfig:
             raise bad(f"timeout must be > 0, got {self.timeout}")
         if self.prefetch < 1:
             raise bad(f"prefetch must be >= 1, got {self.prefetch}")
+        if not (self.discovery_interval >= 0 and math.isfinite(self.discovery_interval)):
+            raise bad(f"discovery_interval must be >= 0 seconds, got {self.discovery_interval}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise bad(f"metrics_port must be a TCP port (0..65535), got {self.metrics_port}")
 
     def layout(self) -> Layout:
         return Layout(

@@ -35,6 +35,7 @@ import zmq
 from dataserver.landing import LandingArea, land_dir
 from dataserver.loop import MessageGuard, inject, is_shutdown
 from dataserver.protocol import (
+    Bye,
     Cancelled,
     Control,
     ErrorMsg,
@@ -51,6 +52,7 @@ from dataserver_client.book import Handoff, PlanBook, TaskRecord
 from dataserver_client.config import ClientConfig
 from dataserver_client.errors import DataServerError, NotAuthorized, ServerUnreachable
 from dataserver_client.links import (
+    Discovery,
     EventKind,
     LinkEvent,
     Links,
@@ -222,8 +224,13 @@ class Engine(threading.Thread):
             self.pub.curve_publickey = self.curve["public"]
             self.pub.curve_secretkey = self.curve["secret"]
         self.links: Links | None = None
+        self.discovery: Discovery | None = None
         try:
             self.links = Links(ctx, self.config, self.session, self.curve)
+            self.discovery = Discovery(
+                self.config.addresses, self.config.discovery_interval, self.wake
+            )
+            self.discovery.start()
             self._loop(self.links)
         except zmq.ZMQError as exc:
             if not is_shutdown(exc):
@@ -231,6 +238,8 @@ class Engine(threading.Thread):
         except BaseException as exc:  # surface anything to the trainer instead of dying mute
             self._die(exc)
         finally:
+            if self.discovery is not None:
+                self.discovery.close()
             if self.links is not None:
                 self.links.close()
             self.pub.close(linger=0)
@@ -262,19 +271,32 @@ class Engine(threading.Thread):
             err.__cause__ = exc
         self._fail(err)
 
+    @staticmethod
+    def _roles(link: ServerLink) -> list[tuple[zmq.Socket[Any], str]]:
+        return [
+            (link.sock, "front"),
+            (link.results, "results"),
+            (link.monitor, "monitor"),
+            (link.results_monitor, "results_monitor"),
+        ]
+
+    def _watch(self, link: ServerLink) -> None:
+        for sock, role in self._roles(link):
+            self._poller.register(sock, zmq.POLLIN)
+            self._sockets[sock] = (link, role)
+
+    def _unwatch(self, link: ServerLink) -> None:
+        for sock, _ in self._roles(link):
+            self._poller.unregister(sock)
+            self._sockets.pop(sock, None)
+
     def _loop(self, links: Links) -> None:
-        poller = zmq.Poller()
+        poller = self._poller = zmq.Poller()
         poller.register(self._wake_r, zmq.POLLIN)
         sockets: dict[Any, tuple[ServerLink, str]] = {}
+        self._sockets = sockets
         for link in links:
-            for sock, role in (
-                (link.sock, "front"),
-                (link.results, "results"),
-                (link.monitor, "monitor"),
-                (link.results_monitor, "results_monitor"),
-            ):
-                poller.register(sock, zmq.POLLIN)
-                sockets[sock] = (link, role)
+            self._watch(link)
         started = time.monotonic()
         next_tick = 0.0
         while not self._closing:
@@ -287,6 +309,9 @@ class Engine(threading.Thread):
                     pass
             self._run_commands()
             inject("client.loop")  # a test's stand-in for a bug no guard catches
+            found = self.discovery.take() if self.discovery is not None else None
+            if found is not None:
+                self._discovered(links, found)
             for sock in events:
                 if sock in sockets:
                     link, role = sockets[sock]
@@ -379,6 +404,8 @@ class Engine(threading.Thread):
             case Heartbeat():
                 if msg.results is not None:
                     link.sync_results(msg.results, msg.local or ())
+            case Bye():
+                self._on_bye(link)
             case _:
                 self.rejected["unexpected_type"] += 1
 
@@ -473,15 +500,67 @@ class Engine(threading.Thread):
             if rec is not None and rec.link is link:
                 self._ask_again([rec])  # cancelled though still wanted: send it again
 
+    def _on_bye(self, link: ServerLink) -> None:
+        """The server is draining (SIGTERM: a scale-down, a rolling update): send it nothing
+        more. What it had queued for us comes back CANCELLED and goes to the others; what
+        it runs, it finishes."""
+        if self.links is None:
+            return
+        self.counters["servers_drained"] += link.state is not LinkState.DRAINING
+        self.links.drain(link)
+        self._count_workers()
+
+    def _discovered(self, links: Links, addresses: list[str]) -> None:
+        """DNS says the servers are now ``addresses``: greet the new ones (they get tasks once
+        they answer), let go of those that left (their tasks move at once)."""
+        known = {link.address: link for link in links}
+        for address in addresses:
+            if address not in known:
+                log.info("%s joined (discovery)", address)
+                self.counters["servers_joined"] += 1
+                self._watch(links.add(address))
+        for address, link in known.items():
+            if address in addresses:
+                continue
+            log.info("%s left (discovery): moving its %d task(s)", address, len(link.outstanding))
+            self.counters["servers_left"] += 1
+            self._unwatch(link)
+            links.remove(link)
+            self._count_workers()
+            self._move_tasks(link)
+            if link.welcome_msg is not None:
+                endpoint = announced_address(link.address, link.welcome_msg.control)
+                if endpoint in self._control_endpoints:
+                    self._control_endpoints.discard(endpoint)
+                    try:
+                        self.pub.disconnect(endpoint)
+                    except zmq.ZMQError:
+                        pass
+        self._count_workers()
+        self._check_lookahead()
+
     def _on_welcome(self, link: ServerLink, msg: Welcome) -> None:
-        if self.handshake.done() and self.links is not None:
-            info = self.links.handshake()
-            if info is not None and msg.fingerprint != info["fingerprint"]:
+        if self.handshake.done():
+            info = self.handshake.result()
+            if msg.fingerprint != info["fingerprint"] or msg.dataset_len != info["dataset_len"]:
                 self._fail(
                     DataServerError(
-                        f"{link.address} now serves a different dataset ({msg.fingerprint})"
+                        f"{link.address} serves a different dataset ({msg.fingerprint}, "
+                        f"{msg.dataset_len} samples) than the others ({info['fingerprint']})"
                     )
                 )
+                return
+            if max(self.config.image_size) > msg.max_image_side:
+                log.error(
+                    "%s serves images of at most %d pixels a side (its --max-image-side); "
+                    "this client asks for %s: not using it",
+                    link.address,
+                    msg.max_image_side,
+                    self.config.image_size,
+                )
+                link.welcome_msg = msg
+                if self.links is not None:
+                    self.links.drain(link)
                 return
         was_lost = link.was_lost
         restarted = link.welcome(msg)

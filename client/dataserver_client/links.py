@@ -10,6 +10,10 @@ Link states::
 
     CONNECTING -(WELCOME)-> READY -(disconnected, or silent past the heartbeat timeout)-> LOST
     LOST -(WELCOME again)-> READY
+    CONNECTING, READY -(BYE from the server: it drains)-> DRAINING -(disconnected)-> LOST
+
+``Discovery`` re-resolves DNS names among the addresses in a thread of its own (a lookup
+may block for seconds); the engine adds and removes links from what it finds.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import logging
 import os
 import re
 import socket
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -51,6 +56,7 @@ class LinkState(enum.IntEnum):
     CONNECTING = 1
     READY = 2
     LOST = 3
+    DRAINING = 4  # the server said BYE: it is leaving; it finishes what it runs, takes nothing
 
 
 class EventKind(enum.Enum):
@@ -69,24 +75,91 @@ class LinkEvent:
 def expand_addresses(addresses: str | Sequence[str]) -> list[str]:
     """Server addresses, with DNS names that resolve to several hosts (a Kubernetes headless
     Service) expanded into one address per host. IPv4 answers are preferred when a name has
-    both, since a server bound to an IPv4 interface never answers on IPv6."""
+    both, since a server bound to an IPv4 interface never answers on IPv6. A name that does
+    not resolve stays as it is (ZeroMQ keeps trying it)."""
     items = [addresses] if isinstance(addresses, str) else list(addresses)
     out: list[str] = []
     for addr in items:
-        m = _TCP.match(addr)
-        if m is None or _is_ip(m["host"].strip("[]")) or m["host"] == "localhost":
-            out.append(addr)
-            continue
-        try:
-            infos = socket.getaddrinfo(m["host"], int(m["port"]), type=socket.SOCK_STREAM)
-        except OSError:
-            out.append(addr)  # let ZeroMQ keep trying; the handshake timeout will say so
-            continue
-        v4 = sorted({str(i[4][0]) for i in infos if i[0] == socket.AF_INET})
-        v6 = sorted({str(i[4][0]) for i in infos if i[0] == socket.AF_INET6})
-        hosts = v4 or [f"[{h}]" for h in v6]
-        out.extend(f"tcp://{h}:{m['port']}" for h in hosts)
+        out.extend(resolve(addr) or [addr])
     return list(dict.fromkeys(out))
+
+
+def is_name(addr: str) -> bool:
+    """Whether ``addr`` names its host by a DNS name (which discovery re-resolves)."""
+    m = _TCP.match(addr)
+    return m is not None and not _is_ip(m["host"].strip("[]")) and m["host"] != "localhost"
+
+
+def resolve(addr: str) -> list[str] | None:
+    """The addresses ``addr`` stands for now: itself unless its host is a DNS name, else
+    one per host the name resolves to; None when the lookup fails."""
+    m = _TCP.match(addr)
+    if m is None or not is_name(addr):
+        return [addr]
+    try:
+        infos = socket.getaddrinfo(m["host"], int(m["port"]), type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        return None
+    v4 = sorted({str(i[4][0]) for i in infos if i[0] == socket.AF_INET})
+    v6 = sorted({str(i[4][0]) for i in infos if i[0] == socket.AF_INET6})
+    hosts = v4 or [f"[{h}]" for h in v6]
+    return [f"tcp://{h}:{m['port']}" for h in hosts] or None
+
+
+class Discovery:
+    """Re-resolves the DNS names among the client's addresses every ``interval`` seconds,
+    in a thread of its own; ``take()`` returns the full address list when it changed.
+
+    A name whose lookup fails keeps its last answer (a DNS hiccup must not drop every
+    server); a name that never resolved stands for itself."""
+
+    def __init__(self, specs: Sequence[str], interval: float, wake: Any) -> None:
+        self.specs = list(specs)
+        self.interval = interval
+        self._wake = wake
+        self._answers: dict[str, list[str]] = {a: resolve(a) or [a] for a in self.specs}
+        self.current = self._flatten()
+        self._found: list[str] | None = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.lookups = 0
+
+    def _flatten(self) -> list[str]:
+        return list(dict.fromkeys(a for spec in self.specs for a in self._answers[spec]))
+
+    def start(self) -> None:
+        if self.interval > 0 and any(is_name(a) for a in self.specs):
+            self._thread = threading.Thread(
+                target=self._run, name="dataserver-client-discovery", daemon=True
+            )
+            self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            for spec in self.specs:
+                if is_name(spec):
+                    found = resolve(spec)
+                    if found is not None:
+                        self._answers[spec] = found
+            self.lookups += 1
+            now = self._flatten()
+            if now != self.current:
+                self.current = now
+                with self._lock:
+                    self._found = now
+                self._wake()
+
+    def take(self) -> list[str] | None:
+        """The addresses, if they changed since the last call."""
+        with self._lock:
+            found, self._found = self._found, None
+        return found
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=1.0)
 
 
 def _is_ip(host: str) -> bool:
@@ -297,9 +370,22 @@ class Links:
         curve: dict[str, bytes] | None,
     ) -> None:
         self.config = config
-        self.links = [ServerLink(ctx, a, session, curve) for a in config.addresses]
-        for link in self.links:
-            link.hello()
+        self._ctx, self._session, self._curve = ctx, session, curve
+        self.links: list[ServerLink] = []
+        for address in expand_addresses(config.addresses):
+            self.add(address)
+
+    def add(self, address: str) -> ServerLink:
+        """A link to a server found at ``address``; its HELLO is on its way."""
+        link = ServerLink(self._ctx, address, self._session, self._curve)
+        self.links.append(link)
+        link.hello()
+        return link
+
+    def remove(self, link: ServerLink) -> None:
+        """Forget a server (its address is gone): close its sockets."""
+        self.links.remove(link)
+        link.close()
 
     def __iter__(self) -> Any:
         return iter(self.links)
@@ -318,16 +404,20 @@ class Links:
     def handshake(self) -> dict[str, Any] | None:
         """The dataset info once every server answered (None until then); raises
         ``DataServerError`` when servers disagree, or refuse this client's image size."""
-        if any(link.welcome_msg is None for link in self.links):
+        waiting = [lk for lk in self.links if lk.state is not LinkState.DRAINING]
+        if any(link.welcome_msg is None for link in waiting):
             return None
-        first = self.links[0].welcome_msg
+        welcomed = [lk for lk in self.links if lk.welcome_msg is not None]
+        if not welcomed:
+            return None
+        first = welcomed[0].welcome_msg
         assert first is not None
-        for link in self.links:
+        for link in welcomed:
             w = link.welcome_msg
             assert w is not None
             if (w.fingerprint, w.dataset_len) != (first.fingerprint, first.dataset_len):
                 raise DataServerError(
-                    f"servers disagree on the dataset: {self.links[0].address} serves "
+                    f"servers disagree on the dataset: {welcomed[0].address} serves "
                     f"{first.fingerprint} ({first.dataset_len} samples), {link.address} "
                     f"serves {w.fingerprint} ({w.dataset_len} samples)"
                 )
@@ -358,7 +448,7 @@ class Links:
                     link.hello()
             elif kind == zmq.EVENT_DISCONNECTED:
                 link.connected = False
-                if link.state is LinkState.READY:
+                if link.state in (LinkState.READY, LinkState.DRAINING):
                     out.append(self.lose(link, "disconnected"))
             elif kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
                 out.append(
@@ -386,13 +476,23 @@ class Links:
         if link.curve and any(e["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED for e in events):
             link.claim()
         dropped = [e for e in events if e["event"] == zmq.EVENT_DISCONNECTED]
-        if dropped and link.state is LinkState.READY:
+        if dropped and link.state in (LinkState.READY, LinkState.DRAINING):
             endpoints = {str(e.get("endpoint", b""), "utf-8", "replace") for e in dropped}
             return [LinkEvent(EventKind.RESULTS_BROKEN, link, ", ".join(sorted(endpoints)))]
         return []
 
+    def drain(self, link: ServerLink) -> None:
+        """The server said BYE: it is leaving (SIGTERM, a scale-down). It gets nothing more;
+        what it still runs may come back, and what it had queued it answers CANCELLED."""
+        if link.state is not LinkState.DRAINING:
+            log.info("%s is draining: sending it nothing more", link.address)
+        link.state = LinkState.DRAINING
+        link.last_error = "draining"
+
     def lose(self, link: ServerLink, why: str) -> LinkEvent:
-        log.warning("%s lost (%s)", link.address, why)
+        # A server that drained was expected to go: no warning for that.
+        level = logging.INFO if link.state is LinkState.DRAINING else logging.WARNING
+        log.log(level, "%s lost (%s)", link.address, why)
         link.state = LinkState.LOST
         link.was_lost = True
         link.last_error = why
@@ -403,7 +503,7 @@ class Links:
         out = []
         cfg = self.config
         for link in self.links:
-            if link.state is LinkState.READY:
+            if link.state in (LinkState.READY, LinkState.DRAINING):
                 if now - link.last_sent > cfg.heartbeat_interval:
                     link.heartbeat()
                 if now - link.last_heard > cfg.heartbeat_timeout:

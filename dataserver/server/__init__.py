@@ -38,7 +38,7 @@ def parse_ready_line(line: str) -> dict[str, str]:
 
 def serve(config: ServerConfig, on_ready: Callable[[Front], Any]) -> None:
     """Build the dataset once (to check its spec and learn its size), then run the front
-    until SIGINT or SIGTERM. Raises ``SpecError``/``ConfigError`` for bad flags and
+    until SIGINT, or SIGTERM and a drain (``--drain-seconds``). Raises ``SpecError``/``ConfigError`` for bad flags and
     ``WorkerStartError`` when no worker can start."""
     config.validate()
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # whatever a user's dataset imports, no GPU here
@@ -52,7 +52,9 @@ def serve(config: ServerConfig, on_ready: Callable[[Front], Any]) -> None:
     del dataset
     front = Front(config, size, fingerprint)
     previous = {
-        s: signal.signal(s, lambda *_: front.stop()) for s in (signal.SIGINT, signal.SIGTERM)
+        signal.SIGINT: signal.signal(signal.SIGINT, lambda *_: front.stop()),
+        # SIGTERM (a scale-down, a rolling update): drain first; a second one stops at once.
+        signal.SIGTERM: signal.signal(signal.SIGTERM, lambda *_: front.terminate()),
     }
     try:
         front.run(on_ready)

@@ -14,6 +14,7 @@ DEFAULT_MAX_SESSIONS = 1024
 DEFAULT_MAX_IMAGE_SIDE = 4096
 DEFAULT_MAX_QUEUED_MB = 256
 DEFAULT_CACHE_GB = 1.0
+DEFAULT_DRAIN_SECONDS = 30.0
 SESSION_SHARE = 8  # one session may hold at most 1/8 of --max-queued-mb
 _TCP = re.compile(r"^tcp://(?P<host>\[[^\]]+\]|[^:/]+):(?P<port>\d+|\*)$")
 
@@ -41,6 +42,7 @@ class ServerConfig:
     max_sessions: int = DEFAULT_MAX_SESSIONS
     max_image_side: int = DEFAULT_MAX_IMAGE_SIDE
     max_queued_mb: int = DEFAULT_MAX_QUEUED_MB
+    drain_seconds: float = DEFAULT_DRAIN_SECONDS  # SIGTERM: finish running work within this
 
     def worker_count(self) -> int:
         return self.workers if self.workers > 0 else (os.cpu_count() or 1)
@@ -59,6 +61,8 @@ class ServerConfig:
             )
         if self.max_queued_mb < 1:
             raise ConfigError(f"--max-queued-mb must be >= 1, got {self.max_queued_mb}")
+        if not 0 <= self.drain_seconds <= 86400:
+            raise ConfigError(f"--drain-seconds must be in 0..86400, got {self.drain_seconds}")
         if self.session_ttl <= 0:
             raise ConfigError(f"--session-ttl must be > 0, got {self.session_ttl}")
         if not 0 <= self.cache_gb <= 1 << 14:

@@ -118,10 +118,12 @@ class DirectResults:
         self.outbox.sent(out.session, nbytes, image.tracker if image is not None else None)
         return True
 
-    def close(self) -> None:
+    def close(self, linger_ms: int = 0) -> None:
+        """Close; ``linger_ms`` > 0 (a stop the front asked for, as at the end of a drain)
+        gives results still queued in ZeroMQ that long to leave."""
         if self.monitor is not None:
             self.sock.disable_monitor()
             self.monitor.close(linger=0)
-        self.sock.close(linger=0)
+        self.sock.close(linger=linger_ms)
         if self.auth is not None:
             self.auth.stop()

@@ -112,6 +112,8 @@ class Front:
         self.started = time.time()
         self.endpoints: dict[str, str] = {}
         self._stop = False
+        self._terminate = False  # SIGTERM came: drain (see ``_drain_step``)
+        self.draining_since: float | None = None
         self._announced = False
         self._owners: OrderedDict[bytes, str] = OrderedDict()  # identity -> CURVE user id
         self._auth: Any = None
@@ -161,6 +163,44 @@ class Front:
     def stop(self) -> None:
         """Ask the loop to finish (safe from a signal handler)."""
         self._stop = True
+
+    def terminate(self) -> None:
+        """SIGTERM: drain, then finish (safe from a signal handler). A second one, or a
+        drain of 0 seconds, stops at once."""
+        if self._terminate or self.config.drain_seconds <= 0:
+            self._stop = True
+        self._terminate = True
+
+    def _drain_step(self, now: float) -> None:
+        """Draining: the first time, tell every client (BYE: send nothing more) and answer
+        every queued task CANCELLED (the clients send them elsewhere); then wait until the
+        workers have finished what they hold and its results are out, or the grace period
+        (``--drain-seconds``) is over."""
+        if self.draining_since is None:
+            self.draining_since = now
+            sessions = list(self.scheduler.sessions.values())
+            queued = 0
+            for session in sessions:
+                self.reply(session, Bye(session=session.sid))
+                gone = self.scheduler.take(session, lambda e: e.held_by is None)
+                queued += len(gone)
+                self.cancel(session, gone)
+            log.warning(
+                "SIGTERM: draining (%d session(s) told, %d queued task(s) handed back; "
+                "at most %g s)",
+                len(sessions),
+                queued,
+                self.config.drain_seconds,
+            )
+            self.counters["drains"] += 1
+        done = self.workers.busy() == 0 and self.scheduler.queued == 0 and not self.outbox.nbytes
+        if done or now - self.draining_since > self.config.drain_seconds:
+            if not done:
+                log.warning(
+                    "drain: %g s passed with work still held; stopping", self.config.drain_seconds
+                )
+            log.info("drained in %.2f s", now - self.draining_since)
+            self._stop = True
 
     # ------------------------------------------------------------------ run loop
 
@@ -241,6 +281,8 @@ class Front:
                 else:
                     reap = True  # a pidfd: a worker exited
             now = time.monotonic()
+            if self._terminate:
+                self._drain_step(now)
             if reap or now >= next_housekeeping:
                 self.workers.reap()
             if now >= next_housekeeping:
@@ -290,7 +332,8 @@ class Front:
         finally:
             if self._auth is not None:
                 self._auth.stop()
-            ctx.destroy(linger=0)
+            # After a drain, give the last results the front forwards a moment to leave.
+            ctx.destroy(linger=500 if self.draining_since is not None else 0)
             if self.store is not None:
                 self.store.close()
                 self.store.unlink()
@@ -437,6 +480,9 @@ class Front:
                 )
 
     def _on_hello(self, identity: bytes, msg: Hello) -> None:
+        if self.draining_since is not None:  # leaving: a new client should not count on us
+            self._send_to(identity, Bye(session=msg.session))
+            return
         if self.scheduler.open(msg.session, identity) is None:
             self._refuse(
                 "session_limit",
@@ -495,7 +541,7 @@ class Front:
             )
             return
         self.cancel(session, self.scheduler.cancel_older(session, task.plan_version))
-        if task.plan_version < session.version:
+        if task.plan_version < session.version or self.draining_since is not None:
             self.cancel(session, [TaskEntry(session.sid, task.task_id, task.plan_version, (), [])])
             return
         nbytes = sum(len(memoryview(f)) for f in frames)
@@ -590,6 +636,9 @@ class Front:
             "workers_started": self.pool.started_total,
             "worker_pids": sorted(w.pid for w in self.pool.workers.values()),
             "queue_depth": self.scheduler.queued,
+            "draining": None
+            if self.draining_since is None
+            else {"for_s": round(time.monotonic() - self.draining_since, 2)},
             "queued_bytes": self.scheduler.queued_bytes,
             "results_unread_bytes": self.outbox.nbytes,
             "sessions": len(self.scheduler.sessions),

@@ -152,7 +152,7 @@ class Worker:
         finally:
             sock.close(linger=0)
             if results is not None:
-                results.close()
+                results.close(linger_ms=1000 if self._stop else 0)
             ctx.term()
 
     def _report(self, sock: zmq.Socket[Any], site: str, exc: BaseException) -> None:
