@@ -91,7 +91,10 @@ def cmd_synth(args: argparse.Namespace) -> int:
 
     if args.images < 1:
         return _fail("dataserver synth", "--images must be >= 1")
-    path = write_synthetic_coco(args.out_dir, args.images, args.seed)
+    from tqdm import tqdm
+
+    with tqdm(total=args.images, unit="image", desc="dataserver synth") as bar:
+        path = write_synthetic_coco(args.out_dir, args.images, args.seed, bar.update)
     print(f"wrote {args.images} images and {path}; serve them with --dataset coco:{path}")
     return 0
 

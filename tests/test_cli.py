@@ -35,6 +35,7 @@ def test_synth_writes_coco_jpegs_with_small_and_large_objects(tmp_path: Path) ->
     assert proc.returncode == 0, proc.stderr
     doc = json.loads((tmp_path / "annotations.json").read_text())
     assert len(doc["images"]) == 12
+    assert "12/12" in proc.stderr  # progress, as it writes
     assert all((tmp_path / im["file_name"]).read_bytes()[:2] == b"\xff\xd8" for im in doc["images"])
     areas = [a["area"] for a in doc["annotations"]]
     assert min(areas) < 32 * 32 and max(areas) > 96 * 96  # COCO's small and large

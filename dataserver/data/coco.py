@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -72,8 +73,14 @@ class CocoDataset:
         return Sample(image, self.boxes[index], self.labels[index])
 
 
-def write_synthetic_coco(out_dir: str | os.PathLike[str], images: int, seed: int) -> Path:
+def write_synthetic_coco(
+    out_dir: str | os.PathLike[str],
+    images: int,
+    seed: int,
+    progress: Callable[[int], None] | None = None,
+) -> Path:
     """Write ``images`` synthetic JPEGs and their COCO ``annotations.json`` into ``out_dir``.
+    ``progress(n)`` is called after each image written.
 
     Returns the annotation file's path; ``coco:<that path>`` serves the set.
     """
@@ -107,6 +114,8 @@ def write_synthetic_coco(out_dir: str | os.PathLike[str], images: int, seed: int
                 }
             )
             ann_id += 1
+        if progress is not None:
+            progress(1)
     path = out / "annotations.json"
     path.write_text(json.dumps(doc))
     return path

@@ -374,7 +374,9 @@ class Stats(Message):
 @message
 @dataclasses.dataclass(slots=True, kw_only=True)
 class Bye(Message):
-    """End a session (client -> front) or stop (front -> worker)."""
+    """End a session (client -> front), stop (front -> worker), or, front -> client: this
+    server is draining (SIGTERM): send it nothing more; its queued tasks come back
+    CANCELLED, its running ones are finished."""
 
     TYPE: ClassVar[MsgType] = MsgType.BYE
     session: bytes | None = f(Opt(SESSION), None)
