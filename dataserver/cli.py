@@ -44,6 +44,7 @@ def _fail(prog: str, message: str, code: int = 2) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from dataserver.security import CurveKeyError
     from dataserver.server import WorkerStartError, ready_line, serve
+    from dataserver.server.metrics import MetricsPortError
 
     logging.basicConfig(
         level=getattr(logging, args.log_level.upper()),
@@ -67,6 +68,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_image_side=args.max_image_side,
         max_queued_mb=args.max_queued_mb,
         drain_seconds=args.drain_seconds,
+        metrics_port=args.metrics_port,
     )
 
     def announce(front: Any) -> None:
@@ -76,7 +78,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         serve(config, announce)
     except (SpecError, ConfigError, CurveKeyError) as exc:
         return _fail("dataserver serve", str(exc))
-    except WorkerStartError as exc:
+    except (WorkerStartError, MetricsPortError) as exc:
         return _fail("dataserver serve", str(exc), 1)
     except zmq.ZMQError as exc:
         return _fail("dataserver serve", f"cannot bind {args.bind} / control: {exc}", 1)
@@ -129,6 +131,8 @@ def cmd_stats(args: argparse.Namespace) -> int:
     if stats.get("draining"):
         print(f"  draining       for {stats['draining']['for_s']} s")
     print(f"  sessions       {stats['sessions']}")
+    if stats.get("metrics_port") is not None:
+        print(f"  metrics        http://0.0.0.0:{stats['metrics_port']}/metrics")
     for key, value in sorted(stats["counters"].items()):
         print(f"  {key:<22} {value}")
     print(f"  rejected       {stats['rejected_total']}")
@@ -251,6 +255,13 @@ def build_parser() -> argparse.ArgumentParser:
         "finish running ones, exit within this many seconds (0: stop at once; SIGINT or a "
         f"second SIGTERM always stops at once) (default {DEFAULT_DRAIN_SECONDS:g})",
     )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus metrics on 0.0.0.0:PORT (0: any free port, shown by "
+        "`dataserver stats`) (default: off)",
+    )
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=cmd_serve)
 
@@ -272,6 +283,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=0.75,
         help="Stitcher's tau (the paper's 0.1 suits COCO; the synthetic set is mostly small objects)",
+    )
+    p.add_argument(
+        "--plot",
+        metavar="FILE",
+        default=None,
+        help="also draw the ratio, the threshold and the mode of every step into FILE "
+        '(e.g. timeline.png; needs matplotlib: pip install "dataserver[plot]")',
     )
     p.set_defaults(func=cmd_demo)
 

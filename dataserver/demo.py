@@ -59,6 +59,17 @@ def run_demo(args: argparse.Namespace) -> int:
     from dataserver_client import DataServerClient
     from dataserver_client.tinydet import TinyDetector
 
+    plot = getattr(args, "plot", None)
+    if plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print(
+                'dataserver demo --plot needs matplotlib: pip install "dataserver[plot]" '
+                "(or pip install matplotlib)",
+                file=sys.stderr,
+            )
+            return 2
     torch.manual_seed(0)
     print(
         f"starting `dataserver serve --workers {args.workers}` on 1024 synthetic images ...",
@@ -98,6 +109,8 @@ def _train(
     switches = 0
     samples = 0
     decided: str | None = None
+    ratios: list[float] = []
+    modes: list[str] = []
     t0 = time.perf_counter()
     with client_cls(
         address,
@@ -120,6 +133,8 @@ def _train(
             counts[batch.mode] += 1
             samples += batch.num_samples
             decided = nxt
+            ratios.append(ratio)
+            modes.append(batch.mode)
             rate = samples / (time.perf_counter() - t0)
             shown = "  n/a" if math.isnan(ratio) else f"{ratio:5.3f}"
             print(
@@ -133,4 +148,41 @@ def _train(
         f"{switches} mode switches; {samples} samples ({samples / elapsed:.0f} samples/s with training)."
     )
     print(f"every batch had the mode decided by the feedback before it: {stale} stale batches.")
+    plot = getattr(args, "plot", None)
+    if plot:
+        plot_timeline(plot, ratios, modes, args.threshold)
+        print(f"timeline: {plot}")
     return 0 if stale == 0 else 1
+
+
+def plot_timeline(path: Any, ratios: list[float], modes: list[str], threshold: float) -> None:
+    """Draw the demo's steps into ``path`` (any format matplotlib writes): the small-object
+    loss ratio of each step against the threshold, and the mode each batch had. A step
+    whose ratio is under the threshold is followed by a stitched one."""
+    if len(ratios) != len(modes):
+        raise ValueError(f"one mode per ratio: {len(ratios)} ratios, {len(modes)} modes")
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    steps = list(range(len(ratios)))
+    stitched = [1 if m == "stitch" else 0 for m in modes]
+    fig, (top, bottom) = plt.subplots(
+        2, 1, sharex=True, figsize=(10, 4.8), gridspec_kw={"height_ratios": [3, 1]}
+    )
+    for step, s in zip(steps, stitched, strict=True):
+        if s:
+            top.axvspan(step - 0.5, step + 0.5, color="tab:orange", alpha=0.15, lw=0)
+    top.plot(steps, ratios, marker=".", color="tab:blue", label="small-object loss ratio")
+    top.axhline(threshold, color="tab:red", ls="--", label=f"threshold tau = {threshold:g}")
+    top.set_ylabel("ratio")
+    top.set_title("dataserver demo: below tau at step t, stitched at step t + 1 (shaded)")
+    top.legend(loc="best")
+    bottom.step(steps, stitched, where="mid", color="tab:orange")
+    bottom.set_yticks([0, 1], ["regular", "stitch"])
+    bottom.set_ylim(-0.3, 1.3)
+    bottom.set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -24,7 +24,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dataserver.protocol import MAX_TASK_IMAGES, Result
 from dataserver_client.assembly import Delivery, DeviceMover, HostBuffers, InflightBatch
@@ -35,10 +35,14 @@ from dataserver_client.epoch import (
     BatchPlan,
     Cursor,
     epoch_order,
+    global_order,
     shard_of,
     split_runs,
 )
 from dataserver_client.errors import DataServerError
+
+if TYPE_CHECKING:
+    from dataserver_client.resume import Deal
 
 PROBE_HW = (8, 8)  # a probe composes one source into a tiny image: it only asks "does it kill?"
 
@@ -126,6 +130,8 @@ class PlanBook:
         self._alt_tried: tuple[int, int, str] | None = None
         self.to_cancel: list[tuple[Any, int]] = []  # (link, task id) sent but not wanted now
         self.flips = {"promoted": 0, "promoted_ready": 0, "replanned": 0}
+        # The epoch's deal (an elastic resume) as plain data for snapshots, or None.
+        self.deal_state: dict[str, Any] | None = None
 
     # ------------------------------------------------------------ tasks
 
@@ -507,16 +513,31 @@ class PlanBook:
 
     # ------------------------------------------------------------ commands
 
-    def start_epoch(self, epoch: int, dataset_len: int, position: int = 0, step: int = 0) -> int:
-        """Begin ``epoch`` at shard ``position`` (batch ``step``); return the shard size."""
+    def start_epoch(
+        self,
+        epoch: int,
+        dataset_len: int,
+        position: int = 0,
+        step: int = 0,
+        deal: Deal | None = None,
+    ) -> int:
+        """Begin ``epoch`` at shard ``position`` (batch ``step``); return the shard size.
+        With ``deal`` (an elastic resume), the shard is this rank's share of it."""
         self.epoch = epoch
         self.plan_version += 1
         self._drop_plans()
         self.owner.clear()
         cfg = self.config
         order = epoch_order(dataset_len, cfg.seed, epoch, cfg.shuffle)
-        shard = shard_of(order, cfg.rank, cfg.world_size, cfg.drop_last)
-        self.cursor = Cursor(shard, self.layout, self.mode, self.plan_version)
+        spare = 0
+        if deal is None:
+            shard = shard_of(order, cfg.rank, cfg.world_size, cfg.drop_last)
+        else:
+            whole = global_order(order, deal.plan_world, cfg.drop_last)
+            shard = whole[deal.share(cfg.rank, cfg.world_size)]
+            spare = deal.spare(cfg.rank, cfg.world_size)
+        self.deal_state = None if deal is None else deal.to_state()
+        self.cursor = Cursor(shard, self.layout, self.mode, self.plan_version, spare)
         self.cursor.position, self.cursor.step = position, step
         with self.handoff.cond:
             self.handoff.ready.clear()
@@ -610,7 +631,8 @@ class PlanBook:
         self.pending.clear()
 
     def snapshot(self) -> dict[str, Any]:
-        """The resumable position: the first batch the trainer has not taken."""
+        """The resumable position: the first batch the trainer has not taken (its position
+        in this rank's share of the epoch's deal, when the epoch has one)."""
         taken = self.taken()
         cursor = self.cursor
         first = self.plans.get(taken)
@@ -622,6 +644,7 @@ class PlanBook:
             "mode": self.mode,
             "control": dict(self.control),
             "control_seq": self.control_seq,
+            "deal": self.deal_state,
         }
 
     def restore(self, mode: str, control: dict[str, Any], control_seq: int) -> None:

@@ -5,9 +5,11 @@ from __future__ import annotations
 import logging
 import time
 import weakref
+import zlib
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import msgpack
 import torch
 
 from dataserver.protocol import control_problem
@@ -17,20 +19,18 @@ from dataserver_client.config import ClientConfig, default_rank_world, resolve_d
 from dataserver_client.engine import Engine
 from dataserver_client.epoch import MODES, REGULAR, STITCH, shard_size
 from dataserver_client.errors import DataServerError
+from dataserver_client.metrics import ClientMetrics
+from dataserver_client.resume import (
+    CONFIG_KEYS,
+    DEALT_VERSION,
+    RANK_KEYS,
+    STATE_VERSION,
+    check_state,
+    merge_states,
+    plan_resume,
+)
 
 log = logging.getLogger("dataserver_client")
-
-STATE_VERSION = 1
-_STATE_KEYS = (
-    "seed",
-    "shuffle",
-    "rank",
-    "world_size",
-    "batch_size",
-    "stitch_k",
-    "stitch_layout",
-    "drop_last",
-)
 
 
 class DataServerClient:
@@ -113,6 +113,10 @@ class DataServerClient:
         )
         self.config.validate()
         curve = _load_curve(curve_server_key, curve_secret_key)
+        self._metrics = ClientMetrics(self.config.rank)
+        if self.config.metrics_port is not None:  # a taken port fails here, before any socket
+            self._metrics.serve(self.config.metrics_port)
+        self._metrics_finalizer = weakref.finalize(self, self._metrics.close)
         self._handoff = Handoff()
         self._engine = Engine(self.config, self._handoff, curve)
         self._engine.start()
@@ -141,10 +145,22 @@ class DataServerClient:
         return shard_size(self.dataset_len, self.config.world_size, self.config.drop_last)
 
     def __len__(self) -> int:
-        """Batches per epoch in regular mode; stitched batches hold k x more samples, so an
-        epoch with stitching has fewer."""
-        n, b = self.num_samples, self.config.batch_size
-        return n // b if self.config.drop_last else -(-n // b)
+        """Batches in this epoch if the mode does not change again: those handed out so far
+        plus the samples left cut in the current mode (a stitched batch holds k x more).
+        Between epochs, the next epoch's (from a loaded state's position, if any).
+
+        It changes when the mode does: on the epoch's last batch it is the number the epoch
+        had. A progress bar that reads it once (``tqdm(client)``) counts every batch and
+        ends early when stitching shortened the epoch; ``bar.total = len(client)`` after
+        each ``feedback`` keeps it exact.
+        """
+        if self._active and not self._closed:
+            where = self._engine.call(self._engine.snapshot)
+        else:
+            where = self._resume or {"position": 0, "step": 0}
+        left = max(0, self.num_samples - int(where["position"]))
+        per = self.config.batch_size * (self.config.stitch_k if self._mode == STITCH else 1)
+        return int(where["step"]) + (left // per if self.config.drop_last else -(-left // per))
 
     @property
     def epoch(self) -> int:
@@ -173,10 +189,15 @@ class DataServerClient:
         if resume is not None:
             self._epoch = resume["epoch"]
             self._engine.call(
-                self._engine.start_epoch, self._epoch, resume["position"], resume["step"]
+                self._engine.start_epoch,
+                self._epoch,
+                resume["position"],
+                resume["step"],
+                resume.get("deal"),
             )
         else:
             self._engine.call(self._engine.start_epoch, self._epoch)
+        self._metrics.epoch_started()
         self._active = True
         self._generation += 1
         return EpochIterator(self, self._generation)
@@ -189,6 +210,7 @@ class DataServerClient:
         h = self._handoff
         backstop = self.config.timeout + 10.0  # the I/O thread raises first; this catches its death
         last = time.monotonic()
+        started = time.perf_counter()  # the wait for data, for the metrics
         with h.cond:
             while True:
                 if h.fatal is not None:
@@ -207,11 +229,13 @@ class DataServerClient:
                 if time.monotonic() - last > backstop:
                     raise DataServerError(f"no batch for {backstop:g} s (the I/O thread is stuck)")
                 h.cond.wait(0.25)
+        now = time.perf_counter()
         self._engine.wake()  # a batch was taken: there is room to plan another
         if isinstance(item, DataServerError):
             raise item
         batch = self._engine.mover.hand_over(item)
         batch.feedback_seq = self._feedback_seq
+        self._metrics.taken(now - started, batch.num_samples, now)
         return batch
 
     # ------------------------------------------------------------ steering
@@ -260,54 +284,118 @@ class DataServerClient:
 
     # ------------------------------------------------------------ state
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, *, gather: bool | None = None) -> dict[str, Any]:
         """Plain data (msgpack- and torch.save-able) to resume from: the samples not yet
-        handed out, in the same order, in the same mode and with the same feedback_seq."""
+        handed out, in the same order, in the same mode and with the same feedback_seq.
+
+        A sample counts as handed out once ``next()`` has returned its batch on this rank
+        before this call. With torch.distributed initialised over this client's ranks
+        (``gather=None``: when its world size is the client's and above 1; ``True``:
+        required), this is a **collective call**: every rank calls it, as for a DDP
+        checkpoint, and each rank's state then also holds every rank's position, step,
+        mode, control values and feedback_seq (``"ranks"``), so any rank's state resumes
+        the whole job, on any number of ranks (``load_state_dict``). ``gather=False``:
+        this rank's state only (not a collective; resume it at the same world size, or
+        combine the ranks' states with ``merge_states``).
+        """
         self._check_open()
         snap = self._engine.call(self._engine.snapshot)
         if not self._active:  # what the next iteration would do
-            where = self._resume or {"epoch": self._epoch, "position": 0, "step": 0}
-            snap.update(where)
-        return {
-            "version": STATE_VERSION,
+            where = self._resume or {"epoch": self._epoch, "position": 0, "step": 0, "deal": None}
+            deal = where.get("deal")
+            snap.update(
+                epoch=where["epoch"],
+                position=where["position"],
+                step=where["step"],
+                deal=None if deal is None else deal.to_state(),
+            )
+        state: dict[str, Any] = {
+            "version": STATE_VERSION if snap["deal"] is None else DEALT_VERSION,
             "dataset_len": self.dataset_len,
             "fingerprint": self.fingerprint,
             "image_size": list(self.config.image_size),
             "feedback_seq": self._feedback_seq,
-            **{k: getattr(self.config, k) for k in _STATE_KEYS},
+            **{k: getattr(self.config, k) for k in ("rank", "world_size", *CONFIG_KEYS)},
             **snap,
         }
+        if self._gathering(gather):
+            state["ranks"] = _gather_ranks(state, self.config.device)
+        return state
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue where ``state`` was taken: the next iteration yields exactly the
-        remaining batches of its epoch."""
-        self._check_open()
-        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
-            raise ValueError(f"not a DataServerClient state of version {STATE_VERSION}")
-        mismatched = [k for k in _STATE_KEYS if state.get(k) != getattr(self.config, k)]
-        if state.get("fingerprint") != self.fingerprint:
-            mismatched.append("fingerprint (dataset)")
-        if list(state.get("image_size", [])) != list(self.config.image_size):
-            mismatched.append("image_size")
-        if mismatched:
-            raise ValueError(f"state does not match this client: {', '.join(mismatched)} differ")
-        self._engine.call(
-            self._engine.restore, state["mode"], state["control"], state["control_seq"]
+    def _gathering(self, gather: bool | None) -> bool:
+        if gather is False:
+            return False
+        import torch.distributed as dist
+
+        ready = dist.is_available() and dist.is_initialized()
+        cfg = self.config
+        ours = (
+            ready
+            and cfg.world_size > 1
+            and dist.get_world_size() == cfg.world_size
+            and dist.get_rank() == cfg.rank
         )
-        self._mode = state["mode"]
-        self._feedback_seq = int(state["feedback_seq"])
-        self._epoch = int(state["epoch"])
+        if gather and not ours:
+            raise ValueError(
+                "state_dict(gather=True) needs torch.distributed initialised with this "
+                f"client's rank {cfg.rank} of world_size {cfg.world_size}"
+            )
+        return ours
+
+    @staticmethod
+    def merge_states(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        """One state for the whole job from the states of all its ranks (one each, any
+        order, taken without torch.distributed): what ``load_state_dict`` needs to resume
+        on another number of ranks. They must be of one epoch and one configuration."""
+        return merge_states(states)
+
+    def load_state_dict(self, state: dict[str, Any] | Sequence[dict[str, Any]]) -> None:
+        """Continue where ``state`` was taken: the next iteration yields exactly the
+        remaining batches of its epoch.
+
+        ``state`` saved by a job of the same world size: this rank goes on from its own
+        position (its own state, or its entry of a job-wide one), batch for batch as an
+        unbroken run would. Saved by a job of another world size (elastic resume; a
+        job-wide state: gathered by ``state_dict`` under torch.distributed, merged by
+        ``merge_states``, or a list of every rank's state, or a world_size 1 state): the
+        samples the old job had not delivered, in epoch order, are dealt round-robin to the
+        new ranks (rank j takes the j-th, (j+M)-th, ...), each exactly once, nothing padded,
+        in rank 0's mode and control values; the epoch after it is a normal epoch. Ranks
+        may then hold one sample more than others: it rides in their last batch, so every
+        rank ends the epoch on the same step as long as the ranks take the same modes
+        (``feedback(sync=True)``) and at least one sample per rank is left.
+        A state of other data, another seed or another batch configuration is refused.
+        """
+        self._check_open()
+        job = state if isinstance(state, dict) else merge_states(state)
+        check_state(job, self._identity())
+        where = plan_resume(job, self.config.rank, self.config.world_size)
+        self._engine.call(
+            self._engine.restore, where["mode"], where["control"], where["control_seq"]
+        )
+        self._mode = where["mode"]
+        self._feedback_seq = where["feedback_seq"]
+        self._epoch = where["epoch"]
         self._active = False
-        self._resume = {
-            "epoch": self._epoch,
-            "position": int(state["position"]),
-            "step": int(state["step"]),
+        self._resume = {k: where[k] for k in ("epoch", "position", "step", "deal")}
+
+    def _identity(self) -> dict[str, Any]:
+        """What a state must match to be loaded here."""
+        return {
+            **{k: getattr(self.config, k) for k in CONFIG_KEYS},
+            "fingerprint": self.fingerprint,
+            "dataset_len": self.dataset_len,
+            "image_size": list(self.config.image_size),
         }
 
     def stats(self) -> dict[str, Any]:
-        """Client-side counters: tasks per server, late (superseded) results, re-issues."""
+        """Client-side counters: tasks per server, late (superseded) results, re-issues;
+        and what the trainer sees: ``data_wait`` (the time each ``next()`` waited for its
+        batch: ``count``, ``sum_s``, ``p50_ms``/``p90_ms``/``p99_ms`` over the latest 1024,
+        cumulative ``buckets``), ``samples_per_s`` (``recent``: over the last 10 s,
+        ``epoch``: since this epoch's ``iter()``) and ``metrics_port`` (None: not served)."""
         self._check_open()
-        return dict(self._engine.call(self._engine.stats))
+        return {**self._engine.call(self._engine.stats), **self._metrics.summary()}
 
     # ------------------------------------------------------------ lifetime
 
@@ -325,6 +413,7 @@ class DataServerClient:
         self._closed = True
         self._active = False
         self._finalizer()
+        self._metrics_finalizer()
 
     def __enter__(self) -> DataServerClient:
         return self
@@ -365,6 +454,36 @@ def _all_reduce_mean(value: float, device: torch.device) -> float:
     t = torch.tensor([value], dtype=torch.float64, device=on)
     dist.all_reduce(t)
     return float(t.item()) / dist.get_world_size()
+
+
+def _gather_ranks(state: dict[str, Any], device: torch.device) -> list[dict[str, Any]]:
+    """Every rank's ``RANK_KEYS`` of its state, by rank (a collective). Sent as msgpack in
+    uint8 tensors: nothing is pickled, not even between the trainer's own ranks."""
+    import torch.distributed as dist
+
+    deal = state["deal"]  # ranks compare a checksum of it, not its bytes
+    plan = None if deal is None else zlib.crc32(deal["undelivered"])
+    mine = {**{k: state[k] for k in RANK_KEYS}, "epoch": state["epoch"], "plan": plan}
+    payload = msgpack.packb(mine)
+    on = device if dist.get_backend() == "nccl" else torch.device("cpu")
+    world = dist.get_world_size()
+    size = torch.tensor([len(payload)], dtype=torch.int64, device=on)
+    sizes = [torch.zeros_like(size) for _ in range(world)]
+    dist.all_gather(sizes, size)
+    lengths = [int(s.item()) for s in sizes]
+    buf = torch.zeros(max(lengths), dtype=torch.uint8, device=on)
+    buf[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(on)
+    bufs = [torch.empty_like(buf) for _ in range(world)]
+    dist.all_gather(bufs, buf)
+    entries = [
+        msgpack.unpackb(b[:n].cpu().numpy().tobytes()) for b, n in zip(bufs, lengths, strict=True)
+    ]
+    if any(e["epoch"] != mine["epoch"] or e["plan"] != mine["plan"] for e in entries):
+        raise DataServerError(
+            "state_dict: the ranks are in different epochs (or plans); a job-wide state "
+            "needs every rank in one epoch"
+        )
+    return [{k: e[k] for k in RANK_KEYS} for e in entries]
 
 
 def _load_curve(

@@ -61,6 +61,7 @@ from dataserver_client.links import (
     announced_address,
 )
 from dataserver_client.receive import receive
+from dataserver_client.resume import Deal
 
 log = logging.getLogger("dataserver_client")
 
@@ -141,7 +142,16 @@ class Engine(threading.Thread):
         self.book.route = self._route
         self._ready_links: list[ServerLink] = []
         self.handshake: Future[dict[str, Any]] = Future()
-        self.counters: Counter[str] = Counter(late=0, cancelled=0, results=0, reissued=0)
+        self.counters: Counter[str] = Counter(
+            late=0,
+            cancelled=0,
+            results=0,
+            reissued=0,
+            servers_joined=0,
+            servers_left=0,
+            servers_drained=0,
+            servers_lost=0,
+        )
         self.rejected: Counter[str] = Counter()
         self.guard = MessageGuard(log, self.rejected)
         self.deadlines = Deadlines(floor=1.0, initial=max(1.0, config.timeout / 3))
@@ -589,6 +599,7 @@ class Engine(threading.Thread):
             if event.kind is EventKind.NOT_AUTHORIZED:
                 self._fail(NotAuthorized(event.why))
             elif event.kind is EventKind.LOST:
+                self.counters["servers_lost"] += 1
                 self._count_workers()
                 if self.links is not None and self.links.any_ready():
                     self._move_tasks(event.link)
@@ -785,8 +796,10 @@ class Engine(threading.Thread):
 
     # ------------------------------------------------------------ commands (I/O thread)
 
-    def start_epoch(self, epoch: int, position: int = 0, step: int = 0) -> int:
-        n = self.book.start_epoch(epoch, self.dataset_len, position, step)
+    def start_epoch(
+        self, epoch: int, position: int = 0, step: int = 0, deal: Deal | None = None
+    ) -> int:
+        n = self.book.start_epoch(epoch, self.dataset_len, position, step, deal)
         self.last_progress = time.monotonic()
         return n
 

@@ -46,12 +46,18 @@ def shard_of(order: np.ndarray, rank: int, world_size: int, drop_last: bool) -> 
     DistributedSampler: ``drop_last`` drops the tail, otherwise the order is padded with
     its own first samples (which are then seen twice in the epoch, once each on two ranks).
     """
-    per_rank = shard_size(len(order), world_size, drop_last)
-    total = per_rank * world_size
+    return global_order(order, world_size, drop_last)[rank::world_size]
+
+
+def global_order(order: np.ndarray, world_size: int, drop_last: bool) -> np.ndarray:
+    """``order`` padded or trimmed to ``world_size`` x shard_size, as DistributedSampler
+    does: the epoch as a job of ``world_size`` ranks reads it, rank r taking positions r,
+    r + world_size, ... (the global positions that elastic resume counts in)."""
+    total = shard_size(len(order), world_size, drop_last) * world_size
     if total > len(order):
         reps = math.ceil(total / len(order))
         order = np.concatenate([order] * reps)[:total]
-    return order[rank:total:world_size]
+    return order[:total]
 
 
 @dataclass(frozen=True)
@@ -124,13 +130,23 @@ def cut_images(
 
 
 class Cursor:
-    """Cuts one rank's shard of one epoch into batches, ahead of the trainer."""
+    """Cuts one rank's shard of one epoch into batches, ahead of the trainer.
 
-    def __init__(self, shard: np.ndarray, layout: Layout, mode: str, plan_version: int) -> None:
+    ``spare``: 1 when this rank's shard holds one sample more than the other ranks' (an
+    elastic resume deals the undelivered samples without padding: see ``resume.py``). It
+    rides in the last batch: batches are cut as if the shard were one sample shorter, and
+    a batch that would leave just the spare behind takes it too, so every rank ends the
+    epoch on the same step when the ranks take the same modes.
+    """
+
+    def __init__(
+        self, shard: np.ndarray, layout: Layout, mode: str, plan_version: int, spare: int = 0
+    ) -> None:
         self.shard = shard
         self.layout = layout
         self.mode = mode
         self.plan_version = plan_version
+        self.spare = spare
         self.position = 0  # shard position of the next batch to plan
         self.step = 0  # its step number
 
@@ -143,9 +159,10 @@ class Cursor:
         has too few samples left). Pure: the cursor does not move."""
         want = self.layout.samples_per_batch(mode)
         left = len(self.shard) - start
-        if left <= 0 or (self.layout.drop_last and left < want):
+        short = left - self.spare  # what a rank without the spare has left at this step
+        if left <= 0 or (self.layout.drop_last and short < want):
             return None
-        stop = start + min(want, left)
+        stop = start + (left if self.spare and short == want else min(want, left))
         images, out_hw = cut_images(self.shard[start:stop], self.layout, mode)
         return BatchPlan(step, self.plan_version, mode, start, stop, images, out_hw)
 

@@ -53,6 +53,8 @@ MAX_TILES = 16  # grid 4 x 4
 MAX_BOXES = 1 << 16  # per output image
 MAX_WORKERS = 4096
 MAX_TASK_IMAGES = 64  # output images one TASK may ask for
+MAX_US = 1 << 40  # a timing in microseconds (12 days)
+DECODE_US = Opt(Ints(0, MAX_TASK_IMAGES * MAX_TILES, 0, MAX_US))  # one timing per source
 
 M = TypeVar("M", bound="Message")
 
@@ -230,6 +232,10 @@ class Result(Message):
     failed: tuple[tuple[int, str], ...] = f(Failures(MAX_TASK_IMAGES * MAX_TILES), ())
     decoded: int = f(Int(0, MAX_TASK_IMAGES * MAX_TILES, default=0), 0)
     landed: bool | None = f(Opt(Flag()), None)  # the images are in the client's buffer
+    # For the server's metrics: microseconds the worker spent on the task, and on each
+    # source it decoded and fitted (store misses). 0 / absent: a worker that does not say.
+    task_us: int = f(Int(0, MAX_US, default=0), 0)
+    decode_us: tuple[int, ...] | None = f(DECODE_US, None)
     pixels: np.ndarray | None = None
     boxes: np.ndarray | None = None
     labels: np.ndarray | None = None
@@ -296,6 +302,8 @@ class Done(Message):
     decoded: int = f(Int(0, MAX_TASK_IMAGES * MAX_TILES, default=0), 0)
     samples: int = f(Int(0, MAX_TASK_IMAGES * MAX_TILES, default=0), 0)
     images: int = f(Int(0, MAX_TASK_IMAGES, default=0), 0)
+    task_us: int = f(Int(0, MAX_US, default=0), 0)  # as in RESULT
+    decode_us: tuple[int, ...] | None = f(DECODE_US, None)
 
 
 @message

@@ -43,6 +43,7 @@ class ServerConfig:
     max_image_side: int = DEFAULT_MAX_IMAGE_SIDE
     max_queued_mb: int = DEFAULT_MAX_QUEUED_MB
     drain_seconds: float = DEFAULT_DRAIN_SECONDS  # SIGTERM: finish running work within this
+    metrics_port: int | None = None  # Prometheus on 0.0.0.0:PORT (0: any free port; None: off)
 
     def worker_count(self) -> int:
         return self.workers if self.workers > 0 else (os.cpu_count() or 1)
@@ -63,6 +64,8 @@ class ServerConfig:
             raise ConfigError(f"--max-queued-mb must be >= 1, got {self.max_queued_mb}")
         if not 0 <= self.drain_seconds <= 86400:
             raise ConfigError(f"--drain-seconds must be in 0..86400, got {self.drain_seconds}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"--metrics-port must be in 0..65535, got {self.metrics_port}")
         if self.session_ttl <= 0:
             raise ConfigError(f"--session-ttl must be > 0, got {self.session_ttl}")
         if not 0 <= self.cache_gb <= 1 << 14:

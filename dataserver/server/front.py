@@ -53,6 +53,7 @@ from dataserver.protocol import (
 )
 from dataserver.security import owns, start_server_curve
 from dataserver.server.config import ServerConfig, bindable, results_bind
+from dataserver.server.metrics import ServerMetrics
 from dataserver.server.outbox import Outbox, tracked
 from dataserver.server.pool import WorkerPool
 from dataserver.server.routing import PIPELINE, WorkerRouter
@@ -136,6 +137,7 @@ class Front:
             config.local_results,
         )
         self.workers = WorkerRouter(self.pool, self.scheduler, self, self.counters, self.rejected)
+        self.metrics: ServerMetrics | None = None  # --metrics-port: started by run()
 
     def _make_store(self) -> Store | None:
         """The store of prepared sources: in /dev/shm (else beside the backend socket), at
@@ -185,7 +187,8 @@ class Front:
                 gone = self.scheduler.take(session, lambda e: e.held_by is None)
                 queued += len(gone)
                 self.cancel(session, gone)
-            log.warning(
+            log.log(
+                logging.WARNING if sessions else logging.INFO,
                 "SIGTERM: draining (%d session(s) told, %d queued task(s) handed back; "
                 "at most %g s)",
                 len(sessions),
@@ -212,13 +215,20 @@ class Front:
         self.backend = ctx.socket(zmq.ROUTER)
         try:
             self._bind(ctx)
+            if self.config.metrics_port is not None:  # a taken port fails before any worker
+                self.metrics = ServerMetrics(self, self.config.metrics_port)
+                self.workers.observe = self.metrics.observe_task
             self.pool.start(self.n_workers)
             self._loop(on_ready)
         except zmq.ZMQError as exc:
             if not is_shutdown(exc):
                 raise
         finally:
-            self._shutdown(ctx)
+            try:
+                self._shutdown(ctx)
+            finally:
+                if self.metrics is not None:  # scrapes are answered until the very end
+                    self.metrics.stop()
 
     def _bind(self, ctx: zmq.Context[Any]) -> None:
         data, control, backend = self.data, self.control_sock, self.backend
@@ -628,6 +638,7 @@ class Front:
             "pid": os.getpid(),
             "uptime_s": round(time.time() - self.started, 1),
             "endpoints": self.endpoints,
+            "metrics_port": self.metrics.port if self.metrics is not None else None,
             "dataset_len": self.dataset_len,
             "fingerprint": self.fingerprint,
             "workers": self.n_workers,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from dataserver.loop import inject
@@ -67,6 +68,8 @@ class WorkerRouter:
         self.ready: list[WorkerHandle] = []  # live workers that said READY
         self._respawn_at: dict[int, float] = {}
         self.stopping = False
+        # The metrics' hook for a worker's timings of a task it answered (None: metrics off).
+        self.observe: Callable[[int, tuple[int, ...] | None], None] | None = None
 
     # ------------------------------------------------------------ answers
 
@@ -116,6 +119,8 @@ class WorkerRouter:
             self.counters["images_done"] += msg.images if isinstance(msg, Done) else len(msg.images)
             self.counters["sources_decoded"] += msg.decoded
             self.counters["sources_reused"] += max(0, samples - msg.decoded)
+            if self.observe is not None:
+                self.observe(msg.task_us, msg.decode_us)
         if isinstance(msg, Done):  # the worker sent the RESULT straight to the client
             self.counters["results_direct"] += 1
             handle.recent_direct.append(

@@ -25,6 +25,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from pathlib import Path
@@ -41,6 +42,8 @@ from dataserver.data.spec import build_dataset, parse_spec
 from dataserver.landing import Landings
 from dataserver.loop import MessageGuard, inject, is_shutdown
 from dataserver.protocol import (
+    MAX_TASK_IMAGES,
+    MAX_TILES,
     Bye,
     Control,
     Done,
@@ -195,7 +198,10 @@ class Worker:
             return
         self._current = msg  # named in the report if what follows raises
         inject("worker.task")
+        start = time.perf_counter_ns()
         out = self._run_guarded(msg)
+        if isinstance(out, Result):  # for the server's metrics
+            out.task_us = (time.perf_counter_ns() - start) // 1000
         if isinstance(out, Result) and out.landed:
             self.counters["results_landed"] += 1
         self._tasks += 1
@@ -211,6 +217,8 @@ class Worker:
                     decoded=out.decoded,
                     samples=sum(len(i) for i in out.images),
                     images=len(out.images),
+                    task_us=out.task_us,
+                    decode_us=out.decode_us,
                 )
                 sock.send_multipart(done.encode())
                 self._current = None
@@ -299,6 +307,7 @@ class Worker:
         excluded = set(task.exclude)
         wanted = list(dict.fromkeys(i for i in task.indices if i not in excluded))
         decoded = 0
+        timings: list[int] = []  # microseconds per source made (for the server's metrics)
         image_of: dict[int, int] = {}  # the first image each source is in (running slot)
         for n, indices in enumerate(task.images):
             for i in indices:
@@ -309,7 +318,11 @@ class Worker:
             decoded += 1
             if self.running is not None:  # a death now is blamed on the image it is read for
                 self.running.image(image_of.get(index, 0))
-            return prepare(self.dataset, index, fit_hw)
+            start = time.perf_counter_ns()
+            try:
+                return prepare(self.dataset, index, fit_hw)
+            finally:
+                timings.append((time.perf_counter_ns() - start) // 1000)
 
         got: dict[int, Source | None] = {}
         oldest = -1
@@ -329,6 +342,7 @@ class Worker:
             got.clear()  # the store wrote over a source as we read it: compose from scratch
             result = self._compose_with(task, source, ids, dest)
         result.decoded = decoded  # sources read and fitted for this task (store misses)
+        result.decode_us = tuple(timings[: MAX_TASK_IMAGES * MAX_TILES]) or None
         return result
 
     def _compose_with(

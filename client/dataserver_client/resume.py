@@ -1,0 +1,243 @@
+"""Resume states: what a ``state_dict`` holds, the job-wide view of one, and elastic resume
+(loading a state saved by a job of N ranks into a job of M ranks). Pure: no sockets, no
+threads, no torch.
+
+**The global view of an epoch.** A job of N ranks reads the epoch's order padded or
+trimmed as DistributedSampler does (``epoch.global_order``: N x shard_size positions);
+rank r owns the global positions r, r + N, r + 2N, ... in that order. A rank whose first
+untaken batch starts at shard position p has delivered its first p positions.
+
+**What counts as delivered** when the ranks are not in lockstep (rank 0 had taken 5
+batches, rank 1 only 4): a sample is delivered iff ``next()`` had returned its batch on
+its rank before that rank's ``state_dict()`` call. Each rank's position is its own.
+
+**A deal** is a set U of undelivered global positions (of the order of a job of
+``plan_world`` ranks) shared round-robin by a job of M ranks: rank j takes U[j], U[j+M],
+... in epoch order, each position once and nothing padded. A normal epoch is the implicit
+deal "everything, M = N". A deal's epoch saved again describes its undelivered set the
+same way (positions into each rank's share), so an elastic job can itself be resumed
+elastically, or exactly at the same size.
+
+**Equal batch counts.** With R positions over M ranks the first R mod M ranks hold one
+sample more (the *spare*). A rank holding the spare cuts its batches as if it had not got
+it and adds it to its last batch (``epoch.Cursor.plan_at``), so when the ranks take the
+same modes (``feedback(sync=True)``) every rank ends the epoch on the same step, which DDP
+and the feedback all-reduce need. Only when R < M do some ranks get no batch at all.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from dataserver_client.epoch import MODES, shard_size
+
+STATE_VERSION = 1  # a state of a normal epoch: what clients without elastic resume read too
+DEALT_VERSION = 2  # a state of a dealt epoch: older clients must refuse it, not misread it
+VERSIONS = (STATE_VERSION, DEALT_VERSION)
+# Must be equal between the saving and the loading client (rank and world_size may differ).
+CONFIG_KEYS = ("seed", "shuffle", "batch_size", "stitch_k", "stitch_layout", "drop_last")
+# What each rank contributes to a job-wide state ("ranks": one of these per rank).
+RANK_KEYS = ("position", "step", "mode", "control", "control_seq", "feedback_seq")
+
+
+@dataclass(frozen=True, eq=False)
+class Deal:
+    """The undelivered global positions of an epoch (``mask``, one bool per position of
+    the order of a job of ``plan_world`` ranks), to be dealt round-robin to the ranks."""
+
+    plan_world: int
+    mask: np.ndarray
+
+    def positions(self) -> np.ndarray:
+        """The undelivered global positions, in epoch order."""
+        return np.flatnonzero(self.mask)
+
+    def share(self, rank: int, world_size: int) -> np.ndarray:
+        """Rank ``rank`` of ``world_size``'s positions: every ``world_size``-th, from its own."""
+        return self.positions()[rank::world_size]
+
+    def spare(self, rank: int, world_size: int) -> int:
+        """1 when this rank holds one sample more than the ranks without a spare."""
+        return int(rank < int(self.mask.sum()) % world_size)
+
+    def to_state(self) -> dict[str, Any]:
+        """Plain data: a zlib-compressed bitmap (``np.packbits``, big-endian bit order)."""
+        packed = np.packbits(self.mask).tobytes()
+        return {
+            "plan_world_size": self.plan_world,
+            "count": int(self.mask.sum()),
+            "undelivered": zlib.compress(packed, 9),
+        }
+
+    @classmethod
+    def from_state(cls, state: Any, dataset_len: int, drop_last: bool) -> Deal:
+        """Decode ``to_state``'s output, checking it against the dataset (a bitmap of the
+        wrong length, or a count that does not match, is refused)."""
+        if not isinstance(state, dict):
+            raise ValueError("state 'deal' is not a dict")
+        world, count, data = (
+            state.get("plan_world_size"),
+            state.get("count"),
+            state.get("undelivered"),
+        )
+        if not isinstance(world, int) or world < 1 or not isinstance(data, bytes):
+            raise ValueError("state 'deal' is malformed")
+        total = world * shard_size(dataset_len, world, drop_last)
+        nbytes = (total + 7) // 8
+        try:
+            inflate = zlib.decompressobj()
+            packed = inflate.decompress(data, nbytes + 1)  # bounded: no zip bomb
+        except zlib.error as exc:
+            raise ValueError(f"state 'deal' bitmap is corrupt: {exc}") from None
+        if len(packed) != nbytes or inflate.unconsumed_tail:
+            raise ValueError("state 'deal' bitmap does not fit this dataset")
+        mask = np.unpackbits(np.frombuffer(packed, np.uint8), count=total).astype(bool)
+        if int(mask.sum()) != count:
+            raise ValueError("state 'deal' bitmap does not match its count")
+        return cls(world, mask)
+
+
+def rank_positions(total: int, world_size: int, rank: int, deal: Deal | None) -> np.ndarray:
+    """The global positions rank ``rank`` of ``world_size`` reads in the epoch, in order:
+    its DistributedSampler share, or its share of ``deal``."""
+    if deal is None:
+        return np.arange(rank, total, world_size)
+    return deal.share(rank, world_size)
+
+
+def undelivered(
+    dataset_len: int,
+    drop_last: bool,
+    world_size: int,
+    positions: Sequence[int],
+    deal: Deal | None,
+) -> Deal:
+    """What a job of ``world_size`` ranks, rank r at shard position ``positions[r]`` of its
+    share (of ``deal``, or of a normal epoch), has not yet delivered."""
+    if len(positions) != world_size:
+        raise ValueError(f"a state of {world_size} ranks has {len(positions)} positions")
+    plan_world = deal.plan_world if deal is not None else world_size
+    total = plan_world * shard_size(dataset_len, plan_world, drop_last)
+    mask = np.zeros(total, dtype=bool)
+    for rank, position in enumerate(positions):
+        own = rank_positions(total, world_size, rank, deal)
+        if not 0 <= position <= len(own):
+            raise ValueError(f"rank {rank}'s position {position} is not in 0..{len(own)}")
+        mask[own[position:]] = True
+    return Deal(plan_world, mask)
+
+
+def check_state(state: Any, expected: dict[str, Any]) -> None:
+    """Refuse a state that is not ours or was saved for other data, naming what differs
+    (``expected``: the loading client's values of ``CONFIG_KEYS``, ``fingerprint``,
+    ``dataset_len`` and ``image_size``)."""
+    if not isinstance(state, dict) or state.get("version") not in VERSIONS:
+        raise ValueError(
+            f"not a DataServerClient state of version {' or '.join(map(str, VERSIONS))}"
+        )
+    mismatched = [k for k in CONFIG_KEYS if state.get(k) != expected[k]]
+    if state.get("fingerprint") != expected["fingerprint"]:
+        mismatched.append("fingerprint (dataset)")
+    if state.get("dataset_len") != expected["dataset_len"]:
+        mismatched.append("dataset_len")
+    if list(state.get("image_size", [])) != list(expected["image_size"]):
+        mismatched.append("image_size")
+    if mismatched:
+        raise ValueError(f"state does not match this client: {', '.join(mismatched)} differ")
+    world, rank = state.get("world_size"), state.get("rank")
+    if not isinstance(world, int) or not isinstance(rank, int) or not 0 <= rank < world:
+        raise ValueError("state has no valid rank and world_size")
+    ranks = state.get("ranks")
+    if ranks is not None and (
+        not isinstance(ranks, list)
+        or len(ranks) != world
+        or not all(isinstance(e, dict) and all(k in e for k in RANK_KEYS) for e in ranks)
+    ):
+        raise ValueError(f"state 'ranks' is not one entry per rank of {world}")
+
+
+def merge_states(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One job-wide state from the states of every rank of a job (any order): rank 0's
+    state with ``"ranks"``, each rank's position, step, mode, control values and
+    feedback_seq. They must be of one epoch, one configuration and one deal."""
+    if not states:
+        raise ValueError("merge_states needs the state of every rank")
+    by_rank: dict[int, dict[str, Any]] = {}
+    first = states[0]
+    world = first.get("world_size") if isinstance(first, dict) else None
+    for state in states:
+        if not isinstance(state, dict):
+            raise ValueError("merge_states takes DataServerClient states (dicts)")
+        rank = state.get("rank")
+        if state.get("world_size") != world or not isinstance(rank, int):
+            raise ValueError("states of different world sizes cannot be merged")
+        if rank in by_rank:
+            raise ValueError(f"two states of rank {rank}")
+        for key in ("version", "epoch", "fingerprint", "deal", "dataset_len", *CONFIG_KEYS):
+            if state.get(key) != first.get(key):
+                raise ValueError(f"states differ in {key!r}: not one job's")
+        by_rank[rank] = state
+    if not isinstance(world, int) or sorted(by_rank) != list(range(world)):
+        raise ValueError(
+            f"merge_states needs one state per rank 0..{world}-1, got {sorted(by_rank)}"
+        )
+    ranks = [{k: by_rank[r][k] for k in RANK_KEYS} for r in range(world)]
+    return {**by_rank[0], "ranks": ranks}
+
+
+def plan_resume(state: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
+    """Where rank ``rank`` of a job of ``world_size`` ranks goes on from a checked state:
+    ``{epoch, position, step, deal, mode, control, control_seq, feedback_seq}``.
+
+    Same world size: each rank goes on from its own entry, exactly as an unbroken run
+    would. Another world size: the job's undelivered positions are dealt to the new ranks,
+    which go on in the mode, control values, step and feedback_seq of rank 0; a state in
+    which nothing was delivered yet starts a normal epoch of the new world size.
+    """
+    saved_world, saved_rank = state["world_size"], state["rank"]
+    ranks: list[dict[str, Any]] | None = state.get("ranks")
+    if ranks is None and saved_world == 1:
+        ranks = [{k: state[k] for k in RANK_KEYS}]  # one rank's state is the job's
+    dataset_len, drop_last = int(state["dataset_len"]), bool(state["drop_last"])
+    deal_state = state.get("deal")
+    deal = None if deal_state is None else Deal.from_state(deal_state, dataset_len, drop_last)
+    if saved_world == world_size:
+        if ranks is not None:
+            entry = ranks[rank]
+        elif saved_rank == rank:
+            entry = state
+        else:
+            raise ValueError(
+                f"state does not match this client: rank differs (it is rank {saved_rank}'s "
+                "state of one rank; load that rank's state, or a job-wide one: see merge_states)"
+            )
+        where = {"position": int(entry["position"]), "deal": deal}
+    else:
+        if ranks is None:
+            raise ValueError(
+                f"a state of one rank of {saved_world} cannot be resumed by {world_size} ranks: "
+                "it lacks the other ranks' positions. Take state_dict() on every rank with "
+                "torch.distributed initialised (it then gathers them), or combine the ranks' "
+                "states with DataServerClient.merge_states([...])"
+            )
+        entry = ranks[0]
+        positions = [int(e["position"]) for e in ranks]
+        left = undelivered(dataset_len, drop_last, saved_world, positions, deal)
+        nothing_taken = deal is None and not any(positions)
+        where = {"position": 0, "deal": None if nothing_taken else left}
+    if entry["mode"] not in MODES:
+        raise ValueError(f"state mode {entry['mode']!r} is not one of {MODES}")
+    return {
+        "epoch": int(state["epoch"]),
+        "step": int(entry["step"]),
+        "mode": entry["mode"],
+        "control": dict(entry["control"]),
+        "control_seq": int(entry["control_seq"]),
+        "feedback_seq": int(entry["feedback_seq"]),
+        **where,
+    }

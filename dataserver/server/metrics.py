@@ -1,0 +1,209 @@
+"""Prometheus metrics of a server (``dataserver serve --metrics-port PORT``).
+
+An HTTP server (``prometheus_client``'s, in a thread of the front, with its own registry)
+answers scrapes. Counters and gauges are read from the front's live state when a scrape
+comes (``FrontCollector``), so the loop pays nothing for them; the two histograms are
+observed by the front's loop from the timings every worker puts in its DONE or RESULT
+(``observe_task``: a few microseconds per task).
+
+What the HTTP threads may do to the front: read. They copy the front's dicts (a dict copy
+happens under the GIL in one step) and read its integers; they never call into the loop's
+objects in a way that changes them. The store's usage is read through a handle of this
+module's own, under the store's lock, so it neither changes the front's handle nor races
+a ``dataserver stats`` that reads it in the loop.
+
+Names (kept: deploy manifests and dashboards use them)::
+
+    dataserver_samples_served_total          counter  output images delivered
+    dataserver_decode_seconds                histogram  decode + fit of one source (store miss)
+    dataserver_task_seconds                  histogram  a worker's time per task
+    dataserver_queue_depth                   gauge    tasks queued in the front
+    dataserver_workers_busy                  gauge    workers holding a task
+    dataserver_workers                       gauge    live workers (said READY)
+    dataserver_sessions                      gauge    client sessions open
+    dataserver_rejected_messages_total       counter  by reason
+    dataserver_worker_restarts_total         counter  workers started beyond the first set
+    dataserver_cache_hits_total              counter  sources served from the store   (store only)
+    dataserver_cache_misses_total            counter  sources decoded                  (store only)
+    dataserver_cache_bytes                   gauge    bytes the store holds            (store only)
+    dataserver_cache_capacity_bytes          gauge    the store's size                 (store only)
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, TypeVar
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import start_wsgi_server
+from prometheus_client.registry import Collector
+
+from dataserver.server.store import Store
+
+if TYPE_CHECKING:
+    from dataserver.server.front import Front
+
+log = logging.getLogger("dataserver.metrics")
+
+# Seconds: a decode of a small JPEG takes ~1 ms, a large one tens of ms; a task is a run of
+# up to 64 images (stitched ones hold k sources each).
+DECODE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+TASK_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+US = 1e-6
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+class MetricsPortError(RuntimeError):
+    """``--metrics-port`` cannot be listened on (taken, or not allowed); one line."""
+
+
+def copy_of(d: Mapping[K, V]) -> dict[K, V]:
+    """A copy of a dict the front's thread may be changing. ``dict(d)`` of a plain dict (or
+    a ``Counter``) copies in one step under the GIL; the retry covers a Python that does
+    not."""
+    for _ in range(8):
+        try:
+            return dict(d)
+        except RuntimeError:  # changed size during iteration
+            continue
+    return {}
+
+
+class FrontCollector(Collector):
+    """The front's counters and gauges, read when a scrape comes."""
+
+    def __init__(self, front: Front) -> None:
+        self.front = front
+        self._store: Store | None = None
+        self._store_lock = threading.Lock()  # flock is per open file: one reader at a time
+        if front.store is not None:
+            self._store = Store(front.store.prefix, front.store.capacity)
+
+    def collect(self) -> Iterator[Metric]:
+        front = self.front
+        counters = copy_of(front.counters)
+        rejected = copy_of(front.rejected)
+        workers = list(copy_of(front.pool.workers).values())
+        yield CounterMetricFamily(
+            "dataserver_samples_served",
+            "Output images delivered (a stitched image counts once).",
+            value=counters.get("images_done", 0),
+        )
+        yield GaugeMetricFamily(
+            "dataserver_queue_depth",
+            "Tasks queued in the front, not yet given to a worker.",
+            value=front.scheduler.queued,
+        )
+        yield GaugeMetricFamily(
+            "dataserver_workers_busy",
+            "Worker processes holding at least one task.",
+            value=sum(1 for w in workers if w.tasks),
+        )
+        yield GaugeMetricFamily(
+            "dataserver_workers",
+            "Live worker processes (started and ready).",
+            value=len(front.workers.ready),
+        )
+        yield GaugeMetricFamily(
+            "dataserver_sessions", "Client sessions open.", value=len(front.scheduler.sessions)
+        )
+        family = CounterMetricFamily(
+            "dataserver_rejected_messages",
+            "Messages and connections refused, by reason.",
+            labels=["reason"],
+        )
+        for reason, n in sorted(rejected.items()):
+            family.add_metric([reason], n)
+        yield family
+        yield CounterMetricFamily(
+            "dataserver_worker_restarts",
+            "Worker processes started to replace one that exited.",
+            value=max(0, front.pool.started_total - front.n_workers),
+        )
+        if self.front.store is not None:
+            yield from self._cache(counters)
+
+    def _cache(self, counters: dict[str, int]) -> Iterator[Metric]:
+        with self._store_lock:
+            if self._store is None:  # stopped while this scrape ran
+                return
+            usage = self._store.usage()
+        yield CounterMetricFamily(
+            "dataserver_cache_hits",
+            "Sources a task found in the store (or waited for while another worker made them).",
+            value=counters.get("sources_reused", 0),
+        )
+        yield CounterMetricFamily(
+            "dataserver_cache_misses",
+            "Sources decoded and fitted by a worker.",
+            value=counters.get("sources_decoded", 0),
+        )
+        yield GaugeMetricFamily(
+            "dataserver_cache_bytes", "Bytes of sources the store holds.", value=usage["bytes"]
+        )
+        yield GaugeMetricFamily(
+            "dataserver_cache_capacity_bytes",
+            "The store's size in bytes.",
+            value=usage["capacity_bytes"],
+        )
+
+    def close(self) -> None:
+        if self._store is not None:
+            with self._store_lock:
+                self._store.close()
+                self._store = None
+
+
+class ServerMetrics:
+    """The metrics endpoint of one front: its registry, histograms and HTTP server."""
+
+    def __init__(self, front: Front, port: int, addr: str = "0.0.0.0") -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.decode_seconds = Histogram(
+            "dataserver_decode_seconds",
+            "Seconds a worker spent reading, decoding and fitting one source (a store miss).",
+            buckets=DECODE_BUCKETS,
+            registry=self.registry,
+        )
+        self.task_seconds = Histogram(
+            "dataserver_task_seconds",
+            "Seconds a worker spent on one task (a run of one batch's images).",
+            buckets=TASK_BUCKETS,
+            registry=self.registry,
+        )
+        self.collector = FrontCollector(front)
+        self.registry.register(self.collector)
+        self._httpd: WSGIServer | None = None
+        try:
+            self._httpd, self._thread = start_wsgi_server(port, addr, self.registry)
+        except OSError as exc:
+            self.collector.close()
+            why = exc.strerror or str(exc)
+            raise MetricsPortError(
+                f"--metrics-port {port}: cannot listen on {addr}:{port}: {why}"
+            ) from None
+        self.port = int(self._httpd.server_port)  # (port 0: the one the kernel chose)
+        log.info("metrics on http://%s:%d/metrics", addr, self.port)
+
+    def observe_task(self, task_us: int, decode_us: tuple[int, ...] | None) -> None:
+        """A worker's timings for one task (from its DONE or RESULT; 0: an old worker)."""
+        if task_us:
+            self.task_seconds.observe(task_us * US)
+        for us in decode_us or ():
+            self.decode_seconds.observe(us * US)
+
+    def stop(self) -> None:
+        """Stop answering scrapes and close the store handle (idempotent)."""
+        httpd, self._httpd = self._httpd, None
+        if httpd is None:
+            return
+        httpd.shutdown()
+        httpd.server_close()
+        self._thread.join(5.0)
+        self.collector.close()
