@@ -117,6 +117,12 @@ def main() -> None:
     parser.add_argument("--threshold", type=float, default=0.1, help="Stitcher's tau")
     parser.add_argument("--model", choices=["auto", "fasterrcnn", "tiny"], default="auto")
     parser.add_argument("--checkpoint", default=None, help="save/resume model + loader state here")
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve the loader's Prometheus metrics on this port + LOCAL_RANK",
+    )
     args = parser.parse_args()
 
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
@@ -139,9 +145,12 @@ def main() -> None:
         image_size=size,
         device=device,
         stitch_threshold=args.threshold,
+        metrics_port=None if args.metrics_port is None else args.metrics_port + local_rank,
     ) as client:
         start_epoch = 0
-        loader_file = f"{args.checkpoint}.loader{rank}"  # each rank resumes its own shard
+        # One loader file for the whole job: state_dict() gathers every rank's position, so
+        # any number of ranks can resume from it (elastic resume).
+        loader_file = f"{args.checkpoint}.loader"
         if args.checkpoint and os.path.exists(args.checkpoint) and os.path.exists(loader_file):
             state = torch.load(args.checkpoint, map_location="cpu", weights_only=False)
             model.load_state_dict(state["model"])
@@ -169,8 +178,9 @@ def main() -> None:
                         flush=True,
                     )
                 if args.checkpoint and batch.step % 100 == 0:
-                    torch.save(client.state_dict(), loader_file)
+                    loader_state = client.state_dict()  # collective: every rank calls it
                     if rank == 0:
+                        torch.save(loader_state, loader_file)
                         state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
                         torch.save(state, args.checkpoint)
                 if args.steps and steps >= args.steps:

@@ -645,6 +645,7 @@ class PlanBook:
             "control": dict(self.control),
             "control_seq": self.control_seq,
             "deal": self.deal_state,
+            "share": len(cursor.shard) - cursor.spare if cursor is not None else None,
         }
 
     def restore(self, mode: str, control: dict[str, Any], control_seq: int) -> None:

@@ -158,7 +158,10 @@ class DataServerClient:
             where = self._engine.call(self._engine.snapshot)
         else:
             where = self._resume or {"position": 0, "step": 0}
-        left = max(0, self.num_samples - int(where["position"]))
+        # This rank's share of the epoch: a dealt epoch (elastic resume) has its own size;
+        # a spare sample rides in the last batch, so batches are counted without it.
+        share = where.get("share")
+        left = max(0, (self.num_samples if share is None else share) - int(where["position"]))
         per = self.config.batch_size * (self.config.stitch_k if self._mode == STITCH else 1)
         return int(where["step"]) + (left // per if self.config.drop_last else -(-left // per))
 
@@ -300,6 +303,7 @@ class DataServerClient:
         """
         self._check_open()
         snap = self._engine.call(self._engine.snapshot)
+        snap.pop("share", None)  # (for len(); the deal says it)
         if not self._active:  # what the next iteration would do
             where = self._resume or {"epoch": self._epoch, "position": 0, "step": 0, "deal": None}
             deal = where.get("deal")
