@@ -59,8 +59,8 @@ class HostBuffers:
             return tensor
         nbytes = int(np.prod(shape))
         landing = self.landing
-        if landing is not None and landing.free and nbytes <= landing.region_bytes:
-            region = landing.free.pop()
+        region = landing.take() if landing is not None and nbytes <= landing.region_bytes else None
+        if landing is not None and region is not None:
             base = torch.from_numpy(landing.buffer(region)[:nbytes])
             tensor = base.view(shape)
             self._region[tensor.untyped_storage().data_ptr()] = region
