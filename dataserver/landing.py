@@ -102,6 +102,7 @@ class LandingArea:
         self._gens = np.frombuffer(self.map, np.uint64, regions, GEN_AT)
         self.free = list(range(regions))
         self._reserved: set[int] = set()
+        self._written: set[int] = set()  # regions a batch has been composed in
 
     def take(self) -> int | None:
         """A free region, its pages reserved (so a write to it can never SIGBUS); None
@@ -139,9 +140,14 @@ class LandingArea:
             return False
         try:
             self._gens[region] += 1
+            self._written.add(region)
         finally:
             fcntl.lockf(self.fd, fcntl.LOCK_UN, self.region_bytes, start)
         return True
+
+    def fresh(self, region: int) -> bool:
+        """Whether no batch was composed in ``region`` yet (its bytes are all zero)."""
+        return region not in self._written
 
     def close(self) -> None:
         del self._gens

@@ -47,6 +47,31 @@ def test_results_land_in_shared_memory_and_equal_those_over_the_socket(start_ser
             assert torch.equal(a["boxes"], b["boxes"]) and torch.equal(a["labels"], b["labels"])
 
 
+def test_letterboxed_and_stitched_batches_land_exactly_in_fresh_and_reused_regions(
+    start_server: Any,
+) -> None:
+    """Letterbox padding must be zero whether a region is fresh (never written: the worker
+    does not clear it) or reused (the worker clears it): more batches than regions, both
+    modes, compared with the socket path."""
+    shm_or_skip()
+    server = start_server("--dataset", "synthetic:images=96,seed=2", workers=2)
+    kw: dict[str, Any] = {"batch_size": 4, "image_size": (64, 64), "seed": 1, "device": "cpu"}
+
+    def run(shared: bool) -> list[tuple[Any, torch.Tensor]]:
+        out = []
+        with DataServerClient(server.address, shared_memory=shared, **kw) as c:
+            for epoch, mode in ((0, "regular"), (1, "stitch")):
+                c.set_mode(mode)
+                c.set_epoch(epoch)
+                out += [(b.indices, b.images.clone()) for b in c]
+            if shared:
+                assert c.stats().get("results_landed", 0) > 2 * (c.config.prefetch + 5)
+        return out
+
+    for (i1, im1), (i2, im2) in zip(run(False), run(True), strict=True):
+        assert i1 == i2 and torch.equal(im1, im2)
+
+
 def test_a_sealed_region_is_written_by_nobody(tmp_path: Path) -> None:
     area = LandingArea(tmp_path, "seal-test", 2, 3 * 4 * 4 * 2)
     landings = Landings(tmp_path)

@@ -792,6 +792,8 @@ class Engine(threading.Thread):
         task.land_region = region
         task.land_gen = generation
         task.land_offset = offset + first * 3 * rec.out_hw[0] * rec.out_hw[1]
+        # Only a task's first send: a retry may follow a writer that died half-way.
+        task.land_zero = int(rec.land_gen is None and self.landing.fresh(region))
         return generation
 
     # ------------------------------------------------------------ commands (I/O thread)

@@ -194,6 +194,9 @@ class Task(Message):
     land_region: int = f(Int(0, 1 << 16, default=0), 0)
     land_gen: int = f(Int(default=0), 0)
     land_offset: int = f(Int(default=0), 0)
+    # 1: the landing bytes were never written (fresh shared memory, all zero): the worker
+    # need not clear them before composing (the letterbox padding is already zero).
+    land_zero: int = f(Int(0, 1, default=0), 0)
 
     def _check(self, arrays: list[np.ndarray] | None) -> None:
         Message._check(self, arrays)

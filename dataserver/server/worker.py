@@ -357,7 +357,8 @@ class Worker:
             canvas = np.zeros((len(task.images), 3, out_h, out_w), dtype=np.uint8)
         else:
             canvas = dest
-            canvas.fill(0)
+            if not task.land_zero:  # (a fresh landing region is all zero already)
+                canvas.fill(0)
         skip = task.on_error == "skip"
         kept: list[tuple[int, ...]] = []
         failed: list[tuple[int, str]] = []
