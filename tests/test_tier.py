@@ -193,10 +193,21 @@ def _can_unshare() -> str | None:
     if shutil.which("unshare") is None or shutil.which("mount") is None:
         return "needs unshare and mount (util-linux)"
     probe = subprocess.run(
-        ["unshare", "-m", "--propagation", "private", "true"], capture_output=True, timeout=10
+        [
+            "unshare",
+            "-m",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            "mount --bind /etc/hosts /etc/hosts",
+        ],
+        capture_output=True,
+        timeout=10,
     )
     if probe.returncode != 0:
-        return f"unshare -m fails here: {probe.stderr.decode(errors='replace').strip()}"
+        why = probe.stderr.decode(errors="replace").strip()
+        return f"unshare -m with a bind mount over /etc/hosts fails here: {why}"
     return None
 
 
