@@ -53,7 +53,11 @@ def land_dir() -> Path | None:
     return shm if shm.is_dir() and os.access(shm, os.W_OK) else None
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (one of another user counts); never for pid <= 0,
+    which ``kill`` would take for a process group."""
+    if pid <= 0:
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -71,7 +75,7 @@ def sweep(directory: Path) -> None:
                 magic, pid, *_ = _HEAD.unpack(f.read(_HEAD.size))
         except (OSError, struct.error):
             continue
-        if magic == MAGIC and not _alive(pid):
+        if magic == MAGIC and not pid_alive(pid):
             path.unlink(missing_ok=True)
 
 

@@ -123,7 +123,6 @@ class Discovery:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.lookups = 0
 
     def _flatten(self) -> list[str]:
         return list(dict.fromkeys(a for spec in self.specs for a in self._answers[spec]))
@@ -142,7 +141,6 @@ class Discovery:
                     found = resolve(spec)
                     if found is not None:
                         self._answers[spec] = found
-            self.lookups += 1
             now = self._flatten()
             if now != self.current:
                 self.current = now

@@ -38,6 +38,14 @@ def run_side(side: str, args: argparse.Namespace, **opts: Any) -> dict[str, Any]
     return dict(json.loads(lines[-1]))
 
 
+def served(args: argparse.Namespace, address: str, pids: list[int], **opts: Any) -> dict[str, Any]:
+    """The dataserver side against the server at ``address``, whose processes are ``pids``
+    (their CPU time is counted with the client's)."""
+    return run_side(
+        "dataserver", args, address=address, server_pids=",".join(map(str, pids)), **opts
+    )
+
+
 @contextmanager
 def server(flags: list[str], timeout: float = 60.0) -> Iterator[tuple[str, list[int]]]:
     """A ``dataserver serve`` for the figure: (address, [front pid, worker pids...])."""
@@ -83,9 +91,7 @@ def fig_dataloader(args: argparse.Namespace, spec: str, progress: Progress) -> d
             args,
             progress,
             {
-                "dataserver": lambda: run_side(
-                    "dataserver", args, address=address, server_pids=",".join(map(str, pids))
-                ),
+                "dataserver": lambda: served(args, address, pids),
                 "dataloader": lambda: run_side("dataloader", args, spec=spec),
                 "single": lambda: run_side("single", args, spec=spec),
             },
@@ -130,13 +136,7 @@ def fig_overhead(args: argparse.Namespace, spec: str, progress: Progress) -> dic
             args,
             progress,
             {
-                "dataserver": lambda: run_side(
-                    "dataserver",
-                    args,
-                    address=address,
-                    server_pids=",".join(map(str, pids)),
-                    **opts,
-                ),
+                "dataserver": lambda: served(args, address, pids, **opts),
                 "dataloader": lambda: run_side(
                     "dataloader", args, spec=zero, spec_args=dataset_args, **opts
                 ),
@@ -175,13 +175,7 @@ def fig_cache(args: argparse.Namespace, spec: str, progress: Progress) -> dict[s
             args,
             progress,
             {
-                "dataserver_cached": lambda: run_side(
-                    "dataserver",
-                    args,
-                    address=address,
-                    server_pids=",".join(map(str, pids)),
-                    warm_epochs=1,
-                ),
+                "dataserver_cached": lambda: served(args, address, pids, warm_epochs=1),
                 "dataloader": lambda: run_side("dataloader", args, spec=spec),
             },
         )
@@ -402,9 +396,7 @@ def fig_transport(args: argparse.Namespace, spec: str, progress: Progress) -> di
             args,
             progress,
             {
-                "dataserver": lambda: run_side(
-                    "dataserver", args, address=address, server_pids=",".join(map(str, pids))
-                ),
+                "dataserver": lambda: served(args, address, pids),
                 "rawzmq_ipc": lambda: run_side("rawzmq", args, transport="ipc"),
                 "rawzmq_tcp": lambda: run_side("rawzmq", args, transport="tcp"),
             },

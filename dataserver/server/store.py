@@ -47,6 +47,7 @@ from typing import Any
 import numpy as np
 
 from dataserver.data.pipeline import Source
+from dataserver.landing import pid_alive
 
 log = logging.getLogger("dataserver.store")
 
@@ -353,7 +354,7 @@ class Store:
                     return self._view(k0, k1, pos), pos
                 if i >= 0:  # PENDING
                     owner = int(self.table[i]["pid"])
-                    mine = owner == self._pid or not _alive(owner)
+                    mine = owner == self._pid or not pid_alive(owner)
                     if mine or time.monotonic() > deadline:
                         self._dirty(True)
                         self.table[i]["pid"] = self._pid
@@ -408,7 +409,7 @@ class Store:
                     self.stats.hits += 1
                 elif slot >= 0:
                     owner = int(self.table[slot]["pid"])
-                    if owner == self._pid or not _alive(owner):
+                    if owner == self._pid or not pid_alive(owner):
                         self._dirty(True)
                         self.table[slot]["pid"] = self._pid
                         self._dirty(False)
@@ -576,18 +577,6 @@ class Store:
             self._unlock()
 
 
-def _alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def sweep(directory: Path) -> None:
     """Remove stores whose front is gone (left behind by a front killed with SIGKILL)."""
     for index in directory.glob("dataserver-*.index"):
@@ -595,7 +584,7 @@ def sweep(directory: Path) -> None:
             with open(index, "rb") as f:
                 raw = f.read(_HEADER.itemsize)
             header = np.frombuffer(raw, _HEADER, 1)[0]
-            if int(header["magic"]) != MAGIC or _alive(int(header["owner"])):
+            if int(header["magic"]) != MAGIC or pid_alive(int(header["owner"])):
                 continue
         except (OSError, ValueError):
             continue
