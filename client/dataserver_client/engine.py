@@ -395,6 +395,9 @@ class Engine(threading.Thread):
     # ------------------------------------------------------------ messages
 
     def _on_message(self, link: ServerLink, msg: Message, direct: bool) -> None:
+        if link.state is LinkState.BANNED:
+            self.rejected["from_banned_server"] += 1
+            return
         if direct and not isinstance(msg, Result):
             self.rejected["unexpected_type"] += 1  # workers send nothing else
             return
@@ -615,6 +618,19 @@ class Engine(threading.Thread):
                         event.why,
                         n,
                     )
+
+    def _bad_server(self, link: ServerLink, why: str) -> None:
+        """``link`` answered what it was not asked or claimed what it did not do: a faulty
+        or hostile server. It is dropped for good (``LinkState.BANNED``), counted in
+        ``rejected["bad_server"]``, and what it held moves to the other servers (with none
+        left, the epoch stops at ``timeout`` with this reason)."""
+        if self.links is None or link.state is LinkState.BANNED:
+            return
+        self.rejected["bad_server"] += 1
+        self.links.ban(link, why)
+        self._count_workers()
+        self._check_lookahead()
+        self._move_tasks(link)
 
     def _count_workers(self) -> None:
         """How many tasks the ready servers can work on at once (the book cuts batches

@@ -11,6 +11,7 @@ Link states::
     CONNECTING -(WELCOME)-> READY -(disconnected, or silent past the heartbeat timeout)-> LOST
     LOST -(WELCOME again)-> READY
     CONNECTING, READY -(BYE from the server: it drains)-> DRAINING -(disconnected)-> LOST
+    any -(it answered what it was not asked, or lied about a result)-> BANNED (for good)
 
 ``Discovery`` re-resolves DNS names among the addresses in a thread of its own (a lookup
 may block for seconds); the engine adds and removes links from what it finds.
@@ -57,6 +58,7 @@ class LinkState(enum.IntEnum):
     READY = 2
     LOST = 3
     DRAINING = 4  # the server said BYE: it is leaving; it finishes what it runs, takes nothing
+    BANNED = 5  # it broke the protocol in a way only a faulty or hostile server does: ignored
 
 
 class EventKind(enum.Enum):
@@ -402,10 +404,14 @@ class Links:
     def handshake(self) -> dict[str, Any] | None:
         """The dataset info once every server answered (None until then); raises
         ``DataServerError`` when servers disagree, or refuse this client's image size."""
-        waiting = [lk for lk in self.links if lk.state is not LinkState.DRAINING]
+        waiting = [
+            lk for lk in self.links if lk.state not in (LinkState.DRAINING, LinkState.BANNED)
+        ]
         if any(link.welcome_msg is None for link in waiting):
             return None
-        welcomed = [lk for lk in self.links if lk.welcome_msg is not None]
+        welcomed = [
+            lk for lk in self.links if lk.welcome_msg is not None and lk.state is not LinkState.BANNED
+        ]
         if not welcomed:
             return None
         first = welcomed[0].welcome_msg
@@ -442,7 +448,7 @@ class Links:
             if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 link.connected = True
                 link.last_error = ""
-                if link.state is not LinkState.READY:
+                if link.state not in (LinkState.READY, LinkState.BANNED):
                     link.hello()
             elif kind == zmq.EVENT_DISCONNECTED:
                 link.connected = False
@@ -487,6 +493,15 @@ class Links:
         link.state = LinkState.DRAINING
         link.last_error = "draining"
 
+    def ban(self, link: ServerLink, why: str) -> None:
+        """The server answered what it was not asked (or claimed what it did not do): it
+        gets nothing more and what it sends is dropped, for the rest of this client's life.
+        The engine moves its tasks to the other servers."""
+        if link.state is not LinkState.BANNED:
+            log.error("%s broke the protocol (%s): not using it any more", link.address, why)
+        link.state = LinkState.BANNED
+        link.last_error = f"dropped: {why}"
+
     def lose(self, link: ServerLink, why: str) -> LinkEvent:
         # A server that drained was expected to go: no warning for that.
         level = logging.INFO if link.state is LinkState.DRAINING else logging.WARNING
@@ -506,7 +521,7 @@ class Links:
                     link.heartbeat()
                 if now - link.last_heard > cfg.heartbeat_timeout:
                     out.append(self.lose(link, f"silent for {now - link.last_heard:.1f} s"))
-            else:
+            elif link.state is not LinkState.BANNED:
                 # Soon after a failed send (not connected yet); once a second while a sent
                 # HELLO waits for its WELCOME.
                 wait = 1.0 if link.connected else 0.2
