@@ -3,6 +3,7 @@ use (here, below both, so that neither imports the other)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import zmq
@@ -40,3 +41,15 @@ def fetch_stats(
         return dict(msg.stats)
     finally:
         sock.close(linger=0)
+
+
+def child_pids(pid: int) -> list[int]:
+    """The children of process ``pid`` on this host (a server's workers), from /proc: the
+    server does not tell its pids to whoever asks for its counters."""
+    children: set[int] = set()
+    for path in Path(f"/proc/{pid}/task").glob("*/children"):
+        try:
+            children.update(int(p) for p in path.read_text().split())
+        except (OSError, ValueError):  # (a thread that ended while we looked)
+            continue
+    return sorted(children)

@@ -18,6 +18,7 @@ from dataserver.server.config import (
     DEFAULT_BIND,
     DEFAULT_CACHE_GB,
     DEFAULT_DRAIN_SECONDS,
+    DEFAULT_IDLE_TIMEOUT,
     DEFAULT_MAX_IMAGE_SIDE,
     DEFAULT_MAX_QUEUED_MB,
     DEFAULT_MAX_SESSIONS,
@@ -69,6 +70,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_queued_mb=args.max_queued_mb,
         drain_seconds=args.drain_seconds,
         metrics_port=args.metrics_port,
+        metrics_bind=args.metrics_bind,
+        idle_timeout=args.idle_timeout,
     )
 
     def announce(front: Any) -> None:
@@ -120,8 +123,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(stats, indent=2, sort_keys=True))
         return 0 if healthy or not args.check else 1
-    print(f"server {stats['server_id']} (pid {stats['pid']}), up {stats['uptime_s']} s")
-    print(f"  endpoints      {stats['endpoints']}")
+    print(f"server {stats['server_id']}, up {stats['uptime_s']} s")
     print(f"  dataset        {stats['fingerprint']} ({stats['dataset_len']} samples)")
     print(
         f"  workers        {stats['workers_alive']}/{stats['workers']} alive, "
@@ -131,8 +133,11 @@ def cmd_stats(args: argparse.Namespace) -> int:
     if stats.get("draining"):
         print(f"  draining       for {stats['draining']['for_s']} s")
     print(f"  sessions       {stats['sessions']}")
+    if stats.get("connections") is not None:
+        limit = (stats.get("limits") or {}).get("max_connections")
+        print(f"  connections    {stats['connections']} (at most {limit})")
     if stats.get("metrics_port") is not None:
-        print(f"  metrics        http://0.0.0.0:{stats['metrics_port']}/metrics")
+        print(f"  metrics        port {stats['metrics_port']} (/metrics)")
     for key, value in sorted(stats["counters"].items()):
         print(f"  {key:<22} {value}")
     print(f"  rejected       {stats['rejected_total']}")
@@ -259,8 +264,24 @@ def build_parser() -> argparse.ArgumentParser:
         "--metrics-port",
         type=int,
         default=None,
-        help="serve Prometheus metrics on 0.0.0.0:PORT (0: any free port, shown by "
+        help="serve Prometheus metrics on PORT of --metrics-bind (0: any free port, shown by "
         "`dataserver stats`) (default: off)",
+    )
+    p.add_argument(
+        "--metrics-bind",
+        metavar="HOST",
+        default=None,
+        help="the interface --metrics-port listens on, e.g. 0.0.0.0 for a scraper on another "
+        "host (default: the interface of --bind; 127.0.0.1 for an ipc --bind)",
+    )
+    p.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=DEFAULT_IDLE_TIMEOUT,
+        metavar="S",
+        help="drop a peer's connection to the data or control port that sent nothing for S "
+        "seconds (clients beat every 0.5 s; one that is dropped reconnects) "
+        f"(default {DEFAULT_IDLE_TIMEOUT:g})",
     )
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=cmd_serve)

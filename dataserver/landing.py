@@ -2,60 +2,99 @@
 in shared memory, when both run on one host. No socket carries the pixels, and the client
 copies nothing: its CPU per image goes from the cost of two copies to almost none.
 
-The client makes a *landing file* in ``/dev/shm`` (``dataserver-land-<session>``, mode 0600)
-holding a header page and ``regions`` batch buffers. The header holds a magic number, a
-random token (a worker proves it may write by reading it back), the owner's pid, and one
-generation number per region. A TASK that may land names the file, the token, the region,
-its generation, and the byte offset of its first image.
+The buffer has no name on the host's file system: the client makes a ``memfd``
+(``memfd_create``, close-on-exec), sizes it, and seals it (``F_SEAL_SHRINK``,
+``F_SEAL_GROW``, ``F_SEAL_SEAL``: nobody, the client included, can shrink it, so no mapping
+of it can ever SIGBUS for a page cut off). There is nothing in ``/dev/shm`` to list (and
+learn a session from), plant, sweep or delete.
 
-Rules that make a late or duplicate writer harmless, by construction:
+Hand-over (the client's side here, ``hand_over`` and ``Handover``; the worker's in
+``dataserver/server/landings.py``): each worker that serves clients on its host (its ipc
+result endpoint ``ipc://<dir>/<name>``) also listens on an ``AF_UNIX``
+``SOCK_SEQPACKET`` socket beside it, ``<dir>/land-<name>`` (``landing_socket``), in the
+server's private directory (mode 0700: only its own user gets in). The path is derived,
+not announced: a client uses it only once it has proven it shares the server's host and
+file system by reading the server's host token in that same directory, so announcing it
+would add a protocol field and prove nothing more. The client connects, checks with
+``SO_PEERCRED`` that the listener is its own user, and sends one message: a msgpack map
+``{"session": bytes, "token": str}`` with the memfd attached (``SCM_RIGHTS``). It keeps the
+connection open: the worker keeps the buffer exactly as long (the client gone, the
+connection drops and the worker lets go of its memory). The worker never blocks on it
+(the listener and its connections are polled with its task socket) and refuses, counted
+in its counters and logged, a peer of another user (``SO_PEERCRED``), and a descriptor
+that is not a regular file sealed against shrinking, too small, or whose header does not
+hold the magic and the token the message names. The first registration of a token wins;
+at most 64 are kept (least recently used go first, with their connection).
+
+A TASK that may land names the token, the region, its generation and the byte offset of
+its first image (never a path); a worker with no registration for the token, or of
+another session, sends the pixels over the socket as usual. Clients name landing fields
+only in tasks to a server whose workers took the hand-over.
+
+Byte layout of the buffer (little-endian; ``HEADER`` = 4096)::
+
+    0      u64        MAGIC
+    8      32 bytes   token (ASCII hex)
+    40     u64        regions (1..MAX_REGIONS)
+    48     u64        region_bytes
+    56     u64        slots: seal records per region (images a batch may hold)
+    64     u64        data_at: offset of region 0 (a multiple of the page size)
+    128    u64 x regions   each region's generation (from 1; 0 never names a live one)
+    4096   16 bytes x regions x slots   seal records: (u64 generation, u64 task id),
+                      record (r, s) at 4096 + 16 * (r * slots + s)
+    data_at + r * region_bytes   region r: a batch's (N, 3, H, W) uint8 images
+
+Rules that make a late, duplicate or lying writer harmless:
 
 - a worker writes its task's bytes of a region only while holding a POSIX lock on those
   bytes, and only if the region's generation is still the one its task names (so workers
-  writing different tasks of one batch do not wait for each other);
+  writing different tasks of one batch do not wait for each other); still under the lock,
+  once the images are composed, it writes the seal record (generation, task id) of each
+  of its images' slots;
 - the client bumps a region's generation while holding a lock on the whole region (which
   no writer can hold a part of meanwhile), the moment its batch is complete (before the
   trainer sees it), or dropped. A writer that comes after finds the generation changed
   and writes nothing (it sends the pixels over the socket instead, which the client then
-  drops as unwanted).
-
-A worker opens only files named ``dataserver-land-*`` directly in the landing directory,
-without following links, regular files owned by its own user, with the magic and token
-the task names; anything else, and the task's pixels travel over the socket as usual.
+  drops as unwanted);
+- the client accepts a RESULT that says "landed" only if every image's seal record holds
+  the generation and task id it sent (``LandingArea.sealed``: two words per image, no pass
+  over the pixels); a server that says so without writing is caught, not believed.
 """
 
 from __future__ import annotations
 
 import fcntl
+import logging
 import mmap
 import os
 import secrets
-import stat
+import socket
 import struct
-from collections import OrderedDict
-from collections.abc import Iterator
-from contextlib import contextmanager
-from pathlib import Path
+from collections import Counter
 
+import msgpack
 import numpy as np
 
-MAGIC = 0x444E414C53445331  # "1SDSLAND"
-PREFIX = "dataserver-land-"
+log = logging.getLogger("dataserver.landing")
+
+MAGIC = 0x324E414C53445331  # "1SDSLAN2"
 HEADER = 4096
-_HEAD = struct.Struct("<QQ32sQQ")  # magic, owner pid, token, regions, region bytes
-GEN_AT = 64  # generation words (u64 each) start here
+HEAD = struct.Struct("<Q32sQQQQ")  # magic, token, regions, region bytes, slots, data_at
+GEN_AT = 128  # generation words (u64 each) start here
 MAX_REGIONS = (HEADER - GEN_AT) // 8
-
-
-def land_dir() -> Path | None:
-    """Where landing files live: ``/dev/shm`` where it is a writable directory."""
-    shm = Path("/dev/shm")
-    return shm if shm.is_dir() and os.access(shm, os.W_OK) else None
+SEAL_AT = HEADER
+SEAL_BYTES = 16  # (generation, task id)
+MAX_SLOTS = 1 << 16
+MAX_HELLO = 512  # bytes of the hand-over message
+_SUN_PATH = 107  # sun_path holds 108 bytes, the last a NUL
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+_CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
 def pid_alive(pid: int) -> bool:
     """Whether process ``pid`` exists (one of another user counts); never for pid <= 0,
-    which ``kill`` would take for a process group."""
+    which ``kill`` would take for a process group. (The store uses it; landing buffers
+    need no sweeping.)"""
     if pid <= 0:
         return False
     try:
@@ -67,50 +106,67 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def sweep(directory: Path) -> None:
-    """Remove landing files whose client is gone (one killed before it could)."""
-    for path in directory.glob(PREFIX + "*"):
-        try:
-            with open(path, "rb") as f:
-                magic, pid, *_ = _HEAD.unpack(f.read(_HEAD.size))
-        except (OSError, struct.error):
-            continue
-        if magic == MAGIC and not pid_alive(pid):
-            path.unlink(missing_ok=True)
+def landing_socket(local_endpoint: str) -> str | None:
+    """The landing socket of the worker whose ipc result endpoint is ``local_endpoint``:
+    ``land-<name>`` beside it; None when there is none (not ipc, or a path too long for a
+    unix socket)."""
+    if not local_endpoint.startswith("ipc://"):
+        return None
+    directory, name = os.path.split(local_endpoint[len("ipc://") :])
+    path = os.path.join(directory, "land-" + name)
+    return path if directory and name and len(os.fsencode(path)) <= _SUN_PATH else None
+
+
+def peer_uid(sock: socket.socket) -> int:
+    """The user id of the process at the other end of a unix socket (``SO_PEERCRED``)."""
+    return _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))[1]
+
+
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
 
 
 class LandingArea:
-    """The client's side: a landing file of ``regions`` buffers of ``region_bytes``."""
+    """The client's side: a sealed memfd of ``regions`` buffers of ``region_bytes``, and
+    ``slots`` seal records per region (the most images a batch holds)."""
 
-    def __init__(self, directory: Path, name: str, regions: int, region_bytes: int) -> None:
+    def __init__(self, regions: int, region_bytes: int, slots: int) -> None:
         if not 1 <= regions <= MAX_REGIONS:
             raise ValueError(f"1..{MAX_REGIONS} regions, not {regions}")
-        sweep(directory)
-        self.path = str(directory / (PREFIX + name))
+        if not 1 <= slots <= MAX_SLOTS or region_bytes < 1:
+            raise ValueError(f"1..{MAX_SLOTS} slots and > 0 bytes a region, not {slots}")
         self.token = secrets.token_hex(16)
         self.regions = regions
         self.region_bytes = region_bytes
-        size = HEADER + regions * region_bytes
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        self.slots = slots
+        self.data_at = _round_up(SEAL_AT + regions * slots * SEAL_BYTES, mmap.PAGESIZE)
+        size = self.data_at + regions * region_bytes
+        self.fd = os.memfd_create("dataserver-landing", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(self.fd, size)
-            # The header's pages now; a region's when it is first used (``take``): reserving
-            # every region up front cost tens of milliseconds before the first batch.
-            os.posix_fallocate(self.fd, 0, HEADER)
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, _SEALS)
+            # The header's and seals' pages now; a region's when it is first used (``take``):
+            # reserving every region up front cost tens of milliseconds before the first batch.
+            os.posix_fallocate(self.fd, 0, self.data_at)
             self.map = mmap.mmap(self.fd, size)
         except BaseException:
             os.close(self.fd)
-            os.unlink(self.path)
             raise
-        _HEAD.pack_into(self.map, 0, MAGIC, os.getpid(), self.token.encode(), regions, region_bytes)
+        HEAD.pack_into(
+            self.map, 0, MAGIC, self.token.encode(), regions, region_bytes, slots, self.data_at
+        )
         self._gens = np.frombuffer(self.map, np.uint64, regions, GEN_AT)
+        self._gens[:] = 1
+        self._seals = np.frombuffer(self.map, np.uint64, regions * slots * 2, SEAL_AT).reshape(
+            regions, slots, 2
+        )
         self.free = list(range(regions))
         self._reserved: set[int] = set()
         self._written: set[int] = set()  # regions a batch has been composed in
 
     def take(self) -> int | None:
-        """A free region, its pages reserved (so a write to it can never SIGBUS); None
-        when none is free, or shared memory has no room for one (the socket it is)."""
+        """A free region, its pages reserved (so a write to it can never fail for want of
+        memory); None when none is free, or there is no room for one (the socket it is)."""
         while self.free:
             region = self.free.pop()
             if region in self._reserved:
@@ -118,21 +174,33 @@ class LandingArea:
             try:
                 os.posix_fallocate(self.fd, self.offset(region), self.region_bytes)
             except OSError:
-                continue  # no room in /dev/shm: this region stays unused
+                continue  # no room: this region stays unused
             self._reserved.add(region)
             return region
         return None
 
     def buffer(self, region: int) -> np.ndarray:
         """Region ``region`` as a flat uint8 array over the shared memory."""
-        start = HEADER + region * self.region_bytes
-        return np.frombuffer(self.map, np.uint8, self.region_bytes, start)
+        return np.frombuffer(self.map, np.uint8, self.region_bytes, self.offset(region))
 
     def offset(self, region: int) -> int:
-        return HEADER + region * self.region_bytes
+        return self.data_at + region * self.region_bytes
 
     def generation(self, region: int) -> int:
         return int(self._gens[region])
+
+    def sealed(self, region: int, slots: tuple[int, ...], generation: int, task_id: int) -> bool:
+        """Whether the worker that says it landed task ``task_id`` (sent with
+        ``generation``) wrote every one of its images' seal records."""
+        first, n = slots[0] if slots else -1, len(slots)
+        if not 0 <= region < self.regions or first < 0 or first + n > self.slots:
+            return False
+        if slots != tuple(range(first, first + n)):
+            return False  # (only a run of consecutive slots lands)
+        for g, t in self._seals[region, first : first + n].tolist():
+            if g != generation or t != task_id:
+                return False
+        return True
 
     def seal(self, region: int) -> bool:
         """Bump the region's generation, so that no writer can touch it any more; False
@@ -154,123 +222,82 @@ class LandingArea:
         return region not in self._written
 
     def close(self) -> None:
-        del self._gens
+        del self._gens, self._seals
         try:
             self.map.close()
         except BufferError:
             pass  # a batch the trainer keeps still views it: the mapping goes with it
         os.close(self.fd)
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
 
 
-class Landings:
-    """The worker's side: the landing files it was asked to write, open, checked."""
+def hand_over(area: LandingArea, session: bytes, path: str) -> socket.socket | str:
+    """Give ``area`` to the worker listening at ``path``: the open connection (keep it:
+    the worker keeps the buffer while it is open), or why not. Never blocks."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    try:
+        sock.setblocking(False)
+        sock.connect(path)
+        uid = peer_uid(sock)
+        if uid != os.getuid():  # someone else's socket: it gets nothing of ours
+            sock.close()
+            return f"{path} is uid {uid}'s, not ours"
+        hello = msgpack.packb({"session": session, "token": area.token}, use_bin_type=True)
+        socket.send_fds(sock, [hello], [area.fd])
+    except OSError as exc:
+        sock.close()
+        return f"{path}: {exc.strerror or exc}"
+    return sock
 
-    def __init__(self, directory: Path | None = None, keep: int = 32) -> None:
-        self.directory = directory if directory is not None else land_dir()
-        self.keep = keep
-        self._open: OrderedDict[tuple[str, str], tuple[int, mmap.mmap, int, int] | None] = (
-            OrderedDict()
-        )
 
-    def _file(self, path: str, token: str) -> tuple[int, mmap.mmap, int, int] | None:
-        key = (path, token)
-        if key in self._open:
-            self._open.move_to_end(key)
-            return self._open[key]
-        self.purge()  # a new client: let go of the files of clients that are gone
-        opened = self._check(path, token)
-        self._open[key] = opened
-        if len(self._open) > self.keep:
-            _, old = self._open.popitem(last=False)
-            if old is not None:
-                old[1].close()
-                os.close(old[0])
-        return opened
+def alive(sock: socket.socket) -> bool:
+    """Whether the worker at the other end of a hand-over connection still holds it."""
+    try:
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
 
-    def _check(self, path: str, token: str) -> tuple[int, mmap.mmap, int, int] | None:
-        if self.directory is None:
-            return None
-        name = os.path.basename(path)
-        if os.path.dirname(path) != str(self.directory) or not name.startswith(PREFIX):
-            return None
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError:
-            return None
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_size < HEADER:
-                raise ValueError("not a landing file")
-            m = mmap.mmap(fd, st.st_size)
-            magic, _, stored, regions, region_bytes = _HEAD.unpack_from(m, 0)
-            fits = 0 < regions <= MAX_REGIONS and HEADER + regions * region_bytes <= len(m)
-            if magic != MAGIC or stored.decode(errors="replace") != token or not fits:
-                m.close()
-                raise ValueError("not this client's landing file")
-        except (OSError, ValueError):
-            os.close(fd)
-            return None
-        return fd, m, regions, region_bytes
 
-    @contextmanager
-    def target(
-        self,
-        path: str,
-        token: str,
-        region: int,
-        generation: int,
-        offset: int,
-        shape: tuple[int, ...],
-    ) -> Iterator[np.ndarray | None]:
-        """The (N, 3, H, W) destination of a task, locked, if it may land there now (else
-        None: send the pixels over the socket)."""
-        opened = self._file(path, token) if path else None
-        nbytes = int(np.prod(shape))
-        if opened is None or region < 0:
-            yield None
-            return
-        fd, m, regions, region_bytes = opened
-        start = HEADER + region * region_bytes
-        if region >= regions or offset < start or offset + nbytes > start + region_bytes:
-            yield None  # not inside the region it names
-            return
-        fcntl.lockf(fd, fcntl.LOCK_EX, nbytes, offset)  # these bytes only: others write theirs
-        try:
-            current = struct.unpack_from("<Q", m, GEN_AT + 8 * region)[0]
-            if current != generation:
-                yield None  # sealed (complete, or dropped): nothing may be written there
-                return
-            yield np.frombuffer(m, np.uint8, nbytes, offset).reshape(shape)
-        finally:
-            fcntl.lockf(fd, fcntl.LOCK_UN, nbytes, offset)
+class Handover:
+    """The client's side of one server's hand-overs: a live connection to each of its
+    workers' landing sockets that took the buffer. ``sync`` (each WELCOME and HEARTBEAT
+    of a server proven to be on this host) connects to new workers and to those replaced
+    (their connection dropped), at most ``MAX_TRIES`` times a socket."""
 
-    def purge(self) -> None:
-        """Close the files their clients removed (their memory is freed only then)."""
-        for key, opened in list(self._open.items()):
-            if opened is None:
+    MAX_TRIES = 8
+
+    def __init__(self, area: LandingArea, session: bytes) -> None:
+        self.area = area
+        self.session = session
+        self.socks: dict[str, socket.socket] = {}
+        self._tries: Counter[str] = Counter()
+
+    @property
+    def ready(self) -> bool:
+        """Whether any of the server's workers holds the buffer (tasks may name it; one
+        that does not hold it sends the pixels instead)."""
+        return bool(self.socks)
+
+    def sync(self, paths: list[str]) -> None:
+        for path in [p for p in self.socks if p not in paths]:
+            self.socks.pop(path).close()
+        for path in paths:
+            sock = self.socks.get(path)
+            if sock is not None and alive(sock):
                 continue
-            try:
-                gone = os.stat(key[0]).st_ino != os.fstat(opened[0]).st_ino
-            except OSError:
-                gone = True
-            if gone:
-                del self._open[key]
-                try:
-                    opened[1].close()
-                except BufferError:
-                    pass
-                os.close(opened[0])
+            if sock is not None:
+                self.socks.pop(path).close()
+            if self._tries[path] >= self.MAX_TRIES:
+                continue
+            self._tries[path] += 1
+            got = hand_over(self.area, self.session, path)
+            if isinstance(got, str):
+                log.info("landing buffer not handed over: %s", got)
+            else:
+                self.socks[path] = got
 
     def close(self) -> None:
-        for opened in self._open.values():
-            if opened is not None:
-                try:
-                    opened[1].close()
-                except BufferError:
-                    pass
-                os.close(opened[0])
-        self._open.clear()
+        for sock in self.socks.values():
+            sock.close()
+        self.socks.clear()

@@ -14,7 +14,9 @@ and a bug in handling one message must not stop a server.
 
 Fault injection, for tests that prove the guard works on live processes: the environment
 variable ``DATASERVER_INJECT_FAULTS`` lists ``site:every`` pairs (``front.task:5`` raises in
-the front's TASK handler on every 5th TASK). Unset, ``inject`` is one dictionary lookup.
+the front's TASK handler on every 5th TASK); ``fault`` answers whether a fault that is not
+an exception is due (``worker.lie_landed:1``: a worker that says its task landed but wrote
+nothing). Unset, each is one dictionary lookup.
 """
 
 from __future__ import annotations
@@ -62,13 +64,19 @@ def configure_faults(spec: str) -> None:
     _HITS.clear()
 
 
-def inject(site: str) -> None:
-    """Raise ``InjectedFault`` on every n-th call at ``site`` when the environment asks."""
+def fault(site: str) -> bool:
+    """True on every n-th call at ``site`` when the environment asks: for faults that are
+    not an exception (``worker.lie_landed``: a worker says "landed" without writing)."""
     every = _FAULTS.get(site)
     if every is None:
-        return
+        return False
     _HITS[site] += 1
-    if _HITS[site] % every == 0:
+    return _HITS[site] % every == 0
+
+
+def inject(site: str) -> None:
+    """Raise ``InjectedFault`` on every n-th call at ``site`` when the environment asks."""
+    if fault(site):
         raise InjectedFault(f"fault injected at {site} (call {_HITS[site]})")
 
 

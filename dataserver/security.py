@@ -9,13 +9,17 @@ Sessions are bound to keys: with CURVE, a client's session id begins with a tag 
 public key (``session_id``); the front refuses any message whose session id does not carry
 the tag of the key that authenticated its connection, and a worker sends results straight
 only to a connection that claimed the session with that key (``server/direct.py``). So no
-other key can use, or take over, a session. Without CURVE a session id is a bearer token:
-anyone on the network who learns it can use it.
+other key can use, or take over, a session. Besides its id, every session has a secret
+(``new_secret``) that its HELLO binds and every message acting for it must carry: the id
+names a session, the secret proves the sender is its owner. Without CURVE the secret is a
+bearer token: nobody on the host can learn it (it is in no file name, log or STATS answer),
+but anyone who can read the network traffic can.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import os
 from pathlib import Path
 from typing import Any
@@ -37,6 +41,24 @@ def session_id(public_key_z85: bytes | None = None) -> bytes:
     """A new 16-byte session id; tagged with ``public_key_z85`` when CURVE is on."""
     head = session_tag(public_key_z85) if public_key_z85 else os.urandom(TAG_BYTES)
     return head + os.urandom(16 - TAG_BYTES)
+
+
+def new_secret() -> bytes:
+    """A session's secret: what proves a message acts for the session (the id only names
+    it). Never written to a file name, a log line or a STATS answer."""
+    return os.urandom(16)
+
+
+def reply_id(secret: bytes) -> bytes:
+    """The routing id a client's result connections use: derived from its session's
+    secret, so only the session's owner can take its direct results (ROUTER_HANDOVER
+    hands a name to whoever connects with it)."""
+    return hashlib.blake2b(secret, digest_size=16, person=b"dataserver-rply").digest()
+
+
+def same_secret(bound: bytes, given: bytes | None) -> bool:
+    """Whether ``given`` is the session's secret ``bound`` (in constant time)."""
+    return given is not None and hmac.compare_digest(bound, given)
 
 
 def owns(session: bytes, user_id: str | None) -> bool:

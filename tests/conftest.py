@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from dataserver.admin import fetch_stats
+from dataserver.admin import child_pids, fetch_stats
 from dataserver.data.coco import write_synthetic_coco
 from dataserver.server import parse_ready_line
 
@@ -91,7 +91,8 @@ class Server:
         return fetch_stats(self.address, timeout)
 
     def worker_pids(self) -> list[int]:
-        return list(self.stats()["worker_pids"])
+        """The front's children (its workers), from /proc: STATS does not name pids."""
+        return child_pids(self.pid)
 
     def read_stderr(self) -> str:
         self.stderr.seek(0)

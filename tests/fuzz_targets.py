@@ -298,13 +298,13 @@ def welcome_of(address: str) -> Welcome:
     sock.setsockopt(zmq.LINGER, 0)
     try:
         sock.connect(address)
-        sock.send_multipart(Hello(session=b"welcome-probe-00").encode())
+        sock.send_multipart(Hello(session=b"welcome-probe-00", auth=b"welcome-probe-00").encode())
         if not sock.poll(10_000):
             raise TimeoutError(f"no WELCOME from {address}")
         msg = decode(sock.recv_multipart())
         if not isinstance(msg, Welcome):
             raise RuntimeError(f"expected WELCOME, got {msg.TYPE.name}")
-        sock.send_multipart(Bye(session=b"welcome-probe-00").encode())
+        sock.send_multipart(Bye(session=b"welcome-probe-00", auth=b"welcome-probe-00").encode())
         return msg
     finally:
         sock.close(linger=0)

@@ -16,10 +16,11 @@ from hypothesis import strategies as st
 from dataserver.protocol import MAGIC, MsgType
 
 SID = b"0123456789abcdef"
+AUTH = b"fuzzer-secret-16"  # the fuzzer's own session secret
 
 # A valid header of every type: the starting point each field is varied from.
 VALID: dict[MsgType, dict[str, Any]] = {
-    MsgType.HELLO: {"session": SID},
+    MsgType.HELLO: {"session": SID, "auth": AUTH},
     MsgType.WELCOME: {
         "session": SID,
         "server_id": "abc",
@@ -33,6 +34,7 @@ VALID: dict[MsgType, dict[str, Any]] = {
     },
     MsgType.TASK: {
         "session": SID,
+        "auth": AUTH,
         "task_id": 7,
         "plan_version": 2,
         "epoch": 1,
@@ -67,15 +69,16 @@ VALID: dict[MsgType, dict[str, Any]] = {
     MsgType.CANCELLED: {"session": SID, "task_ids": [1, 2, 3], "plan_version": 3},
     MsgType.CONTROL: {
         "session": SID,
+        "auth": AUTH,
         "plan_version": 3,
         "control_seq": 2,
         "control": {"x": 1, "nested": {"a": [1, 2]}},
         "mode": "stitch",
         "cancel": [5, 6],
     },
-    MsgType.HEARTBEAT: {"session": SID},
+    MsgType.HEARTBEAT: {"session": SID, "auth": AUTH},
     MsgType.STATS: {},
-    MsgType.BYE: {"session": SID},
+    MsgType.BYE: {"session": SID, "auth": AUTH},
     MsgType.READY: {"worker": 0, "pid": 123, "results": "tcp://127.0.0.1:4000"},
     MsgType.DONE: {"session": SID, "task_id": 7, "plan_version": 2, "decoded": 1, "samples": 1},
 }
@@ -90,10 +93,13 @@ def task_header(
     plan_version: int = 1,
     images: list[list[int]] | None = None,
     side: int = 32,
+    auth: bytes = AUTH,
 ) -> dict[str, Any]:
-    """A valid TASK header (for tests that send tasks by hand)."""
+    """A valid TASK header (for tests that send tasks by hand), acting for ``session`` with
+    the secret ``auth``."""
     return {
         "session": session,
+        "auth": auth,
         "task_id": task_id,
         "plan_version": plan_version,
         "epoch": 0,

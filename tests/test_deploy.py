@@ -211,6 +211,8 @@ def test_prometheus_scrapes_the_metrics_port() -> None:
     assert annotations["prometheus.io/scrape"] == "true"
     assert annotations["prometheus.io/path"] == "/metrics"
     assert int(annotations["prometheus.io/port"]) == container_ports(server_container())["metrics"]
+    # Prometheus scrapes the pod IP: the metrics must not listen on loopback only.
+    assert serve_args(server_container()["args"]).metrics_bind == "0.0.0.0"
 
 
 def test_autoscaler_scales_the_deployment_on_cpu_without_flapping() -> None:

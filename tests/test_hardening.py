@@ -342,7 +342,7 @@ def test_the_router_blames_the_running_task_not_the_one_before_it(tmp_path: Path
     pool = Pool()
     pool.workers[0] = handle
     scheduler = Scheduler(8, 64, 1 << 20, 1 << 20)
-    session = scheduler.open(b"s" * 16, b"client")
+    session = scheduler.open(b"s" * 16, b"client", b"a-secret-of-16-b")
     assert session is not None
     a, b = (TaskEntry(session.sid, tid, 1, ((tid,),), []) for tid in (1, 2))
     handle.tasks = deque([a, b])

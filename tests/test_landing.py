@@ -1,50 +1,116 @@
 """Landing: a worker on the client's host writes results straight into the client's
-shared-memory batch buffers. The batches are the same as over the socket, a sealed buffer
-can be written by nobody, and a worker writes into no file but a client's landing file."""
+shared-memory batch buffers. The batches are the same as over the socket, the buffer has
+no name on the file system (a sealed memfd, handed over a unix socket), a sealed region
+can be written by nobody, a worker takes no buffer but a client's of its own user, and a
+server that says "landed" without writing is caught."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import select
+import shutil
+import socket
+import tempfile
+import threading
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import pytest
 import torch
 
-from dataserver.landing import PREFIX, LandingArea, Landings, sweep
-from dataserver_client import DataServerClient
+from dataserver.landing import HEADER, LandingArea, hand_over
+from dataserver.server.landings import Landings
+from dataserver_client import DataServerClient, DataServerError
 
 pytestmark = pytest.mark.timeout(120)
 
+NOBODY = 65534
+FLAT = ("--dataset", "ds_plugins:flat", "--dataset-args", json.dumps({"n": 64}))
+KW: dict[str, Any] = {"batch_size": 8, "image_size": (48, 64), "seed": 4, "device": "cpu"}
 
-def shm_or_skip() -> Path:
+
+def batches(client: DataServerClient, epoch: int = 0) -> list[tuple[Any, torch.Tensor, Any]]:
+    client.set_epoch(epoch)
+    return [(b.indices, b.images.clone(), b.targets) for b in client]
+
+
+def assert_same(a: list[Any], b: list[Any]) -> None:
+    assert len(a) == len(b)
+    for (i1, im1, t1), (i2, im2, t2) in zip(a, b, strict=True):
+        assert i1 == i2 and torch.equal(im1, im2)
+        for x, y in zip(t1, t2, strict=True):
+            assert torch.equal(x["boxes"], y["boxes"]) and torch.equal(x["labels"], y["labels"])
+
+
+def landing_names() -> list[str]:
     shm = Path("/dev/shm")
-    if not (shm.is_dir() and os.access(shm, os.W_OK)):
-        pytest.skip("no writable /dev/shm")
-    return shm
+    return [p.name for p in shm.iterdir() if p.name.startswith("dataserver-land")]
 
 
-def test_results_land_in_shared_memory_and_equal_those_over_the_socket(start_server: Any) -> None:
-    shm_or_skip()
-    server = start_server("--dataset", "ds_plugins:flat", "--dataset-args", json.dumps({"n": 64}))
-    kw: dict[str, Any] = {"batch_size": 8, "image_size": (48, 64), "seed": 4, "device": "cpu"}
-    with DataServerClient(server.address, shared_memory=False, **kw) as c:
-        c.set_epoch(0)
-        sent = [(b.indices, b.images.clone(), b.targets) for b in c]
+def serve(landings: Landings, rounds: int = 4) -> None:
+    """Let a worker's side handle what is waiting on its landing sockets."""
+    for _ in range(rounds):
+        ready, _, _ = select.select(landings.fds(), [], [], 0.05)
+        for fd in ready:
+            landings.on_readable(fd)
+
+
+def memfd(size: int, seals: int = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW) -> int:
+    fd = os.memfd_create("test", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, size)
+    if seals:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+    return fd
+
+
+def copy_of(area: LandingArea, seals: int) -> int:
+    """A memfd with ``area``'s header (magic, token, layout) but the seals given."""
+    fd = memfd(len(area.map), seals)
+    os.pwrite(fd, bytes(area.map[:HEADER]), 0)
+    return fd
+
+
+def test_results_land_in_a_nameless_buffer_and_equal_those_over_the_socket(
+    start_server: Any,
+) -> None:
+    server = start_server(*FLAT)
+    with DataServerClient(server.address, shared_memory=False, **KW) as c:
+        sent = batches(c)
         assert c.stats().get("results_landed", 0) == 0
         assert c._engine.landing is None
-    with DataServerClient(server.address, **kw) as c:
-        path = c._engine.landing.path if c._engine.landing else ""
-        assert Path(path).exists()
+    with DataServerClient(server.address, **KW) as c:
+        area = c._engine.landing
+        assert area is not None
+        assert os.readlink(f"/proc/self/fd/{area.fd}").startswith("/memfd:")
         c.set_epoch(0)
-        landed = [(b.indices, b.images.clone(), b.targets) for b in c]
+        landed = []
+        for b in c:  # while the job runs: nothing on the file system names the buffer
+            landed.append((b.indices, b.images.clone(), b.targets))
+            names = [p.name for p in Path("/dev/shm").iterdir()]
+            assert not [n for n in names if "land" in n or c._engine.session.hex() in n]
         stats = c.stats()
-    assert stats["results_landed"] >= 1 and not Path(path).exists()  # removed at close
-    for (i1, im1, t1), (i2, im2, t2) in zip(sent, landed, strict=True):
-        assert i1 == i2 and torch.equal(im1, im2)
-        for a, b in zip(t1, t2, strict=True):
-            assert torch.equal(a["boxes"], b["boxes"]) and torch.equal(a["labels"], b["labels"])
+    assert stats["results_landed"] >= 1 and not stats["rejected"].get("landed_unsealed")
+    assert_same(sent, landed)
+
+
+def test_no_buffer_and_no_landing_for_a_server_not_proven_to_share_the_host(
+    start_server: Any,
+) -> None:
+    """Without ipc endpoints (so without the host token beside them) a server is treated
+    as remote: the buffer is handed to none of its workers, and no task names it."""
+    server = start_server(*FLAT, "--no-local-results")
+    with DataServerClient(server.address, **KW) as c:
+        got = batches(c)
+        assert c._engine.links is not None
+        for link in c._engine.links.links:
+            assert link.handover is not None and not link.handover.socks
+            assert not link.can_land
+        stats = c.stats()
+    assert len(got) == 8 and stats.get("results_landed", 0) == 0
 
 
 def test_letterboxed_and_stitched_batches_land_exactly_in_fresh_and_reused_regions(
@@ -53,7 +119,6 @@ def test_letterboxed_and_stitched_batches_land_exactly_in_fresh_and_reused_regio
     """Letterbox padding must be zero whether a region is fresh (never written: the worker
     does not clear it) or reused (the worker clears it): more batches than regions, both
     modes, compared with the socket path."""
-    shm_or_skip()
     server = start_server("--dataset", "synthetic:images=96,seed=2", workers=2)
     kw: dict[str, Any] = {"batch_size": 4, "image_size": (64, 64), "seed": 1, "device": "cpu"}
 
@@ -72,21 +137,36 @@ def test_letterboxed_and_stitched_batches_land_exactly_in_fresh_and_reused_regio
         assert i1 == i2 and torch.equal(im1, im2)
 
 
-def test_a_sealed_region_is_written_by_nobody(tmp_path: Path) -> None:
-    area = LandingArea(tmp_path, "seal-test", 2, 3 * 4 * 4 * 2)
-    landings = Landings(tmp_path)
+def test_the_buffer_cannot_be_shrunk_or_grown() -> None:
+    """Sealed: a mapping of it can never SIGBUS for a page cut off, by anyone."""
+    area = LandingArea(2, 4096, 4)
+    try:
+        for size in (0, len(area.map) - 1, len(area.map) + 4096):
+            with pytest.raises(PermissionError):
+                os.ftruncate(area.fd, size)
+        with pytest.raises(PermissionError):  # and the seals cannot be taken off
+            fcntl.fcntl(area.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE)
+    finally:
+        area.close()
+
+
+def test_a_sealed_region_is_written_by_nobody() -> None:
+    area = LandingArea(2, 3 * 4 * 4 * 2, 2)
+    landings = Landings()
+    assert landings.add(os.dup(area.fd), b"s", area.token) is None
     try:
         gen = area.generation(1)
         shape = (2, 3, 4, 4)
-        with landings.target(area.path, area.token, 1, gen, area.offset(1), shape) as dest:
+        with landings.target(b"s", area.token, 1, gen, area.offset(1), shape) as dest:
             assert dest is not None
-            dest[...] = 7
-        assert (area.buffer(1) == 7).all()
+            dest.pixels[...] = 7
+            dest.seal(5)
+        assert (area.buffer(1) == 7).all() and area.sealed(1, (0, 1), gen, 5)
         assert area.seal(1) and area.generation(1) == gen + 1
-        with landings.target(area.path, area.token, 1, gen, area.offset(1), shape) as dest:
+        with landings.target(b"s", area.token, 1, gen, area.offset(1), shape) as dest:
             assert dest is None  # a late writer of the old generation: nothing to write into
         # While a writer holds the region, the client cannot seal it (it tries again later).
-        with landings.target(area.path, area.token, 1, gen + 1, area.offset(1), shape) as dest:
+        with landings.target(b"s", area.token, 1, gen + 1, area.offset(1), shape) as dest:
             assert dest is not None
             pid = os.fork()
             if pid == 0:  # another process (POSIX locks are per process)
@@ -98,45 +178,243 @@ def test_a_sealed_region_is_written_by_nobody(tmp_path: Path) -> None:
         area.close()
 
 
-def test_a_worker_writes_no_file_but_a_clients_landing_file(tmp_path: Path) -> None:
-    area = LandingArea(tmp_path, "guard-test", 1, 64)
-    landings = Landings(tmp_path)
-    victim = tmp_path / "not-a-landing-file"
-    victim.write_bytes(bytes(8192))
-    link = tmp_path / (PREFIX + "link")
-    link.symlink_to(area.path)
-    outside = tmp_path / "elsewhere"
-    outside.mkdir()
+def test_a_worker_writes_only_inside_the_region_of_a_registered_buffer_of_that_session() -> None:
+    area = LandingArea(2, 3 * 4 * 4 * 2, 2)
+    landings = Landings()
+    assert landings.add(os.dup(area.fd), b"s", area.token) is None
     try:
-        shape = (1, 1, 1, 64)
-        args = (0, area.generation(0), area.offset(0), shape)
-        for path, token in (
-            (str(victim), area.token),  # not named as a landing file
-            (str(link), area.token),  # a link to one: not followed
-            (str(outside / os.path.basename(area.path)), area.token),  # another directory
-            (area.path, "0" * 32),  # the wrong token
-            (area.path + "/../" + os.path.basename(area.path), area.token),  # not plainly there
+        shape = (1, 3, 4, 4)
+        gen, at = area.generation(0), area.offset(0)
+        for session, token, region, offset in (
+            (b"s", "0" * 32, 0, at),  # a token nobody registered
+            (b"other", area.token, 0, at),  # another session naming this one's token
+            (b"s", area.token, 2, at),  # no such region
+            (b"s", area.token, 0, at - 1),  # before the region
+            (b"s", area.token, 0, at + 1),  # not on an image's boundary
+            (b"s", area.token, 0, area.offset(1)),  # past its slots (the next region's bytes)
+            (b"s", area.token, 0, 10**9),  # beyond the buffer
         ):
-            with landings.target(path, token, *args) as dest:
-                assert dest is None, path
-        with landings.target(area.path, area.token, 0, area.generation(0), 10**9, shape) as dest:
-            assert dest is None  # beyond the file
-        with landings.target(area.path, area.token, *args) as dest:
-            assert dest is not None
+            with landings.target(session, token, region, gen, offset, shape) as dest:
+                assert dest is None, (session, token, region, offset)
+        with landings.target(b"s", area.token, 0, gen, at + 48, shape) as dest:
+            assert dest is not None  # the second image's slot
+        assert landings.add(os.dup(area.fd), b"other", area.token) is not None  # first wins
     finally:
         landings.close()
         area.close()
-    assert victim.read_bytes() == bytes(8192)
 
 
-def test_landing_files_of_dead_clients_are_swept(tmp_path: Path) -> None:
+def test_a_worker_refuses_a_buffer_not_sealed_against_shrinking_and_other_bad_fds(
+    tmp_path: Path,
+) -> None:
+    area = LandingArea(1, 4096, 1)
+    counters: Counter[str] = Counter()
+    landings = Landings(counters)
+    regular = tmp_path / "plain"
+    regular.write_bytes(bytes(area.map[:HEADER]) + bytes(len(area.map) - HEADER))
+    pipe = os.pipe()
+    try:
+        bad = {
+            "unsealed": copy_of(area, 0),
+            "grow only": copy_of(area, fcntl.F_SEAL_GROW),
+            "too small": memfd(64),
+            "a plain file": os.open(regular, os.O_RDWR),
+            "a pipe": pipe[0],
+        }
+        for what, fd in bad.items():
+            why = landings.add(fd, b"s", area.token)
+            assert why is not None, what
+        assert "shrink" in (landings.add(copy_of(area, 0), b"s", area.token) or "")
+        other = LandingArea(1, 4096, 1)  # sealed, but its header holds another token
+        assert landings.add(os.dup(other.fd), b"s", area.token) is not None
+        other.close()
+        assert counters["landing_refused_fd"] == len(bad) + 2 and not landings.fds()
+        with landings.target(b"s", area.token, 0, 1, area.offset(0), (1, 1, 1, 64)) as dest:
+            assert dest is None
+        # Through the socket, as a client hands it over: refused, counted, nothing kept.
+        landings.listen(str(tmp_path / "land-x"))
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        conn.connect(str(tmp_path / "land-x"))
+        hello = msgpack.packb({"session": b"s", "token": area.token})
+        unsealed = copy_of(area, 0)
+        socket.send_fds(conn, [hello], [unsealed])
+        os.close(unsealed)
+        serve(landings)
+        assert counters["landing_refused_fd"] == len(bad) + 3
+        assert counters["landing_registered"] == 0
+        assert conn.recv(1) == b""  # the worker hung up on it
+        conn.close()
+        # The same client with its real (sealed) buffer is taken.
+        kept = hand_over(area, b"s", str(tmp_path / "land-x"))
+        assert isinstance(kept, socket.socket)
+        serve(landings)
+        assert counters["landing_registered"] == 1
+        kept.close()  # the client goes: the worker lets go of its buffer
+        serve(landings)
+        with landings.target(b"s", area.token, 0, 1, area.offset(0), (1, 1, 1, 64)) as dest:
+            assert dest is None
+    finally:
+        os.close(pipe[1])
+        landings.close()
+        area.close()
+
+
+def open_dir() -> Path:
+    """A directory uid 65534 may enter and write (pytest's own are its owner's only)."""
+    d = Path(tempfile.mkdtemp(prefix="ds-test-land-"))
+    d.chmod(0o777)
+    return d
+
+
+def _as_nobody_hand_over(path: str) -> int:
+    """In a child process of uid 65534: hand a well-formed buffer to ``path``. Exit 0 when
+    connecting was refused outright (EACCES), 1 when the message went, 2 on anything else."""
     pid = os.fork()
     if pid == 0:
-        LandingArea(tmp_path, "dead", 1, 64)
-        os._exit(0)  # without closing it
-    os.waitpid(pid, 0)
-    assert (tmp_path / (PREFIX + "dead")).exists()
-    live = LandingArea(tmp_path, "live", 1, 64)
-    sweep(tmp_path)
-    assert not (tmp_path / (PREFIX + "dead")).exists() and Path(live.path).exists()
-    live.close()
+        code = 2
+        try:
+            os.setgroups([])
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            area = LandingArea(1, 4096, 1)
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            try:
+                sock.connect(path)
+            except PermissionError:
+                code = 0
+            else:
+                hello = msgpack.packb({"session": b"s", "token": area.token})
+                socket.send_fds(sock, [hello], [area.fd])
+                code = 1
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+def test_a_peer_of_another_user_is_refused(start_server: Any) -> None:
+    if os.getuid() != 0:
+        pytest.skip("needs root to act as uid 65534")
+    # A real worker's landing socket is in the server's 0700 directory: not even reachable.
+    server = start_server(*FLAT)
+    with DataServerClient(server.address, **KW) as c:
+        c.set_epoch(0)
+        next(iter(c))
+        assert c._engine.links is not None
+        links = c._engine.links.links
+        paths = [p for link in links if link.handover is not None for p in link.handover.socks]
+        assert paths
+        assert _as_nobody_hand_over(paths[0]) == 0
+    # Where the directory would let it in, SO_PEERCRED refuses it (and counts it).
+    d = open_dir()
+    counters: Counter[str] = Counter()
+    landings = Landings(counters)
+    landings.listen(str(d / "land-x"))
+    os.chmod(d / "land-x", 0o777)
+    try:
+        assert _as_nobody_hand_over(str(d / "land-x")) == 1
+        serve(landings)
+        assert counters["landing_refused_peer"] == 1
+        assert counters["landing_registered"] == 0 and len(landings.fds()) == 1
+    finally:
+        landings.close()
+        shutil.rmtree(d)
+
+
+def test_a_client_hands_its_buffer_to_no_socket_of_another_user() -> None:
+    """A server that names a landing socket someone else listens on (a remote server
+    naming a path a local user planted) gets nothing: the client checks the listener."""
+    if os.getuid() != 0:
+        pytest.skip("needs root to act as uid 65534")
+    d = open_dir()
+    path = str(d / "land-x")
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.setgroups([])
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            listener.bind(path)
+            listener.listen(1)
+            os.write(w, b"1")
+            conn, _ = listener.accept()
+            _, fds, _, _ = socket.recv_fds(conn, 512, 4)
+            os._exit(10 + len(fds))
+        finally:
+            os._exit(2)
+    area = LandingArea(1, 4096, 1)
+    try:
+        assert os.read(r, 1) == b"1"
+        got = hand_over(area, b"s", path)
+        assert isinstance(got, str) and "uid 65534" in got
+    finally:
+        area.close()
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        os.close(r)
+        os.close(w)
+        shutil.rmtree(d)
+
+
+def test_a_fifo_planted_in_dev_shm_does_not_hang_a_new_client(start_server: Any) -> None:
+    if os.getuid() != 0:
+        pytest.skip("needs root to plant as uid 65534")
+    fifo = Path("/dev/shm/dataserver-land-x")
+    fifo.unlink(missing_ok=True)
+    os.mkfifo(fifo, 0o666)
+    os.chown(fifo, NOBODY, NOBODY)
+    server = start_server(*FLAT)
+    try:
+        done: list[Any] = []
+
+        def construct() -> None:
+            with DataServerClient(server.address, **KW) as c:
+                c.set_epoch(0)
+                done.append(next(iter(c)).images.shape)
+
+        t = threading.Thread(target=construct, daemon=True)
+        t.start()
+        t.join(20)  # (the old sweep blocked in open() for as long as nobody wrote)
+        assert not t.is_alive() and done == [torch.Size([8, 3, 48, 64])]
+    finally:
+        fifo.unlink(missing_ok=True)
+
+
+def test_a_server_that_says_landed_without_writing_is_dropped_and_the_epoch_is_exact(
+    start_server: Any,
+) -> None:
+    honest = start_server(*FLAT)
+    liar = start_server(*FLAT, env={"DATASERVER_INJECT_FAULTS": "worker.lie_landed:1"})
+    with DataServerClient(honest.address, shared_memory=False, **KW) as c:
+        reference = batches(c) + batches(c, 1)
+    with DataServerClient([liar.address, honest.address], **KW) as c:
+        got = batches(c) + batches(c, 1)
+        stats = c.stats()
+    assert_same(reference, got)
+    assert stats["rejected"].get("landed_unsealed", 0) >= 1
+    states = {s["address"]: s["state"] for s in stats["servers"]}
+    assert states[liar.address] == "banned" and states[honest.address] == "ready"
+
+
+def test_with_only_a_lying_server_the_client_fails_instead_of_delivering_stale_images(
+    start_server: Any,
+) -> None:
+    liar = start_server(*FLAT, env={"DATASERVER_INJECT_FAULTS": "worker.lie_landed:1"})
+    with DataServerClient(liar.address, timeout=4.0, **KW) as c:
+        c.set_epoch(0)
+        with pytest.raises(DataServerError, match="landed"):
+            for _ in c:
+                pass
+        assert c.stats()["rejected"].get("landed_unsealed", 0) >= 1
+
+
+def test_no_landing_buffer_is_named_in_dev_shm_ever() -> None:
+    """Nothing to list, plant or sweep: making and closing buffers leaves no name."""
+    before = set(landing_names())
+    areas = [LandingArea(2, 4096, 2) for _ in range(3)]
+    assert set(landing_names()) == before
+    for area in areas:
+        assert os.readlink(f"/proc/self/fd/{area.fd}") == "/memfd:dataserver-landing (deleted)"
+        area.close()

@@ -13,10 +13,11 @@ import pytest
 import zmq
 from conftest import PLUGINS, server_env
 from fuzz_targets import welcome_of as fetch_welcome
-from fuzzing import task_header
+from fuzzing import AUTH, task_header
 
 from dataserver import protocol
 from dataserver.protocol import MsgType
+from dataserver.security import reply_id
 from dataserver_client import DataServerClient
 
 MB = 1 << 20
@@ -109,7 +110,7 @@ def test_a_client_that_ignores_credit_and_never_reads_is_capped(start_server: An
     sock.connect(server.address)
     try:
         session = b"g" * 16
-        sock.send_multipart(protocol.pack(MsgType.HELLO, {"session": session}))
+        sock.send_multipart(protocol.pack(MsgType.HELLO, {"session": session, "auth": AUTH}))
         before = rss(server.pid)
         for task_id in range(1, 3001):  # far beyond any credit, at 512 x 512 each
             header = task_header(session, task_id, images=[[task_id % 64]], side=512)
@@ -183,12 +184,12 @@ def test_twenty_thousand_sessions_asking_the_largest_tasks_leave_the_server_tree
         sessions = [b"%016d" % i for i in range(20_000)]
         for sid in sessions[:32]:  # these also take results straight from the workers
             for endpoint in results:
-                dealer(endpoint, sid)
+                dealer(endpoint, reply_id(sid))
         attacker = dealer(server.address)
         for sid in sessions:
-            attacker.send_multipart(protocol.pack(MsgType.HELLO, {"session": sid}))
+            attacker.send_multipart(protocol.pack(MsgType.HELLO, {"session": sid, "auth": sid}))
         for task_id, sid in enumerate(sessions * 2, 1):  # the largest task allowed, twice each
-            header = task_header(sid, task_id, images=[[task_id % 64]], side=side)
+            header = task_header(sid, task_id, images=[[task_id % 64]], side=side, auth=sid)
             attacker.send_multipart(protocol.pack(MsgType.TASK, header))
         # Meanwhile the honest client, connected before, is served (its fair share).
         honest.set_epoch(0)

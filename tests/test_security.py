@@ -304,7 +304,8 @@ def test_a_session_is_bound_to_the_key_that_opened_it(start_server: Any, keys: P
         time.sleep(0.3)
         for thief in thieves:
             for _ in range(5):
-                thief.send_multipart(protocol.Hello(session=session).encode(), zmq.NOBLOCK)
+                claim = protocol.Hello(session=session, auth=b"a-guessed-secret")
+                thief.send_multipart(claim.encode(), zmq.NOBLOCK)
         # The victim is untouched: its epoch is whole, and the refusals are counted.
         victim.set_epoch(0)
         assert sorted(i for b in victim for idx in b.indices for i in idx) == list(range(48))
@@ -342,11 +343,11 @@ def welcome_over_curve(address: str, keys: Path, name: str) -> protocol.Welcome:
         s.connect(address)
         public = client_curve_keys(str(keys / "server.key"), str(keys / f"{name}.key_secret"))
         sid = session_id(public["public"])
-        s.send_multipart(protocol.Hello(session=sid).encode())
+        s.send_multipart(protocol.Hello(session=sid, auth=b"welcome-probe-00").encode())
         assert s.poll(10_000)
         msg = protocol.decode(s.recv_multipart())
         assert isinstance(msg, protocol.Welcome)
-        s.send_multipart(protocol.Bye(session=sid).encode())
+        s.send_multipart(protocol.Bye(session=sid, auth=b"welcome-probe-00").encode())
         return msg
     finally:
         s.close(linger=100)

@@ -149,7 +149,7 @@ class HostBuffers:
 
 
 def _register(landing: LandingArea) -> bool:
-    """Pin the landing file's pages for CUDA (so copies from it are asynchronous)."""
+    """Pin the landing buffer's pages for CUDA (so copies from it are asynchronous)."""
     try:
         ptr = np.frombuffer(landing.map, np.uint8).ctypes.data
         return int(torch.cuda.cudart().cudaHostRegister(ptr, len(landing.map), 0)) == 0

@@ -26,6 +26,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from dataserver.protocol import MAX_TASK_IMAGES, Result
 from dataserver_client.assembly import Delivery, DeviceMover, HostBuffers, InflightBatch
 from dataserver_client.config import ClientConfig
@@ -45,6 +47,24 @@ if TYPE_CHECKING:
     from dataserver_client.resume import Deal
 
 PROBE_HW = (8, 8)  # a probe composes one source into a tiny image: it only asks "does it kill?"
+
+
+def epoch_shard(
+    config: ClientConfig, dataset_len: int, epoch: int, deal: Deal | None = None
+) -> tuple[np.ndarray, int]:
+    """This rank's shard of ``epoch`` (its share of ``deal``, with one) and its spare (see
+    ``epoch.Cursor``). The costliest step of starting an epoch (a permutation of the whole
+    dataset: about 1 s for 2**24 samples), and pure: the client runs it in the trainer's
+    thread, so the I/O thread never stops serving heartbeats and results for it. The shard
+    holds no view of the whole order (with several ranks, only this rank's part is kept)."""
+    order = epoch_order(dataset_len, config.seed, epoch, config.shuffle)
+    if deal is None:
+        shard = shard_of(order, config.rank, config.world_size, config.drop_last)
+        return np.ascontiguousarray(shard), 0  # (a strided view would keep the order)
+    whole = global_order(order, deal.plan_world, config.drop_last)
+    return whole[deal.share(config.rank, config.world_size)], deal.spare(
+        config.rank, config.world_size
+    )
 
 
 class Handoff:
@@ -520,22 +540,17 @@ class PlanBook:
         position: int = 0,
         step: int = 0,
         deal: Deal | None = None,
+        planned: tuple[np.ndarray, int] | None = None,
     ) -> int:
         """Begin ``epoch`` at shard ``position`` (batch ``step``); return the shard size.
-        With ``deal`` (an elastic resume), the shard is this rank's share of it."""
+        With ``deal`` (an elastic resume), the shard is this rank's share of it.
+        ``planned``: ``epoch_shard``'s answer for the same arguments, computed beforehand
+        (by the client, in the trainer's thread); None: computed here."""
         self.epoch = epoch
         self.plan_version += 1
         self._drop_plans()
         self.owner.clear()
-        cfg = self.config
-        order = epoch_order(dataset_len, cfg.seed, epoch, cfg.shuffle)
-        spare = 0
-        if deal is None:
-            shard = shard_of(order, cfg.rank, cfg.world_size, cfg.drop_last)
-        else:
-            whole = global_order(order, deal.plan_world, cfg.drop_last)
-            shard = whole[deal.share(cfg.rank, cfg.world_size)]
-            spare = deal.spare(cfg.rank, cfg.world_size)
+        shard, spare = planned or epoch_shard(self.config, dataset_len, epoch, deal)
         self.deal_state = None if deal is None else deal.to_state()
         self.cursor = Cursor(shard, self.layout, self.mode, self.plan_version, spare)
         self.cursor.position, self.cursor.step = position, step

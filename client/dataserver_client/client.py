@@ -14,8 +14,13 @@ import torch
 
 from dataserver.protocol import control_problem
 from dataserver_client.batch import Batch
-from dataserver_client.book import Handoff
-from dataserver_client.config import ClientConfig, default_rank_world, resolve_device
+from dataserver_client.book import Handoff, epoch_shard
+from dataserver_client.config import (
+    MAX_DATASET_LEN,
+    ClientConfig,
+    default_rank_world,
+    resolve_device,
+)
 from dataserver_client.engine import Engine
 from dataserver_client.epoch import MODES, REGULAR, STITCH, shard_size
 from dataserver_client.errors import DataServerError
@@ -48,7 +53,8 @@ class DataServerClient:
     how many batches are prepared ahead of the trainer. CURVE: ``curve_server_key`` (the
     server's public key) and ``curve_secret_key`` (this client's secret key), as paths to
     ``dataserver keygen`` files or as bytes. ``shared_memory``: let workers on this host
-    write batches straight into this process's memory (``/dev/shm``; default on; results
+    write batches straight into this process's memory (a sealed memfd, handed only to
+    workers proven to be on this host and of this user; default on; results
     from other hosts come over the network either way). ``lookahead``: once the trainer
     steers the mode (``feedback``/``set_mode``), also prepare the next batch in the other
     mode, from the same samples, so the batch after a flip is ready when asked (default
@@ -58,7 +64,9 @@ class DataServerClient:
     headless Service): servers that appear join the running epoch, servers that disappear
     have their tasks moved at once (``0``: resolve once). ``metrics_port``: serve this
     client's metrics (the time ``next()`` waits for data, samples/s) in Prometheus' format
-    on that port of this process; ``stats()`` has them either way.
+    on that port of this process; ``stats()`` has them either way. ``max_dataset_len``:
+    a server announcing more samples is refused (``DataServerError``; default 2**31: the
+    epoch's order is held in memory, 4 bytes a sample up to that size).
     """
 
     def __init__(
@@ -85,6 +93,7 @@ class DataServerClient:
         lookahead: bool = True,
         discovery_interval: float = 5.0,
         metrics_port: int | None = None,
+        max_dataset_len: int = MAX_DATASET_LEN,
     ) -> None:
         if rank is None or world_size is None:
             auto_rank, auto_world = default_rank_world()
@@ -110,6 +119,7 @@ class DataServerClient:
             lookahead=bool(lookahead),
             discovery_interval=float(discovery_interval),
             metrics_port=None if metrics_port is None else int(metrics_port),
+            max_dataset_len=int(max_dataset_len),
         )
         self.config.validate()
         curve = _load_curve(curve_server_key, curve_secret_key)
@@ -191,15 +201,18 @@ class DataServerClient:
         resume, self._resume = self._resume, None
         if resume is not None:
             self._epoch = resume["epoch"]
-            self._engine.call(
-                self._engine.start_epoch,
-                self._epoch,
-                resume["position"],
-                resume["step"],
-                resume.get("deal"),
-            )
-        else:
-            self._engine.call(self._engine.start_epoch, self._epoch)
+        where = resume or {"position": 0, "step": 0, "deal": None}
+        # The epoch's order is computed here, in the trainer's thread (it is the one
+        # waiting for it): the I/O thread goes on serving the servers meanwhile.
+        planned = epoch_shard(self.config, self.dataset_len, self._epoch, where["deal"])
+        self._engine.call(
+            self._engine.start_epoch,
+            self._epoch,
+            where["position"],
+            where["step"],
+            where["deal"],
+            planned,
+        )
         self._metrics.epoch_started()
         self._active = True
         self._generation += 1

@@ -11,6 +11,13 @@ import torch
 from dataserver.protocol import MAX_IMAGE_SIDE, MAX_INT
 from dataserver_client.epoch import LAYOUTS, Layout
 
+# The most samples a server may announce (WELCOME's dataset_len) before the client refuses
+# it: the epoch's order is built in memory, 4 bytes a sample (int32 indices: 2**31 is the
+# most they hold), so a server must not be able to make the trainer allocate more than this
+# by a claim. A dataset beyond it: raise ``max_dataset_len`` (8 bytes a sample above 2**31).
+MAX_DATASET_LEN = 1 << 31
+WELCOME_MAX_DATASET_LEN = 1 << 48  # what the protocol carries at all
+
 
 @dataclass(frozen=True)
 class ClientConfig:
@@ -37,6 +44,7 @@ class ClientConfig:
     lookahead: bool = True  # prepare the next batch in the other mode too (zero-stall flips)
     discovery_interval: float = 5.0  # seconds between re-resolutions of DNS names (0: once)
     metrics_port: int | None = None  # serve the client's metrics (Prometheus) on this port
+    max_dataset_len: int = MAX_DATASET_LEN  # refuse servers announcing more samples
 
     def validate(self) -> None:
         def bad(what: str) -> ValueError:
@@ -72,6 +80,8 @@ class ClientConfig:
             raise bad(f"prefetch must be >= 1, got {self.prefetch}")
         if not (self.discovery_interval >= 0 and math.isfinite(self.discovery_interval)):
             raise bad(f"discovery_interval must be >= 0 seconds, got {self.discovery_interval}")
+        if not 1 <= self.max_dataset_len <= WELCOME_MAX_DATASET_LEN:
+            raise bad(f"max_dataset_len must be in 1..2**48, got {self.max_dataset_len}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise bad(f"metrics_port must be a TCP port (0..65535), got {self.metrics_port}")
 

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from dataserver.landing import LandingArea, land_dir
+from dataserver.landing import LandingArea
 from dataserver.loop import MessageGuard, inject, is_shutdown
 from dataserver.protocol import (
     Bye,
@@ -45,7 +45,9 @@ from dataserver.protocol import (
     Result,
     Task,
     Welcome,
+    steer_tag,
 )
+from dataserver.protocol.messages import MAX_TAGS
 from dataserver.security import session_id
 from dataserver_client.assembly import DeviceMover, HostBuffers
 from dataserver_client.book import Handoff, PlanBook, TaskRecord
@@ -60,7 +62,7 @@ from dataserver_client.links import (
     ServerLink,
     announced_address,
 )
-from dataserver_client.receive import receive
+from dataserver_client.receive import WrongAnswer, boxes_problem, receive
 from dataserver_client.resume import Deal
 
 log = logging.getLogger("dataserver_client")
@@ -108,18 +110,24 @@ class Deadlines:
         return self._value
 
 
-def _landing(config: ClientConfig, session: bytes) -> LandingArea | None:
-    """The shared-memory buffers workers on this host may write results into, if there
-    is a /dev/shm to make them in."""
-    directory = land_dir()
-    if directory is None or not config.shared_memory:
+def _file_of(index: int, reason: str) -> str | None:
+    """The file a worker's failure reason names: it writes "sample I (FILE): why" when the
+    dataset named the sample's file (``SampleError``), "sample I: why" otherwise."""
+    head = f"sample {index} ("
+    if not reason.startswith(head) or "): " not in reason:
+        return None
+    return reason[len(head) : reason.index("): ")]
+
+
+def _landing(config: ClientConfig) -> LandingArea | None:
+    """The shared-memory buffers workers on this host may write results into (a sealed
+    memfd: no name on the file system), unless ``shared_memory`` is off."""
+    if not config.shared_memory:
         return None
     h, w = config.image_size
     try:
-        return LandingArea(
-            directory, session.hex(), config.prefetch + 5, config.batch_size * 3 * h * w
-        )
-    except OSError as exc:
+        return LandingArea(config.prefetch + 5, config.batch_size * 3 * h * w, config.batch_size)
+    except (OSError, ValueError) as exc:
         log.info("no landing buffers (%s): results come over the socket", exc)
         return None
 
@@ -136,7 +144,7 @@ class Engine(threading.Thread):
         self.curve = curve
         self.session = session_id(curve["public"] if curve else None)
         self.mover = DeviceMover(config.device)
-        self.landing = _landing(config, self.session)
+        self.landing = _landing(config)
         self.buffers = HostBuffers(config.device, keep=config.prefetch + 4, landing=self.landing)
         self.book = PlanBook(config, handoff, self.mover, self.buffers)
         self.book.route = self._route
@@ -236,7 +244,14 @@ class Engine(threading.Thread):
         self.links: Links | None = None
         self.discovery: Discovery | None = None
         try:
-            self.links = Links(ctx, self.config, self.session, self.curve)
+            self.links = Links(
+                ctx,
+                self.config,
+                self.session,
+                self.curve,
+                lambda: (self.book.plan_version, self.book.control_seq),
+                self.landing,
+            )
             self.discovery = Discovery(
                 self.config.addresses, self.config.discovery_interval, self.wake
             )
@@ -364,6 +379,11 @@ class Engine(threading.Thread):
                 msg = receive(sock, self._destinations)
             except zmq.Again:
                 return
+            except WrongAnswer as exc:  # well-formed, for a task we want, and wrong
+                link.last_heard = time.monotonic()
+                self.rejected["wrong_answer"] += 1
+                self._bad_server(link, str(exc))
+                continue
             except ProtocolError as exc:
                 link.last_heard = time.monotonic()
                 self.rejected["malformed"] += 1
@@ -385,7 +405,7 @@ class Engine(threading.Thread):
             return None
         n = len(rec.slots)
         if len(result.images) != n:
-            raise ProtocolError(f"{len(result.images)} images for a task of {n}")
+            raise WrongAnswer(f"{len(result.images)} images for task {rec.task_id} of {n}")
         batch = self.book.batch_of(rec)
         first = rec.slots[0]
         if rec.probe_of is not None or batch is None or rec.slots != tuple(range(first, first + n)):
@@ -434,22 +454,40 @@ class Engine(threading.Thread):
         if rec is None:
             self.counters["late"] += 1  # superseded plan, or a second answer after asking again
             return
-        self.last_progress = time.monotonic()
+        # Nothing counts as progress before the answer is checked: a server answering
+        # what it was not asked must not keep an epoch that goes nowhere alive.
         failed = {i for i, _ in msg.failed}
         wanted = [tuple(i for i in image if i not in failed) for image in rec.images]
         no_pixels = rec.land_gen is None if msg.landed else msg.pixels is None
         if no_pixels or list(msg.images) != wanted or not failed <= set(rec.indices):
             self.rejected["wrong_answer"] += 1
-            level = logging.WARNING if self.rejected["wrong_answer"] <= 5 else logging.DEBUG
-            log.log(
-                level,
-                "%s answered task %d with images %s, not the %s asked; asking again",
-                link.address,
-                msg.task_id,
-                [list(i) for i in msg.images],
-                [list(i) for i in wanted],
+            shown = [list(i) for i in msg.images][:4]
+            why = f"answered task {msg.task_id} with images {shown}, not those asked"
+            self._refuse(link, rec, why)
+            return
+        if msg.landed and not self._sealed(rec):
+            # "Landed" without the seal records it must write under its lock: the buffer
+            # holds whatever was there before (a stale batch), which must never be delivered.
+            self.rejected["landed_unsealed"] += 1
+            self._refuse(link, rec, f"task {msg.task_id}: said it landed, wrote no seal")
+            return
+        assert msg.boxes is not None and msg.labels is not None  # (receive checked them)
+        problem = boxes_problem(msg.boxes, msg.labels, rec.out_hw)
+        if problem is not None:
+            self.rejected["bad_boxes"] += 1
+            self._refuse(link, rec, f"task {msg.task_id}: {problem}")
+            return
+        self.last_progress = time.monotonic()
+        if failed and self.config.on_error == "raise":
+            # A server leaving samples out of a task that said "raise" reports them failed:
+            # the trainer gets the error a failed sample gives, never a silent skip.
+            index, reason = msg.failed[0]
+            error = DataServerError(
+                f"{link.address}: {reason}" if reason else f"{link.address}: sample {index} failed",
+                index,
+                _file_of(index, reason),
             )
-            self._ask_again([rec])
+            self.book.on_failure(rec, "sample", error)
             return
         self.counters["results"] += 1
         batch = self.book.batch_of(rec)
@@ -464,6 +502,23 @@ class Engine(threading.Thread):
             for j, slot in enumerate(rec.slots):  # received apart: slots not consecutive
                 batch.array[slot] = msg.pixels[j]
         self.book.on_result(rec, msg)
+
+    def _sealed(self, rec: TaskRecord) -> bool:
+        """Whether every image of ``rec`` carries the seal record (generation, task id) a
+        worker writes after composing it into our landing buffer: two words an image."""
+        batch = self.book.batch_of(rec)
+        where = self.buffers.landing_of(batch.host) if batch is not None else None
+        if where is None or rec.land_gen is None or self.landing is None:
+            return False
+        return self.landing.sealed(where[0], rec.slots, rec.land_gen, rec.task_id)
+
+    def _refuse(self, link: ServerLink, rec: TaskRecord, why: str) -> None:
+        """``link`` answered ``rec`` wrongly: it is dropped (``_bad_server``) and ``rec``
+        asked again elsewhere, unless it is out with another server or waiting to be sent
+        (a forged answer to a task sent elsewhere, or asked again already)."""
+        self._bad_server(link, why)
+        if rec.link is link:
+            self._ask_again([rec])
 
     def _on_error(self, link: ServerLink, msg: ErrorMsg) -> None:
         if msg.task_id is None:
@@ -496,6 +551,11 @@ class Engine(threading.Thread):
                 link.state = LinkState.CONNECTING
                 link.was_lost = True
                 link.hello()
+            return
+        blamed = msg.index if msg.kind in ("sample", "poison") else None
+        if blamed is not None and blamed not in rec.indices:  # a sample the task lacks
+            self.rejected["wrong_answer"] += 1
+            self._refuse(link, rec, f"blamed sample {blamed} for task {msg.task_id}")
             return
         self.last_progress = time.monotonic()
         error = DataServerError(
@@ -553,6 +613,19 @@ class Engine(threading.Thread):
         self._check_lookahead()
 
     def _on_welcome(self, link: ServerLink, msg: Welcome) -> None:
+        limit = self.config.max_dataset_len
+        if msg.dataset_len > limit:
+            # The epoch's order is built in memory from this number: a server must not
+            # be able to make the trainer allocate gigabytes by a claim.
+            why = f"it announces {msg.dataset_len} samples, more than max_dataset_len {limit}"
+            self._bad_server(link, why)
+            self._fail(
+                DataServerError(
+                    f"{link.address}: {why} (a dataset that large needs "
+                    "DataServerClient(max_dataset_len=...))"
+                )
+            )
+            return
         if self.handshake.done():
             info = self.handshake.result()
             if msg.fingerprint != info["fingerprint"] or msg.dataset_len != info["dataset_len"]:
@@ -770,6 +843,7 @@ class Engine(threading.Thread):
                 continue
             task = Task(
                 session=self.session,
+                auth=link.secret,
                 task_id=rec.task_id,
                 plan_version=rec.plan_version,
                 epoch=book.epoch,
@@ -782,7 +856,7 @@ class Engine(threading.Thread):
                 control_seq=book.control_seq,
                 exclude=rec.exclude,
             )
-            rec.land_gen = self._land(task, rec)
+            rec.land_gen = self._land(task, rec, link)
             if not link.send(task.encode()):
                 book.pending.appendleft(rec)  # not connected after all: try again shortly
                 return
@@ -791,19 +865,21 @@ class Engine(threading.Thread):
             link.sent_total += 1
             rec.link = link
 
-    def _land(self, task: Task, rec: TaskRecord) -> int | None:
+    def _land(self, task: Task, rec: TaskRecord, link: ServerLink) -> int | None:
         """Name the landing place of ``task``'s images (a worker on this host writes them
-        straight into the batch buffer): its batch's buffer is a landing region, and the
-        task's slots are consecutive. Returns the generation named, or None."""
+        straight into the batch buffer): the server's workers took our buffer (so it is
+        on this host), its batch's buffer is a landing region, and the task's slots are
+        consecutive. Returns the generation named, or None."""
         batch = self.book.batch_of(rec)
         if self.landing is None or batch is None or rec.probe_of is not None:
+            return None
+        if not link.can_land:
             return None
         where = self.buffers.landing_of(batch.host)
         first = rec.slots[0]
         if where is None or rec.slots != tuple(range(first, first + len(rec.slots))):
             return None
         region, generation, offset = where
-        task.land_path = self.landing.path
         task.land_token = self.landing.token
         task.land_region = region
         task.land_gen = generation
@@ -815,9 +891,14 @@ class Engine(threading.Thread):
     # ------------------------------------------------------------ commands (I/O thread)
 
     def start_epoch(
-        self, epoch: int, position: int = 0, step: int = 0, deal: Deal | None = None
+        self,
+        epoch: int,
+        position: int = 0,
+        step: int = 0,
+        deal: Deal | None = None,
+        planned: tuple[np.ndarray, int] | None = None,
     ) -> int:
-        n = self.book.start_epoch(epoch, self.dataset_len, position, step, deal)
+        n = self.book.start_epoch(epoch, self.dataset_len, position, step, deal, planned)
         self.last_progress = time.monotonic()
         return n
 
@@ -839,31 +920,37 @@ class Engine(threading.Thread):
         self.book.to_cancel.clear()
         for link, ids in by_link.items():
             for start in range(0, len(ids), MAX_CANCEL):
-                msg = self._control_msg()
+                msg = self._control_msg(link)
                 msg.cancel = tuple(ids[start : start + MAX_CANCEL])
                 link.send(msg.encode())
 
-    def _control_msg(self) -> Control:
-        return Control(
+    def _control_msg(self, link: ServerLink | None) -> Control:
+        """The session's CONTROL: for ``link``'s data socket (with its secret), or, for
+        ``None``, to publish (with a tag for each server met, none of the secrets)."""
+        msg = Control(
             session=self.session,
+            auth=link.secret if link is not None else None,
             plan_version=self.book.plan_version,
             control_seq=self.book.control_seq,
             control=self.book.control,
             mode=self.book.mode,
         )
+        if link is None:
+            met = [lk for lk in self.links or () if lk.welcome_msg is not None]
+            msg.tags = tuple(steer_tag(lk.secret, msg) for lk in met[:MAX_TAGS])
+        return msg
 
     def _send_control(self, link: ServerLink | None) -> None:
         """The session's control values and plan to one server (``link``), or to every
         server: on its data socket (reliable, and ahead of any task that needs them) and
         published on the control socket."""
-        frames = self._control_msg().encode()
         if link is not None:
-            link.send(frames)
+            link.send(self._control_msg(link).encode())
             return
-        self.pub.send_multipart(frames)
+        self.pub.send_multipart(self._control_msg(None).encode())
         for each in self.links or ():
             if each.state is LinkState.READY:
-                each.send(frames)
+                each.send(self._control_msg(each).encode())
 
     def snapshot(self) -> dict[str, Any]:
         return self.book.snapshot()

@@ -22,12 +22,24 @@ MODES = (REGULAR, STITCH)
 LAYOUTS = ("spatial", "batch")
 
 
+def index_dtype(n: int) -> type[np.signedinteger]:
+    """The narrowest index type for a dataset of ``n`` samples: int32 up to 2**31 (4 bytes a
+    sample for the epoch's order, not 8), int64 beyond."""
+    return np.int32 if n <= 1 << 31 else np.int64
+
+
 def epoch_order(n: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
-    """The dataset order of an epoch: a permutation fixed by (seed, epoch), or 0..n-1."""
-    if not shuffle:
-        return np.arange(n, dtype=np.int64)
-    rng = np.random.default_rng(np.random.SeedSequence([seed, epoch, 0xE90C]))
-    return rng.permutation(n).astype(np.int64)
+    """The dataset order of an epoch: a permutation fixed by (seed, epoch), or 0..n-1.
+
+    Shuffled in place in the narrowest index type (``index_dtype``): the same order as
+    ``rng.permutation(n)`` (the shuffle's draws depend on ``n`` only), in one array of 4
+    bytes a sample instead of two of 8 (for 2**24 samples: 64 MiB, not 256 MiB at the peak).
+    """
+    order = np.arange(n, dtype=index_dtype(n))
+    if shuffle:
+        rng = np.random.default_rng(np.random.SeedSequence([seed, epoch, 0xE90C]))
+        rng.shuffle(order)
+    return order
 
 
 def shard_size(n: int, world_size: int, drop_last: bool) -> int:

@@ -28,14 +28,16 @@ import re
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from dataserver.landing import Handover, LandingArea, landing_socket
 from dataserver.protocol import Bye, Heartbeat, Hello, Welcome
+from dataserver.security import new_secret, reply_id
 from dataserver_client.config import ClientConfig
 from dataserver_client.errors import DataServerError, NotAuthorized
 
@@ -222,9 +224,19 @@ class ServerLink:
     every one of its workers for results sent straight to us."""
 
     def __init__(
-        self, ctx: zmq.Context[Any], address: str, session: bytes, curve: dict[str, bytes] | None
+        self,
+        ctx: zmq.Context[Any],
+        address: str,
+        session: bytes,
+        curve: dict[str, bytes] | None,
+        standing: Callable[[], tuple[int, int]] = lambda: (0, 0),
     ) -> None:
         self.address = address
+        # This session's secret on this server (each server gets its own, so no server
+        # learns one that acts for the session on another), and where the session stands
+        # (plan version, control sequence) for the HELLO.
+        self.secret = new_secret()
+        self._standing = standing
         self.salt = int.from_bytes(
             hashlib.blake2b(address.encode(), digest_size=8).digest(), "little"
         )
@@ -236,14 +248,18 @@ class ServerLink:
         self.sock.setsockopt(zmq.IMMEDIATE, 1)
         self.monitor = self.sock.get_monitor_socket(MONITORED)
         self.sock.connect(address)
-        # Named by our session, so each worker can address us.
+        # Named by the reply id of our secret, so each worker can address us and nobody
+        # else can take the name.
         self.results = _dealer(ctx, curve)
-        self.results.setsockopt(zmq.ROUTING_ID, session)
+        self.results.setsockopt(zmq.ROUTING_ID, reply_id(self.secret))
         self.results_monitor = self.results.get_monitor_socket(
             zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
         )
         self.result_endpoints: set[str] = set()
         self.local_token = ""
+        # Set by ``Links``: our landing buffer's hand-over to this server's workers, done
+        # only once it has proven it is on our host (``sync_results``).
+        self.handover: Handover | None = None
         self.connected = False  # a ZMTP handshake has completed on the current connection
         self.was_lost = False
         self.last_error = ""
@@ -277,10 +293,17 @@ class ServerLink:
 
     def hello(self) -> bool:
         self.last_hello = time.monotonic()
-        return self.send(Hello(session=self.session).encode())
+        plan_version, control_seq = self._standing()
+        hello = Hello(
+            session=self.session,
+            auth=self.secret,
+            plan_version=plan_version,
+            control_seq=control_seq,
+        )
+        return self.send(hello.encode())
 
     def heartbeat(self) -> None:
-        self.send(Heartbeat(session=self.session).encode())
+        self.send(Heartbeat(session=self.session, auth=self.secret).encode())
         if self.curve:
             self.claim()
 
@@ -288,7 +311,7 @@ class ServerLink:
         """With CURVE, claim our session on each worker connection (a worker sends results
         straight only to a connection that claimed them with the session's key). The DEALER
         deals one claim to each connected worker in turn."""
-        frames = Hello(session=self.session).encode()
+        frames = Hello(session=self.session, auth=self.secret).encode()
         for _ in self.result_endpoints:
             try:
                 self.results.send_multipart(frames, zmq.NOBLOCK)
@@ -318,6 +341,15 @@ class ServerLink:
             except zmq.ZMQError:
                 pass
         self.result_endpoints = wanted
+        if self.handover is not None:
+            paths = [landing_socket(e) for e in local] if use_local else []
+            self.handover.sync([p for p in paths[:MAX_WORKER_ENDPOINTS] if p is not None])
+
+    @property
+    def can_land(self) -> bool:
+        """Whether tasks to this server may name our landing buffer: it is on our host
+        and at least one of its workers took the buffer."""
+        return self.handover is not None and self.handover.ready
 
     def welcome(self, msg: Welcome) -> bool:
         """Take a WELCOME; True when it comes from a different server process than before
@@ -348,7 +380,8 @@ class ServerLink:
     def close(self) -> None:
         try:
             if self.state is LinkState.READY:
-                self.sock.send_multipart(Bye(session=self.session).encode(), zmq.NOBLOCK)
+                bye = Bye(session=self.session, auth=self.secret)
+                self.sock.send_multipart(bye.encode(), zmq.NOBLOCK)
         except zmq.ZMQError:
             pass
         self.sock.disable_monitor()
@@ -357,6 +390,8 @@ class ServerLink:
         self.results_monitor.close(linger=0)
         self.results.close(linger=0)
         self.sock.close(linger=100)  # long enough for BYE to leave, short enough not to hang
+        if self.handover is not None:
+            self.handover.close()  # its workers let go of our buffer
 
 
 class Links:
@@ -368,16 +403,22 @@ class Links:
         config: ClientConfig,
         session: bytes,
         curve: dict[str, bytes] | None,
+        standing: Callable[[], tuple[int, int]] = lambda: (0, 0),
+        landing: LandingArea | None = None,
     ) -> None:
         self.config = config
         self._ctx, self._session, self._curve = ctx, session, curve
+        self._standing = standing
+        self._landing = landing
         self.links: list[ServerLink] = []
         for address in expand_addresses(config.addresses):
             self.add(address)
 
     def add(self, address: str) -> ServerLink:
         """A link to a server found at ``address``; its HELLO is on its way."""
-        link = ServerLink(self._ctx, address, self._session, self._curve)
+        link = ServerLink(self._ctx, address, self._session, self._curve, self._standing)
+        if self._landing is not None:
+            link.handover = Handover(self._landing, self._session)
         self.links.append(link)
         link.hello()
         return link

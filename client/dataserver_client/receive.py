@@ -25,10 +25,49 @@ from dataserver.protocol import (
     Result,
     decode,
 )
+from dataserver.protocol.fields import MAX_LABEL
 from dataserver.protocol.messages import check_boxes, check_images_spec
 from dataserver.protocol.wire import check_spec, unpack_head
 
 Destinations = Callable[[Result], "np.ndarray | None"]
+
+BOX_TOLERANCE = 0.01  # pixels: float32 rounding of boxes a server clipped to the image
+
+
+class WrongAnswer(ProtocolError):
+    """A well-formed RESULT for a wanted task that does not answer it (other images, other
+    sizes): a protocol error against the server that sent it, not mere noise."""
+
+
+# boxes @ _MARGINS + (0, 0, 0, 0, W, H) = (x1, y1, x2 - x1, y2 - y1, W - x2, H - y2): every
+# one of them >= 0 (less the tolerance) is the whole check, in one product and one minimum.
+_MARGINS = np.array(
+    [[1, 0, -1, 0, 0, 0], [0, 1, 0, -1, 0, 0], [0, 0, 1, 0, -1, 0], [0, 0, 0, 1, 0, -1]],
+    np.float32,
+)
+
+
+def boxes_problem(boxes: np.ndarray, labels: np.ndarray, out_hw: tuple[int, int]) -> str | None:
+    """What is wrong with a RESULT's boxes and labels for images of ``out_hw`` (H, W), or
+    None: boxes must be finite xyxy with 0 <= x1 <= x2 <= W and 0 <= y1 <= y2 <= H (within
+    ``BOX_TOLERANCE``), labels class ids in 0..MAX_LABEL. Vectorised: for an answer that is
+    fine, one small matrix product and two reductions, whatever the number of boxes."""
+    if not len(labels):
+        return None
+    h, w = out_hw
+    with np.errstate(invalid="ignore"):  # an infinite coordinate times 0: NaN, refused
+        margins = boxes @ _MARGINS
+    margins[:, 4] += w
+    margins[:, 5] += h
+    # NaN compares False, so a NaN anywhere fails the check as a box outside does.
+    if margins.min() >= -BOX_TOLERANCE and not (labels >> 31).any():
+        return None
+    bad = ~(margins >= -BOX_TOLERANCE).all(axis=1)
+    if bad.any():
+        j = int(np.flatnonzero(bad)[0])
+        return f"box {boxes[j].tolist()} is not inside its {w}x{h} image"
+    j = int(np.flatnonzero(labels >> 31)[0])
+    return f"label {int(labels[j])} is not a class id (0..{MAX_LABEL})"
 
 
 def _rest(sock: zmq.Socket[Any]) -> list[Any]:
@@ -85,7 +124,7 @@ def _receive(sock: zmq.Socket[Any], first: Any, destinations: Destinations) -> M
             sock.recv(copy=False)
         elif dest.shape != shape:
             sock.recv(copy=False)
-            raise ProtocolError(f"images of {shape}, not the {dest.shape} asked")
+            raise WrongAnswer(f"images of {shape}, not the {dest.shape} asked")
         else:
             got = sock.recv_into(dest.data.cast("B"))
             if got != nbytes:

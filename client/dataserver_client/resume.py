@@ -34,6 +34,8 @@ from typing import Any
 
 import numpy as np
 
+from dataserver.protocol import MAX_INT, control_problem
+from dataserver.protocol.messages import MAX_SEQ
 from dataserver_client.epoch import MODES, shard_size
 
 STATE_VERSION = 1  # a state of a normal epoch: what clients without elastic resume read too
@@ -43,6 +45,9 @@ VERSIONS = (STATE_VERSION, DEALT_VERSION)
 CONFIG_KEYS = ("seed", "shuffle", "batch_size", "stitch_k", "stitch_layout", "drop_last")
 # What each rank contributes to a job-wide state ("ranks": one of these per rank).
 RANK_KEYS = ("position", "step", "mode", "control", "control_seq", "feedback_seq")
+# The most an epoch number or a sequence number of a loaded state may be: far beyond any
+# run, and as much room again to count on before the protocol's bound on sequence numbers.
+MAX_COUNT = MAX_SEQ // 2
 
 
 @dataclass(frozen=True, eq=False)
@@ -159,6 +164,36 @@ def check_state(state: Any, expected: dict[str, Any]) -> None:
         or not all(isinstance(e, dict) and all(k in e for k in RANK_KEYS) for e in ranks)
     ):
         raise ValueError(f"state 'ranks' is not one entry per rank of {world}")
+    check_count("state", "epoch", state.get("epoch"), MAX_COUNT)
+    if ranks is None:
+        check_entry("state", state)
+    for r, entry in enumerate(ranks or ()):
+        check_entry(f"state 'ranks'[{r}]", entry)
+
+
+def check_count(where: str, key: str, value: Any, hi: int) -> None:
+    """``value`` (field ``key`` of ``where``) must be an integer in 0..``hi``."""
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or not 0 <= value <= hi:
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+        raise ValueError(f"{where} {key!r} must be an integer in 0..{hi}, got {shown}")
+
+
+def check_entry(where: str, entry: dict[str, Any]) -> None:
+    """One rank's part of a state (``RANK_KEYS``), each field by type and range (position and
+    step against the epoch: ``plan_resume``)."""
+    for key in RANK_KEYS:
+        if key not in entry:
+            raise ValueError(f"{where} has no {key!r}")
+    for key in ("position", "step"):
+        check_count(where, key, entry[key], MAX_INT)
+    for key in ("control_seq", "feedback_seq"):
+        check_count(where, key, entry[key], MAX_COUNT)
+    if entry["mode"] not in MODES:
+        raise ValueError(f"{where} 'mode' must be one of {MODES}, got {entry['mode']!r}")
+    control = entry["control"]
+    problem = "not a dict" if not isinstance(control, dict) else control_problem(control)
+    if problem is not None:
+        raise ValueError(f"{where} 'control' is not valid control values: {problem}")
 
 
 def merge_states(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -216,7 +251,15 @@ def plan_resume(state: dict[str, Any], rank: int, world_size: int) -> dict[str, 
                 f"state does not match this client: rank differs (it is rank {saved_rank}'s "
                 "state of one rank; load that rank's state, or a job-wide one: see merge_states)"
             )
-        where = {"position": int(entry["position"]), "deal": deal}
+        start, dealt = int(entry["position"]), deal
+        if deal is not None:
+            share = len(deal.share(rank, world_size))
+        else:
+            share = shard_size(dataset_len, world_size, drop_last)
+        if not 0 <= start <= share:
+            raise ValueError(
+                f"state 'position' {start} is not in 0..{share} (this rank's share of the epoch)"
+            )
     else:
         if ranks is None:
             raise ValueError(
@@ -229,15 +272,25 @@ def plan_resume(state: dict[str, Any], rank: int, world_size: int) -> dict[str, 
         positions = [int(e["position"]) for e in ranks]
         left = undelivered(dataset_len, drop_last, saved_world, positions, deal)
         nothing_taken = deal is None and not any(positions)
-        where = {"position": 0, "deal": None if nothing_taken else left}
+        start, dealt = 0, None if nothing_taken else left
     if entry["mode"] not in MODES:
         raise ValueError(f"state mode {entry['mode']!r} is not one of {MODES}")
+    # Every batch holds a sample at least: a normal epoch has taken at most as many batches
+    # as its position; a dealt one, at most as many as its epoch has samples (the steps
+    # before the deal included).
+    step = int(entry["step"])
+    most = start if dealt is None else len(dealt.mask)
+    if not 0 <= step <= most:
+        raise ValueError(
+            f"state 'step' {step} is not in 0..{most} (batches this rank can have taken)"
+        )
     return {
         "epoch": int(state["epoch"]),
-        "step": int(entry["step"]),
+        "step": step,
         "mode": entry["mode"],
         "control": dict(entry["control"]),
         "control_seq": int(entry["control_seq"]),
         "feedback_seq": int(entry["feedback_seq"]),
-        **where,
+        "position": start,
+        "deal": dealt,
     }

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from dataserver.admin import fetch_stats
+from dataserver.admin import child_pids, fetch_stats
 from dataserver.demo import start_server, stop_server
 
 Progress = Callable[[str], None]
@@ -51,7 +51,7 @@ def server(flags: list[str], timeout: float = 60.0) -> Iterator[tuple[str, list[
     """A ``dataserver serve`` for the figure: (address, [front pid, worker pids...])."""
     proc, address = start_server(flags, timeout=timeout)
     try:
-        pids = [proc.pid, *fetch_stats(address, 10)["worker_pids"]]
+        pids = [proc.pid, *child_pids(proc.pid)]
         yield address, pids
     finally:
         stop_server(proc)

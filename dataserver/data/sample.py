@@ -7,6 +7,8 @@ from typing import Any
 
 import numpy as np
 
+from dataserver.protocol.fields import MAX_LABEL
+
 
 class SampleError(Exception):
     """A sample could not be produced. ``file`` names the source when there is one."""
@@ -61,4 +63,6 @@ def as_sample(index: int, raw: Any) -> Sample:
         raise SampleError(index, f"{len(boxes)} boxes but {len(labels)} labels")
     if not np.isfinite(boxes).all():
         raise SampleError(index, "boxes hold NaN or infinity")
+    if len(labels) and (labels >> 31).any():  # negative, or above MAX_LABEL
+        raise SampleError(index, f"labels must be class ids in 0..{MAX_LABEL}")
     return Sample(np.ascontiguousarray(image), boxes, labels)

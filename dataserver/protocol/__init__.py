@@ -42,6 +42,7 @@ from dataserver.protocol.messages import (
     Task,
     Welcome,
     decode,
+    steer_tag,
 )
 from dataserver.protocol.wire import (
     ALLOWED_DTYPES,
@@ -90,5 +91,6 @@ __all__ = [
     "control_problem",
     "decode",
     "pack",
+    "steer_tag",
     "unpack",
 ]

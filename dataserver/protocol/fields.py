@@ -24,6 +24,9 @@ MAX_SESSION_BYTES = 64
 MAX_CONTROL_DEPTH = 8
 MAX_CONTROL_BYTES = 64 << 10
 MAX_TEXT = 4096
+# Object labels are class ids: 0..MAX_LABEL (int32 for every framework's loss). Workers
+# refuse others as sample errors; a client refuses them from a server as a protocol error.
+MAX_LABEL = (1 << 31) - 1
 
 
 class _Missing:
@@ -191,6 +194,22 @@ class Texts:
         for v in value:
             if not (isinstance(v, str) and len(v) <= self.max_len):
                 raise _bad(name, f"strings of <= {self.max_len} characters", v)
+        return tuple(value)
+
+
+@dataclass(frozen=True)
+class Blobs:
+    """A list of at most ``hi_n`` byte strings, each ``size`` long; a tuple."""
+
+    hi_n: int
+    size: int
+
+    def read(self, name: str, value: Any) -> Any:
+        if not (isinstance(value, list) and len(value) <= self.hi_n):
+            raise _bad(name, f"a list of <= {self.hi_n} byte strings", value)
+        for v in value:
+            if not (isinstance(v, bytes) and len(v) == self.size):
+                raise _bad(name, f"byte strings of {self.size} bytes", v)
         return tuple(value)
 
 

@@ -25,15 +25,18 @@ Who sends what (client = trainer, front = server's front process, worker = its w
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections.abc import Sequence
 from typing import Any, ClassVar, TypeVar
 
+import msgpack
 import numpy as np
 
 from dataserver.protocol.fields import (
     MISSING,
     SESSION,
     Blob,
+    Blobs,
     Choice,
     Failures,
     Flag,
@@ -54,6 +57,27 @@ MAX_BOXES = 1 << 16  # per output image
 MAX_WORKERS = 4096
 MAX_TASK_IMAGES = 64  # output images one TASK may ask for
 MAX_US = 1 << 40  # a timing in microseconds (12 days)
+# A session's secret (16..32 random bytes): chosen by the client, bound by its HELLO, and
+# named by every message that acts for the session (TASK, CONTROL, HEARTBEAT, BYE). The
+# session id says which session; only the secret says who may act for it.
+AUTH = Blob(16, 32)
+MAX_SEQ = 1 << 53  # plan versions and control sequence numbers
+TAG_BYTES = 16
+MAX_TAGS = 1024  # servers one published CONTROL speaks to
+
+
+def steer_tag(secret: bytes, msg: Control) -> bytes:
+    """What proves a published CONTROL comes from the session's owner, to the one server
+    whose secret for the session is ``secret`` (a keyed hash of what the message says). A
+    client talks to many servers with a secret for each; what it publishes to all of them
+    carries one tag per server, so no server learns a secret that works on another."""
+    body = msgpack.packb(
+        [msg.session, msg.plan_version, msg.control_seq, msg.control, msg.mode, list(msg.cancel)],
+        use_bin_type=True,
+    )
+    return hashlib.blake2b(body, key=secret, digest_size=TAG_BYTES).digest()
+
+
 DECODE_US = Opt(Ints(0, MAX_TASK_IMAGES * MAX_TILES, 0, MAX_US))  # one timing per source
 
 M = TypeVar("M", bound="Message")
@@ -132,10 +156,15 @@ def decode(frames: Sequence[Any], with_arrays: bool = True) -> Message:
 @message
 @dataclasses.dataclass(slots=True, kw_only=True)
 class Hello(Message):
-    """Open a session (or re-open it after the server forgot it)."""
+    """Open a session (or re-open it after the server forgot it), binding its secret
+    ``auth``; ``plan_version`` and ``control_seq`` are where the session stands now (a
+    server met mid-job bounds the numbers it will take from there)."""
 
     TYPE: ClassVar[MsgType] = MsgType.HELLO
     session: bytes = f(SESSION)
+    auth: bytes | None = f(Opt(AUTH), None)
+    plan_version: int = f(Int(0, MAX_SEQ, default=0), 0)
+    control_seq: int = f(Int(0, MAX_SEQ, default=0), 0)
 
 
 @message
@@ -175,8 +204,9 @@ class Task(Message):
 
     TYPE: ClassVar[MsgType] = MsgType.TASK
     session: bytes = f(SESSION)
+    auth: bytes | None = f(Opt(AUTH), None)
     task_id: int = f(Int())
-    plan_version: int = f(Int())
+    plan_version: int = f(Int(0, MAX_SEQ))
     epoch: int = f(Int())
     seed: int = f(Int())
     images: tuple[tuple[int, ...], ...] = f(IntLists(MAX_TASK_IMAGES, MAX_TILES))
@@ -184,12 +214,12 @@ class Task(Message):
     out_hw: tuple[int, ...] = f(Ints(2, 2, 1, MAX_IMAGE_SIDE))
     fit_hw: tuple[int, ...] = f(Ints(2, 2, 1, MAX_IMAGE_SIDE))
     on_error: str = f(Choice(("raise", "skip")))
-    control_seq: int = f(Int())
+    control_seq: int = f(Int(0, MAX_SEQ))
     exclude: tuple[int, ...] = f(Ints(0, MAX_TILES, default=()), ())
     priority: int = f(Int(0, 1, default=0), 0)
     # Landing (same host): write the images into the client's shared-memory buffer
-    # (``dataserver/landing.py``) instead of sending them, if the worker can.
-    land_path: str = f(Text(256, default=""), "")
+    # (``dataserver/landing.py``) instead of sending them, if the worker holds the buffer
+    # registered under ``land_token`` for this session (handed over on its unix socket).
     land_token: str = f(Text(64, default=""), "")
     land_region: int = f(Int(0, 1 << 16, default=0), 0)
     land_gen: int = f(Int(default=0), 0)
@@ -353,8 +383,12 @@ class Control(Message):
 
     TYPE: ClassVar[MsgType] = MsgType.CONTROL
     session: bytes = f(SESSION)
-    plan_version: int = f(Int(default=0), 0)
-    control_seq: int = f(Int())
+    # Client -> front, on the data socket: the session's secret for this server. Published
+    # on the control socket: ``tags`` instead, one ``steer_tag`` per server.
+    auth: bytes | None = f(Opt(AUTH), None)
+    tags: tuple[bytes, ...] | None = f(Opt(Blobs(MAX_TAGS, TAG_BYTES)), None)
+    plan_version: int = f(Int(0, MAX_SEQ, default=0), 0)
+    control_seq: int = f(Int(0, MAX_SEQ))
     control: dict[str, Any] = f(Values())
     mode: str | None = f(Opt(Choice(("regular", "stitch"))), None)
     cancel: tuple[int, ...] = f(Ints(0, 1 << 16, default=()), ())
@@ -368,6 +402,7 @@ class Heartbeat(Message):
 
     TYPE: ClassVar[MsgType] = MsgType.HEARTBEAT
     session: bytes | None = f(Opt(SESSION), None)
+    auth: bytes | None = f(Opt(AUTH), None)
     server_id: str | None = f(Opt(Text(64)), None)
     results: tuple[str, ...] | None = f(Opt(Texts(MAX_WORKERS, 512)), None)
     local: tuple[str, ...] | None = f(Opt(Texts(MAX_WORKERS, 512)), None)
@@ -391,6 +426,7 @@ class Bye(Message):
 
     TYPE: ClassVar[MsgType] = MsgType.BYE
     session: bytes | None = f(Opt(SESSION), None)
+    auth: bytes | None = f(Opt(AUTH), None)  # client -> front
 
 
 @message
@@ -403,6 +439,9 @@ class Ready(Message):
     pid: int = f(Int(1, 1 << 31))
     results: str = f(Text(512, default=""), "")
     local: str = f(Text(512, default=""), "")  # its ipc endpoint, for clients on this host
+    # Whether it maps the server's store: False when what it inherited was unusable (it
+    # serves without); None when the server has none.
+    store: bool | None = f(Opt(Flag()), None)
 
 
 __all__ = [
@@ -425,4 +464,5 @@ __all__ = [
     "Task",
     "Welcome",
     "decode",
+    "steer_tag",
 ]

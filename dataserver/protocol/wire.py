@@ -25,7 +25,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4  # 4: session secrets (auth, tags)
 MAGIC = b"DS" + str(PROTOCOL_VERSION).encode()
 
 MAX_FRAMES = 16

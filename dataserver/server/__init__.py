@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 from collections.abc import Callable
@@ -9,8 +10,11 @@ from typing import Any
 
 from dataserver.data.spec import build_dataset, dataset_fingerprint, parse_spec
 from dataserver.server.config import ConfigError, ServerConfig
+from dataserver.server.conns import raise_fd_limit
 from dataserver.server.front import Front, WorkerStartError
 from dataserver.server.memory import keep_large_blocks
+
+log = logging.getLogger("dataserver.serve")
 
 __all__ = [
     "ConfigError",
@@ -43,6 +47,8 @@ def serve(config: ServerConfig, on_ready: Callable[[Front], Any]) -> None:
     config.validate()
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # whatever a user's dataset imports, no GPU here
     keep_large_blocks()
+    soft, hard = raise_fd_limit()
+    log.info("pid %d; fd limit %d (hard %d)", os.getpid(), soft, hard)
     spec = parse_spec(config.dataset, config.dataset_args)
     dataset = build_dataset(spec)
     size = len(dataset)

@@ -15,7 +15,9 @@ DEFAULT_MAX_IMAGE_SIDE = 4096
 DEFAULT_MAX_QUEUED_MB = 256
 DEFAULT_CACHE_GB = 1.0
 DEFAULT_DRAIN_SECONDS = 30.0
+DEFAULT_IDLE_TIMEOUT = 30.0
 SESSION_SHARE = 8  # one session may hold at most 1/8 of --max-queued-mb
+_HOST = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[0-9A-Fa-f:.]+|[A-Za-z0-9][A-Za-z0-9.-]*)$")
 _TCP = re.compile(r"^tcp://(?P<host>\[[^\]]+\]|[^:/]+):(?P<port>\d+|\*)$")
 
 
@@ -43,7 +45,9 @@ class ServerConfig:
     max_image_side: int = DEFAULT_MAX_IMAGE_SIDE
     max_queued_mb: int = DEFAULT_MAX_QUEUED_MB
     drain_seconds: float = DEFAULT_DRAIN_SECONDS  # SIGTERM: finish running work within this
-    metrics_port: int | None = None  # Prometheus on 0.0.0.0:PORT (0: any free port; None: off)
+    metrics_port: int | None = None  # Prometheus on HOST:PORT (0: any free port; None: off)
+    metrics_bind: str | None = None  # HOST for it (None: --bind's interface)
+    idle_timeout: float = DEFAULT_IDLE_TIMEOUT  # peer connections silent this long are dropped
 
     def worker_count(self) -> int:
         return self.workers if self.workers > 0 else (os.cpu_count() or 1)
@@ -66,6 +70,13 @@ class ServerConfig:
             raise ConfigError(f"--drain-seconds must be in 0..86400, got {self.drain_seconds}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"--metrics-port must be in 0..65535, got {self.metrics_port}")
+        if self.metrics_bind is not None and not _HOST.match(self.metrics_bind):
+            raise ConfigError(
+                f"--metrics-bind {self.metrics_bind!r}: expected an address or a host name "
+                "(e.g. 0.0.0.0, 10.0.0.5, ::)"
+            )
+        if not 1 <= self.idle_timeout <= 86400:
+            raise ConfigError(f"--idle-timeout must be in 1..86400, got {self.idle_timeout}")
         if self.session_ttl <= 0:
             raise ConfigError(f"--session-ttl must be > 0, got {self.session_ttl}")
         if not 0 <= self.cache_gb <= 1 << 14:
@@ -90,6 +101,17 @@ class ServerConfig:
         if self.curve_secret_key and self.curve_authorized_keys:
             return self.curve_secret_key, self.curve_authorized_keys
         return None
+
+    def metrics_host(self) -> str:
+        """Where ``--metrics-port`` listens: ``--metrics-bind``, else the interface of
+        ``--bind`` (its wildcard ``*`` is 0.0.0.0; an ipc data endpoint means loopback)."""
+        if self.metrics_bind is not None:
+            return self.metrics_bind.strip("[]")
+        m = _TCP.match(self.bind)
+        if m is None:
+            return "127.0.0.1"
+        host = m["host"].strip("[]")
+        return "0.0.0.0" if host == "*" else host
 
     def control_endpoint(self) -> str:
         """``--control-bind``, or the data endpoint's port + 1 (a wildcard stays one)."""

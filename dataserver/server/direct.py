@@ -1,5 +1,6 @@
-"""A worker's direct result path: a ROUTER that clients connect to, named by their session,
-so results go straight to the client instead of through the front.
+"""A worker's direct result path: a ROUTER that clients connect to, each connection named
+by the reply id of its session's secret (``security.reply_id``), so results go straight to
+the client instead of through the front, and only the session's owner can be that name.
 
 Bounds: ``Outbox`` caps the bytes of results sent but not yet written (per session and in
 all); a result over the caps is not sent, and the client is told to ask again.
@@ -9,8 +10,8 @@ S (a HELLO on that connection) with the key S is tagged with, and it cannot be t
 while it lives (no ROUTER_HANDOVER: a second connection naming S is refused). A claim
 holds until a connection to this socket drops (any: which one, ZeroMQ does not say), and
 clients claim again with every heartbeat; until then results take the path through the
-front. Without CURVE, a session id is a bearer token: a reconnecting client takes its name
-back at once (ROUTER_HANDOVER), and no claim is asked.
+front. Without CURVE, the name itself is the proof (it comes from the session's secret): a
+reconnecting client takes its name back at once (ROUTER_HANDOVER), and no claim is asked.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from dataserver.protocol import Hello, ProtocolError, Result, decode
-from dataserver.security import owns, start_server_curve
+from dataserver.security import owns, reply_id, start_server_curve
 from dataserver.server.config import bindable
 from dataserver.server.outbox import Outbox, tracked
 
@@ -86,20 +87,23 @@ class DirectResults:
             except ProtocolError:
                 continue
             name = frames[0].bytes
-            if not isinstance(msg, Hello) or msg.session != name:
+            # A connection is named by the reply id of a session's secret: claiming it
+            # needs the secret, and with CURVE the key the session id is tagged with.
+            if not isinstance(msg, Hello) or msg.auth is None or reply_id(msg.auth) != name:
                 continue
             try:
                 user = str(frames[1].get("User-Id") or "")
             except zmq.ZMQError:
                 user = ""
-            if owns(name, user) and len(self.claims) < MAX_CLAIMS:
+            if owns(msg.session, user) and len(self.claims) < MAX_CLAIMS:
                 self.claims.add(name)
 
-    def send(self, out: Result) -> bool | str:
-        """Send ``out`` straight to its client: True if sent, False when that client cannot
+    def send(self, out: Result, route: bytes) -> bool | str:
+        """Send ``out`` straight to its client, whose result connections are named ``route``
+        (the reply id of its session's secret): True if sent, False when that client cannot
         be reached here (the front forwards it), or why it may not be sent (over a cap)."""
         self._read_claims()
-        if self.curve is not None and out.session not in self.claims:
+        if self.curve is not None and route not in self.claims:
             return False
         nbytes = out.pixels.nbytes if out.pixels is not None else 0
         refused = self.outbox.refuse(out.session, nbytes)
@@ -109,10 +113,10 @@ class DirectResults:
         image = tracked(frames[3]) if out.pixels is not None else None
         parts = [*frames[:3], image, *frames[4:]] if image is not None else frames
         try:
-            self.sock.send_multipart([out.session, *parts], zmq.NOBLOCK, copy=False)
+            self.sock.send_multipart([route, *parts], zmq.NOBLOCK, copy=False)
         except zmq.ZMQError as exc:
             if exc.errno in (zmq.EHOSTUNREACH, zmq.EAGAIN):
-                self.claims.discard(out.session)
+                self.claims.discard(route)
                 return False
             raise
         self.outbox.sent(out.session, nbytes, image.tracker if image is not None else None)

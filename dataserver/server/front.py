@@ -22,8 +22,9 @@ results waiting to be read (``--max-queued-mb``), image size (``--max-image-side
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
-import os
 import shutil
 import tempfile
 import time
@@ -50,15 +51,18 @@ from dataserver.protocol import (
     Task,
     Welcome,
     decode,
+    steer_tag,
 )
-from dataserver.security import owns, start_server_curve
+from dataserver.security import owns, same_secret, start_server_curve
 from dataserver.server.config import ServerConfig, bindable, results_bind
+from dataserver.server.conns import ConnTracker, fd_budget, fd_limit, peer_socket_options
 from dataserver.server.metrics import ServerMetrics
 from dataserver.server.outbox import Outbox, tracked
 from dataserver.server.pool import WorkerPool
 from dataserver.server.routing import PIPELINE, WorkerRouter
 from dataserver.server.sessions import Scheduler, Session, TaskEntry
-from dataserver.server.store import Store, default_dir
+from dataserver.server.statsview import StatsView
+from dataserver.server.store import Store, memory_room
 
 log = logging.getLogger("dataserver.front")
 
@@ -74,6 +78,24 @@ MONITORED = (
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 )
+
+
+def task_digest(task: Task) -> bytes:
+    """What a task computes (not where it lands): a task asked again is the same task, and
+    one that says otherwise under a live id is refused, not taken for a duplicate."""
+    what = (
+        task.plan_version,
+        task.epoch,
+        task.seed,
+        task.images,
+        task.grid,
+        task.out_hw,
+        task.fit_hw,
+        task.on_error,
+        task.control_seq,
+        task.exclude,
+    )
+    return hashlib.blake2b(repr(what).encode(), digest_size=16).digest()
 
 
 def _user_id(frame: Any) -> str:
@@ -130,7 +152,7 @@ class Front:
             config.dataset,
             config.dataset_args,
             fingerprint,
-            (self.store.prefix, self.store.capacity) if self.store else None,
+            (*self.store.fds, self.store.capacity) if self.store else None,
             config.max_queued_mb,
             results_bind(config.bind, self._tmpdir) if config.direct_results else None,
             config.curve,
@@ -138,29 +160,35 @@ class Front:
         )
         self.workers = WorkerRouter(self.pool, self.scheduler, self, self.counters, self.rejected)
         self.metrics: ServerMetrics | None = None  # --metrics-port: started by run()
+        self.statsview = StatsView(self)
+        self.conns = ConnTracker(
+            config.idle_timeout,
+            fd_budget(fd_limit(), self.n_workers, config.max_sessions),
+            self.rejected,
+        )
+        self.statsview.conns = self.conns
 
     def _make_store(self) -> Store | None:
-        """The store of prepared sources: in /dev/shm (else beside the backend socket), at
-        most what that file system has free."""
+        """The store of prepared sources: memfds that this process holds for the workers
+        it starts (no name on the host), at most half the memory free here (its pages
+        count against memory and the memory cgroup, where running out means the OOM
+        killer: the other half is left to the workers and whatever else runs here)."""
         want = self.config.cache_bytes
         if want <= 0:
             return None
-        directory = default_dir() or Path(self._tmpdir)
-        stat = os.statvfs(directory)
-        free = stat.f_bavail * stat.f_frsize
-        size = min(want, int(free * 0.9))
+        room = memory_room()
+        size = want if room is None else min(want, room // 2)
         if size < want:
             log.warning(
-                "--cache-gb %g: %s has %.1f GiB free; the store gets %.1f GiB",
+                "--cache-gb %g: %.1f GiB of memory free; the store gets %.1f GiB",
                 self.config.cache_gb,
-                directory,
-                free / (1 << 30),
+                (room or 0) / (1 << 30),
                 size / (1 << 30),
             )
         if size < 16 << 20:
-            log.warning("no room for a store of prepared sources in %s; serving without", directory)
+            log.warning("no room for a store of prepared sources; serving without")
             return None
-        return Store.create(directory, f"dataserver-{self.server_id}", size)
+        return Store.create(size)
 
     def stop(self) -> None:
         """Ask the loop to finish (safe from a signal handler)."""
@@ -216,7 +244,9 @@ class Front:
         try:
             self._bind(ctx)
             if self.config.metrics_port is not None:  # a taken port fails before any worker
-                self.metrics = ServerMetrics(self, self.config.metrics_port)
+                self.metrics = ServerMetrics(
+                    self, self.config.metrics_port, self.config.metrics_host()
+                )
                 self.workers.observe = self.metrics.observe_task
             self.pool.start(self.n_workers)
             self._loop(on_ready)
@@ -235,6 +265,7 @@ class Front:
         for sock in (data, control):
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.MAXMSGSIZE, CLIENT_MAX_MSG)
+            peer_socket_options(sock)
         data.setsockopt(zmq.ROUTER_MANDATORY, 1)
         data.setsockopt(zmq.SNDHWM, CLIENT_HWM)
         backend.setsockopt(zmq.LINGER, 0)
@@ -329,8 +360,10 @@ class Front:
                 self.rejected[f"{name}_bad_handshake"] += 1
             elif kind == zmq.EVENT_DISCONNECTED:
                 self.counters[f"{name}_disconnects"] += 1
+                self.conns.disconnected(event["value"])
             elif kind == zmq.EVENT_ACCEPTED:
                 self.counters[f"{name}_connections"] += 1
+                self.conns.accepted(name, event["value"])
 
     def _shutdown(self, ctx: zmq.Context[Any]) -> None:
         self.workers.stopping = True
@@ -346,7 +379,6 @@ class Front:
             ctx.destroy(linger=500 if self.draining_since is not None else 0)
             if self.store is not None:
                 self.store.close()
-                self.store.unlink()
             shutil.rmtree(self._tmpdir, ignore_errors=True)
 
     # ------------------------------------------------------------------ sending (Clients)
@@ -449,6 +481,36 @@ class Front:
         user = self._owner(identity, frame) if identity is not None else _user_id(frame)
         return not owns(session, user)
 
+    def _authentic(
+        self,
+        identity: bytes,
+        msg: Task | Control | Heartbeat | Bye,
+        ids: dict[str, Any] | None = None,
+        quiet: bool = False,
+    ) -> Session | None:
+        """The session ``msg`` acts for, if it carries that session's secret: then replies
+        go to ``identity`` (where its owner is now). Otherwise None, counted, and the
+        sender (never the session's owner) told why unless ``quiet``."""
+        session = self.scheduler.sessions.get(msg.session) if msg.session is not None else None
+        if session is None:
+            reason, why = "unknown_session", "unknown session: say HELLO first"
+        elif not same_secret(session.secret, msg.auth):
+            reason, why = "bad_secret", "this message does not carry the session's secret"
+        else:
+            self.scheduler.touch(session, identity)
+            return session
+        if quiet:  # (a heartbeat or BYE for a session this server forgot is no attack)
+            self.rejected[reason] += reason == "bad_secret"
+        else:
+            more = ids if ids is not None and reason == "unknown_session" else {}
+            self._refuse(
+                reason,
+                identity,
+                why + " (the server may have restarted)" if reason == "unknown_session" else why,
+                **more,
+            )
+        return None
+
     def _on_data(self, frames: list[Any]) -> None:
         identity = frames[0].bytes
         try:
@@ -469,20 +531,21 @@ class Front:
             case Hello():
                 self._on_hello(identity, msg)
             case Control():
-                session = self.scheduler.touch(msg.session, identity)
-                if session is None:
-                    self.rejected["unknown_session"] += 1
-                else:
+                session = self._authentic(identity, msg)
+                if session is not None:
                     self._steer(session, msg)
             case Heartbeat():
-                self.scheduler.touch(msg.session, identity)
+                if msg.session is not None:
+                    self._authentic(identity, msg, quiet=True)
                 results, local = self.workers.result_endpoints()
                 beat = Heartbeat(server_id=self.server_id, results=results, local=local)
                 self._send_to(identity, beat)
             case Stats():
-                self._send_to(identity, Stats(stats=self.stats()))
+                if self.statsview.allow(frames[1]):  # (counted when over the rate)
+                    self._send_to(identity, Stats(stats=self.stats()))
             case Bye():
-                if msg.session is not None and self.scheduler.close(msg.session) is not None:
+                if msg.session is not None and self._authentic(identity, msg, quiet=True):
+                    self.scheduler.close(msg.session)
                     self.counters["sessions_closed"] += 1
             case _:
                 self._refuse(
@@ -493,7 +556,24 @@ class Front:
         if self.draining_since is not None:  # leaving: a new client should not count on us
             self._send_to(identity, Bye(session=msg.session))
             return
-        if self.scheduler.open(msg.session, identity) is None:
+        if msg.auth is None:
+            self._refuse(
+                "no_secret", identity, "HELLO carries no session secret (auth)", session=msg.session
+            )
+            return
+        known = self.scheduler.sessions.get(msg.session)
+        if known is not None and not same_secret(known.secret, msg.auth):
+            # Someone else's session id: whoever holds it keeps it, and the sender learns
+            # nothing but that.
+            self._refuse(
+                "not_owner",
+                identity,
+                "this session id is in use by another client",
+                session=msg.session,
+            )
+            return
+        base = max(msg.plan_version, msg.control_seq)
+        if self.scheduler.open(msg.session, identity, msg.auth, base) is None:
             self._refuse(
                 "session_limit",
                 identity,
@@ -524,16 +604,28 @@ class Front:
 
     def _on_task(self, identity: bytes, task: Task, frames: list[Any]) -> None:
         ids = {"session": task.session, "task_id": task.task_id, "plan_version": task.plan_version}
-        session = self.scheduler.touch(task.session, identity)
+        session = self._authentic(identity, task, ids)
         if session is None:
+            return
+        if not (session.reachable(task.plan_version) and session.reachable(task.control_seq)):
             self._refuse(
-                "unknown_session",
+                "sequence",
                 identity,
-                "unknown session: say HELLO first (the server may have restarted)",
+                f"plan_version {task.plan_version} / control_seq {task.control_seq}: more than "
+                "this session can have reached",
                 **ids,
             )
             return
+        digest = task_digest(task)
         live = self.scheduler.live.get((task.session, task.task_id))
+        if live is not None and live.digest != digest:
+            self._refuse(
+                "task_conflict",
+                identity,
+                f"task {task.task_id} is live with other contents; a task id names one task",
+                session=task.session,
+            )
+            return
         if live is not None and (live.held_by is None or self.workers.is_running(live)):
             # Asked again (its deadline passed) while it is still queued or running: the
             # answer the first one makes is the answer. A task a worker holds but does not
@@ -571,6 +663,7 @@ class Front:
             return
         entry = TaskEntry(session.sid, task.task_id, task.plan_version, task.images, frames, nbytes)
         entry.control_seq = task.control_seq
+        entry.digest = digest
         self.scheduler.admit(session, entry)
         self.counters["tasks_received"] += 1
 
@@ -590,6 +683,12 @@ class Front:
         if session is None:
             self.rejected["control_unknown_session"] += 1
             return
+        # Published to every server of the session: one tag per server, and this server
+        # knows only its own secret.
+        want = steer_tag(session.secret, msg)
+        if not msg.tags or not any(hmac.compare_digest(want, t) for t in msg.tags):
+            self.rejected["control_bad_secret"] += 1
+            return
         self._steer(session, msg)
 
     def _steer(self, session: Session, msg: Control) -> None:
@@ -598,6 +697,9 @@ class Front:
         tasks it lists cancelled if still queued."""
         if msg.plan_version < session.version or msg.control_seq < session.control_seq:
             self.rejected["control_stale"] += 1  # replayed or overtaken: nothing to do
+            return
+        if not (session.reachable(msg.plan_version) and session.reachable(msg.control_seq)):
+            self.rejected["sequence"] += 1  # would cancel everything the session sends after
             return
         self.counters["controls"] += 1
         if msg.control_seq > session.control_seq:
@@ -616,51 +718,13 @@ class Front:
         why = self.pool.startup_failure()
         if why is not None:
             raise WorkerStartError(why)
+        now = time.monotonic()
+        self.statsview.refresh(now)
+        self.conns.check(now)
 
     # ------------------------------------------------------------------ stats
 
-    def _store_stats(self) -> dict[str, Any] | None:
-        """The store of prepared sources: what it holds and how often it served a source."""
-        if self.store is None:
-            return None
-        decoded = self.counters.get("sources_decoded", 0)
-        reused = self.counters.get("sources_reused", 0)
-        return {
-            **self.store.usage(),
-            "hit_rate": round(reused / (decoded + reused), 4) if decoded + reused else None,
-            "path": self.store.prefix,
-        }
-
     def stats(self) -> dict[str, Any]:
-        """The counters ``dataserver stats`` prints."""
-        return {
-            "server_id": self.server_id,
-            "pid": os.getpid(),
-            "uptime_s": round(time.time() - self.started, 1),
-            "endpoints": self.endpoints,
-            "metrics_port": self.metrics.port if self.metrics is not None else None,
-            "dataset_len": self.dataset_len,
-            "fingerprint": self.fingerprint,
-            "workers": self.n_workers,
-            "workers_alive": self.pool.alive(),
-            "workers_busy": self.workers.busy(),
-            "workers_started": self.pool.started_total,
-            "worker_pids": sorted(w.pid for w in self.pool.workers.values()),
-            "queue_depth": self.scheduler.queued,
-            "draining": None
-            if self.draining_since is None
-            else {"for_s": round(time.monotonic() - self.draining_since, 2)},
-            "queued_bytes": self.scheduler.queued_bytes,
-            "results_unread_bytes": self.outbox.nbytes,
-            "sessions": len(self.scheduler.sessions),
-            "sessions_evicted": self.scheduler.evicted,
-            "limits": {
-                "max_sessions": self.config.max_sessions,
-                "max_image_side": self.config.max_image_side,
-                "max_queued_mb": self.config.max_queued_mb,
-            },
-            "store": self._store_stats(),
-            "counters": dict(self.counters),
-            "rejected": dict(self.rejected),
-            "rejected_total": sum(self.rejected.values()),
-        }
+        """The counters ``dataserver stats`` prints (``statsview.py``: cheap, and nothing
+        in them a peer should not know)."""
+        return self.statsview.answer()

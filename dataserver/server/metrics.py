@@ -1,16 +1,16 @@
 """Prometheus metrics of a server (``dataserver serve --metrics-port PORT``).
 
-An HTTP server (``prometheus_client``'s, in a thread of the front, with its own registry)
-answers scrapes. Counters and gauges are read from the front's live state when a scrape
+An HTTP server (``scrape.py``: one thread of the front, no thread per client, the page
+rendered at most twice a second) answers scrapes, on ``--metrics-bind`` (default: the
+interface of ``--bind``). Counters and gauges are read from the front's live state when a scrape
 comes (``FrontCollector``), so the loop pays nothing for them; the two histograms are
 observed by the front's loop from the timings every worker puts in its DONE or RESULT
 (``observe_task``: a few microseconds per task).
 
-What the HTTP threads may do to the front: read. They copy the front's dicts (a dict copy
-happens under the GIL in one step) and read its integers; they never call into the loop's
-objects in a way that changes them. The store's usage is read through a handle of this
-module's own, under the store's lock, so it neither changes the front's handle nor races
-a ``dataserver stats`` that reads it in the loop.
+What the HTTP thread may do to the front: read. It copies the front's dicts (a dict copy
+happens under the GIL in one step) and reads its integers; it never calls into the loop's
+objects in a way that changes them. The store's usage is the one the front's housekeeping
+read last (at most a second old): a scrape never takes the store's lock.
 
 Names (kept: deploy manifests and dashboards use them)::
 
@@ -32,17 +32,14 @@ Names (kept: deploy manifests and dashboards use them)::
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, TypeVar
-from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.exposition import start_wsgi_server
 from prometheus_client.registry import Collector
 
-from dataserver.server.store import Store
+from dataserver.server.scrape import ScrapeServer
 
 if TYPE_CHECKING:
     from dataserver.server.front import Front
@@ -80,10 +77,6 @@ class FrontCollector(Collector):
 
     def __init__(self, front: Front) -> None:
         self.front = front
-        self._store: Store | None = None
-        self._store_lock = threading.Lock()  # flock is per open file: one reader at a time
-        if front.store is not None:
-            self._store = Store(front.store.prefix, front.store.capacity)
 
     def collect(self) -> Iterator[Metric]:
         front = self.front
@@ -130,10 +123,11 @@ class FrontCollector(Collector):
             yield from self._cache(counters)
 
     def _cache(self, counters: dict[str, int]) -> Iterator[Metric]:
-        with self._store_lock:
-            if self._store is None:  # stopped while this scrape ran
-                return
-            usage = self._store.usage()
+        store = self.front.store
+        usage = self.front.statsview.usage or {
+            "bytes": 0,
+            "capacity_bytes": store.capacity if store is not None else 0,
+        }
         yield CounterMetricFamily(
             "dataserver_cache_hits",
             "Sources a task found in the store (or waited for while another worker made them).",
@@ -152,12 +146,6 @@ class FrontCollector(Collector):
             "The store's size in bytes.",
             value=usage["capacity_bytes"],
         )
-
-    def close(self) -> None:
-        if self._store is not None:
-            with self._store_lock:
-                self._store.close()
-                self._store = None
 
 
 class ServerMetrics:
@@ -179,17 +167,21 @@ class ServerMetrics:
         )
         self.collector = FrontCollector(front)
         self.registry.register(self.collector)
-        self._httpd: WSGIServer | None = None
+        self._server: ScrapeServer | None = None
         try:
-            self._httpd, self._thread = start_wsgi_server(port, addr, self.registry)
+            self._server = ScrapeServer(addr, port, self.render)
         except OSError as exc:
-            self.collector.close()
             why = exc.strerror or str(exc)
             raise MetricsPortError(
-                f"--metrics-port {port}: cannot listen on {addr}:{port}: {why}"
+                f"--metrics-port {port}: cannot listen on {addr}:{port}: {why} "
+                "(--metrics-bind chooses the interface)"
             ) from None
-        self.port = int(self._httpd.server_port)  # (port 0: the one the kernel chose)
+        self.port = self._server.port  # (port 0: the one the kernel chose)
         log.info("metrics on http://%s:%d/metrics", addr, self.port)
+
+    def render(self) -> tuple[bytes, str]:
+        """The exposition page (the text format every Prometheus reads)."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
     def observe_task(self, task_us: int, decode_us: tuple[int, ...] | None) -> None:
         """A worker's timings for one task (from its DONE or RESULT; 0: an old worker)."""
@@ -199,11 +191,7 @@ class ServerMetrics:
             self.decode_seconds.observe(us * US)
 
     def stop(self) -> None:
-        """Stop answering scrapes and close the store handle (idempotent)."""
-        httpd, self._httpd = self._httpd, None
-        if httpd is None:
-            return
-        httpd.shutdown()
-        httpd.server_close()
-        self._thread.join(5.0)
-        self.collector.close()
+        """Stop answering scrapes (idempotent)."""
+        server, self._server = self._server, None
+        if server is not None:
+            server.stop()

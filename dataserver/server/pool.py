@@ -3,11 +3,14 @@
 Workers are fresh interpreters (``subprocess``, not fork or multiprocessing's pickling
 spawn), in their own process group so that a terminal's Ctrl-C reaches only the front,
 with ``CUDA_VISIBLE_DEVICES=""``. Each has a pidfd (Linux) the front polls, so a death
-is noticed at once. Shutdown escalates BYE -> SIGTERM -> SIGKILL and logs each step.
+is noticed at once. Shutdown escalates BYE -> SIGTERM -> SIGKILL and logs each step. The
+store's memfds are passed down (``pass_fds``): the only descriptors a worker inherits
+besides its standard streams.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import subprocess
@@ -21,6 +24,10 @@ from typing import Any
 from dataserver.server.running import RunningSlot
 
 log = logging.getLogger("dataserver.pool")
+
+# Why a start can fail that waiting may cure: no fd (this process's limit or the system's),
+# no process slot, no memory for the fork.
+SPAWN_RETRY_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.EAGAIN, errno.ENOMEM)
 
 
 @dataclass(eq=False)
@@ -62,7 +69,7 @@ class WorkerPool:
         dataset: str,
         dataset_args: str | None,
         fingerprint: str,
-        store: tuple[str, int] | None,
+        store: tuple[int, int, int] | None,
         max_queued_mb: int,
         results_bind: str | None = None,
         curve: tuple[str, str] | None = None,
@@ -74,7 +81,8 @@ class WorkerPool:
         self.dataset = dataset
         self.dataset_args = dataset_args
         self.fingerprint = fingerprint
-        self.store = store  # (path prefix, bytes) of the store workers map, if there is one
+        # (index fd, arena fd, bytes) of the store workers inherit and map, if there is one
+        self.store = store
         self.max_queued_mb = max_queued_mb
         self.results_bind = results_bind  # may hold "{slot}"
         self.curve = curve
@@ -86,8 +94,46 @@ class WorkerPool:
         self._early_deaths: dict[int, int] = {}  # slot -> consecutive deaths before READY
         self._start_errors: dict[int, str] = {}  # slot -> why its last start failed
         self._slots: dict[int, RunningSlot] = {}
+        self.spawn_failures = 0  # starts that failed for want of fds or processes
+        self._spawn_fails: dict[int, int] = {}  # slot -> such failures in a row
+        self._retry_at: dict[int, float] = {}  # slot -> when to try starting it again
 
-    def spawn(self, slot: int) -> WorkerHandle:
+    def spawn(self, slot: int) -> WorkerHandle | None:
+        """Start the worker of ``slot``. Out of file descriptors or processes (``EMFILE``,
+        ``ENFILE``, ``EAGAIN``, ``ENOMEM``), it logs, counts ``spawn_failures`` and returns
+        None: ``retry_due`` tries again later, backing off (0.25 s doubling up to 10 s)."""
+        try:
+            return self._spawn(slot)
+        except OSError as exc:
+            if exc.errno not in SPAWN_RETRY_ERRNOS:
+                raise
+            self.spawn_failures += 1
+            n = self._spawn_fails.get(slot, 0) + 1
+            self._spawn_fails[slot] = n
+            delay = min(10.0, 0.25 * 2 ** (n - 1))
+            self._retry_at[slot] = time.monotonic() + delay
+            log.error(
+                "cannot start worker %d: %s (%s; %d time(s) in a row); trying again in %.2g s",
+                slot,
+                exc.strerror or exc,
+                errno.errorcode.get(exc.errno or 0, "?"),
+                n,
+                delay,
+            )
+            return None
+
+    def retry_due(self, now: float) -> None:
+        """Start the workers whose start failed for want of resources, once it is time."""
+        for slot, when in list(self._retry_at.items()):
+            if slot in self.workers:  # started meanwhile
+                del self._retry_at[slot]
+            elif now >= when:
+                del self._retry_at[slot]
+                if self.spawn(slot) is not None:
+                    self._spawn_fails.pop(slot, None)
+                    log.warning("worker %d started after all", slot)
+
+    def _spawn(self, slot: int) -> WorkerHandle:
         cmd = [
             sys.executable,
             "-m",
@@ -109,8 +155,11 @@ class WorkerPool:
         ]
         if self.dataset_args is not None:
             cmd += ["--dataset-args", self.dataset_args]
+        pass_fds: tuple[int, ...] = ()
         if self.store is not None:
-            cmd += ["--store", self.store[0], "--store-bytes", str(self.store[1])]
+            index_fd, arena_fd, capacity = self.store
+            pass_fds = (index_fd, arena_fd)  # the same numbers in the worker
+            cmd += ["--store-fds", f"{index_fd},{arena_fd}", "--store-bytes", str(capacity)]
         if self.results_bind is not None:
             cmd += ["--results-bind", self.results_bind.format(slot=slot)]
             if self.local_results:
@@ -123,7 +172,9 @@ class WorkerPool:
             running = self._slots[slot] = RunningSlot.open(self.state_dir, slot)
         running.clear()
         self._error_file(slot).unlink(missing_ok=True)
-        proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, process_group=0)
+        proc = subprocess.Popen(
+            cmd, env=env, stdin=subprocess.DEVNULL, process_group=0, pass_fds=pass_fds
+        )
         try:
             pidfd: int | None = os.pidfd_open(proc.pid)
         except (AttributeError, OSError):
@@ -132,7 +183,7 @@ class WorkerPool:
         self.workers[slot] = handle
         self.started_total += 1
         self.version += 1
-        log.debug("started worker %d (pid %d)", slot, proc.pid)
+        log.info("started worker %d (pid %d)", slot, proc.pid)
         return handle
 
     def _error_file(self, slot: int) -> Path:

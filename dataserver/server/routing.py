@@ -103,6 +103,17 @@ class WorkerRouter:
         if entry is None:
             return
         session = self.scheduler.sessions.get(entry.session)
+        if isinstance(msg, ErrorMsg) and msg.kind == "control_missing" and session is not None:
+            # The worker no longer has the session's values (it keeps a bounded number of
+            # sessions'): they go to it again before the task does, instead of the client
+            # resending values this front believes the worker has, forever.
+            handle.controls.pop(entry.session, None)
+            entry.control_resends += 1
+            if entry.control_resends <= 3 and entry.control_seq == session.control_seq:
+                self.counters["controls_resent"] += 1
+                self.scheduler.live[(entry.session, entry.task_id)] = entry
+                self.scheduler.push(session, entry, front=True)
+                return
         if isinstance(msg, ErrorMsg) and msg.kind == "internal" and msg.retry:
             # The worker's loop dropped this task as it raised: once more, then the error.
             self.rejected["internal"] += 1
@@ -170,6 +181,8 @@ class WorkerRouter:
                 handle.identity = identity
                 handle.results = msg.results
                 handle.local = msg.local
+                if msg.store is False:  # it logged why; it serves, decoding every source
+                    self.counters["workers_without_store"] += 1
                 self.by_identity[identity] = handle
                 self.ready.append(handle)
                 self.pool.mark_ready(handle)
@@ -248,6 +261,8 @@ class WorkerRouter:
             if now >= when and not self.stopping:
                 del self._respawn_at[slot]
                 self.pool.spawn(slot)
+        if not self.stopping:
+            self.pool.retry_due(now)  # starts that failed for want of fds
 
     def _on_death(self, handle: WorkerHandle) -> None:
         code = handle.proc.returncode

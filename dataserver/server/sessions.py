@@ -16,6 +16,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+STEER_RATE = 100_000  # plan/control changes a second a session could make (a tight loop)
+STEER_SLACK = 1 << 16
+
 
 @dataclass(eq=False)
 class TaskEntry:
@@ -30,6 +33,8 @@ class TaskEntry:
     control_seq: int = 0  # the control values it needs
     attempts: int = 0  # workers that died running it (or dropped it as it raised)
     held_by: Any = None  # the worker handle it was given to, while it holds it
+    digest: bytes = b""  # of what it computes: a task asked again is the same task
+    control_resends: int = 0  # its worker lacked the session's values: sent again
 
 
 @dataclass(eq=False)
@@ -37,7 +42,8 @@ class Session:
     """One client's state on this server."""
 
     sid: bytes
-    identity: bytes  # the ROUTER routing id of its latest message
+    identity: bytes  # the ROUTER routing id replies go to: of its latest authentic message
+    secret: bytes = b""  # bound by the HELLO that opened it; every message must carry it
     version: int = 0  # newest plan_version seen; older queued tasks are cancelled
     control_seq: int = 0  # its control values, as of this sequence number
     control: dict[str, Any] = field(default_factory=dict)
@@ -45,6 +51,15 @@ class Session:
     queued_bytes: int = 0
     last_seen: float = field(default_factory=time.monotonic)
     in_ready: bool = False  # member of the scheduler's round robin
+    opened: float = field(default_factory=time.monotonic)
+    base: int = 0  # the larger of plan_version, control_seq its HELLO said it stood at
+
+    def reachable(self, value: int) -> bool:
+        """Whether a plan version or control sequence number of ``value`` is one this
+        session can have reached by now: where its HELLO said it stood, plus at most
+        ``STEER_RATE`` changes a second since (an honest client changes them once per
+        feedback, far below that)."""
+        return value <= self.base + STEER_SLACK + STEER_RATE * (time.monotonic() - self.opened)
 
 
 class Scheduler:
@@ -72,14 +87,15 @@ class Scheduler:
         self.queued = 0
         self.queued_bytes = 0
 
-    def open(self, sid: bytes, identity: bytes) -> Session | None:
-        """The session ``sid`` (new after a HELLO), now reachable at ``identity``; None when
-        it is new and ``max_sessions`` are open."""
+    def open(self, sid: bytes, identity: bytes, secret: bytes, base: int = 0) -> Session | None:
+        """The session ``sid`` (new after a HELLO, bound to ``secret``), now reachable at
+        ``identity``; None when it is new and ``max_sessions`` are open. The caller checks
+        that a HELLO for a known session carries its secret."""
         session = self.sessions.get(sid)
         if session is None:
             if len(self.sessions) >= self.max_sessions and not self._evict_one():
                 return None
-            session = self.sessions[sid] = Session(sid, identity)
+            session = self.sessions[sid] = Session(sid, identity, secret, base=base)
         session.identity = identity
         session.last_seen = time.monotonic()
         return session
@@ -93,14 +109,11 @@ class Scheduler:
         self.evicted += 1
         return True
 
-    def touch(self, sid: bytes | None, identity: bytes) -> Session | None:
-        """A message from session ``sid`` came from ``identity``: reply there, and it is
-        alive. None for a session this server does not know."""
-        session = self.sessions.get(sid) if sid is not None else None
-        if session is not None:
-            session.identity = identity
-            session.last_seen = time.monotonic()
-        return session
+    def touch(self, session: Session, identity: bytes) -> None:
+        """An authentic message of ``session`` came from ``identity``: reply there (a
+        client that reconnected has a new one), and it is alive."""
+        session.identity = identity
+        session.last_seen = time.monotonic()
 
     def over_limit(self, session: Session, nbytes: int) -> tuple[str, str] | None:
         """(reason, why) ``nbytes`` more may not be queued for ``session``, or None."""
@@ -115,9 +128,6 @@ class Scheduler:
                 f"queues hold {self.queued_bytes} bytes; at most {self.total_bytes}",
             )
         return None
-
-    def is_live(self, sid: bytes, task_id: int) -> bool:
-        return (sid, task_id) in self.live
 
     def admit(self, session: Session, entry: TaskEntry) -> None:
         """Queue a task a client sent."""

@@ -5,28 +5,38 @@ It serves three uses: epochs after the first (a hit skips the decode), several j
 the same dataset and image size (same key, same bytes), and zero-stall mode flips (the
 sources of the next batch, decoded once, serve whichever mode is decided).
 
-Layout: two files in a private directory (``/dev/shm`` when there is one):
+Layout: two anonymous shared memory files (``memfd``) that the front creates and every
+worker it starts inherits (``Store.create``, ``Store.attach``). They have no name on the
+host: nothing in ``/dev/shm`` to list, plant, sweep or delete (systemd's ``RemoveIPC``
+included); they live while a process of the server holds them. Both are sealed against
+shrinking and growing once sized, so no process can truncate them under a mapping (SIGBUS).
 
 - the *arena*, a ring of bytes: each entry's image planes (3, h, w) uint8, then its boxes
   (M, 4) float32 and labels (M,) int64, contiguous;
-- the *index*: a header (head position, ring size, a dirty flag), an open addressing hash
-  table of 64-byte entries (key, state, owner pid, position, shape), and a journal of
-  (position, key) in ring order, from which the oldest entries are evicted.
+- the *index*: a header (magic, capacity, head position, ring size, a dirty flag), an open
+  addressing hash table of 64-byte entries (key, state, owner pid, position, shape), and a
+  journal of (position, key) in ring order, from which the oldest entries are evicted.
 
 Entries are written at the ring's head; room is made by evicting the oldest entries (an
 entry read while in the oldest quarter of the ring is first copied to the head: LRU,
 approximately). Positions are monotonic byte counts, so "the bytes of this entry are
 intact" is ``head - ring <= position``. The arena's pages are reserved (``fallocate``)
-64 MiB at a time as the head first reaches them; if shared memory runs out, the ring
-stops growing there instead of the process dying on a write to a page that cannot be had.
+64 MiB at a time as the head first reaches them; if a reservation fails, the ring stops
+growing there instead of the process dying on a write to a page that cannot be had.
 
-Concurrency: one ``flock`` on the index file serialises every change and lookup; readers
-compose straight from the ring without the lock and check afterwards (``intact``) that the
-head has not passed over what they read. A source being made by one worker is marked
-PENDING with its pid; another worker that needs it waits rather than decoding it twice
-(unless the owner died). A process killed in the middle of a change leaves the dirty flag
-set; the next one to take the lock empties the index (a cache may lose entries; a torn
-table it may not keep).
+Concurrency: one ``flock`` on the index serialises every change and lookup. A lock belongs
+to an open file description, which inherited descriptors share, so each handle opens the
+index afresh (``/proc/self/fd``). Readers compose straight from the ring without the lock
+and check afterwards (``intact``) that the head has not passed over what they read. A
+source being made by one worker is marked PENDING with its pid; another worker that needs
+it waits rather than decoding it twice (unless the owner died: every worker is a child of
+the one front, in its pid namespace). A process killed in the middle of a change leaves the
+dirty flag set; the next one to take the lock empties the index (a cache may lose entries;
+a torn table it may not keep).
+
+Size: memfd pages are not bounded by ``/dev/shm``'s size but by memory (and the memory
+cgroup: past its limit a reservation is met by the OOM killer, not an error), so the front
+sizes the store from what memory there is (``memory_room``).
 """
 
 from __future__ import annotations
@@ -37,6 +47,7 @@ import hashlib
 import logging
 import mmap
 import os
+import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -120,12 +131,6 @@ def _layout(capacity: int) -> tuple[int, int]:
     return entries, index_bytes
 
 
-def default_dir() -> Path | None:
-    """``/dev/shm`` where there is a writable one."""
-    shm = Path("/dev/shm")
-    return shm if shm.is_dir() and os.access(shm, os.W_OK) else None
-
-
 @dataclass
 class StoreStats:
     hits: int = 0
@@ -136,23 +141,73 @@ class StoreStats:
     torn: int = 0  # reads written over while being used (composed again)
 
 
-class Store:
-    """One process's view of a server's store."""
+class StoreUnusable(ValueError):
+    """What a process was handed is not a store it can map (named in the message)."""
 
-    def __init__(self, prefix: str, capacity: int, create: bool = False) -> None:
-        self.prefix = prefix
+
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+
+def _memfd(name: str, size: int) -> int:
+    """A new anonymous shared memory file of ``size`` bytes, sealed at that size."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _reopen(fd: int, size: int, what: str) -> int:
+    """A new open file description of the memfd ``fd`` (its own ``flock``), after checking
+    that ``fd`` is one: a regular file of ``size`` bytes, sealed against resizing."""
+    try:
+        st = os.fstat(fd)
+    except OSError as exc:
+        raise StoreUnusable(f"store {what}: fd {fd}: {exc.strerror}") from None
+    # Checked before the open below, which would block on a FIFO.
+    if not stat.S_ISREG(st.st_mode) or st.st_size != size:
+        raise StoreUnusable(f"store {what}: fd {fd} is not a regular file of {size} bytes")
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:
+        seals = 0  # not a memfd (or a tmpfs file: no seals either)
+    if seals & SEALS != SEALS:
+        raise StoreUnusable(f"store {what}: fd {fd} is not sealed against resizing")
+    try:
+        new = os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError as exc:
+        raise StoreUnusable(f"store {what}: cannot open fd {fd} again: {exc.strerror}") from None
+    again = os.fstat(new)
+    if (again.st_dev, again.st_ino) != (st.st_dev, st.st_ino):  # fd changed meanwhile
+        os.close(new)
+        raise StoreUnusable(f"store {what}: fd {fd} changed while it was opened")
+    return new
+
+
+class Store:
+    """One process's view of a server's store: ``create`` (the front) or ``attach`` (its
+    workers, and the front's metrics). Closing a handle never removes the store: it goes
+    with the last descriptor of it, in whichever process of the server that is."""
+
+    def __init__(self, index_fd: int, arena_fd: int, capacity: int, create: bool = False) -> None:
+        """Map the store whose memfds are ``index_fd``, ``arena_fd`` (this handle owns and
+        closes them). Raises ``StoreUnusable`` if its header is not that of a store of
+        ``capacity`` bytes."""
         self.capacity = capacity
         self.entries, index_bytes = _layout(capacity)
         self.stats = StoreStats()
-        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-        self._index_fd = os.open(prefix + ".index", flags, 0o600)
-        self._arena_fd = os.open(prefix + ".arena", flags, 0o600)
-        if create:
-            os.ftruncate(self._index_fd, index_bytes)
-            os.posix_fallocate(self._index_fd, 0, index_bytes)
-            os.ftruncate(self._arena_fd, capacity)
-        self._index_map = mmap.mmap(self._index_fd, index_bytes)
-        self._arena_map = mmap.mmap(self._arena_fd, capacity)
+        self._index_fd = index_fd
+        self._arena_fd = arena_fd
+        try:
+            self._index_map = mmap.mmap(index_fd, index_bytes)
+            self._arena_map = mmap.mmap(arena_fd, capacity)
+        except BaseException:
+            os.close(index_fd)
+            os.close(arena_fd)
+            raise
         buf = memoryview(self._index_map)
         self.header = np.frombuffer(buf, _HEADER, 1, 0)
         off = _HEADER.itemsize
@@ -164,23 +219,53 @@ class Store:
         if create:
             h["magic"], h["capacity"], h["entries"] = MAGIC, capacity, self.entries
             h["ring"], h["owner"] = capacity, os.getpid()
-        elif int(h["magic"]) != MAGIC or int(h["capacity"]) != capacity:
-            raise ValueError(f"{prefix}: not a store of {capacity} bytes")
+        elif (int(h["magic"]), int(h["capacity"]), int(h["entries"])) != (
+            MAGIC,
+            capacity,
+            self.entries,
+        ):
+            self.close()
+            raise StoreUnusable(f"not a store of {capacity} bytes (magic, capacity or size)")
         self._pid = os.getpid()
 
     @classmethod
-    def create(cls, directory: Path, name: str, capacity: int) -> Store:
-        """A new, empty store; stores left by fronts that died are removed first."""
-        sweep(directory)
-        return cls(str(directory / name), capacity, create=True)
+    def create(cls, capacity: int) -> Store:
+        """A new, empty store of ``capacity`` bytes. The index's pages are reserved now;
+        the arena's as the ring first reaches them. Its descriptors (``fds``) are for the
+        processes this one starts (``pass_fds``): keep this handle open while any may."""
+        _, index_bytes = _layout(capacity)
+        index_fd = _memfd("dataserver-store-index", index_bytes)
+        try:
+            os.posix_fallocate(index_fd, 0, index_bytes)
+            arena_fd = _memfd("dataserver-store-arena", capacity)
+        except BaseException:
+            os.close(index_fd)
+            raise
+        return cls(index_fd, arena_fd, capacity, create=True)
 
-    def unlink(self) -> None:
-        for suffix in (".index", ".arena"):
-            Path(self.prefix + suffix).unlink(missing_ok=True)
+    @classmethod
+    def attach(cls, index_fd: int, arena_fd: int, capacity: int) -> Store:
+        """Another handle on the store whose memfds are ``index_fd``, ``arena_fd`` (as
+        inherited from the front, or the front's own), checked first: regular files of
+        the store's sizes, sealed, with a store's header. The given descriptors are left
+        open; the handle has its own. Raises ``StoreUnusable`` naming what is wrong."""
+        _, index_bytes = _layout(capacity)
+        index = _reopen(index_fd, index_bytes, "index")
+        try:
+            arena = _reopen(arena_fd, capacity, "arena")
+        except BaseException:
+            os.close(index)
+            raise
+        return cls(index, arena, capacity)
+
+    @property
+    def fds(self) -> tuple[int, int]:
+        """The (index, arena) descriptors, for ``attach`` in this or a child process."""
+        return self._index_fd, self._arena_fd
 
     def close(self) -> None:
         """Unmap (once no view of a source read from it is alive: until then, the maps
-        stay, and go with the last view) and close the files."""
+        stay, and go with the last view) and close the descriptors."""
         del self.header, self.table, self.journal, self.arena
         for m in (self._index_map, self._arena_map):
             try:
@@ -196,7 +281,7 @@ class Store:
         fcntl.flock(self._index_fd, fcntl.LOCK_EX)
         h = self.header[0]
         if int(h["dirty"]):  # a process died mid-change: start afresh
-            log.warning("store %s: a process died while changing it; emptied", self.prefix)
+            log.warning("store: a process died while changing it; emptied")
             self.table[:] = 0
             self.journal[:] = 0
             h["journal_head"] = h["journal_tail"] = 0
@@ -265,22 +350,17 @@ class Store:
             try:
                 os.posix_fallocate(self._arena_fd, reserved, size)
             except OSError as exc:
-                if exc.errno == errno.ENOSPC and size > (1 << 20):
+                if exc.errno not in (errno.ENOSPC, errno.ENOMEM):
+                    raise
+                if size > (1 << 20):
                     size //= 2
                     continue
-                if exc.errno == errno.ENOSPC:
-                    log.warning(
-                        "store %s: shared memory ran out at %d MiB; the store is that big",
-                        self.prefix,
-                        reserved >> 20,
-                    )
-                    h["ring"] = max(reserved, 1)
-                    h["reserved"] = reserved
-                    return
-                if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                    raise
-                reserved = self.capacity  # cannot reserve here (not tmpfs): write as we go
-                break
+                log.warning(
+                    "store: shared memory ran out at %d MiB; the store is that big", reserved >> 20
+                )
+                h["ring"] = max(reserved, 1)
+                h["reserved"] = reserved
+                return
             reserved += size
         h["reserved"] = reserved
 
@@ -577,16 +657,48 @@ class Store:
             self._unlock()
 
 
-def sweep(directory: Path) -> None:
-    """Remove stores whose front is gone (left behind by a front killed with SIGKILL)."""
-    for index in directory.glob("dataserver-*.index"):
-        try:
-            with open(index, "rb") as f:
-                raw = f.read(_HEADER.itemsize)
-            header = np.frombuffer(raw, _HEADER, 1)[0]
-            if int(header["magic"]) != MAGIC or pid_alive(int(header["owner"])):
-                continue
-        except (OSError, ValueError):
+def _cgroup_rooms() -> list[int]:
+    """What each memory cgroup limit above this process leaves free (v1 and v2)."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return []
+    rooms = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2
+            bases = [Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/unified")]
+            limit_name, usage_name = "memory.max", "memory.current"
+        elif "memory" in controllers.split(","):
+            bases = [Path("/sys/fs/cgroup/memory")]
+            limit_name, usage_name = "memory.limit_in_bytes", "memory.usage_in_bytes"
+        else:
             continue
-        for suffix in (".index", ".arena"):
-            index.with_suffix(suffix).unlink(missing_ok=True)
+        for base in bases:
+            d = base / path.lstrip("/")
+            while True:  # the cgroup and every one above it
+                try:
+                    limit = (d / limit_name).read_text().strip()
+                    usage = int((d / usage_name).read_text())
+                    if limit != "max" and int(limit) < 1 << 60:
+                        rooms.append(max(0, int(limit) - usage))
+                except (OSError, ValueError):
+                    pass
+                if d == base:
+                    break
+                d = d.parent
+    return rooms
+
+
+def memory_room() -> int | None:
+    """Bytes of memory this host and every memory cgroup this process is in have free (the
+    least of ``MemAvailable`` and each limit's headroom), or None where none can be read.
+    A store's pages count there, not against ``/dev/shm``'s size."""
+    rooms = _cgroup_rooms()
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                rooms.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError, IndexError):
+        pass
+    return min(rooms, default=None)

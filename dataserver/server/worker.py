@@ -14,33 +14,35 @@ needs them), not in every task.
 Before it runs a task it writes the task's key into a small shared file the front reads if
 this process dies (``running.py``), so only the task it was running is blamed. If it cannot
 start (its dataset fails to build here), it writes the reason for the front and exits 3.
+
+Clients on this host hand it their landing buffers (``dataserver/landing.py``) on a unix
+socket beside its ipc result endpoint, polled with the task socket; a task that names one
+is composed straight into it, and its seal records written, before the RESULT says so.
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
-import hashlib
 import logging
 import os
 import signal
 import sys
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import cv2
-import msgpack
 import numpy as np
 import zmq
 
 from dataserver.data.pipeline import Source, compose_into, flip_of, prepare
 from dataserver.data.sample import SampleError
 from dataserver.data.spec import build_dataset, parse_spec
-from dataserver.landing import Landings
-from dataserver.loop import MessageGuard, inject, is_shutdown
+from dataserver.landing import landing_socket
+from dataserver.loop import MessageGuard, fault, inject, is_shutdown
 from dataserver.protocol import (
     MAX_TASK_IMAGES,
     MAX_TILES,
@@ -55,7 +57,10 @@ from dataserver.protocol import (
     Task,
     decode,
 )
+from dataserver.security import reply_id
+from dataserver.server.controls import ControlMissing, ControlStates
 from dataserver.server.direct import DirectResults
+from dataserver.server.landings import Landings
 from dataserver.server.memory import keep_large_blocks
 from dataserver.server.running import RunningSlot
 from dataserver.server.store import Store, index_keys, store_key
@@ -64,7 +69,6 @@ log = logging.getLogger("dataserver.worker")
 
 PR_SET_PDEATHSIG = 1
 EXIT_START_FAILED = 3
-SESSIONS_KEPT = 1024  # control values of this many sessions are remembered
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -75,12 +79,6 @@ def _die_with_parent(parent_pid: int) -> None:
         return
     if os.getppid() != parent_pid:  # the front died before prctl took effect
         os._exit(1)
-
-
-def control_key(values: dict[str, Any]) -> str:
-    """What identifies a set of control values in a store key."""
-    packed = msgpack.packb(values, use_bin_type=True)
-    return hashlib.blake2b(packed, digest_size=8).hexdigest()
 
 
 class Worker:
@@ -100,8 +98,11 @@ class Worker:
         max_queued_bytes: int = 256 << 20,
         state_dir: str | None = None,
         local_results: bool = False,
+        fresh: Callable[[], Any] | None = None,
+        store_wanted: bool = False,
     ) -> None:
         self.worker_id = worker_id
+        self.store_wanted = store_wanted  # the front gave it a store (usable or not)
         self.state_dir = state_dir
         self.local_results = local_results
         self.backend = backend
@@ -115,13 +116,10 @@ class Worker:
         self.max_queued_bytes = max_queued_bytes
         self.counters: Counter[str] = Counter()
         self.guard = MessageGuard(log, self.counters)
-        self._setter = getattr(dataset, "set_control", None)
-        self._controls: OrderedDict[bytes, tuple[int, dict[str, Any]]] = OrderedDict()
-        self._applied: tuple[bytes, int] | None = None  # (session, control_seq) last applied
+        self.controls = ControlStates(dataset, fresh)
         self._current: Task | None = None  # the task being handled
         self._stop = False
-        self.landings = Landings()
-        self._tasks = 0
+        self.landings = Landings(self.counters)
 
     def run(self) -> None:
         ctx = zmq.Context(io_threads=1)
@@ -141,22 +139,51 @@ class Worker:
             pid=os.getpid(),
             results=results.endpoint if results is not None else "",
             local=results.local if results is not None else "",
+            store=(self.store is not None) if self.store_wanted else None,
         )
+        landing = landing_socket(results.local) if results is not None else None
+        if landing is not None:
+            try:
+                self.landings.listen(landing)
+            except OSError as exc:  # clients on this host then get their pixels by socket
+                log.warning("worker %d: no landing socket at %s: %s", self.worker_id, landing, exc)
         try:
             sock.connect(self.backend)
             sock.send_multipart(ready.encode())
             self.guard.report = lambda site, exc: self._report(sock, site, exc)
-            while not self._stop:
-                frames = sock.recv_multipart(copy=False)
-                self.guard.run("worker.message", self._on_frames, frames, sock, results)
+            self._serve(sock, results)
         except zmq.ZMQError as exc:
             if not is_shutdown(exc):
                 raise
         finally:
+            self.landings.close()
             sock.close(linger=0)
             if results is not None:
                 results.close(linger_ms=1000 if self._stop else 0)
             ctx.term()
+
+    def _serve(self, sock: zmq.Socket[Any], results: DirectResults | None) -> None:
+        """The loop: messages from the front, and landing hand-overs (polled together, so
+        neither waits for the other; a hand-over that came with a task is taken first)."""
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        watched: set[int] = set()
+        while not self._stop:
+            fds = set(self.landings.fds())
+            for fd in watched - fds:
+                poller.unregister(fd)
+            for fd in fds - watched:
+                poller.register(fd, zmq.POLLIN)
+            watched = fds
+            events = dict(poller.poll(1000))
+            for fd in watched & events.keys():
+                self.guard.run("worker.landing", self.landings.on_readable, fd)
+            if sock in events:
+                try:
+                    frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    continue
+                self.guard.run("worker.message", self._on_frames, frames, sock, results)
 
     def _report(self, sock: zmq.Socket[Any], site: str, exc: BaseException) -> None:
         """Tell the front a message was dropped (it counts it as internal); when it was a
@@ -186,10 +213,7 @@ class Worker:
             log.error("worker %d: dropped a bad message from the front: %s", self.worker_id, exc)
             return
         if isinstance(msg, Control):
-            self._controls[msg.session] = (msg.control_seq, msg.control)
-            self._controls.move_to_end(msg.session)
-            if len(self._controls) > SESSIONS_KEPT:
-                self._controls.popitem(last=False)
+            self.controls.learn(msg.session, msg.control_seq, msg.control)
             return
         if isinstance(msg, Bye):
             self._stop = True
@@ -204,11 +228,8 @@ class Worker:
             out.task_us = (time.perf_counter_ns() - start) // 1000
         if isinstance(out, Result) and out.landed:
             self.counters["results_landed"] += 1
-        self._tasks += 1
-        if self._tasks % 256 == 0:
-            self.landings.purge()
-        if isinstance(out, Result) and results is not None:
-            sent = results.send(out)
+        if isinstance(out, Result) and results is not None and msg.auth is not None:
+            sent = results.send(out, reply_id(msg.auth))
             if sent is True:
                 done = Done(
                     session=out.session,
@@ -246,21 +267,6 @@ class Worker:
             if self.running is not None:
                 self.running.clear()
 
-    def _apply_control(self, task: Task) -> str:
-        """Give the dataset the control values ``task`` needs; return their store key."""
-        if task.control_seq == 0:
-            values: dict[str, Any] = {}
-        else:
-            known = self._controls.get(task.session)
-            if known is None or known[0] != task.control_seq:
-                raise LookupError(f"control values {task.control_seq} of this session never came")
-            values = known[1]
-        key = (task.session, task.control_seq)
-        if callable(self._setter) and key != self._applied:
-            self._setter(dict(values))
-        self._applied = key
-        return control_key(values) if callable(self._setter) else ""
-
     def run_task(self, task: Task) -> Message:
         """Run one TASK; return its RESULT or ERROR (never raises)."""
         ids: dict[str, Any] = {
@@ -273,8 +279,8 @@ class Worker:
             msg = f"index {bad[0]} out of range: the dataset has {self.size} samples"
             return ErrorMsg(message=msg, kind="request", index=bad[0], **ids)
         try:
-            ckey = self._apply_control(task)
-        except LookupError as exc:
+            dataset, ckey = self.controls.for_task(task.session, task.control_seq)
+        except ControlMissing as exc:
             return ErrorMsg(message=str(exc), kind="control_missing", **ids)
         except Exception as exc:
             msg = f"dataset.set_control raised {type(exc).__name__}: {exc}"
@@ -282,14 +288,22 @@ class Worker:
         shape = (len(task.images), 3, task.out_hw[0], task.out_hw[1])
         try:
             with self.landings.target(
-                task.land_path,
+                task.session,
                 task.land_token,
                 task.land_region,
                 task.land_gen,
                 task.land_offset,
                 shape,
             ) as dest:
-                return self._compose(task, ckey, ids, dest)
+                if dest is None:
+                    return self._compose(task, dataset, ckey, ids, None)
+                if fault("worker.lie_landed"):  # tests: claim it landed, write nothing
+                    result = self._compose(task, dataset, ckey, ids, None)
+                    result.pixels, result.landed = None, True
+                    return result
+                result = self._compose(task, dataset, ckey, ids, dest.pixels)
+                dest.seal(task.task_id)  # composed: the client may now believe "landed"
+                return result
         except SampleError as exc:
             return ErrorMsg(
                 message=str(exc)[:4000], kind="sample", index=exc.index, file=exc.file, **ids
@@ -300,7 +314,7 @@ class Worker:
             return ErrorMsg(message=msg[:4000], kind="internal", **ids)
 
     def _compose(
-        self, task: Task, ckey: str, ids: dict[str, Any], dest: np.ndarray | None
+        self, task: Task, dataset: Any, ckey: str, ids: dict[str, Any], dest: np.ndarray | None
     ) -> Result:
         """Compose ``task`` into ``dest`` (the client's landing buffer) or a new canvas."""
         fit_hw = (task.fit_hw[0], task.fit_hw[1])
@@ -320,7 +334,7 @@ class Worker:
                 self.running.image(image_of.get(index, 0))
             start = time.perf_counter_ns()
             try:
-                return prepare(self.dataset, index, fit_hw)
+                return prepare(dataset, index, fit_hw)
             finally:
                 timings.append((time.perf_counter_ns() - start) // 1000)
 
@@ -398,6 +412,31 @@ def _start_failed(state_dir: str | None, slot: int, exc: BaseException) -> int:
     return EXIT_START_FAILED
 
 
+def inherited_store(fds: str | None, capacity: int, slot: int) -> Store | None:
+    """The store whose memfds the front passed down (``INDEX,ARENA``), checked; None when
+    there is none or it is unusable (logged: this worker serves without it, and its READY
+    says so). Never an exit: a worker that could not start would be replaced, and fail
+    the same way, in a loop."""
+    if fds is None:
+        return None
+    try:
+        index_fd, arena_fd = (int(n) for n in fds.split(","))
+    except ValueError:
+        log.error("worker %d: --store-fds %r is not INDEX,ARENA; serving without", slot, fds)
+        return None
+    try:
+        store = Store.attach(index_fd, arena_fd, capacity)
+    except (OSError, ValueError) as exc:
+        log.error("worker %d: the server's store is unusable (%s); serving without", slot, exc)
+        store = None
+    for fd in (index_fd, arena_fd):  # its handle has its own descriptors
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    return store
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dataserver-worker")
     parser.add_argument("--backend", required=True)
@@ -406,7 +445,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dataset", required=True)
     parser.add_argument("--dataset-args", default=None)
     parser.add_argument("--fingerprint", default="")
-    parser.add_argument("--store", default=None, help="the store's path prefix")
+    parser.add_argument(
+        "--store-fds", default=None, help="INDEX,ARENA: the store's memfds, inherited"
+    )
     parser.add_argument("--store-bytes", type=int, default=0)
     parser.add_argument("--max-queued-mb", type=int, default=256)
     parser.add_argument("--results-bind", default=None)
@@ -425,13 +466,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         dataset = build_dataset(parse_spec(args.dataset, args.dataset_args))
         len(dataset)
-        store = Store(args.store, args.store_bytes) if args.store else None
     except Exception as exc:
         return _start_failed(args.state_dir, args.worker_id, exc)
     curve = None
     if args.curve_secret_key and args.curve_authorized_keys:
         curve = (args.curve_secret_key, args.curve_authorized_keys)
     running = RunningSlot.open(args.state_dir, args.worker_id) if args.state_dir else None
+    store = inherited_store(args.store_fds, args.store_bytes, args.worker_id)
     Worker(
         args.worker_id,
         args.backend,
@@ -444,6 +485,8 @@ def main(argv: list[str] | None = None) -> int:
         args.max_queued_mb << 20,
         args.state_dir,
         args.local_results,
+        fresh=lambda: build_dataset(parse_spec(args.dataset, args.dataset_args)),
+        store_wanted=args.store_fds is not None,
     ).run()
     return 0
 

@@ -199,3 +199,31 @@ class FailsInWorker:
 
 def fails_in_worker(n: int = 16) -> FailsInWorker:
     return FailsInWorker(n)
+
+
+class Merge:
+    """A dataset whose ``set_control`` merges values into its state, as trainers write them
+    (``dataset.tint = ...``): image i's value is i's colour plus the state's ``tint``, its
+    label 1 + ``label_shift``. A sample depends on every value ever merged in: what a worker
+    shared by several sessions must not let one session's values reach another's samples."""
+
+    def __init__(self, n: int = 64) -> None:
+        self.n = n
+        self.state: dict[str, Any] = {"tint": 0, "label_shift": 0}
+
+    def set_control(self, values: dict[str, Any]) -> None:
+        self.state.update(values)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        image = np.empty((40, 48, 3), dtype=np.uint8)
+        r, g, b = colour_of(index)
+        image[:] = ((r + int(self.state["tint"])) % 256, g, b)
+        box = np.array([[4, 4, 30, 30]], np.float32)
+        return {"image": image, "boxes": box, "labels": np.array([1 + self.state["label_shift"]])}
+
+
+def merge(n: int = 64) -> Merge:
+    return Merge(n)

@@ -1,0 +1,120 @@
+"""A worker's control states: what each session told its dataset, kept apart.
+
+A dataset's ``set_control(values)`` changes the dataset object itself, and one worker serves
+every session of its server. If the worker applied each session's values to one shared
+object, a sample would depend on whatever session last spoke (two jobs with a merge-style
+``set_control`` got each other's pixels). So a sample is built by a dataset object whose
+state is a function of its own session's values only:
+
+- a session that never set values (control_seq 0) uses the dataset as built, never given
+  any values (the *pristine* object);
+- a session at values V uses an object made from the pristine one (``copy.deepcopy``, or,
+  for a dataset that cannot be copied, a new one built from its spec) and then given
+  ``set_control(V)`` once. V is the session's whole control state (the client merges
+  ``control(**values)`` calls and sends the result), so that object is "the dataset as
+  built, told V": the known start the issue asks for, whatever other sessions did.
+
+Objects are keyed by the digest of V (two sessions with equal values share one), at most
+``keep`` of them (least recently used go); each costs one copy of the dataset object in
+this worker. A dataset without ``set_control`` is used as built for everyone, and copied
+never.
+
+Values arrive once per change (CONTROL, forwarded by the front before a task that needs
+them) and are remembered for the last ``sessions`` sessions; a task of a session whose
+values this worker no longer has is answered ``control_missing``, and the front sends the
+values again before it reruns the task (``routing.py``).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import logging
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import msgpack
+
+log = logging.getLogger("dataserver.worker")
+
+STATES_KEPT = 4
+SESSIONS_KEPT = 1024
+
+
+def control_key(values: dict[str, Any]) -> str:
+    """What identifies a set of control values (in store keys and here)."""
+    packed = msgpack.packb(values, use_bin_type=True)
+    return hashlib.blake2b(packed, digest_size=8).hexdigest()
+
+
+class ControlMissing(LookupError):
+    """A task names control values this worker does not have (never came, or forgotten)."""
+
+
+class ControlStates:
+    """The dataset objects of one worker, one per control state in use."""
+
+    def __init__(
+        self,
+        pristine: Any,
+        fresh: Callable[[], Any] | None = None,
+        keep: int = STATES_KEPT,
+        sessions: int = SESSIONS_KEPT,
+    ) -> None:
+        self.pristine = pristine
+        self._fresh = fresh
+        self.keep = keep
+        self.sessions = sessions
+        self.steerable = callable(getattr(pristine, "set_control", None))
+        self._values: OrderedDict[bytes, tuple[int, dict[str, Any]]] = OrderedDict()
+        self._states: OrderedDict[str, Any] = OrderedDict()
+        self.made = 0  # dataset objects made for a control state (copies or rebuilds)
+
+    def learn(self, session: bytes, control_seq: int, values: dict[str, Any]) -> None:
+        """Session ``session``'s values as of ``control_seq``."""
+        self._values[session] = (control_seq, values)
+        self._values.move_to_end(session)
+        while len(self._values) > self.sessions:
+            self._values.popitem(last=False)
+
+    def forget(self, session: bytes) -> None:
+        self._values.pop(session, None)
+
+    def for_task(self, session: bytes, control_seq: int) -> tuple[Any, str]:
+        """(dataset object, control key) for a task of ``session`` at ``control_seq``.
+        Raises ``ControlMissing`` when this worker lacks those values, and whatever the
+        dataset's ``set_control`` raises."""
+        if not self.steerable:
+            return self.pristine, ""
+        if control_seq == 0:
+            return self.pristine, control_key({})
+        known = self._values.get(session)
+        if known is None or known[0] != control_seq:
+            raise ControlMissing(f"control values {control_seq} of this session are not here")
+        self._values.move_to_end(session)
+        values = known[1]
+        key = control_key(values)
+        if not values:
+            return self.pristine, key
+        state = self._states.get(key)
+        if state is None:
+            state = self._make()
+            state.set_control(dict(values))
+            self._states[key] = state
+            while len(self._states) > self.keep:
+                self._states.popitem(last=False)
+        else:
+            self._states.move_to_end(key)
+        return state, key
+
+    def _make(self) -> Any:
+        """A dataset object in the state the pristine one was built in."""
+        self.made += 1
+        try:
+            return copy.deepcopy(self.pristine)
+        except Exception as exc:
+            if self._fresh is None:
+                raise
+            log.info("dataset cannot be copied (%s); building one per control state", exc)
+            return self._fresh()

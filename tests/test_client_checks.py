@@ -1,0 +1,367 @@
+"""Issue 15, point 5: the client checks what it is told. A lying server (a fake one here, a
+ZeroMQ ROUTER speaking the protocol with ``dataserver.protocol``'s encoders) next to a real
+``dataserver serve``: its wrong answers are a protocol error against it (dropped for good,
+its tasks asked again of the real one, the epoch delivered exactly once); alone, the
+client fails within its timeout naming it and what was wrong. A tampered ``state_dict`` is
+refused at load time, naming the field."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import zmq
+from conftest import Server
+
+from dataserver.protocol import Bye, Heartbeat, Hello, Result, Task, Welcome, decode
+from dataserver_client import DataServerClient, DataServerError
+from dataserver_client.resume import RANK_KEYS
+
+pytestmark = pytest.mark.timeout(180)
+
+N = 48
+KW: dict[str, Any] = dict(batch_size=4, image_size=(32, 32), device="cpu", shared_memory=False)
+
+# What a fake server answers to one TASK: (images, box_counts, failed, boxes, labels).
+Answer = tuple[tuple[tuple[int, ...], ...], tuple[int, ...], tuple[tuple[int, str], ...], Any, Any]
+
+
+def honest(task: Task) -> Answer:
+    """What a real server would say (pixels aside): every source kept, one box each."""
+    n = len(task.images)
+    h, w = task.out_hw
+    boxes = np.tile(np.array([[1, 1, w / 2, h / 2]], np.float32), (n, 1))
+    return task.images, (1,) * n, (), boxes, np.ones(n, np.int64)
+
+
+def claims_failed(task: Task) -> Answer:
+    """Says the first source of the task failed, though the task said on_error="raise"."""
+    first = task.images[0][0]
+    images = tuple(tuple(i for i in img if i != first) for img in task.images)
+    _, counts, _, boxes, labels = honest(task)
+    return images, counts, ((first, f"sample {first} (img{first}.jpg): corrupt"),), boxes, labels
+
+
+def nan_boxes(task: Task) -> Answer:
+    images, counts, failed, boxes, labels = honest(task)
+    boxes[0, 2] = np.nan
+    return images, counts, failed, boxes, labels
+
+
+def negative_label(task: Task) -> Answer:
+    images, counts, failed, boxes, labels = honest(task)
+    labels[-1] = -5
+    return images, counts, failed, boxes, labels
+
+
+def box_outside(task: Task) -> Answer:
+    images, counts, failed, boxes, labels = honest(task)
+    boxes[0] = (0, 0, task.out_hw[1] + 40, 3)
+    return images, counts, failed, boxes, labels
+
+
+def wrong_indices(task: Task) -> Answer:
+    """Answers with other samples than those asked (each index + 1)."""
+    _, counts, failed, boxes, labels = honest(task)
+    images = tuple(tuple((i + 1) % N for i in img) for img in task.images)
+    return images, counts, failed, boxes, labels
+
+
+class FakeServer:
+    """A server that answers HELLO with a WELCOME (``dataset_len``/``fingerprint`` as told),
+    heartbeats with heartbeats, and every TASK with ``answer(task)`` (zero pixels)."""
+
+    def __init__(
+        self,
+        answer: Callable[[Task], Answer],
+        dataset_len: int = N,
+        fingerprint: str = "fake",
+    ) -> None:
+        self.answer = answer
+        self.dataset_len = dataset_len
+        self.fingerprint = fingerprint
+        self.ctx: zmq.Context[Any] = zmq.Context()
+        self.data = self.ctx.socket(zmq.ROUTER)
+        self.control = self.ctx.socket(zmq.SUB)
+        for s in (self.data, self.control):
+            s.setsockopt(zmq.LINGER, 0)
+        self.address = f"tcp://127.0.0.1:{self.data.bind_to_random_port('tcp://127.0.0.1')}"
+        cport = self.control.bind_to_random_port("tcp://127.0.0.1")
+        self.control_endpoint = f"tcp://127.0.0.1:{cport}"
+        self.tasks = 0
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                if self.data.poll(50):
+                    frames = self.data.recv_multipart()
+                    self._on(frames[0], decode(frames[1:]))
+        except BaseException as exc:  # reported by close()
+            self.error = exc
+        finally:
+            self.data.close(linger=0)
+            self.control.close(linger=0)
+            self.ctx.term()
+
+    def _on(self, peer: bytes, msg: Any) -> None:
+        reply: list[Any] | None = None
+        if isinstance(msg, Hello):
+            reply = Welcome(
+                session=msg.session,
+                server_id="fake-server",
+                dataset_len=self.dataset_len,
+                fingerprint=self.fingerprint,
+                workers=2,
+                credit=4,
+                control=self.control_endpoint,
+            ).encode()
+        elif isinstance(msg, Heartbeat):
+            reply = Heartbeat(server_id="fake-server").encode()
+        elif isinstance(msg, Task):
+            self.tasks += 1
+            images, counts, failed, boxes, labels = self.answer(msg)
+            reply = Result(
+                session=msg.session,
+                task_id=msg.task_id,
+                plan_version=msg.plan_version,
+                images=images,
+                box_counts=counts,
+                failed=failed,
+                pixels=np.zeros((len(msg.images), 3, *msg.out_hw), np.uint8),
+                boxes=np.asarray(boxes, np.float32).reshape(-1, 4),
+                labels=np.asarray(labels, np.int64),
+            ).encode()
+        elif isinstance(msg, Bye):
+            return
+        if reply is not None:
+            self.data.send_multipart([peer, *reply], copy=False)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        assert self.error is None, f"the fake server failed: {self.error!r}"
+
+
+@pytest.fixture(scope="module")
+def real() -> Iterator[Server]:
+    server = Server("--dataset", f"synthetic:images={N},seed=5", workers=2)
+    yield server
+    server.stop()
+
+
+def welcome_of(address: str) -> Welcome:
+    """A real server's WELCOME (the fake announces its dataset, to be used beside it)."""
+    ctx: zmq.Context[Any] = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(address)
+        sock.send_multipart(Hello(session=b"checks-probe-000", auth=b"a" * 32).encode())
+        assert sock.poll(10_000), f"no WELCOME from {address}"
+        msg = decode(sock.recv_multipart())
+        assert isinstance(msg, Welcome)
+        sock.send_multipart(Bye(session=b"checks-probe-000", auth=b"a" * 32).encode())
+        return msg
+    finally:
+        sock.close(linger=0)
+
+
+def fake_beside(real: Server, answer: Callable[[Task], Answer]) -> FakeServer:
+    w = welcome_of(real.address)
+    return FakeServer(answer, w.dataset_len, w.fingerprint)
+
+
+def epoch(client: DataServerClient, number: int = 0) -> list[Any]:
+    client.set_epoch(number)
+    return list(client)
+
+
+def check_exactly_once_from_real(client: DataServerClient, fake: FakeServer) -> None:
+    """One whole epoch, each sample once, every box finite inside its image, every label a
+    class id; the fake was used, then dropped, and nothing of it reached the trainer."""
+    batches = epoch(client)
+    assert sorted(i for b in batches for idx in b.indices for i in idx) == list(range(N))
+    for b in batches:
+        h, w = b.images.shape[-2:]
+        for t in b.targets:
+            boxes, labels = t["boxes"].numpy(), t["labels"].numpy()
+            assert np.isfinite(boxes).all()
+            assert (boxes[:, :2] >= 0).all() and (boxes[:, 2] <= w).all()
+            assert (boxes[:, 3] <= h).all() and (labels >= 0).all()
+        assert all(img.any() for img in b.images)  # real pixels, never the fake's zeros
+    stats = client.stats()
+    assert fake.tasks > 0
+    assert stats["rejected"]["bad_server"] == 1
+    states = {s["address"]: s["state"] for s in stats["servers"]}
+    assert states[fake.address] == "banned"
+    assert all(s == "ready" for a, s in states.items() if a != fake.address)
+
+
+# ---------------------------------------------------------------- 1. "failed" under raise
+
+
+def test_failed_claims_under_raise_raise_naming_the_sample() -> None:
+    fake = FakeServer(claims_failed)
+    try:
+        with DataServerClient(fake.address, timeout=10, **KW) as c:
+            c.set_epoch(0)
+            it = iter(c)
+            with pytest.raises(DataServerError) as err:
+                for _ in range(N):
+                    next(it)
+            assert err.value.index is not None and 0 <= err.value.index < N
+            assert err.value.file == f"img{err.value.index}.jpg"
+            assert fake.address in str(err.value) and "corrupt" in str(err.value)
+    finally:
+        fake.close()
+
+
+def test_failed_claims_under_skip_are_skipped_and_counted() -> None:
+    fake = FakeServer(claims_failed)
+    try:
+        with DataServerClient(fake.address, timeout=10, on_error="skip", **KW) as c:
+            batches = epoch(c)
+            delivered = [i for b in batches for idx in b.indices for i in idx]
+            skipped = [i for b in batches for i in b.skipped_indices]
+            assert sorted(delivered + skipped) == list(range(N)) and skipped
+    finally:
+        fake.close()
+
+
+# ---------------------------------------------------------------- 2. boxes and labels
+
+
+@pytest.mark.parametrize("answer", [nan_boxes, negative_label, box_outside])
+def test_bad_boxes_or_labels_drop_the_server_and_the_real_one_finishes(
+    real: Server, answer: Callable[[Task], Answer]
+) -> None:
+    fake = fake_beside(real, answer)
+    try:
+        with DataServerClient([fake.address, real.address], timeout=20, **KW) as c:
+            check_exactly_once_from_real(c, fake)
+            assert c.stats()["rejected"]["bad_boxes"] == 1
+    finally:
+        fake.close()
+
+
+def test_bad_boxes_from_the_only_server_fail_naming_it() -> None:
+    fake = FakeServer(nan_boxes)
+    try:
+        with DataServerClient(fake.address, timeout=3, **KW) as c:
+            c.set_epoch(0)
+            started = time.monotonic()
+            with pytest.raises(DataServerError) as err:
+                list(c)
+            assert time.monotonic() - started < 3 + 5  # the timeout, not the backstop
+            assert fake.address in str(err.value) and "box" in str(err.value)
+            assert "nan" in str(err.value).lower()
+    finally:
+        fake.close()
+
+
+# ---------------------------------------------------------------- 3. indices not asked
+
+
+def test_results_for_indices_not_asked_drop_the_server(real: Server) -> None:
+    fake = fake_beside(real, wrong_indices)
+    try:
+        with DataServerClient([fake.address, real.address], timeout=20, **KW) as c:
+            check_exactly_once_from_real(c, fake)
+            assert c.stats()["rejected"]["wrong_answer"] == 1
+            assert fake.tasks <= 8  # dropped at its first answer, not asked 20k times
+    finally:
+        fake.close()
+
+
+def test_results_for_indices_not_asked_from_the_only_server_fail_in_time() -> None:
+    fake = FakeServer(wrong_indices)
+    try:
+        with DataServerClient(fake.address, timeout=3, **KW) as c:
+            c.set_epoch(0)
+            started = time.monotonic()
+            with pytest.raises(DataServerError) as err:
+                list(c)
+            assert time.monotonic() - started < 3 + 5
+            assert "no progress" in str(err.value)
+            assert fake.address in str(err.value) and "not those asked" in str(err.value)
+    finally:
+        fake.close()
+
+
+# ---------------------------------------------------------------- 4. WELCOME's size
+
+
+@pytest.mark.parametrize("size", [1 << 40, (1 << 31) + 1])
+def test_a_welcome_announcing_too_many_samples_is_refused(size: int) -> None:
+    fake = FakeServer(honest, dataset_len=size)
+    try:
+        started = time.monotonic()
+        with pytest.raises(DataServerError) as err:
+            DataServerClient(fake.address, timeout=10, **KW)
+        assert time.monotonic() - started < 10
+        assert fake.address in str(err.value) and str(size) in str(err.value)
+        assert "max_dataset_len" in str(err.value)
+    finally:
+        fake.close()
+
+
+def test_max_dataset_len_is_the_clients_to_set() -> None:
+    fake = FakeServer(honest, dataset_len=N)
+    try:
+        with pytest.raises(DataServerError, match=f"{N} samples"):
+            DataServerClient(fake.address, timeout=10, max_dataset_len=N - 1, **KW)
+        with DataServerClient(fake.address, timeout=10, max_dataset_len=N, **KW) as c:
+            assert c.dataset_len == N
+        with pytest.raises(ValueError, match="max_dataset_len"):
+            DataServerClient(fake.address, max_dataset_len=0, **KW)
+    finally:
+        fake.close()
+
+
+# ---------------------------------------------------------------- 5. tampered states
+
+
+def test_every_field_of_a_loaded_state_is_checked(real: Server) -> None:
+    with DataServerClient(real.address, **KW) as c:
+        c.set_epoch(2)
+        it = iter(c)
+        next(it)
+        next(it)
+        state = c.state_dict()
+        assert state["position"] == 8 and state["step"] == 2
+        shard = c.num_samples
+        tampered = {
+            "position": [-8, shard + 1, 2**64, True, "8", 1.5],
+            "step": [-1, 10**6, 9, None],
+            "epoch": [-1, 2**64, "2"],
+            "control_seq": [2**64, -1, 2.0],
+            "feedback_seq": [-3, 2**63],
+            "mode": ["sideways", None],
+            "control": ["flag", {1: 2}],
+        }
+        for key, values in tampered.items():
+            for value in values:
+                with pytest.raises(ValueError, match=key) as err:
+                    c.load_state_dict({**state, key: value})
+                assert "must" in str(err.value) or "not" in str(err.value), err.value
+        missing = {k: v for k, v in state.items() if k != "feedback_seq"}
+        with pytest.raises(ValueError, match="feedback_seq"):
+            c.load_state_dict(missing)
+        # The same checks for each rank's entry of a job-wide state.
+        job = {**state, "ranks": [{k: state[k] for k in RANK_KEYS}]}
+        with pytest.raises(ValueError, match=r"ranks'\[0\] 'control_seq'"):
+            c.load_state_dict({**job, "ranks": [{**job["ranks"][0], "control_seq": 2**64}]})
+        # The real state still loads, and goes on where it was.
+        c.load_state_dict(state)
+        c.load_state_dict(job)
+        rest = list(c)
+        assert sum(b.num_samples for b in rest) == shard - 8
+        assert rest[0].step == 2

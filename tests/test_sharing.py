@@ -1,0 +1,256 @@
+"""Jobs sharing one server: a session's samples depend on its own control values only, and
+nobody who merely knows a session's id can act for it (the issue's isolation cases 1 and 3).
+
+Everything here runs real ``dataserver serve`` processes; the "attacker" is a raw ZeroMQ
+socket speaking the protocol with ``dataserver.protocol``'s encoders and knowing the
+victim's session id (as any local user did, when landing files were named by it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from typing import Any
+
+import pytest
+import zmq
+from fuzzing import task_header
+
+from dataserver import protocol
+from dataserver.protocol import MsgType
+from dataserver_client import DataServerClient
+
+pytestmark = pytest.mark.timeout(240)
+
+N = 64
+MERGE = ("--dataset", "ds_plugins:merge", "--dataset-args", '{"n": 64}')
+
+
+def digests(client: DataServerClient, epoch: int = 0) -> list[str]:
+    """One digest per batch of an epoch: pixels, boxes, labels and indices."""
+    client.set_epoch(epoch)
+    out = []
+    for batch in client:
+        h = hashlib.blake2b(batch.images.numpy().tobytes(), digest_size=16)
+        for t in batch.targets:
+            h.update(t["boxes"].numpy().tobytes())
+            h.update(t["labels"].numpy().tobytes())
+        h.update(repr(batch.indices).encode())
+        out.append(h.hexdigest())
+    return out
+
+
+def job(address: str, control: dict[str, Any] | None, **kwargs: Any) -> list[str]:
+    with DataServerClient(
+        address, batch_size=8, image_size=(32, 32), device="cpu", seed=1, timeout=20, **kwargs
+    ) as client:
+        if control:
+            client.control(**control)
+        return digests(client)
+
+
+def test_two_merge_style_jobs_get_exactly_what_each_gets_alone(start_server: Any) -> None:
+    # Alone, each on a fresh server of its own.
+    alone_a = job(start_server(*MERGE).address, {"tint": 100, "label_shift": 3})
+    alone_b = job(start_server(*MERGE).address, None)
+    alone_c = job(start_server(*MERGE).address, {"tint": 7})
+    assert alone_a != alone_b != alone_c
+
+    # Together on one server (its store on, shared by the three), all at once.
+    shared = start_server(*MERGE, workers=2)
+    out: dict[str, list[str]] = {}
+    errors: list[BaseException] = []
+
+    def run(name: str, control: dict[str, Any] | None) -> None:
+        try:
+            out[name] = job(shared.address, control)
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [
+        threading.Thread(target=run, args=("a", {"tint": 100, "label_shift": 3})),
+        threading.Thread(target=run, args=("b", None)),
+        threading.Thread(target=run, args=("c", {"tint": 7})),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    assert out == {"a": alone_a, "b": alone_b, "c": alone_c}
+
+    # A job started after the others left, on the same workers and store: still its own.
+    assert job(shared.address, None) == alone_b
+    assert job(shared.address, {"tint": 7}) == alone_c
+    assert shared.stats()["rejected_total"] == 0
+
+
+def _raw_session(
+    sock: zmq.Socket[Any], sid: bytes, auth: bytes, values: dict[str, Any], task_id: int
+) -> None:
+    """Open a session, set control values and send one task (answers are read by the
+    caller)."""
+    sock.send_multipart(protocol.pack(MsgType.HELLO, {"session": sid, "auth": auth}))
+    control = {"session": sid, "auth": auth, "control_seq": 1, "control": values}
+    sock.send_multipart(protocol.pack(MsgType.CONTROL, control))
+    header = {**task_header(sid, task_id, images=[[task_id % N]], auth=auth), "control_seq": 1}
+    sock.send_multipart(protocol.pack(MsgType.TASK, header))
+
+
+def test_a_long_job_outlives_a_thousand_sessions_passing_through_its_worker(
+    start_server: Any,
+) -> None:
+    """A worker remembers the control values of a bounded number of sessions; one that
+    forgot a long job's values gets them again from the front (it used to answer
+    "control_missing" forever while the front believed it had them)."""
+    server = start_server(*MERGE, workers=1)
+    reference = job(start_server(*MERGE, workers=1).address, {"tint": 55})
+    with DataServerClient(
+        server.address, batch_size=8, image_size=(32, 32), device="cpu", seed=1, timeout=20
+    ) as client:
+        client.control(tint=55)
+        client.set_epoch(0)
+        it = iter(client)
+        first = [next(it) for _ in range(3)]
+        # 1,100 other sessions, each with values of its own, through the only worker.
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(server.address)
+        answered = 0
+        try:
+            # In rounds of 100, each session closed once answered (the server holds at
+            # most --max-sessions at once; the worker remembers values past that).
+            for start in range(0, 1100, 100):
+                for i in range(start, start + 100):
+                    sid = b"other-%010d" % i
+                    _raw_session(sock, sid, sid, {"tint": i % 5, "n": i}, i + 1)
+                deadline = time.monotonic() + 30
+                while answered < start + 100 and time.monotonic() < deadline:
+                    if sock.poll(1000):
+                        m = protocol.decode(sock.recv_multipart())
+                        answered += isinstance(m, protocol.Result)
+                for i in range(start, start + 100):
+                    sid = b"other-%010d" % i
+                    sock.send_multipart(protocol.pack(MsgType.BYE, {"session": sid, "auth": sid}))
+        finally:
+            sock.close(linger=0)
+            ctx.term()
+        assert answered == 1100
+        rest = list(it)
+    got = []
+    for batch in [*first, *rest]:
+        h = hashlib.blake2b(batch.images.numpy().tobytes(), digest_size=16)
+        for t in batch.targets:
+            h.update(t["boxes"].numpy().tobytes())
+            h.update(t["labels"].numpy().tobytes())
+        h.update(repr(batch.indices).encode())
+        got.append(h.hexdigest())
+    assert got == reference
+    assert server.stats()["counters"].get("controls_resent", 0) >= 1
+
+
+def test_knowing_a_session_id_is_not_enough_to_act_for_it(start_server: Any) -> None:
+    """The forgeries of the issue, by someone who knows the victim's session id: a CONTROL
+    with a huge plan_version (on the data and the control port), TASKs with its ids and
+    indices at another size, a cancel flood, a HELLO taking its id, a BYE. Each is refused
+    and counted; the victim's epoch is exact and bit-identical to an undisturbed one, and
+    nothing of the victim's reaches the attacker."""
+    reference = job(start_server(*MERGE).address, {"tint": 9})
+    server = start_server(*MERGE, workers=2)
+    ctx = zmq.Context()
+    attacker = ctx.socket(zmq.DEALER)
+    attacker.setsockopt(zmq.LINGER, 0)
+    attacker.connect(server.address)
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    pub.connect(server.control)
+    stop = threading.Event()
+    sent = 0
+    try:
+        with DataServerClient(
+            server.address, batch_size=8, image_size=(32, 32), device="cpu", seed=1, timeout=20
+        ) as victim:
+            victim.control(tint=9)
+            sid = victim._engine.session  # the leak the issue describes, given for free
+            guess = b"0123456789abcdef"
+            huge = protocol.MAX_INT >> 10  # within the codec; far beyond the session
+            forged = [
+                (
+                    MsgType.CONTROL,
+                    {"session": sid, "plan_version": huge, "control_seq": 0, "control": {}},
+                ),
+                (
+                    MsgType.CONTROL,
+                    {
+                        "session": sid,
+                        "auth": guess,
+                        "plan_version": 1 << 40,
+                        "control_seq": 0,
+                        "control": {"tint": 200},
+                    },
+                ),
+                (
+                    MsgType.CONTROL,
+                    {
+                        "session": sid,
+                        "auth": guess,
+                        "plan_version": 0,
+                        "control_seq": 0,
+                        "control": {},
+                        "cancel": list(range(1, 4000)),
+                    },
+                ),
+                (MsgType.HELLO, {"session": sid, "auth": guess}),
+                (MsgType.BYE, {"session": sid, "auth": guess}),
+                (MsgType.HEARTBEAT, {"session": sid, "auth": guess}),
+            ]
+            for task_id in range(1, 65):
+                header = task_header(sid, task_id, images=[[task_id % N]], side=48, auth=guess)
+                forged.append((MsgType.TASK, header))
+            time.sleep(0.3)  # PUB/SUB: let the subscription arrive
+
+            def flood() -> None:
+                nonlocal sent
+                while not stop.is_set():
+                    for mtype, header in forged:
+                        attacker.send_multipart(protocol.pack(mtype, header))
+                        sent += 1
+                    control = {
+                        "session": sid,
+                        "plan_version": huge,
+                        "control_seq": huge,
+                        "control": {"tint": 1},
+                        "tags": [guess],
+                    }
+                    pub.send_multipart(protocol.pack(MsgType.CONTROL, control))
+                    time.sleep(0.01)
+
+            flooder = threading.Thread(target=flood, daemon=True)
+            flooder.start()
+            time.sleep(0.2)
+            got = digests(victim)
+            stop.set()
+            flooder.join(10)
+        assert got == reference
+        answers = []
+        while attacker.poll(500):
+            answers.append(protocol.decode(attacker.recv_multipart()))
+        # The attacker hears refusals (and heartbeat replies, which any peer gets), never
+        # the victim's results or cancellations.
+        errors = [m for m in answers if isinstance(m, protocol.ErrorMsg)]
+        others = [m for m in answers if not isinstance(m, (protocol.ErrorMsg, protocol.Heartbeat))]
+        assert errors and not others, others[:3]
+        # (unknown_session: forgeries that came after the victim had closed its session)
+        assert {m.kind for m in errors} <= {"bad_secret", "not_owner", "unknown_session"}
+    finally:
+        stop.set()
+        attacker.close(linger=0)
+        pub.close(linger=0)
+        ctx.term()
+    rejected = server.stats()["rejected"]
+    assert rejected.get("bad_secret", 0) >= 60
+    assert rejected.get("not_owner", 0) >= 1
+    assert rejected.get("control_bad_secret", 0) >= 1
+    assert sent > 0

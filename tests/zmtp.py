@@ -1,0 +1,80 @@
+"""A raw ZMTP 3.0 peer over a plain TCP socket (NULL mechanism): what a hostile client
+written without libzmq does -- finish the handshake and idle, or send frames that never
+end a message. One fd per connection, nothing answered by itself (no PONGs)."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import time
+
+MORE, LONG, COMMAND = 0x01, 0x02, 0x04
+
+
+def _greeting() -> bytes:
+    # signature (10) + version 3.0 (2) + mechanism "NULL" padded to 20 + as-server 0 + filler 31
+    return b"\xff" + b"\x00" * 8 + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\x00") + b"\x00" * 32
+
+
+def _command(name: bytes, body: bytes) -> bytes:
+    payload = bytes([len(name)]) + name + body
+    return bytes([COMMAND, len(payload)]) + payload
+
+
+def _ready(socket_type: bytes) -> bytes:
+    key = b"Socket-Type"
+    prop = bytes([len(key)]) + key + struct.pack(">I", len(socket_type)) + socket_type
+    return _command(b"READY", prop)
+
+
+def frame_header(size: int, more: bool) -> bytes:
+    """The header of one message frame of ``size`` bytes."""
+    flags = MORE if more else 0
+    if size < 256:
+        return bytes([flags, size])
+    return bytes([flags | LONG]) + struct.pack(">Q", size)
+
+
+def _read_exactly(sock: socket.socket, n: int) -> bytes:
+    out = b""
+    while len(out) < n:
+        chunk = sock.recv(n - len(out))
+        if not chunk:
+            raise ConnectionError("peer closed during the handshake")
+        out += chunk
+    return out
+
+
+def handshake(
+    host: str, port: int, socket_type: bytes = b"DEALER", timeout: float = 10.0
+) -> socket.socket:
+    """A TCP connection that has finished the ZMTP handshake with a ROUTER/SUB there."""
+    sock = socket.create_connection((host, port), timeout=timeout)
+    try:
+        sock.sendall(_greeting())
+        _read_exactly(sock, 64)
+        sock.sendall(_ready(socket_type))
+        flags, size = _read_exactly(sock, 2)
+        if flags & LONG:
+            size = struct.unpack(">Q", bytes([size]) + _read_exactly(sock, 7))[0]
+        _read_exactly(sock, size)  # the server's READY
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def closed_by_peer(sock: socket.socket, timeout: float) -> bool:
+    """Whether the other side closed ``sock`` within ``timeout`` (PINGs it sends are read
+    and ignored)."""
+    deadline = time.monotonic() + timeout
+    try:
+        while (left := deadline - time.monotonic()) > 0:
+            sock.settimeout(left)
+            if not sock.recv(4096):
+                return True
+    except TimeoutError:
+        return False
+    except OSError:
+        return True
+    return False
