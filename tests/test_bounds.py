@@ -162,9 +162,11 @@ def test_a_worker_death_at_the_fd_limit_is_survived() -> None:
         assert wait_until(lambda: server.stats()["workers_started"] == 3, 30)
         assert wait_until(lambda: server.stats()["workers_alive"] == 2, 30)
 
-        # No fd left at all (the soft limit below every fd number in use): the replacement
-        # of the next dead worker fails with EMFILE, is logged, counted and tried again.
-        resource.prlimit(server.pid, resource.RLIMIT_NOFILE, (3, 256))
+        # No fd left at all (a soft limit of 16: below every free fd number; not lower, as
+        # poll(2) refuses more items than the limit): the replacement of the next dead
+        # worker fails with EMFILE, is logged, counted and tried again.
+        assert all(str(fd) in os.listdir(f"/proc/{server.pid}/fd") for fd in range(16))
+        resource.prlimit(server.pid, resource.RLIMIT_NOFILE, (16, 256))
         os.kill(server.worker_pids()[0], signal.SIGKILL)
         assert wait_until(lambda: "cannot start worker" in server.read_stderr(), 20)
         assert server.proc.poll() is None

@@ -338,7 +338,7 @@ def test_every_field_of_a_loaded_state_is_checked(real: Server) -> None:
         state = c.state_dict()
         assert state["position"] == 8 and state["step"] == 2
         shard = c.num_samples
-        tampered = {
+        tampered: dict[str, list[Any]] = {
             "position": [-8, shard + 1, 2**64, True, "8", 1.5],
             "step": [-1, 10**6, 9, None],
             "epoch": [-1, 2**64, "2"],

@@ -176,7 +176,7 @@ def test_knowing_a_session_id_is_not_enough_to_act_for_it(start_server: Any) -> 
             sid = victim._engine.session  # the leak the issue describes, given for free
             guess = b"0123456789abcdef"
             huge = protocol.MAX_INT >> 10  # within the codec; far beyond the session
-            forged = [
+            forged: list[tuple[MsgType, dict[str, Any]]] = [
                 (
                     MsgType.CONTROL,
                     {"session": sid, "plan_version": huge, "control_seq": 0, "control": {}},
@@ -254,3 +254,149 @@ def test_knowing_a_session_id_is_not_enough_to_act_for_it(start_server: Any) -> 
     assert rejected.get("not_owner", 0) >= 1
     assert rejected.get("control_bad_secret", 0) >= 1
     assert sent > 0
+
+
+def test_two_honest_jobs_and_a_hostile_client_on_one_server(start_server: Any) -> None:
+    """The issue's chaos case: two honest jobs (one with control values of a merge-style
+    dataset, one steering its mode every step) share a server with a hostile client that
+    fuzzes the data and control ports, forges messages with both jobs' session ids and
+    floods STATS. Both jobs come out bit-identical to undisturbed runs."""
+    from fuzz_targets import run_control_port, run_data_port
+
+    def make(address: str) -> DataServerClient:
+        return DataServerClient(
+            address, batch_size=8, image_size=(32, 32), device="cpu", seed=2, timeout=30
+        )
+
+    def run_a(client: DataServerClient) -> list[str]:
+        client.control(tint=100, label_shift=2)
+        return digests(client)
+
+    def run_b(client: DataServerClient) -> list[str]:
+        client.set_epoch(0)
+        out = []
+        for step, batch in enumerate(client):
+            h = hashlib.blake2b(batch.images.numpy().tobytes(), digest_size=16)
+            h.update(repr((batch.indices, batch.mode)).encode())
+            out.append(h.hexdigest())
+            client.set_mode("stitch" if step % 3 == 0 else "regular")
+        return out
+
+    with make(start_server(*MERGE).address) as c:
+        alone_a = run_a(c)
+    with make(start_server(*MERGE).address) as c:
+        alone_b = run_b(c)
+
+    server = start_server(*MERGE, workers=2)
+    out: dict[str, list[str]] = {}
+    errors: list[BaseException] = []
+    stop = threading.Event()
+    clients = {"a": make(server.address), "b": make(server.address)}
+    sids = [c._engine.session for c in clients.values()]  # known to the attacker
+
+    def honest(name: str) -> None:
+        try:
+            out[name] = (run_a if name == "a" else run_b)(clients[name])
+        except BaseException as exc:
+            errors.append(exc)
+
+    def hostile() -> None:
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(server.address)
+        wrong = b"not-the-secret!!"
+        try:
+            while not stop.is_set():
+                run_data_port(server.address, 100)
+                run_control_port(server.control, 100)
+                for sid in sids:
+                    task = task_header(sid, 1, images=[[3]], side=48, auth=wrong)
+                    sock.send_multipart(protocol.pack(MsgType.TASK, task))
+                    control = {
+                        "session": sid,
+                        "auth": wrong,
+                        "plan_version": 1 << 50,
+                        "control_seq": 0,
+                        "control": {},
+                        "cancel": list(range(64)),
+                    }
+                    sock.send_multipart(protocol.pack(MsgType.CONTROL, control))
+                for _ in range(20):
+                    sock.send_multipart(protocol.pack(MsgType.STATS, {}))
+                while sock.poll(0):
+                    sock.recv_multipart()
+        finally:
+            sock.close(linger=0)
+            ctx.term()
+
+    attacker = threading.Thread(target=hostile, daemon=True)
+    attacker.start()
+    try:
+        threads = [threading.Thread(target=honest, args=(n,)) for n in clients]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(180)
+    finally:
+        stop.set()
+        attacker.join(60)
+        for c in clients.values():
+            c.close()
+    assert not errors, errors
+    assert out == {"a": alone_a, "b": alone_b}
+    stats = server.stats()
+    assert stats["rejected_total"] > 0  # the attacker was there, and refused
+    assert stats["workers_alive"] == 2
+
+
+def test_a_task_id_names_one_task_and_numbers_stay_within_reach(start_server: Any) -> None:
+    """With the session's own secret: a TASK under a live id with other contents is refused
+    (not taken for the first one asked again), and a plan version or control sequence far
+    beyond what the session can have reached is refused instead of cancelling everything
+    the session sends after it."""
+    server = start_server(*MERGE, workers=1)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(server.address)
+    sid, auth = b"own-session-0001", b"own-secret-00001"
+    try:
+        sock.send_multipart(protocol.pack(MsgType.HELLO, {"session": sid, "auth": auth}))
+        far = {
+            "session": sid,
+            "auth": auth,
+            "plan_version": 1 << 52,
+            "control_seq": 0,
+            "control": {},
+        }
+        sock.send_multipart(protocol.pack(MsgType.CONTROL, far))
+        slow = [[i] for i in range(40)]  # a long first task keeps the id live a while
+        sock.send_multipart(
+            protocol.pack(MsgType.TASK, task_header(sid, 1, images=slow, side=256, auth=auth))
+        )
+        other = task_header(sid, 1, images=[[5]], side=64, auth=auth)
+        sock.send_multipart(protocol.pack(MsgType.TASK, other))
+        over = task_header(sid, 2, images=[[6]], side=32, auth=auth)
+        over["plan_version"] = 1 << 52
+        sock.send_multipart(protocol.pack(MsgType.TASK, over))
+        sock.send_multipart(protocol.pack(MsgType.TASK, task_header(sid, 3, auth=auth)))
+        got: dict[str, Any] = {}
+        deadline = time.monotonic() + 30
+        while len(got) < 4 and time.monotonic() < deadline:
+            if not sock.poll(1000):
+                continue
+            m = protocol.decode(sock.recv_multipart())
+            if isinstance(m, protocol.Result):
+                got[f"result {m.task_id}"] = m
+            elif isinstance(m, protocol.ErrorMsg):
+                got[m.kind] = m
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+    assert "task_conflict" in got and "sequence" in got
+    assert got["result 1"].images == tuple((i,) for i in range(40))  # the first one stands
+    assert "result 3" in got  # the far CONTROL cancelled nothing
+    rejected = server.stats()["rejected"]
+    assert rejected["task_conflict"] == 1
+    assert rejected["sequence"] == 2  # the CONTROL and the TASK
