@@ -95,7 +95,7 @@ class TaskRecord:
     out_hw: tuple[int, int]
     plan_version: int
     link: Any = None  # the server it was last sent to (the engine's ServerLink), or None
-    land_gen: int | None = None  # the landing generation it was last sent with
+    land_gen: int | None = None  # the landing generation it was last sent to land with
     exclude: tuple[int, ...] = ()  # sources to leave out (found to kill workers)
     prefer: Any = None  # the server whose store should hold its sources (several servers)
     keys: tuple[int, ...] = ()  # its images' affinity keys (several servers)

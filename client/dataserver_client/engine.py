@@ -856,7 +856,9 @@ class Engine(threading.Thread):
                 control_seq=book.control_seq,
                 exclude=rec.exclude,
             )
-            rec.land_gen = self._land(task, rec, link)
+            generation = self._land(task, rec, link)
+            if generation is not None:  # (else kept: an earlier send's landed answer may come)
+                rec.land_gen = generation
             if not link.send(task.encode()):
                 book.pending.appendleft(rec)  # not connected after all: try again shortly
                 return

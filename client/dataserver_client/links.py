@@ -451,7 +451,9 @@ class Links:
         if any(link.welcome_msg is None for link in waiting):
             return None
         welcomed = [
-            lk for lk in self.links if lk.welcome_msg is not None and lk.state is not LinkState.BANNED
+            lk
+            for lk in self.links
+            if lk.welcome_msg is not None and lk.state is not LinkState.BANNED
         ]
         if not welcomed:
             return None
