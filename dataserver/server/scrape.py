@@ -3,7 +3,8 @@
 ``prometheus_client``'s own servers start a thread per connection, so slow or idle clients
 hold threads and fds without bound. This one runs a ``selectors`` loop in one thread:
 
-- at most ``MAX_CONNS`` connections open; one more closes the oldest at once;
+- at most ``MAX_CONNS`` connections open; one more closes the oldest at once (or itself,
+  when the oldest is younger than ``EVICT_AGE_S``);
 - a connection has ``TIMEOUT_S`` seconds for its whole request and our whole answer, then
   it is closed (a client that trickles its request, or never reads, costs no more);
 - the body is rendered by ``render()`` at most every ``RENDER_EVERY_S`` seconds: a flood
@@ -27,6 +28,7 @@ log = logging.getLogger("dataserver.metrics")
 
 MAX_CONNS = 32
 TIMEOUT_S = 5.0
+EVICT_AGE_S = 0.5
 RENDER_EVERY_S = 0.5
 MAX_REQUEST = 8192  # bytes of request line and headers
 TICK_S = 0.25  # how long stop() may wait for the loop
@@ -60,7 +62,7 @@ class ScrapeServer:
         try:
             self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             self._listener.bind(info[4])
-            self._listener.listen(64)
+            self._listener.listen(128)
         except OSError:
             self._listener.close()
             raise
@@ -115,10 +117,14 @@ class ScrapeServer:
                 self._accept_paused_until = now + 0.5
                 return
             if len(self._conns) >= MAX_CONNS:
-                # The oldest goes: a scrape takes milliseconds, a connection that old is
-                # slow or idle on purpose.
+                # The oldest goes if it is past EVICT_AGE_S (a scrape takes milliseconds:
+                # one that old is slow or idle on purpose), else the newcomer.
                 self.refused += 1
-                self._close(min(self._conns.values(), key=lambda c: c.deadline))
+                oldest = min(self._conns.values(), key=lambda c: c.deadline)
+                if oldest.deadline - TIMEOUT_S > now - EVICT_AGE_S:
+                    sock.close()
+                    continue
+                self._close(oldest)
             sock.setblocking(False)
             conn = _Conn(sock, now + TIMEOUT_S)
             self._conns[sock] = conn
