@@ -273,7 +273,7 @@ def test_a_session_is_bound_to_the_key_that_opened_it(start_server: Any, keys: P
     victim = DataServerClient(
         server.address, batch_size=8, image_size=(32, 32), device="cpu", **client_keys(keys)
     )
-    session = victim._engine.session
+    session = next(iter(victim._engine.links or ())).session
     welcome = welcome_over_curve(server.address, keys, "intruder")
     ctx = zmq.Context()
     socks = []

@@ -376,7 +376,7 @@ class Engine(threading.Thread):
         site = "client.results" if direct else "client.data"
         for _ in range(DRAIN):
             try:
-                msg = receive(sock, self._destinations)
+                msg = receive(sock, lambda result: self._destinations(link, result))
             except zmq.Again:
                 return
             except WrongAnswer as exc:  # well-formed, for a task we want, and wrong
@@ -394,14 +394,15 @@ class Engine(threading.Thread):
             link.last_heard = time.monotonic()
             self.guard.run(site, self._on_message, link, msg, direct)
 
-    def _destinations(self, result: Result) -> np.ndarray | None:
-        """Where the images of ``result`` go: its task's slots of the batch buffer (a
-        scratch array for a probe, or for slots that are not consecutive), if the task
-        is still wanted; None otherwise."""
-        if result.session != self.session:
+    def _destinations(self, link: ServerLink, result: Result) -> np.ndarray | None:
+        """Where the images of ``result`` from ``link`` go: its task's slots of the batch
+        buffer (a scratch array for a probe, or for slots that are not consecutive), if the
+        task is still wanted and was sent to that server; None otherwise (the pixels are
+        read off and dropped: a server reaches only the slots of tasks it was given)."""
+        if result.session != link.session or link.state is LinkState.BANNED:
             return None
         rec = self.book.wanted(result.task_id, result.plan_version)
-        if rec is None:
+        if rec is None or rec.link is not link:
             return None
         n = len(rec.slots)
         if len(result.images) != n:
@@ -421,7 +422,7 @@ class Engine(threading.Thread):
         if direct and not isinstance(msg, Result):
             self.rejected["unexpected_type"] += 1  # workers send nothing else
             return
-        if getattr(msg, "session", self.session) not in (self.session, None):
+        if getattr(msg, "session", link.session) not in (link.session, None):
             self.rejected["other_session"] += 1
             return
         match msg:
@@ -522,17 +523,12 @@ class Engine(threading.Thread):
 
     def _on_error(self, link: ServerLink, msg: ErrorMsg) -> None:
         if msg.task_id is None:
-            # About this session and no task: the server refuses it (limits, a message it
-            # cannot read, a key that does not own the session). Waiting would not help.
-            if msg.kind == "not_authorized" or "not authorized" in msg.message:
-                self._fail(NotAuthorized(f"not authorized by {link.address}: {msg.message}"))
-            else:
-                self._fail(DataServerError(f"{link.address}: {msg.message}"))
+            self._on_session_error(link, msg)
             return
         self._answered(link, msg.task_id)
         rec = self.book.wanted(msg.task_id, msg.plan_version)
-        if rec is None:
-            self.counters["late"] += 1
+        if rec is None or rec.link is not link:
+            self.counters["late"] += 1  # (or about a task it was not given: not its to fail)
             return
         if msg.kind in ("maybe_lost", "dropped"):
             # A result that may never arrive (its worker died right after sending it), or
@@ -564,6 +560,32 @@ class Engine(threading.Thread):
             msg.file,
         )
         self.book.on_failure(rec, msg.kind, error, msg.image)
+
+    def _on_session_error(self, link: ServerLink, msg: ErrorMsg) -> None:
+        """An ERROR about this session and no task: the server forgot the session (say
+        HELLO again), or refuses it (limits, a key that does not own it, a message it cannot
+        read). A refusal is final for this client when no other server can go on without
+        that one (waiting would not help, and the server's words say why); with others
+        ready, that server alone is dropped, so one server cannot end a job by saying so."""
+        if msg.kind == "unknown_session":
+            if link.state is LinkState.READY:
+                link.state = LinkState.CONNECTING
+                link.was_lost = True
+                link.hello()
+            return
+        if msg.kind == "not_authorized" or "not authorized" in msg.message:
+            error: DataServerError = NotAuthorized(
+                f"not authorized by {link.address}: {msg.message}"
+            )
+        else:
+            error = DataServerError(f"{link.address}: {msg.message}")
+        others = self.links is not None and any(
+            lk is not link and lk.state is LinkState.READY for lk in self.links
+        )
+        if others and self.handshake.done():
+            self._bad_server(link, f"it refused this session: {msg.message}")
+        else:
+            self._fail(error)
 
     def _on_cancelled(self, link: ServerLink, msg: Cancelled) -> None:
         for tid in msg.task_ids:
@@ -842,7 +864,7 @@ class Engine(threading.Thread):
                 skip.add(link)
                 continue
             task = Task(
-                session=self.session,
+                session=link.session,
                 auth=link.secret,
                 task_id=rec.task_id,
                 plan_version=rec.plan_version,
@@ -930,7 +952,7 @@ class Engine(threading.Thread):
         """The session's CONTROL: for ``link``'s data socket (with its secret), or, for
         ``None``, to publish (with a tag for each server met, none of the secrets)."""
         msg = Control(
-            session=self.session,
+            session=link.session if link is not None else self.session,
             auth=link.secret if link is not None else None,
             plan_version=self.book.plan_version,
             control_seq=self.book.control_seq,

@@ -26,6 +26,7 @@ import logging
 import os
 import re
 import socket
+import stat
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -37,7 +38,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from dataserver.landing import Handover, LandingArea, landing_socket
 from dataserver.protocol import Bye, Heartbeat, Hello, Welcome
-from dataserver.security import new_secret, reply_id
+from dataserver.security import new_secret, reply_id, session_id
 from dataserver_client.config import ClientConfig
 from dataserver_client.errors import DataServerError, NotAuthorized
 
@@ -189,11 +190,21 @@ def _same_host(local: Sequence[str], token: str) -> bool:
     if not token or not local or not local[0].startswith("ipc://"):
         return False
     path = os.path.join(os.path.dirname(local[0][len("ipc://") :]), "host-token")
+    # The path comes from the server: never block on it (a FIFO, a stalled mount), never
+    # follow a link, and believe only a regular file of our own user.
     try:
-        with open(path) as f:
-            return f.read(128).strip() == token
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
         return False
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+            return False
+        return os.read(fd, 128).decode(errors="replace").strip() == token
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def _dealer(ctx: zmq.Context[Any], curve: dict[str, bytes] | None) -> zmq.Socket[Any]:
@@ -416,9 +427,13 @@ class Links:
 
     def add(self, address: str) -> ServerLink:
         """A link to a server found at ``address``; its HELLO is on its way."""
-        link = ServerLink(self._ctx, address, self._session, self._curve, self._standing)
+        # A session id of its own on each server: no server learns an id that names the
+        # session anywhere else (one that forgot the session could otherwise be told that
+        # id first, by whoever learnt it from another server).
+        session = session_id(self._curve["public"] if self._curve else None)
+        link = ServerLink(self._ctx, address, session, self._curve, self._standing)
         if self._landing is not None:
-            link.handover = Handover(self._landing, self._session)
+            link.handover = Handover(self._landing, session)
         self.links.append(link)
         link.hello()
         return link

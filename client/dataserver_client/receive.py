@@ -18,16 +18,16 @@ import zmq
 
 from dataserver.protocol import (
     MAX_FRAMES,
-    MESSAGES,
     Message,
     MsgType,
     ProtocolError,
     Result,
     decode,
+    decode_head,
 )
 from dataserver.protocol.fields import MAX_LABEL
 from dataserver.protocol.messages import check_boxes, check_images_spec
-from dataserver.protocol.wire import check_spec, unpack_head
+from dataserver.protocol.wire import check_spec
 
 Destinations = Callable[[Result], "np.ndarray | None"]
 
@@ -105,9 +105,10 @@ def _receive(sock: zmq.Socket[Any], first: Any, destinations: Destinations) -> M
     is_result = len(head) == 3 and bytes(memoryview(head[1])) == bytes((MsgType.RESULT,))
     if not is_result:
         return decode(head + _rest(sock))
-    mtype, header, specs = unpack_head(head)
-    result = MESSAGES[mtype].read(header, None)
-    assert isinstance(result, Result)
+    result = decode_head(head)
+    if not isinstance(result, Result):
+        raise ProtocolError(f"a {result.TYPE.name} where a RESULT was announced")
+    specs = result.specs
     n = len(result.images)
     want = 2 if result.landed else 3
     if len(specs) != want:

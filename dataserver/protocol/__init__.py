@@ -7,9 +7,9 @@ No socket code lives here. Nothing is ever pickled. A message is a list of ZeroM
     frame 2    msgpack map            the header; header["arrays"] = [[dtype, [d0, d1, ...]], ...]
     frame 3..  raw bytes, one frame   per array named in header["arrays"], C order, no padding
 
-- ``wire.py``: the envelope (frames, msgpack limits, array descriptors against buffers).
-- ``fields.py``: field codecs (type and range of one header field).
-- ``messages.py``: one dataclass per message type; ``decode`` returns the right one.
+- ``wire.py``: the envelope (frames, sizes, array descriptors against buffers).
+- ``fields.py``: field types (type and range of one header field, as msgspec constraints).
+- ``messages.py``: one msgspec Struct per message type; ``decode`` returns the right one.
 
 ``decode`` raises ``ProtocolError`` and nothing else, whatever the input; receivers count
 and drop it.
@@ -42,6 +42,7 @@ from dataserver.protocol.messages import (
     Task,
     Welcome,
     decode,
+    decode_head,
     steer_tag,
 )
 from dataserver.protocol.wire import (
@@ -54,7 +55,6 @@ from dataserver.protocol.wire import (
     MsgType,
     ProtocolError,
     pack,
-    unpack,
 )
 
 __all__ = [
@@ -90,7 +90,7 @@ __all__ = [
     "Welcome",
     "control_problem",
     "decode",
+    "decode_head",
     "pack",
     "steer_tag",
-    "unpack",
 ]

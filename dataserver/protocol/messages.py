@@ -1,10 +1,12 @@
-"""One small typed codec per message type.
+"""One ``msgspec.Struct`` per message type.
 
-Each message is a dataclass whose fields name their codec (``fields.py``). ``encode()``
-gives frames; ``decode(frames)`` gives the message of the right class with every field
-checked for type and range, cross-field rules checked by ``_check``, and RESULT arrays
-checked by role. Absent optional fields read as None (or their default), and unknown
-header keys are ignored, so a newer peer may add fields.
+Each message's fields carry their constraints (``fields.py``), checked by msgspec while it
+decodes the header straight from its msgpack bytes; ``encode()`` gives frames;
+``decode(frames)`` gives the message of the right class with every field checked for type
+and range, cross-field rules checked by ``_check``, and RESULT arrays checked by role.
+Absent optional fields read as None (or their default), and unknown header keys are skipped
+(parsed, never built), so a newer peer may add fields. The numbers behind the choice of
+msgspec are in docs/DESIGN-NOTES.md ("Codecs: msgspec or not").
 
 Who sends what (client = trainer, front = server's front process, worker = its workers)::
 
@@ -24,32 +26,38 @@ Who sends what (client = trainer, front = server's front process, worker = its w
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
+import re
 from collections.abc import Sequence
-from typing import Any, ClassVar, TypeVar
+from typing import Annotated, Any, ClassVar
 
 import msgpack
+import msgspec
 import numpy as np
+from msgspec import Meta, Struct
 
 from dataserver.protocol.fields import (
-    MISSING,
-    SESSION,
-    Blob,
-    Blobs,
-    Choice,
-    Failures,
-    Flag,
-    Int,
-    IntLists,
-    Ints,
-    Opt,
+    T32,
+    T64,
+    T128,
+    T512,
+    U63,
+    In,
+    Len,
+    Session,
     Text,
-    Texts,
-    Tree,
-    Values,
+    control_problem,
+    tree_problem,
 )
-from dataserver.protocol.wire import MsgType, ProtocolError, pack, unpack
+from dataserver.protocol.wire import (
+    MAGIC,
+    MAX_FRAMES,
+    MsgType,
+    ProtocolError,
+    array,
+    check_dtypes,
+    head,
+)
 
 MAX_IMAGE_SIDE = 16384  # the protocol's own cap; a server's --max-image-side may be lower
 MAX_TILES = 16  # grid 4 x 4
@@ -57,51 +65,61 @@ MAX_BOXES = 1 << 16  # per output image
 MAX_WORKERS = 4096
 MAX_TASK_IMAGES = 64  # output images one TASK may ask for
 MAX_US = 1 << 40  # a timing in microseconds (12 days)
+MAX_SEQ = 1 << 53  # plan versions and control sequence numbers
+TAG_BYTES = 32  # one server's entry in a published CONTROL: its handle (16), its tag (16)
+MAX_TAGS = 1024  # servers one published CONTROL speaks to
+MAX_SOURCES = MAX_TASK_IMAGES * MAX_TILES
+
 # A session's secret (16..32 random bytes): chosen by the client, bound by its HELLO, and
 # named by every message that acts for the session (TASK, CONTROL, HEARTBEAT, BYE). The
 # session id says which session; only the secret says who may act for it.
-AUTH = Blob(16, 32)
-MAX_SEQ = 1 << 53  # plan versions and control sequence numbers
-TAG_BYTES = 16
-MAX_TAGS = 1024  # servers one published CONTROL speaks to
+Auth = Annotated[bytes, Len(16, 32)]
+Seq = Annotated[int, In(0, MAX_SEQ)]
+Us = Annotated[int, In(0, MAX_US)]
+Count = Annotated[int, In(0, MAX_SOURCES)]
+Side = Annotated[int, In(1, MAX_IMAGE_SIDE)]
+Flag01 = Annotated[int, In(0, 1)]
+Endpoints = Annotated[tuple[T512, ...], Len(0, MAX_WORKERS)]
+Ids = Annotated[tuple[U63, ...], Len(0, 1 << 16)]
+DecodeUs = Annotated[tuple[Us, ...], Len(0, MAX_SOURCES)]  # one timing per source
+Tiles = Annotated[tuple[U63, ...], Len(1, MAX_TILES)]
+Tiles0 = Annotated[tuple[U63, ...], Len(0, MAX_TILES)]
+Tag = Annotated[bytes, Len(TAG_BYTES, TAG_BYTES)]
+
+
+def pub_handle(secret: bytes) -> bytes:
+    """How a published CONTROL names a session to the server whose secret for it is
+    ``secret``: derived from the secret, so it says nothing about the session's id (each
+    server has its own) and no server can tell another's session from it."""
+    return hashlib.blake2b(secret, digest_size=16, person=b"dataserver-pubh").digest()
 
 
 def steer_tag(secret: bytes, msg: Control) -> bytes:
-    """What proves a published CONTROL comes from the session's owner, to the one server
-    whose secret for the session is ``secret`` (a keyed hash of what the message says). A
-    client talks to many servers with a secret for each; what it publishes to all of them
-    carries one tag per server, so no server learns a secret that works on another."""
+    """One server's entry in a published CONTROL: ``pub_handle(secret)`` and a keyed hash
+    of what the message says, with the secret that server has for the session. A client
+    talks to many servers with a session id and a secret for each; what it publishes to all
+    of them carries one entry per server (its ``session`` is the client's own id, which no
+    server knows), so no server learns an id or a secret that works on another."""
     body = msgpack.packb(
         [msg.session, msg.plan_version, msg.control_seq, msg.control, msg.mode, list(msg.cancel)],
         use_bin_type=True,
     )
-    return hashlib.blake2b(body, key=secret, digest_size=TAG_BYTES).digest()
+    return pub_handle(secret) + hashlib.blake2b(body, key=secret, digest_size=16).digest()
 
 
-DECODE_US = Opt(Ints(0, MAX_TASK_IMAGES * MAX_TILES, 0, MAX_US))  # one timing per source
+class Message(Struct, kw_only=True, omit_defaults=True):
+    """Base of the typed messages. ``specs`` is the header's "arrays" entry (array
+    descriptors, checked against their frames by ``wire.array``)."""
 
-M = TypeVar("M", bound="Message")
-
-
-def f(codec: Any, default: Any = dataclasses.MISSING) -> Any:
-    """A message field read with ``codec`` (required unless it has a default)."""
-    if default is dataclasses.MISSING:
-        return dataclasses.field(metadata={"codec": codec})
-    return dataclasses.field(default=default, metadata={"codec": codec})
-
-
-class Message:
-    """Base of the typed messages."""
-
-    __slots__ = ()
     TYPE: ClassVar[MsgType]
-    _codecs: ClassVar[tuple[tuple[str, Any], ...]] = ()
+    specs: Annotated[tuple[Any, ...], Len(0, MAX_FRAMES)] = msgspec.field(default=(), name="arrays")
 
     def header(self) -> dict[str, Any]:
+        """The header fields that are set (not None), by name."""
         out = {}
-        for name, _ in self._codecs:
+        for name in self.__struct_fields__:
             value = getattr(self, name)
-            if value is not None:
+            if value is not None and name not in _NOT_HEADER:
                 out[name] = value
         return out
 
@@ -110,92 +128,112 @@ class Message:
 
     def encode(self) -> list[Any]:
         """Frames for ``send_multipart(frames, copy=False)``."""
-        return pack(self.TYPE, self.header(), self.arrays())
-
-    @classmethod
-    def read(cls: type[M], header: dict[str, Any], arrays: list[np.ndarray] | None) -> M:
-        values = {name: codec.read(name, header.get(name, MISSING)) for name, codec in cls._codecs}
-        msg = cls(**values)
-        msg._check(arrays)
-        return msg
+        return [MAGIC, bytes((int(self.TYPE),)), _ENCODER.encode(self)]
 
     def _check(self, arrays: list[np.ndarray] | None) -> None:
         if arrays:
             raise ProtocolError(f"{self.TYPE.name} carries no arrays, {len(arrays)} came")
 
 
-MESSAGES: dict[MsgType, type[Message]] = {}
-
-
-def message(cls: type[M]) -> type[M]:
-    """Register a message dataclass under its TYPE."""
-    cls._codecs = tuple(
-        (fld.name, fld.metadata["codec"])
-        for fld in dataclasses.fields(cls)  # type: ignore[arg-type]
-        if "codec" in fld.metadata
-    )
-    MESSAGES[cls.TYPE] = cls
-    return cls
+_NOT_HEADER = frozenset({"specs", "pixels", "boxes", "labels"})
 
 
 def decode(frames: Sequence[Any], with_arrays: bool = True) -> Message:
     """Decode and check one message; raises ``ProtocolError`` naming what is wrong, and
-    nothing else (whatever a check missed is turned into one)."""
-    mtype, header, arrays = unpack(frames, with_arrays)
+    nothing else (whatever a check missed is turned into one). ``with_arrays=False`` leaves
+    the array frames unread: for a front that forwards a result it does not look into."""
+    mtype, raw = head(frames)
     try:
-        return MESSAGES[mtype].read(header, arrays if with_arrays else None)
-    except ProtocolError as exc:
-        raise ProtocolError(f"{mtype.name}: {exc}") from None
+        msg = _DECODERS[mtype].decode(raw)
+        buffers = frames[3:]
+        if len(msg.specs) != len(buffers):
+            raise ProtocolError(
+                f"header names {len(msg.specs)} array(s) but {len(buffers)} buffer frame(s) came"
+            )
+        if not with_arrays:
+            msg._check(None)
+            return msg
+        pairs = zip(msg.specs, buffers, strict=True)
+        msg._check([array(i, spec, frame) for i, (spec, frame) in enumerate(pairs)])
+        return msg
     except Exception as exc:
-        raise ProtocolError(f"{mtype.name}: unreadable ({type(exc).__name__}: {exc})") from None
+        raise ProtocolError(f"{mtype.name}: {_problem(exc)}") from None
+
+
+def decode_head(frames: Sequence[Any]) -> Message:
+    """The message of a message's first three frames, its fields checked and its array
+    descriptors in ``specs``, unchecked: for a receiver that takes the array frames itself
+    (straight into its buffers). Raises ``ProtocolError`` and nothing else."""
+    mtype, raw = head(frames)
+    try:
+        msg = _DECODERS[mtype].decode(raw)
+        msg._check(None)
+        return msg
+    except Exception as exc:
+        raise ProtocolError(f"{mtype.name}: {_problem(exc)}") from None
+
+
+_AT = re.compile(r" - at `\$\.(\w+)")
+_MISSING = re.compile(r"Object missing required field `(\w+)`")
+
+
+def _problem(exc: Exception) -> str:
+    """What is wrong, naming the field as "field 'name'" where there is one."""
+    text = str(exc)
+    if isinstance(exc, ProtocolError):
+        return text
+    if isinstance(exc, msgspec.DecodeError) and not isinstance(exc, msgspec.ValidationError):
+        return f"header is not valid msgpack: {text}"
+    if not isinstance(exc, msgspec.ValidationError):
+        return f"unreadable ({type(exc).__name__}: {text})"
+    where = _AT.search(text) or _MISSING.search(text)
+    if where:
+        return f"field {where[1]!r}: {text}"
+    if text.startswith("Expected `object`"):
+        return f"header must be a map: {text}"
+    return text
 
 
 # ---------------------------------------------------------------------------- handshake
 
 
-@message
-@dataclasses.dataclass(slots=True, kw_only=True)
-class Hello(Message):
+class Hello(Message, kw_only=True):
     """Open a session (or re-open it after the server forgot it), binding its secret
     ``auth``; ``plan_version`` and ``control_seq`` are where the session stands now (a
     server met mid-job bounds the numbers it will take from there)."""
 
     TYPE: ClassVar[MsgType] = MsgType.HELLO
-    session: bytes = f(SESSION)
-    auth: bytes | None = f(Opt(AUTH), None)
-    plan_version: int = f(Int(0, MAX_SEQ, default=0), 0)
-    control_seq: int = f(Int(0, MAX_SEQ, default=0), 0)
+    session: Session
+    auth: Auth | None = None
+    plan_version: Seq = 0
+    control_seq: Seq = 0
 
 
-@message
-@dataclasses.dataclass(slots=True, kw_only=True)
-class Welcome(Message):
+class Welcome(Message, kw_only=True):
     """The server's answer to HELLO: what it serves and where to reach its parts."""
 
     TYPE: ClassVar[MsgType] = MsgType.WELCOME
-    session: bytes = f(SESSION)
-    server_id: str = f(Text(64))
-    dataset_len: int = f(Int(0, 1 << 48))
-    fingerprint: str = f(Text(128))
-    workers: int = f(Int(1, MAX_WORKERS))
-    credit: int = f(Int(1, 1 << 16))
-    control: str = f(Text(512))
-    results: tuple[str, ...] = f(Texts(MAX_WORKERS, 512, default=()), ())
-    max_image_side: int = f(Int(1, MAX_IMAGE_SIDE, default=MAX_IMAGE_SIDE), MAX_IMAGE_SIDE)
+    session: Session
+    server_id: T64
+    dataset_len: Annotated[int, In(0, 1 << 48)]
+    fingerprint: T128
+    workers: Annotated[int, In(1, MAX_WORKERS)]
+    credit: Annotated[int, In(1, 1 << 16)]
+    control: T512
+    results: Endpoints = ()
+    max_image_side: Side = MAX_IMAGE_SIDE
     # The same workers' ipc endpoints, for a client on this host (it proves it is by
     # finding ``local_token`` in the file beside them).
-    local: tuple[str, ...] = f(Texts(MAX_WORKERS, 512, default=()), ())
-    local_token: str = f(Text(64, default=""), "")
+    local: Endpoints = ()
+    local_token: T64 = ""
     # Bytes of its store of prepared sources (0: none; every task decodes its sources).
-    store_bytes: int = f(Int(0, 1 << 50, default=0), 0)
+    store_bytes: Annotated[int, In(0, 1 << 50)] = 0
 
 
 # ---------------------------------------------------------------------------- work
 
 
-@message
-@dataclasses.dataclass(slots=True, kw_only=True)
-class Task(Message):
+class Task(Message, kw_only=True):
     """Compose a run of output images of one batch: image i from the sources
     ``images[i]`` (grid x grid cells, row-major), each source first fitted into ``fit_hw``
     (the client's image size: what the server's store keeps), then into its cell.
@@ -203,30 +241,30 @@ class Task(Message):
     ``priority`` 1 marks a speculative task (run when nothing else waits)."""
 
     TYPE: ClassVar[MsgType] = MsgType.TASK
-    session: bytes = f(SESSION)
-    auth: bytes | None = f(Opt(AUTH), None)
-    task_id: int = f(Int())
-    plan_version: int = f(Int(0, MAX_SEQ))
-    epoch: int = f(Int())
-    seed: int = f(Int())
-    images: tuple[tuple[int, ...], ...] = f(IntLists(MAX_TASK_IMAGES, MAX_TILES))
-    grid: int = f(Int(1, 4))
-    out_hw: tuple[int, ...] = f(Ints(2, 2, 1, MAX_IMAGE_SIDE))
-    fit_hw: tuple[int, ...] = f(Ints(2, 2, 1, MAX_IMAGE_SIDE))
-    on_error: str = f(Choice(("raise", "skip")))
-    control_seq: int = f(Int(0, MAX_SEQ))
-    exclude: tuple[int, ...] = f(Ints(0, MAX_TILES, default=()), ())
-    priority: int = f(Int(0, 1, default=0), 0)
+    session: Session
+    auth: Auth | None = None
+    task_id: U63
+    plan_version: Seq
+    epoch: U63
+    seed: U63
+    images: Annotated[tuple[Tiles, ...], Len(1, MAX_TASK_IMAGES)]
+    grid: Annotated[int, In(1, 4)]
+    out_hw: tuple[Side, Side]
+    fit_hw: tuple[Side, Side]
+    on_error: Annotated[str, Meta(pattern=r"\A(raise|skip)\Z")]
+    control_seq: Seq
+    exclude: Annotated[tuple[U63, ...], Len(0, MAX_TILES)] = ()
+    priority: Flag01 = 0
     # Landing (same host): write the images into the client's shared-memory buffer
     # (``dataserver/landing.py``) instead of sending them, if the worker holds the buffer
     # registered under ``land_token`` for this session (handed over on its unix socket).
-    land_token: str = f(Text(64, default=""), "")
-    land_region: int = f(Int(0, 1 << 16, default=0), 0)
-    land_gen: int = f(Int(default=0), 0)
-    land_offset: int = f(Int(default=0), 0)
+    land_token: T64 = ""
+    land_region: Annotated[int, In(0, 1 << 16)] = 0
+    land_gen: U63 = 0
+    land_offset: U63 = 0
     # 1: the landing bytes were never written (fresh shared memory, all zero): the worker
     # need not clear them before composing (the letterbox padding is already zero).
-    land_zero: int = f(Int(0, 1, default=0), 0)
+    land_zero: Flag01 = 0
 
     def _check(self, arrays: list[np.ndarray] | None) -> None:
         Message._check(self, arrays)
@@ -247,41 +285,49 @@ class Task(Message):
         return len(self.images) * 3 * self.out_hw[0] * self.out_hw[1]
 
 
-@message
-@dataclasses.dataclass(slots=True, kw_only=True)
-class Result(Message):
+class Result(Message, kw_only=True):
     """The images of one TASK, in its order: ``images[i]`` the indices image i holds (cell
     order; sources left out under on_error="skip" are in ``failed``; none when all of its
     sources were), ``box_counts[i]`` its boxes. Arrays: all the images as one
     (N, 3, H, W) uint8 array, then all boxes (sum M, 4) float32 xyxy and labels (sum M,)
-    int64, image by image."""
+    int64, image by image. ``pixels``, ``boxes`` and ``labels`` never travel in the header:
+    ``decode`` sets them from the array frames, whatever the header says."""
 
     TYPE: ClassVar[MsgType] = MsgType.RESULT
-    session: bytes = f(SESSION)
-    task_id: int = f(Int())
-    plan_version: int = f(Int())
-    images: tuple[tuple[int, ...], ...] = f(IntLists(MAX_TASK_IMAGES, MAX_TILES, 0))
-    box_counts: tuple[int, ...] = f(Ints(0, MAX_TASK_IMAGES, 0, MAX_BOXES))
-    failed: tuple[tuple[int, str], ...] = f(Failures(MAX_TASK_IMAGES * MAX_TILES), ())
-    decoded: int = f(Int(0, MAX_TASK_IMAGES * MAX_TILES, default=0), 0)
-    landed: bool | None = f(Opt(Flag()), None)  # the images are in the client's buffer
+    session: Session
+    task_id: U63
+    plan_version: U63
+    images: Annotated[tuple[Tiles0, ...], Len(1, MAX_TASK_IMAGES)]
+    box_counts: Annotated[tuple[Annotated[int, In(0, MAX_BOXES)], ...], Len(0, MAX_TASK_IMAGES)]
+    failed: Annotated[tuple[tuple[U63, Text], ...], Len(0, MAX_SOURCES)] = ()
+    decoded: Count = 0
+    landed: bool | None = None  # the images are in the client's buffer
     # For the server's metrics: microseconds the worker spent on the task, and on each
     # source it decoded and fitted (store misses). 0 / absent: a worker that does not say.
-    task_us: int = f(Int(0, MAX_US, default=0), 0)
-    decode_us: tuple[int, ...] | None = f(DECODE_US, None)
-    pixels: np.ndarray | None = None
-    boxes: np.ndarray | None = None
-    labels: np.ndarray | None = None
+    task_us: Us = 0
+    decode_us: DecodeUs | None = None
+    pixels: Any = None  # np.ndarray | None (msgspec cannot type an array field)
+    boxes: Any = None
+    labels: Any = None
+
+    def encode(self) -> list[Any]:
+        """Frames: the header, then the arrays, not copied (those that are not C-contiguous
+        are made so)."""
+        arrays = [np.ascontiguousarray(a) for a in self.arrays()]
+        check_dtypes(arrays)
+        specs = tuple((a.dtype.str, a.shape) for a in arrays)
+        header = msgspec.structs.replace(self, specs=specs, pixels=None, boxes=None, labels=None)
+        return [MAGIC, bytes((int(self.TYPE),)), _ENCODER.encode(header), *arrays]
 
     def arrays(self) -> list[np.ndarray]:
         if self.boxes is None or self.labels is None or (self.pixels is None) != bool(self.landed):
             raise ProtocolError("a RESULT needs its images (unless landed), boxes and labels")
         if self.landed:
             return [self.boxes, self.labels]
-        assert self.pixels is not None
         return [self.pixels, self.boxes, self.labels]
 
     def _check(self, arrays: list[np.ndarray] | None) -> None:
+        self.pixels = self.boxes = self.labels = None
         if len(self.box_counts) != len(self.images):
             raise ProtocolError(f"{len(self.box_counts)} box counts for {len(self.images)} images")
         if arrays is None:  # the front forwards it unread
@@ -289,14 +335,11 @@ class Result(Message):
         want = 2 if self.landed else 3
         if len(arrays) != want:
             raise ProtocolError(f"RESULT carries {want} arrays, {len(arrays)} came")
-        if self.landed:
-            boxes, labels = arrays
-        else:
-            pixels, boxes, labels = arrays
-            check_images_spec(pixels.dtype, pixels.shape, len(self.images))
-            self.pixels = pixels
-        check_boxes(boxes, labels, sum(self.box_counts))
-        self.boxes, self.labels = boxes, labels
+        if not self.landed:
+            check_images_spec(arrays[0].dtype, arrays[0].shape, len(self.images))
+        check_boxes(arrays[-2], arrays[-1], sum(self.box_counts))
+        self.pixels = None if self.landed else arrays[0]
+        self.boxes, self.labels = arrays[-2:]
 
 
 def check_images_spec(dtype: Any, shape: tuple[int, ...], n: int) -> None:
@@ -323,133 +366,132 @@ def check_boxes(boxes: np.ndarray, labels: np.ndarray, count: int) -> None:
         raise ProtocolError(f"labels must be int64 ({count},): got {labels.dtype} {labels.shape}")
 
 
-@message
-@dataclasses.dataclass(slots=True, kw_only=True)
-class Done(Message):
+class Done(Message, kw_only=True):
     """A worker sent a RESULT straight to its client."""
 
     TYPE: ClassVar[MsgType] = MsgType.DONE
-    session: bytes = f(SESSION)
-    task_id: int = f(Int())
-    plan_version: int = f(Int())
-    decoded: int = f(Int(0, MAX_TASK_IMAGES * MAX_TILES, default=0), 0)
-    samples: int = f(Int(0, MAX_TASK_IMAGES * MAX_TILES, default=0), 0)
-    images: int = f(Int(0, MAX_TASK_IMAGES, default=0), 0)
-    task_us: int = f(Int(0, MAX_US, default=0), 0)  # as in RESULT
-    decode_us: tuple[int, ...] | None = f(DECODE_US, None)
+    session: Session
+    task_id: U63
+    plan_version: U63
+    decoded: Count = 0
+    samples: Count = 0
+    images: Annotated[int, In(0, MAX_TASK_IMAGES)] = 0
+    task_us: Us = 0  # as in RESULT
+    decode_us: DecodeUs | None = None
 
 
-@message
-@dataclasses.dataclass(slots=True, kw_only=True)
-class ErrorMsg(Message):
+class ErrorMsg(Message, kw_only=True):
     """Something went wrong; ``task_id`` names the task when there is one, ``kind`` says
     what: sample, poison, request, control, internal, protocol, unknown_session, overload,
     limit, maybe_lost, dropped, session_limit, not_owner."""
 
     TYPE: ClassVar[MsgType] = MsgType.ERROR
-    message: str = f(Text())
-    kind: str = f(Text(32, default=""), "")
-    session: bytes | None = f(Opt(SESSION), None)
-    task_id: int | None = f(Opt(Int()), None)
-    plan_version: int | None = f(Opt(Int()), None)
-    index: int | None = f(Opt(Int()), None)
-    file: str | None = f(Opt(Text()), None)
-    indices: tuple[int, ...] | None = f(Opt(Ints(0, MAX_TASK_IMAGES * MAX_TILES)), None)
-    retry: bool | None = f(Opt(Flag()), None)  # worker -> front: it may succeed if run again
-    image: int | None = f(Opt(Int(0, MAX_TASK_IMAGES)), None)  # poison: which of the task's
+    message: Text
+    kind: T32 = ""
+    session: Session | None = None
+    task_id: U63 | None = None
+    plan_version: U63 | None = None
+    index: U63 | None = None
+    file: Text | None = None
+    indices: Annotated[tuple[U63, ...], Len(0, MAX_SOURCES)] | None = None
+    retry: bool | None = None  # worker -> front: it may succeed if run again
+    image: Annotated[int, In(0, MAX_TASK_IMAGES)] | None = None  # poison: which of the task's
 
 
-@message
-@dataclasses.dataclass(slots=True, kw_only=True)
-class Cancelled(Message):
+class Cancelled(Message, kw_only=True):
     """Queued tasks of an older plan, dropped unrun (their credit is free again)."""
 
     TYPE: ClassVar[MsgType] = MsgType.CANCELLED
-    session: bytes = f(SESSION)
-    task_ids: tuple[int, ...] = f(Ints(0, 1 << 16))
-    plan_version: int = f(Int(default=0), 0)
+    session: Session
+    task_ids: Ids
+    plan_version: U63 = 0
 
 
 # ---------------------------------------------------------------------------- steering, liveness
 
 
-@message
-@dataclasses.dataclass(slots=True, kw_only=True)
-class Control(Message):
+class Control(Message, kw_only=True):
     """Client -> front (data socket, and published on the control socket): the session's
     control values as of ``control_seq``, its mode, and tasks it no longer wants (queued
     ones are dropped at once, answered CANCELLED). Front -> worker: the values a session's
     next task needs (``control`` and ``control_seq`` only)."""
 
     TYPE: ClassVar[MsgType] = MsgType.CONTROL
-    session: bytes = f(SESSION)
+    session: Session
     # Client -> front, on the data socket: the session's secret for this server. Published
     # on the control socket: ``tags`` instead, one ``steer_tag`` per server.
-    auth: bytes | None = f(Opt(AUTH), None)
-    tags: tuple[bytes, ...] | None = f(Opt(Blobs(MAX_TAGS, TAG_BYTES)), None)
-    plan_version: int = f(Int(0, MAX_SEQ, default=0), 0)
-    control_seq: int = f(Int(0, MAX_SEQ))
-    control: dict[str, Any] = f(Values())
-    mode: str | None = f(Opt(Choice(("regular", "stitch"))), None)
-    cancel: tuple[int, ...] = f(Ints(0, 1 << 16, default=()), ())
+    auth: Auth | None = None
+    tags: Annotated[tuple[Tag, ...], Len(0, MAX_TAGS)] | None = None
+    plan_version: Seq = 0
+    control_seq: Seq
+    control: dict[str, Any]
+    mode: Annotated[str, Meta(pattern=r"\A(regular|stitch)\Z")] | None = None
+    cancel: Ids = ()
+
+    def _check(self, arrays: list[np.ndarray] | None) -> None:
+        Message._check(self, arrays)
+        problem = control_problem(self.control)
+        if problem:
+            raise ProtocolError(f"field 'control': {problem}")
 
 
-@message
-@dataclasses.dataclass(slots=True, kw_only=True)
-class Heartbeat(Message):
+class Heartbeat(Message, kw_only=True):
     """Client -> front: ``session``. Front -> client: ``server_id`` and the live workers'
     result endpoints."""
 
     TYPE: ClassVar[MsgType] = MsgType.HEARTBEAT
-    session: bytes | None = f(Opt(SESSION), None)
-    auth: bytes | None = f(Opt(AUTH), None)
-    server_id: str | None = f(Opt(Text(64)), None)
-    results: tuple[str, ...] | None = f(Opt(Texts(MAX_WORKERS, 512)), None)
-    local: tuple[str, ...] | None = f(Opt(Texts(MAX_WORKERS, 512)), None)
+    session: Session | None = None
+    auth: Auth | None = None
+    server_id: T64 | None = None
+    results: Endpoints | None = None
+    local: Endpoints | None = None
 
 
-@message
-@dataclasses.dataclass(slots=True, kw_only=True)
-class Stats(Message):
+class Stats(Message, kw_only=True):
     """A request (no ``stats``) or the reply (``stats``: the server's counters)."""
 
     TYPE: ClassVar[MsgType] = MsgType.STATS
-    stats: dict[str, Any] | None = f(Opt(Tree()), None)
+    stats: dict[str, Any] | None = None
+
+    def _check(self, arrays: list[np.ndarray] | None) -> None:
+        Message._check(self, arrays)
+        problem = None if self.stats is None else tree_problem(self.stats, 8)
+        if problem:
+            raise ProtocolError(f"field 'stats': {problem}")
 
 
-@message
-@dataclasses.dataclass(slots=True, kw_only=True)
-class Bye(Message):
+class Bye(Message, kw_only=True):
     """End a session (client -> front), stop (front -> worker), or, front -> client: this
     server is draining (SIGTERM): send it nothing more; its queued tasks come back
     CANCELLED, its running ones are finished."""
 
     TYPE: ClassVar[MsgType] = MsgType.BYE
-    session: bytes | None = f(Opt(SESSION), None)
-    auth: bytes | None = f(Opt(AUTH), None)  # client -> front
+    session: Session | None = None
+    auth: Auth | None = None  # client -> front
 
 
-@message
-@dataclasses.dataclass(slots=True, kw_only=True)
-class Ready(Message):
+class Ready(Message, kw_only=True):
     """A worker is up; clients reach it at ``results`` (empty: only through the front)."""
 
     TYPE: ClassVar[MsgType] = MsgType.READY
-    worker: int = f(Int(0, MAX_WORKERS))
-    pid: int = f(Int(1, 1 << 31))
-    results: str = f(Text(512, default=""), "")
-    local: str = f(Text(512, default=""), "")  # its ipc endpoint, for clients on this host
+    worker: Annotated[int, In(0, MAX_WORKERS)]
+    pid: Annotated[int, In(1, 1 << 31)]
+    results: T512 = ""
+    local: T512 = ""  # its ipc endpoint, for clients on this host
     # Whether it maps the server's store: False when what it inherited was unusable (it
     # serves without); None when the server has none.
-    store: bool | None = f(Opt(Flag()), None)
+    store: bool | None = None
 
+
+MESSAGES: dict[MsgType, type[Message]] = {c.TYPE: c for c in Message.__subclasses__()}
+_DECODERS = {t: msgspec.msgpack.Decoder(c) for t, c in MESSAGES.items()}
+_ENCODER = msgspec.msgpack.Encoder()
 
 __all__ = [
     "MAX_BOXES",
     "MAX_IMAGE_SIDE",
     "MAX_TILES",
     "MESSAGES",
-    "Blob",
     "Bye",
     "Cancelled",
     "Control",
@@ -464,5 +506,6 @@ __all__ = [
     "Task",
     "Welcome",
     "decode",
+    "decode_head",
     "steer_tag",
 ]

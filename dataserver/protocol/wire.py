@@ -8,11 +8,11 @@ Byte layout of one message (after any routing frames a ROUTER adds or strips)::
     frame 3..  raw bytes, one frame   per array named in header["arrays"], C order, no padding
 
 This module checks everything that does not depend on the message type: the magic and
-version, the type byte, frame counts and sizes, msgpack limits (lengths, nesting), the
-dtype of every array against an allow-list, every dimension of every shape, and that
-shape x itemsize equals the buffer length. ``messages.py`` checks each type's fields.
-Whatever is wrong raises ``ProtocolError``, and nothing else: ``unpack`` turns any other
-exception into one, so a receiver that catches ``ProtocolError`` cannot be crashed by input.
+version, the type byte, frame counts and sizes, the dtype of every array against an
+allow-list, every dimension of every shape, and that shape x itemsize equals the buffer
+length. ``messages.py`` decodes the header (msgspec, straight into the message's type, its
+fields checked as they are read). Whatever is wrong raises ``ProtocolError``, and nothing
+else, so a receiver that catches ``ProtocolError`` cannot be crashed by input.
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ MAX_FRAMES = 16
 MAX_HEADER_BYTES = 1 << 20
 MAX_ARRAY_BYTES = 1 << 30
 MAX_NDIM = 4
-MAX_MSGPACK_ITEMS = 1 << 16  # elements of any one msgpack array or map
 
 # The only dtypes that may travel. Byte order is explicit so both ends agree.
 ALLOWED_DTYPES = frozenset({"|u1", "<i8", "<i4", "<f4", "<f8"})
@@ -75,12 +74,17 @@ def pack(mtype: MsgType, header: dict[str, Any], arrays: Sequence[np.ndarray] = 
     """
     if arrays:
         arrays = [np.ascontiguousarray(a) for a in arrays]
-        for a in arrays:
-            if a.dtype.str not in ALLOWED_DTYPES:
-                raise ProtocolError(f"dtype {a.dtype.str} may not travel")
+        check_dtypes(arrays)
         header = {**header, "arrays": [[a.dtype.str, list(a.shape)] for a in arrays]}
     packed = msgpack.packb(header, use_bin_type=True)
     return [MAGIC, bytes((int(mtype),)), packed, *arrays]
+
+
+def check_dtypes(arrays: Sequence[np.ndarray]) -> None:
+    """Refuse to send an array whose dtype may not travel."""
+    for a in arrays:
+        if a.dtype.str not in ALLOWED_DTYPES:
+            raise ProtocolError(f"dtype {a.dtype.str} may not travel")
 
 
 def view(frame: Any) -> memoryview:
@@ -103,42 +107,18 @@ def _small(frame: Any, limit: int, what: str) -> bytes:
     return data
 
 
-def unpack(
-    frames: Sequence[Any], with_arrays: bool = True
-) -> tuple[MsgType, dict[str, Any], list[np.ndarray]]:
-    """(type, header, arrays) of one message; raises ``ProtocolError`` and nothing else.
-
-    ``with_arrays=False`` leaves the array frames unread (the header's "arrays" entry is
-    still removed): for a front that forwards a result it does not look into.
-    """
+def head(frames: Sequence[Any]) -> tuple[MsgType, bytes]:
+    """Type and header bytes of a message, from its first three frames, the envelope
+    checked; raises ``ProtocolError`` and nothing else."""
     try:
-        return _unpack(frames, with_arrays)
+        return _head(frames)
     except ProtocolError:
         raise
     except Exception as exc:  # a check missed something: still only a bad message
         raise ProtocolError(f"unreadable message ({type(exc).__name__}: {exc})") from None
 
 
-def _unpack(
-    frames: Sequence[Any], with_arrays: bool
-) -> tuple[MsgType, dict[str, Any], list[np.ndarray]]:
-    mtype, header, specs = _head(frames)
-    buffers = frames[3:]
-    if len(specs) != len(buffers):
-        raise ProtocolError(
-            f"header names {len(specs)} array(s) but {len(buffers)} buffer frame(s) came"
-        )
-    if not with_arrays:
-        return mtype, header, []
-    return (
-        mtype,
-        header,
-        [_array(i, spec, buf) for i, (spec, buf) in enumerate(zip(specs, buffers, strict=True))],
-    )
-
-
-def _head(frames: Sequence[Any]) -> tuple[MsgType, dict[str, Any], list[Any]]:
-    """Type, header and array descriptors, from the first three frames."""
+def _head(frames: Sequence[Any]) -> tuple[MsgType, bytes]:
     if len(frames) < 3:
         raise ProtocolError(f"truncated message: {len(frames)} frame(s), need at least 3")
     if len(frames) > MAX_FRAMES:
@@ -158,26 +138,7 @@ def _head(frames: Sequence[Any]) -> tuple[MsgType, dict[str, Any], list[Any]]:
         mtype = MsgType(type_frame[0])
     except ValueError:
         raise ProtocolError(f"unknown message type {type_frame[0]}") from None
-    raw = _small(frames[2], MAX_HEADER_BYTES, "header")
-    try:
-        header = msgpack.unpackb(
-            raw,
-            raw=False,
-            strict_map_key=True,
-            max_str_len=MAX_HEADER_BYTES,
-            max_bin_len=MAX_HEADER_BYTES,
-            max_array_len=MAX_MSGPACK_ITEMS,
-            max_map_len=MAX_MSGPACK_ITEMS,
-            max_ext_len=0,
-        )
-    except Exception as exc:  # msgpack raises several types (and RecursionError) for hostile input
-        raise ProtocolError(f"header is not valid msgpack: {type(exc).__name__}: {exc}") from None
-    if not isinstance(header, dict):
-        raise ProtocolError(f"header must be a map, got {type(header).__name__}")
-    specs = header.pop("arrays", [])
-    if not isinstance(specs, list) or len(specs) > MAX_FRAMES:
-        raise ProtocolError(f"header field 'arrays' must be a list of <= {MAX_FRAMES}")
-    return mtype, header, specs
+    return mtype, _small(frames[2], MAX_HEADER_BYTES, "header")
 
 
 def check_spec(i: int, spec: Any) -> tuple[str, tuple[int, ...], int]:
@@ -199,7 +160,9 @@ def check_spec(i: int, spec: Any) -> tuple[str, tuple[int, ...], int]:
     return dtype_str, tuple(shape), math.prod(shape) * itemsize
 
 
-def _array(i: int, spec: Any, frame: Any) -> np.ndarray:
+def array(i: int, spec: Any, frame: Any) -> np.ndarray:
+    """Array ``i`` of a message: its descriptor checked (``check_spec``) against its frame,
+    a view of the frame (no copy)."""
     dtype_str, shape, nbytes = check_spec(i, spec)
     buf = view(frame)
     if len(buf) != nbytes:
@@ -208,15 +171,3 @@ def _array(i: int, spec: Any, frame: Any) -> np.ndarray:
             f"but its frame holds {len(buf)}"
         )
     return np.frombuffer(buf, dtype=dtype_str).reshape(shape)
-
-
-def unpack_head(frames: Sequence[Any]) -> tuple[MsgType, dict[str, Any], list[Any]]:
-    """(type, header, array descriptors) from a message's first three frames: for a
-    receiver that takes the array frames itself (straight into its buffers). Raises
-    ``ProtocolError`` and nothing else."""
-    try:
-        return _head(frames)
-    except ProtocolError:
-        raise
-    except Exception as exc:
-        raise ProtocolError(f"unreadable message ({type(exc).__name__}: {exc})") from None

@@ -45,7 +45,8 @@ SESSIONS_KEPT = 1024
 def control_key(values: dict[str, Any]) -> str:
     """What identifies a set of control values (in store keys and here)."""
     packed = msgpack.packb(values, use_bin_type=True)
-    return hashlib.blake2b(packed, digest_size=8).hexdigest()
+    # 128 bits: another job's values must not name the same store entries.
+    return hashlib.blake2b(packed, digest_size=16).hexdigest()
 
 
 class ControlMissing(LookupError):

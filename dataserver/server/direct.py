@@ -25,6 +25,7 @@ from zmq.utils.monitor import recv_monitor_message
 from dataserver.protocol import Hello, ProtocolError, Result, decode
 from dataserver.security import owns, reply_id, start_server_curve
 from dataserver.server.config import bindable
+from dataserver.server.conns import peer_socket_options
 from dataserver.server.outbox import Outbox, tracked
 
 log = logging.getLogger("dataserver.worker")
@@ -54,6 +55,7 @@ class DirectResults:
         self.sock.setsockopt(zmq.SNDHWM, RESULTS_HWM)
         self.sock.setsockopt(zmq.RCVHWM, 16)
         self.sock.setsockopt(zmq.MAXMSGSIZE, 1024)  # clients only send claims here
+        peer_socket_options(self.sock)  # dead peers dropped, handshakes bounded
         self.auth = None
         self.monitor: zmq.Socket[Any] | None = None
         if curve is not None:

@@ -345,7 +345,7 @@ class Front:
             self.guard.run(site, handler, frames)
 
     def _on_monitor(self, monitor: zmq.Socket[Any], name: str) -> None:
-        while True:
+        for _ in range(DRAIN):  # a flood of connects must not keep the loop from the rest
             try:
                 event = recv_monitor_message(monitor, zmq.NOBLOCK)
             except zmq.Again:
@@ -679,17 +679,19 @@ class Front:
         if self._not_owner(None, frames[0], msg.session):
             self._refuse("control_not_owner", None, "session id belongs to another key")
             return
-        session = self.scheduler.sessions.get(msg.session)
-        if session is None:
-            self.rejected["control_unknown_session"] += 1
-            return
-        # Published to every server of the session: one tag per server, and this server
-        # knows only its own secret.
-        want = steer_tag(session.secret, msg)
-        if not msg.tags or not any(hmac.compare_digest(want, t) for t in msg.tags):
-            self.rejected["control_bad_secret"] += 1
-            return
-        self._steer(session, msg)
+        # Published to every server of a client: one entry per server (a handle from the
+        # secret this server has for the session, and a keyed tag), under the client's own
+        # id, which names no session here. This server knows only its own secrets.
+        matched = False
+        for entry in msg.tags or ():
+            session = self.scheduler.by_handle.get(entry[:16])
+            if session is None:
+                continue
+            matched = True
+            if hmac.compare_digest(steer_tag(session.secret, msg), entry):
+                self._steer(session, msg)
+                return
+        self.rejected["control_bad_secret" if matched else "control_unknown_session"] += 1
 
     def _steer(self, session: Session, msg: Control) -> None:
         """A session's CONTROL (from the data or the control socket; the second copy of

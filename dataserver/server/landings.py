@@ -12,6 +12,7 @@ import os
 import socket
 import stat
 import struct
+import time
 from collections import Counter, OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -275,7 +276,12 @@ class Landings:
         if not inside or slot + n > reg.slots:
             yield None  # not inside the region it names
             return
-        fcntl.lockf(reg.fd, fcntl.LOCK_EX, nbytes, offset)  # these bytes only: others write theirs
+        # These bytes only (others write theirs). Never blocking: a client holds the lock on
+        # a region only while it seals it (microseconds); one that holds it longer (frozen,
+        # or hostile) costs this task the landing, not this shared worker its thread.
+        if not _lock(reg.fd, nbytes, offset):
+            yield None
+            return
         try:
             current = struct.unpack_from("<Q", reg.map, GEN_AT + 8 * region)[0]
             if current != generation:
@@ -303,3 +309,21 @@ class Landings:
                 os.unlink(self.path)
             except OSError:
                 pass
+
+
+LOCK_WAIT_S = 0.2
+
+
+def _lock(fd: int, nbytes: int, offset: int) -> bool:
+    """Take the write lock on ``nbytes`` at ``offset``, waiting at most ``LOCK_WAIT_S``."""
+    deadline = time.monotonic() + LOCK_WAIT_S
+    pause = 0.0002
+    while True:
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, nbytes, offset)
+            return True
+        except OSError:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(pause)
+            pause = min(pause * 2, 0.01)

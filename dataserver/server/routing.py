@@ -111,7 +111,7 @@ class WorkerRouter:
             entry.control_resends += 1
             if entry.control_resends <= 3 and entry.control_seq == session.control_seq:
                 self.counters["controls_resent"] += 1
-                self.scheduler.live[(entry.session, entry.task_id)] = entry
+                self.scheduler.relive(session, entry)
                 self.scheduler.push(session, entry, front=True)
                 return
         if isinstance(msg, ErrorMsg) and msg.kind == "internal" and msg.retry:
@@ -120,7 +120,7 @@ class WorkerRouter:
             entry.attempts += 1
             if entry.attempts < 2 and session is not None:
                 self.counters["tasks_retried"] += 1
-                self.scheduler.live[(entry.session, entry.task_id)] = entry
+                self.scheduler.relive(session, entry)
                 self.scheduler.push(session, entry, front=True)
                 return
         ok = not isinstance(msg, ErrorMsg)

@@ -16,6 +16,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from dataserver.protocol.messages import pub_handle
+
 STEER_RATE = 100_000  # plan/control changes a second a session could make (a tight loop)
 STEER_SLACK = 1 << 16
 
@@ -53,6 +55,7 @@ class Session:
     in_ready: bool = False  # member of the scheduler's round robin
     opened: float = field(default_factory=time.monotonic)
     base: int = 0  # the larger of plan_version, control_seq its HELLO said it stood at
+    live_ids: set[int] = field(default_factory=set)  # its task ids in Scheduler.live
 
     def reachable(self, value: int) -> bool:
         """Whether a plan version or control sequence number of ``value`` is one this
@@ -83,6 +86,8 @@ class Scheduler:
         # Tasks queued here or held by a worker, by (session, task_id): a client that asks
         # again for one of these (its deadline passed) gets the answer the first one makes.
         self.live: dict[tuple[bytes, int], TaskEntry] = {}
+        # Sessions by the handle a published CONTROL names them with (``pub_handle``).
+        self.by_handle: dict[bytes, Session] = {}
         self._ready: deque[Session] = deque()
         self.queued = 0
         self.queued_bytes = 0
@@ -96,6 +101,7 @@ class Scheduler:
             if len(self.sessions) >= self.max_sessions and not self._evict_one():
                 return None
             session = self.sessions[sid] = Session(sid, identity, secret, base=base)
+            self.by_handle[pub_handle(secret)] = session
         session.identity = identity
         session.last_seen = time.monotonic()
         return session
@@ -131,14 +137,22 @@ class Scheduler:
 
     def admit(self, session: Session, entry: TaskEntry) -> None:
         """Queue a task a client sent."""
-        self.live[(entry.session, entry.task_id)] = entry
+        self.relive(session, entry)
         self.push(session, entry)
+
+    def relive(self, session: Session, entry: TaskEntry) -> None:
+        """``entry`` is live (queued or held): a client asking for it again gets its answer."""
+        self.live[(entry.session, entry.task_id)] = entry
+        session.live_ids.add(entry.task_id)
 
     def finish(self, entry: TaskEntry) -> None:
         """``entry`` was answered (or cancelled, or given up): no longer live."""
         key = (entry.session, entry.task_id)
         if self.live.get(key) is entry:
             del self.live[key]
+            session = self.sessions.get(entry.session)
+            if session is not None:
+                session.live_ids.discard(entry.task_id)
 
     def push(self, session: Session, entry: TaskEntry, front: bool = False) -> None:
         """Queue ``entry`` (at the head when ``front``: a task given back by a worker)."""
@@ -197,10 +211,12 @@ class Scheduler:
         """Forget a session and its queued tasks."""
         session = self.sessions.pop(sid, None)
         if session is not None:
+            self.by_handle.pop(pub_handle(session.secret), None)
             self._took(session, len(session.queue), session.queued_bytes)
             session.queue.clear()
-            for key in [k for k in self.live if k[0] == sid]:
-                del self.live[key]
+            for task_id in session.live_ids:  # its own, not a scan of every session's
+                self.live.pop((sid, task_id), None)
+            session.live_ids.clear()
         return session
 
     def expired(self, ttl: float) -> list[bytes]:
