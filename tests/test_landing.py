@@ -91,7 +91,11 @@ def test_results_land_in_a_nameless_buffer_and_equal_those_over_the_socket(
         for b in c:  # while the job runs: nothing on the file system names the buffer
             landed.append((b.indices, b.images.clone(), b.targets))
             names = [p.name for p in Path("/dev/shm").iterdir()]
-            assert not [n for n in names if "land" in n or any(lk.session.hex() in n for lk in c._engine.links or ())]
+            assert not [
+                n
+                for n in names
+                if "land" in n or any(lk.session.hex() in n for lk in c._engine.links or ())
+            ]
         stats = c.stats()
     assert stats["results_landed"] >= 1 and not stats["rejected"].get("landed_unsealed")
     assert_same(sent, landed)
