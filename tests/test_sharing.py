@@ -354,10 +354,10 @@ def test_two_honest_jobs_and_a_hostile_client_on_one_server(start_server: Any) -
 
 
 def test_a_task_id_names_one_task_and_numbers_stay_within_reach(start_server: Any) -> None:
-    """With the session's own secret: a TASK under a live id with other contents is refused
-    (not taken for the first one asked again), and a plan version or control sequence far
-    beyond what the session can have reached is refused instead of cancelling everything
-    the session sends after it."""
+    """With the session's own secret: a TASK under a live id with other contents is not
+    taken for a duplicate of the first (it replaces it, and is answered), the same task
+    asked again is; and a plan version or control sequence far beyond what the session can
+    have reached is refused instead of cancelling everything the session sends after it."""
     server = start_server(*MERGE, workers=1)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
@@ -374,35 +374,41 @@ def test_a_task_id_names_one_task_and_numbers_stay_within_reach(start_server: An
             "control": {},
         }
         sock.send_multipart(protocol.pack(MsgType.CONTROL, far))
-        slow = [[i] for i in range(40)]  # a long first task keeps the id live a while
-        sock.send_multipart(
-            protocol.pack(MsgType.TASK, task_header(sid, 1, images=slow, side=256, auth=auth))
-        )
-        other = task_header(sid, 1, images=[[5]], side=64, auth=auth)
-        sock.send_multipart(protocol.pack(MsgType.TASK, other))
-        over = task_header(sid, 2, images=[[6]], side=32, auth=auth)
+        slow = [[i] for i in range(40)]  # long tasks keep the next ones queued a while
+        for task_id in (1, 2):
+            header = task_header(sid, task_id, images=slow, side=256, auth=auth)
+            sock.send_multipart(protocol.pack(MsgType.TASK, header))
+        third = task_header(sid, 3, images=slow, side=256, auth=auth)
+        sock.send_multipart(protocol.pack(MsgType.TASK, third))
+        sock.send_multipart(protocol.pack(MsgType.TASK, third))  # asked again: a duplicate
+        changed = task_header(sid, 3, images=[[5]], side=64, auth=auth)
+        sock.send_multipart(protocol.pack(MsgType.TASK, changed))  # other contents, same id
+        over = task_header(sid, 4, images=[[6]], side=32, auth=auth)
         over["plan_version"] = 1 << 52
         sock.send_multipart(protocol.pack(MsgType.TASK, over))
-        sock.send_multipart(protocol.pack(MsgType.TASK, task_header(sid, 3, auth=auth)))
-        got: dict[str, Any] = {}
+        sock.send_multipart(protocol.pack(MsgType.TASK, task_header(sid, 5, auth=auth)))
+        results: list[protocol.Result] = []
+        errors: list[protocol.ErrorMsg] = []
         deadline = time.monotonic() + 30
-        while len(got) < 4 and time.monotonic() < deadline:
+        while len(results) < 4 and time.monotonic() < deadline:
             if not sock.poll(1000):
                 continue
             m = protocol.decode(sock.recv_multipart())
             if isinstance(m, protocol.Result):
-                got[f"result {m.task_id}"] = m
+                results.append(m)
             elif isinstance(m, protocol.ErrorMsg):
-                got[m.kind] = m
+                errors.append(m)
     finally:
         sock.close(linger=0)
         ctx.term()
-    assert "task_conflict" in got and "sequence" in got
-    assert got["result 1"].images == tuple((i,) for i in range(40))  # the first one stands
-    assert "result 3" in got  # the far CONTROL cancelled nothing
-    rejected = server.stats()["rejected"]
-    assert rejected["task_conflict"] == 1
-    assert rejected["sequence"] == 2  # the CONTROL and the TASK
+    by_id = {r.task_id: r for r in results}
+    assert sorted(r.task_id for r in results) == [1, 2, 3, 5]  # one answer for task 3
+    assert by_id[3].images == ((5,),)  # the changed task, not the queued copy it replaced
+    assert [e.kind for e in errors] == ["sequence"]
+    stats = server.stats()
+    assert stats["counters"]["tasks_replaced"] == 1
+    assert stats["counters"]["tasks_duplicate"] == 1
+    assert stats["rejected"]["sequence"] == 2  # the CONTROL and the TASK
 
 
 def test_a_published_control_acts_only_with_the_servers_own_entry(start_server: Any) -> None:

@@ -619,13 +619,15 @@ class Front:
         digest = task_digest(task)
         live = self.scheduler.live.get((task.session, task.task_id))
         if live is not None and live.digest != digest:
-            self._refuse(
-                "task_conflict",
-                identity,
-                f"task {task.task_id} is live with other contents; a task id names one task",
-                session=task.session,
-            )
-            return
+            # The session's owner (the secret was checked) changed a task it asked for: a
+            # source left out after it killed workers. The new one replaces a queued copy;
+            # a running one finishes, and the client takes whichever answer it still wants.
+            # (A task is never taken for a duplicate of one with other contents.)
+            self.counters["tasks_replaced"] += 1
+            if live.held_by is None:
+                self.scheduler.take(session, lambda e: e is live)
+            self.scheduler.finish(live)
+            live = None
         if live is not None and (live.held_by is None or self.workers.is_running(live)):
             # Asked again (its deadline passed) while it is still queued or running: the
             # answer the first one makes is the answer. A task a worker holds but does not
