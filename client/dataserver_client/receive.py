@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import numpy as np
 import zmq
 
@@ -143,6 +144,4 @@ def _receive(sock: zmq.Socket[Any], first: Any, destinations: Destinations) -> M
     if sock.getsockopt(zmq.RCVMORE):
         raise ProtocolError("RESULT carries frames after its labels")
     check_boxes(arrays[0], arrays[1], sum(result.box_counts))
-    result.pixels = dest
-    result.boxes, result.labels = arrays
-    return result
+    return msgspec.structs.replace(result, pixels=dest, boxes=arrays[0], labels=arrays[1])
