@@ -554,6 +554,7 @@ class Engine(threading.Thread):
             link.decline(msg, problem.why)
             self._servers_changed()
         else:
+            link.decline(msg, problem.why)  # (it holds a session for us: BYE frees it at close)
             self._fail(DataServerError(problem.why))
 
     # ------------------------------------------------------------ links and tasks

@@ -571,7 +571,10 @@ class ServerLink:
 
     def close(self) -> None:
         try:
-            if self.state is LinkState.READY:
+            # A server that welcomed us holds a session until BYE (or its idle timeout).
+            if self.state is LinkState.READY or (
+                self.state is LinkState.DRAINING and self.welcome_msg is not None
+            ):
                 bye = Bye(session=self.session, auth=self.secret)
                 self.sock.send_multipart(bye.encode(), zmq.NOBLOCK)
         except zmq.ZMQError:
