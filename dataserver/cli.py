@@ -181,7 +181,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"dataserver {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    _add_serve(sub)
+    _add_synth(sub)
+    _add_demo(sub)
+    _add_stats(sub)
+    _add_keygen(sub)
+    _add_bench(sub)
+    return parser
 
+
+def _add_serve(sub: Any) -> None:
     p = sub.add_parser("serve", help="run a server until SIGINT/SIGTERM")
     p.add_argument(
         "--dataset",
@@ -286,6 +295,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=cmd_serve)
 
+
+def _add_synth(sub: Any) -> None:
     p = sub.add_parser(
         "synth", help="write a synthetic COCO-format dataset (JPEGs + annotations.json)"
     )
@@ -294,6 +305,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_synth)
 
+
+def _add_demo(sub: Any) -> None:
     p = sub.add_parser("demo", help="serve the synthetic set and train a small model against it")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--workers", type=int, default=2)
@@ -314,6 +327,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_demo)
 
+
+def _add_stats(sub: Any) -> None:
     p = sub.add_parser("stats", help="print a live server's counters")
     p.add_argument("address", help="the server's data endpoint, e.g. tcp://127.0.0.1:5555")
     p.add_argument("--timeout", type=float, default=5.0)
@@ -327,11 +342,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_stats)
 
+
+def _add_keygen(sub: Any) -> None:
     p = sub.add_parser("keygen", help="write a CURVE key pair")
     p.add_argument("directory")
     p.add_argument("--name", default="server")
     p.set_defaults(func=cmd_keygen)
 
+
+def _add_bench(sub: Any) -> None:
     p = sub.add_parser("bench", help="measure against DataLoader and raw ZeroMQ (see README)")
     p.add_argument("--data", default=None, help="a dataserver synth folder (default: make one)")
     p.add_argument("--images", type=int, default=512)
@@ -349,7 +368,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--only", default=None, help="comma-separated figures to run")
     p.add_argument("--json", default=None, help="also write the results here")
     p.set_defaults(func=cmd_bench)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,9 +2,11 @@
 message cost only itself.
 
 Shutdown (pyzmq's devices' idiom, used by the front, the workers and the client's I/O
-thread alike): a loop runs until its stop flag is set; ``is_shutdown`` names the one family
-of ZeroMQ errors that means "the context is going away" and the loop swallows exactly those
-in one place; ``finally`` closes the sockets the loop's own thread created.
+thread alike): a loop runs until its stop flag is set, every wait in it has a timeout so
+the flag is seen; ``is_shutdown`` names the one family of ZeroMQ errors that means "the
+context is going away" and the loop swallows exactly those in one place; ``finally``
+closes the sockets the loop's own thread created. ``serve`` is that loop, for the server's
+processes (the front and each worker).
 
 ``MessageGuard.run`` calls a message's handler; any exception other than a shutdown is
 counted (``counter["internal"]``), logged once per place with its traceback, and the message
@@ -25,7 +27,7 @@ import logging
 import os
 from collections import Counter
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import zmq
 
@@ -112,3 +114,42 @@ class MessageGuard:
                     self.report(site, exc)
                 except Exception:  # telling is best effort; the loop goes on regardless
                     self.log.debug("%s: could not report the dropped message", site)
+
+
+class StopFlag:
+    """A loop's stop request: ``set`` from any thread or from a signal handler (a plain
+    attribute write: no lock a handler could find held), read by the loop every turn."""
+
+    def __init__(self) -> None:
+        self._set = False
+
+    def set(self) -> None:
+        self._set = True
+
+    def is_set(self) -> bool:
+        return self._set
+
+
+class Stoppable(Protocol):
+    def is_set(self) -> bool: ...
+
+
+def serve(
+    start: Callable[[], None],
+    turn: Callable[[], None],
+    stop: Stoppable,
+    close: Callable[[], None],
+) -> None:
+    """The one loop of every process here: ``start()``, then ``turn()`` until ``stop`` is
+    set (a turn waits at most its poll timeout, so a stop is seen within it). The ZeroMQ
+    errors that mean "shutting down" (``is_shutdown``) end the loop quietly, here and
+    nowhere else; anything else propagates. ``close()`` runs in every case."""
+    try:
+        start()
+        while not stop.is_set():
+            turn()
+    except zmq.ZMQError as exc:
+        if not is_shutdown(exc):
+            raise
+    finally:
+        close()

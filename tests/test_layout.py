@@ -97,3 +97,76 @@ def test_the_server_side_never_imports_torch() -> None:
             assert not any(
                 m == "torch" or m.startswith(("torch.", "dataserver_client")) for m in mods
             ), f"{name} imports {mods}"
+
+
+# Writes to another object's attribute that the client allows, each with its reason.
+FOREIGN_WRITES_ALLOWED: set[tuple[str, str]] = {
+    # pyzmq sets CURVE keys as socket attributes (its API for socket options).
+    ("links", "curve_serverkey"),
+    ("links", "curve_publickey"),
+    ("links", "curve_secretkey"),
+    # The mmengine bridge fills mmengine's own objects the way mmengine documents.
+    ("mmengine", "gt_instances"),
+    ("mmengine", "endless"),
+    ("mmengine", "dataloader_iterator"),
+}
+# Exception chaining (``raise ... from`` spelled out) is the language's, not an object's.
+ALLOWED_EVERYWHERE = {"__cause__"}
+
+
+def _record_fields(tree: ast.Module) -> set[str]:
+    """Fields of the dataclasses a module defines: records it creates and fills itself."""
+    fields: set[str] = set()
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.ClassDef):
+            continue
+        if not any("dataclass" in ast.unparse(d) for d in node.decorator_list):
+            continue
+        for stmt in node.body:
+            if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
+                fields.add(stmt.target.id)
+    return fields
+
+
+def foreign_writes(path: Path) -> list[str]:
+    """Assignments, augmented assignments and deletions of ``X.attr`` where ``X`` is not
+    ``self`` (nor ``cls``), except fields of a dataclass the same module defines."""
+    tree = ast.parse(path.read_text())
+    own = _record_fields(tree)
+    targets: list[ast.expr] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign):
+            targets.extend(node.targets)
+        elif isinstance(node, ast.AugAssign | ast.AnnAssign):
+            targets.append(node.target)
+        elif isinstance(node, ast.Delete):
+            targets.extend(node.targets)
+    flat: list[ast.expr] = []
+    while targets:
+        t = targets.pop()
+        if isinstance(t, ast.Tuple | ast.List):
+            targets.extend(t.elts)
+        else:
+            flat.append(t)
+    out = []
+    for t in flat:
+        if not isinstance(t, ast.Attribute):
+            continue
+        owner = t.value
+        if isinstance(owner, ast.Name) and owner.id in ("self", "cls"):
+            continue
+        if (
+            t.attr in own
+            or t.attr in ALLOWED_EVERYWHERE
+            or (path.stem, t.attr) in FOREIGN_WRITES_ALLOWED
+        ):
+            continue
+        out.append(f"{path.name}:{t.lineno}: {ast.unparse(t)}")
+    return out
+
+
+def test_no_client_module_writes_another_objects_fields() -> None:
+    """A field is written only by methods of the object that holds it (STYLE.md)."""
+    base = PACKAGES["dataserver_client"]
+    found = [w for p in sorted(base.rglob("*.py")) for w in foreign_writes(p)]
+    assert not found, "writes into another object's fields:\n" + "\n".join(found)

@@ -1,17 +1,17 @@
-"""The plan book: which batches of the epoch are planned, which tasks they are waiting for,
-and the commands that move the plan. No sockets and no threads of its own; the engine's
-I/O thread is its only caller, and tests drive it directly.
+"""The plan book: which batches of the epoch are planned, the batches being answered, the
+mode and control values they are planned under, and the commands that move the plan. No
+sockets and no threads of its own; the engine's I/O thread is its only caller, and tests
+drive it directly. It holds the session's mode: everyone else asks it.
 
-Task accounting: a ``TaskRecord`` is in ``tasks`` while its answer is still wanted. Which
-server it was last sent to (``rec.link``) is the engine's business. An answer is taken when
-its task is still wanted under the same plan_version, from whichever server it comes:
-results are deterministic, so a second answer (after a task was asked again) is dropped.
+It reaches its collaborators only through their methods: the ``TaskLedger`` (ledger.py:
+the tasks a batch needs), the ``Affinity`` (affinity.py: which server a task's sources
+belong to) and the ``Handoff`` (handoff.py: finished batches for the trainer).
 
 Zero-stale steering lives in ``steer``: it bumps ``plan_version``, clears every batch the
 trainer has not taken, and rewinds the cursor to the first of them.
 
 Zero-stall mode flips live in ``flip``: beside the batches planned in the current mode, the
-book plans the *next* batch in the other mode too (the lookahead batch: the same samples
+book plans the *next* batch in the other mode too (the ``Lookahead``: the same samples
 from the same shard position, so its sources are the ones the servers' stores hold or are
 decoding anyway). A mode flip promotes it to be the next batch (ready at once when it is
 complete), keeps the batch it replaces as the new lookahead (a flip back promotes it
@@ -20,15 +20,13 @@ again), and drops the deeper batches of the old mode, cancelling their tasks by 
 
 from __future__ import annotations
 
-import threading
-from collections import deque
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from dataserver.protocol import MAX_TASK_IMAGES, Result
+from dataserver_client.affinity import Affinity
 from dataserver_client.assembly import Delivery, DeviceMover, HostBuffers, InflightBatch
 from dataserver_client.config import ClientConfig
 from dataserver_client.epoch import (
@@ -42,11 +40,14 @@ from dataserver_client.epoch import (
     split_runs,
 )
 from dataserver_client.errors import DataServerError
+from dataserver_client.handoff import Handoff
+from dataserver_client.ledger import TaskLedger, TaskRecord
 
 if TYPE_CHECKING:
+    from dataserver_client.links import ServerLink
     from dataserver_client.resume import Deal
 
-PROBE_HW = (8, 8)  # a probe composes one source into a tiny image: it only asks "does it kill?"
+Finished = Delivery | DataServerError
 
 
 def epoch_shard(
@@ -67,186 +68,162 @@ def epoch_shard(
     )
 
 
-class Handoff:
-    """Finished batches waiting for the trainer, by step, and the epoch's end when known.
+@dataclass(frozen=True)
+class Position:
+    """Where the trainer stands: the first batch it has not taken (its position in this
+    rank's share of the epoch's deal, when the epoch has one), and the plan's values."""
 
-    Shared by both threads under ``cond``. Only batches of the current plan are ever in
-    ``ready``: a steer clears it before the trainer can look again.
-    """
-
-    def __init__(self) -> None:
-        self.cond = threading.Condition()
-        self.ready: dict[int, Delivery | DataServerError] = {}
-        self.taken = 0  # steps handed to the trainer in this epoch
-        self.end_step: int | None = None
-        self.fatal: BaseException | None = None
+    epoch: int
+    position: int
+    step: int
+    mode: str
+    control: dict[str, Any]
+    control_seq: int
+    deal: dict[str, Any] | None
+    share: int | None  # samples in this rank's share of the epoch (None: no epoch yet)
 
 
-@dataclass(eq=False)
-class TaskRecord:
-    """A task the client wants answered: a run of images of one batch (their slots in it),
-    and which server has it."""
+@dataclass(frozen=True)
+class LookaheadState:
+    """The lookahead batch: its step, its mode and whether it is finished."""
 
-    task_id: int
-    batch: InflightBatch  # the batch its images go to
-    slots: tuple[int, ...]  # the batch slots of its images, in order (-1: a probe's)
-    images: tuple[tuple[int, ...], ...]  # each image's source indices, in cell order
-    grid: int
-    out_hw: tuple[int, int]
-    plan_version: int
-    link: Any = None  # the server it was last sent to (the engine's ServerLink), or None
-    land_gen: int | None = None  # the landing generation it was last sent to land with
-    exclude: tuple[int, ...] = ()  # sources to leave out (found to kill workers)
-    prefer: Any = None  # the server whose store should hold its sources (several servers)
-    keys: tuple[int, ...] = ()  # its images' affinity keys (several servers)
-    probe_of: TaskRecord | None = None  # a one-source probe run for this stitched task
-    probes_left: int = 0
-    poisoned: list[int] = field(default_factory=list)
+    step: int
+    mode: str
+    ready: bool
 
-    @property
-    def step(self) -> int:
-        return self.batch.plan.step
+
+class Lookahead:
+    """Batch ``taken`` planned in the other mode (see the module's doc): its plan, its batch
+    while being answered or sealed, its result once finished. Off until ``enabled`` (the
+    config asks for it and servers keep stores) and ``armed`` (the trainer steers the
+    mode)."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.armed = False
+        self._plan: BatchPlan | None = None
+        self._batch: InflightBatch | None = None
+        self._ready: Finished | None = None
+        self._tried: tuple[int, int, str] | None = None
 
     @property
-    def indices(self) -> tuple[int, ...]:
-        return tuple(i for image in self.images for i in image)
+    def active(self) -> bool:
+        return self.enabled and self.armed
+
+    @property
+    def plan(self) -> BatchPlan | None:
+        return self._plan
+
+    @property
+    def batch(self) -> InflightBatch | None:
+        return self._batch
+
+    @property
+    def ready(self) -> Finished | None:
+        return self._ready
+
+    def arm(self) -> None:
+        self.armed = True
+
+    def enable(self, on: bool) -> None:
+        self.enabled = on
+
+    def first_try(self, key: tuple[int, int, str]) -> bool:
+        """False when ``key`` (step, start, mode) was tried already: the shard has too few
+        samples left for it."""
+        if self._tried == key:
+            return False
+        self._tried = key
+        return True
+
+    def hold(
+        self, plan: BatchPlan | None, batch: InflightBatch | None, ready: Finished | None
+    ) -> None:
+        self._plan, self._batch, self._ready = plan, batch, ready
+
+    def finished(self, item: Finished) -> None:
+        """Its batch is done (delivered or failed): kept until a flip promotes it."""
+        self._batch, self._ready = None, item
+
+    def reset(self) -> None:
+        """Nothing planned, nothing tried (a new plan)."""
+        self.hold(None, None, None)
+        self._tried = None
+
+    def state(self) -> LookaheadState | None:
+        if self._plan is None:
+            return None
+        return LookaheadState(self._plan.step, self._plan.mode, self._ready is not None)
 
 
 class PlanBook:
-    """Planned batches, their tasks, and the commands that change the plan."""
+    """Planned batches, the batches being answered, and the commands that change the plan."""
 
     def __init__(
-        self, config: ClientConfig, handoff: Handoff, mover: DeviceMover, buffers: HostBuffers
+        self,
+        config: ClientConfig,
+        handoff: Handoff[Delivery],
+        mover: DeviceMover,
+        buffers: HostBuffers,
+        ledger: TaskLedger | None = None,
+        affinity: Affinity[ServerLink] | None = None,
     ) -> None:
         self.config = config
-        self.handoff = handoff
-        self.mover = mover
-        self.buffers = buffers
+        self._handoff = handoff
+        self._mover = mover
+        self._buffers = buffers
+        self.ledger = ledger if ledger is not None else TaskLedger()
+        self.affinity: Affinity[ServerLink] = affinity if affinity is not None else Affinity()
         self.layout = config.layout()
         self.epoch = 0
-        self.mode = REGULAR
+        self._mode = REGULAR
         self.plan_version = 0
         self.control: dict[str, Any] = {}
         self.control_seq = 0
         self.cursor: Cursor | None = None
-        self.inflight: dict[int, InflightBatch] = {}
-        self.plans: dict[int, BatchPlan] = {}  # the current mode's plans, from step taken on
-        self.tasks: dict[int, TaskRecord] = {}
-        self.pending: deque[TaskRecord] = deque()
-        self.next_task_id = 1
-        self.skipped_poison = 0
-        self.sealing: list[InflightBatch] = []  # complete, waiting for their buffer's seal
-        self.parallelism = 2  # worker slots over every ready server (the engine keeps it)
-        # With several servers: the server an affinity key goes to (rendezvous hashing over
-        # the ready ones, kept by the engine), or None for "any".
-        self.route: Callable[[int], Any] = lambda key: None
-        self.owner: dict[int, Any] = {}  # affinity key -> the server its sources went to
-        # The lookahead: batch ``taken`` planned in the other mode (see the module's doc).
-        self.lookahead = config.lookahead and self.layout.stitch_k > 1
-        self.armed = False  # set once the trainer steers the mode (feedback, set_mode)
-        self.alt_plan: BatchPlan | None = None
-        self.alt: InflightBatch | None = None  # its batch while being answered or sealed
-        self.alt_ready: Delivery | DataServerError | None = None  # its batch once finished
-        self._alt_tried: tuple[int, int, str] | None = None
-        self.to_cancel: list[tuple[Any, int]] = []  # (link, task id) sent but not wanted now
+        self._inflight: dict[int, InflightBatch] = {}
+        self._plans: dict[int, BatchPlan] = {}  # the current mode's plans, from step taken on
+        self._sealing: list[InflightBatch] = []  # complete, waiting for their buffer's seal
+        self._parallelism = 2  # worker slots over every ready server
+        self.lookahead = Lookahead(config.lookahead and self.layout.stitch_k > 1)
         self.flips = {"promoted": 0, "promoted_ready": 0, "replanned": 0}
         # The epoch's deal (an elastic resume) as plain data for snapshots, or None.
-        self.deal_state: dict[str, Any] | None = None
+        self._deal_state: dict[str, Any] | None = None
+
+    @property
+    def mode(self) -> str:
+        """The mode of the next batch the trainer takes (the session's one record of it)."""
+        return self._mode
+
+    def set_parallelism(self, slots: int) -> None:
+        """Tasks the ready servers can work on at once (batches are cut to keep them busy)."""
+        self._parallelism = max(1, slots)
 
     # ------------------------------------------------------------ tasks
-
-    def wanted(self, task_id: int, plan_version: int | None) -> TaskRecord | None:
-        """The record an answer is for, if it is still wanted under that plan."""
-        rec = self.tasks.get(task_id)
-        if rec is None or rec.plan_version != plan_version:
-            return None
-        return rec
-
-    def pop_pending(self, link: Any = None) -> TaskRecord | None:
-        """The next task to send to ``link``, skipping those no longer wanted.
-
-        With several servers: the first task that prefers ``link`` (its sources belong in
-        that server's store); else the first whose sources no other server has begun on
-        (it moves to ``link``, with every task sharing its samples: a server with free
-        credit does not idle while such work waits). None: nothing ``link`` should take
-        now: what is left belongs where its sources are (or are being decoded), and is
-        composed there sooner than another server could decode them again."""
-        pending = self.pending
-        while pending and self.tasks.get(pending[0].task_id) is not pending[0]:
-            pending.popleft()
-        if not pending:
-            return None
-        head = pending[0]
-        if link is None or head.prefer is None or head.prefer is link:
-            return self._take(0, link)
-        movable = None
-        for j, rec in enumerate(pending):
-            if self.tasks.get(rec.task_id) is not rec:
-                continue
-            if rec.prefer is None or rec.prefer is link:
-                return self._take(j, link)
-            if movable is None and all(self.owner.get(k, link) is link for k in rec.keys):
-                movable = j
-        if movable is not None:
-            return self._take(movable, link)
-        return None
-
-    def _take(self, j: int, link: Any) -> TaskRecord:
-        rec = self.pending[j]
-        del self.pending[j]
-        if rec.keys and link is not None:
-            for key in rec.keys:
-                self.owner[key] = link
-            if rec.prefer is not link:  # it moved: so do the tasks that share its samples
-                keys = set(rec.keys)
-                for other in self.pending:
-                    if other.prefer is not link and not keys.isdisjoint(other.keys):
-                        other.prefer = link
-                rec.prefer = link
-        return rec
-
-    def ask_again(self, recs: list[TaskRecord]) -> int:
-        """Put still-wanted tasks at the head of the queue, in plan order; how many."""
-        again = sorted(
-            (r for r in recs if self.tasks.get(r.task_id) is r), key=lambda r: (r.step, r.slots[0])
-        )
-        for rec in reversed(again):
-            rec.link = None
-            self.pending.appendleft(rec)
-        return len(again)
-
-    def records(self, task_ids: list[int]) -> list[TaskRecord]:
-        return [self.tasks[t] for t in task_ids if t in self.tasks]
-
-    def _new_task(
-        self,
-        batch: InflightBatch,
-        slots: tuple[int, ...],
-        images: tuple[tuple[int, ...], ...],
-        grid: int,
-        out_hw: tuple[int, int],
-        plan_version: int | None = None,
-        **extra: Any,
-    ) -> TaskRecord:
-        version = self.plan_version if plan_version is None else plan_version
-        rec = TaskRecord(self.next_task_id, batch, slots, images, grid, out_hw, version, **extra)
-        self.next_task_id += 1
-        self.tasks[rec.task_id] = rec
-        return rec
 
     def batch_of(self, rec: TaskRecord) -> InflightBatch | None:
         """The batch a wanted task's images go to, while that batch is still planned and
         being answered."""
         batch = rec.batch
-        if batch is self.alt or self.inflight.get(batch.plan.step) is batch:
+        if batch is self.lookahead.batch or self._inflight.get(batch.plan.step) is batch:
             return batch
         return None
+
+    def destination(self, rec: TaskRecord) -> np.ndarray:
+        """Where the images of a wanted task's answer are received: its slots of the batch
+        buffer, or a scratch array (a probe's, slots that are not consecutive, a batch no
+        longer planned)."""
+        batch = self.batch_of(rec)
+        if batch is None or not rec.consecutive:
+            return np.empty((len(rec.slots), 3, *rec.out_hw), np.uint8)
+        first = rec.slots[0]
+        return batch.array[first : first + len(rec.slots)]
 
     def tasks_per_batch(self, images: int) -> int:
         """Tasks to cut a batch of ``images`` output images into: enough that every worker
         of every server has its pipeline full with ``prefetch`` batches in flight, and no
         more (each task costs a message each way and some Python on every side)."""
-        want = -(-self.parallelism // self.config.prefetch)
+        want = -(-self._parallelism // self.config.prefetch)
         return max(1, min(images, max(want, -(-images // MAX_TASK_IMAGES))))
 
     # ------------------------------------------------------------ answers
@@ -254,14 +231,18 @@ class PlanBook:
     def on_result(self, rec: TaskRecord, result: Result) -> None:
         """A wanted task's RESULT (checked by the engine: one image per slot, the indices
         asked); its pixels are already in the batch buffer."""
-        del self.tasks[rec.task_id]
         if rec.probe_of is not None:
-            self._probe_done(rec, bad=False)
+            self._drop_poisoned(self.ledger.probe_done(rec, bad=False))
             return
+        self.ledger.done(rec)
         batch = self.batch_of(rec)
         if batch is None:
             return
         assert result.boxes is not None and result.labels is not None
+        pixels = result.pixels
+        if pixels is not None and not np.shares_memory(pixels, batch.array):
+            for j, slot in enumerate(rec.slots):  # received apart: slots not consecutive
+                batch.array[slot] = pixels[j]
         start = 0
         for slot, kept, count in zip(rec.slots, result.images, result.box_counts, strict=True):
             stop = start + count
@@ -285,37 +266,17 @@ class PlanBook:
             # One image of the run kills workers: the rest of the run is asked again, the
             # blame (or the skip) falls on that image alone. Without its number, every
             # image is run on its own.
-            del self.tasks[rec.task_id]
-            pairs = list(zip(rec.slots, rec.images, strict=True))
-            if image is None or not 0 <= image < len(pairs):
-                for slot, one in reversed(pairs):
-                    single = self._new_task(
-                        rec.batch, (slot,), (one,), rec.grid, rec.out_hw, rec.plan_version
-                    )
-                    self.pending.appendleft(single)
-                return
-            rest = pairs[:image] + pairs[image + 1 :]
-            if rest:
-                again = self._new_task(
-                    rec.batch,
-                    tuple(slot for slot, _ in rest),
-                    tuple(one for _, one in rest),
-                    rec.grid,
-                    rec.out_hw,
-                    rec.plan_version,
-                )
-                self.pending.appendleft(again)
-            slot, one = pairs[image]
-            bad = self._new_task(rec.batch, (slot,), (one,), rec.grid, rec.out_hw, rec.plan_version)
-            self.on_failure(bad, kind, error)
+            bad = self.ledger.split(rec, image)
+            if bad is not None:
+                self.on_failure(bad, kind, error)
             return
         if skip and kind == "poison" and rec.probe_of is None and len(rec.indices) > 1:
-            self._probe(rec)  # still wanted: composed again once the probes say how
+            self.ledger.probe(rec)  # still wanted: composed again once the probes say how
             return
-        del self.tasks[rec.task_id]
         if rec.probe_of is not None:
-            self._probe_done(rec, bad=kind in ("sample", "poison"))
+            self._drop_poisoned(self.ledger.probe_done(rec, bad=kind in ("sample", "poison")))
             return
+        self.ledger.done(rec)
         batch = self.batch_of(rec)
         if batch is None:
             return
@@ -326,99 +287,55 @@ class PlanBook:
             return
         self.fail_batch(batch, error)
 
-    def _probe(self, rec: TaskRecord) -> None:
-        """A stitched task killed two workers and on_error is "skip": find which of its
-        sources does it, one small probe task each, then compose it without them, so only
-        the bad samples are left out (not their k - 1 neighbours)."""
-        rec.probes_left = len(rec.indices)
-        rec.poisoned.clear()
-        for index in rec.indices:
-            probe = self._new_task(
-                rec.batch, (-1,), ((index,),), 1, PROBE_HW, rec.plan_version, probe_of=rec
-            )
-            self.pending.appendleft(probe)
-
-    def _probe_done(self, probe: TaskRecord, bad: bool) -> None:
-        parent = probe.probe_of
-        if parent is None:
+    def _drop_poisoned(self, parent: TaskRecord | None) -> None:
+        """Leave out a composed image that kills workers though each source is fine alone."""
+        batch = self.batch_of(parent) if parent is not None else None
+        if parent is None or batch is None:
             return
-        if bad:
-            parent.poisoned.extend(probe.indices)
-        parent.probes_left -= 1
-        if parent.probes_left > 0 or self.tasks.get(parent.task_id) is not parent:
-            return
-        if parent.poisoned:
-            parent.exclude = tuple(parent.poisoned)
-            parent.link = None
-            self.pending.appendleft(parent)
-            return
-        # Every source is fine alone, yet together they kill workers: the composed image
-        # itself is the poison. Leave all of it out (counted), rather than kill more workers.
-        del self.tasks[parent.task_id]
-        self.skipped_poison += 1
-        batch = self.batch_of(parent)
-        if batch is not None:
-            for slot, indices in zip(parent.slots, parent.images, strict=True):
-                batch.drop(slot, list(indices))
-            self._maybe_finish(batch)
+        for slot, indices in zip(parent.slots, parent.images, strict=True):
+            batch.drop(slot, list(indices))
+        self._maybe_finish(batch)
 
     # ------------------------------------------------------------ batches
 
     def _maybe_finish(self, batch: InflightBatch) -> None:
         if not batch.complete:
             return
-        if batch is not self.alt:
-            del self.inflight[batch.plan.step]
-        if not self.buffers.seal(batch.host):  # a late writer is in it: deliver once out
-            self.sealing.append(batch)
+        if batch is not self.lookahead.batch:
+            del self._inflight[batch.plan.step]
+        if not self._buffers.seal(batch.host):  # a late writer is in it: deliver once out
+            self._sealing.append(batch)
             return
         self._deliver(batch)
 
     def _deliver(self, batch: InflightBatch) -> None:
-        delivery = self.mover.deliver(batch, self.epoch, self.buffers)
-        if batch is self.alt:  # finished, kept until a flip promotes it or the step passes
-            self.alt, self.alt_ready = None, delivery
+        delivery = self._mover.deliver(batch, self.epoch, self._buffers)
+        if batch is self.lookahead.batch:  # kept until a flip promotes it or the step passes
+            self.lookahead.finished(delivery)
             return
-        with self.handoff.cond:
-            self.handoff.ready[batch.plan.step] = delivery
-            self.handoff.cond.notify_all()
+        self._handoff.put(batch.plan.step, batch.plan.plan_version, delivery)
 
     def retry_seals(self) -> None:
         """Deliver the complete batches whose buffers could not be sealed before."""
-        if not self.sealing:
+        if not self._sealing:
             return
         waiting = []
-        for batch in self.sealing:
-            if self.buffers.seal(batch.host):
+        for batch in self._sealing:
+            if self._buffers.seal(batch.host):
                 self._deliver(batch)
             else:
                 waiting.append(batch)
-        self.sealing = waiting
+        self._sealing = waiting
 
     def fail_batch(self, batch: InflightBatch, error: DataServerError) -> None:
-        self._forget(lambda r: r.batch is batch)
-        self.buffers.give(batch.host)
-        if batch is self.alt:  # the trainer gets the error if a flip promotes it
-            self.alt, self.alt_ready = None, error
+        self.ledger.forget(lambda r: r.batch is batch)
+        self._buffers.give(batch.host)
+        if batch is self.lookahead.batch:  # the trainer gets the error if a flip promotes it
+            self.lookahead.finished(error)
             return
         step = batch.plan.step
-        self.inflight.pop(step, None)
-        with self.handoff.cond:
-            self.handoff.ready[step] = error
-            self.handoff.cond.notify_all()
-
-    def _forget(self, which: Callable[[TaskRecord], bool], cancel: bool = False) -> None:
-        """Stop wanting some tasks; those already sent stay outstanding until answered
-        (with ``cancel``, the servers are asked to drop them if still queued)."""
-        for tid in [t for t, r in self.tasks.items() if which(r)]:
-            rec = self.tasks.pop(tid)
-            if cancel and rec.link is not None:
-                self.to_cancel.append((rec.link, tid))
-        self.pending = deque(r for r in self.pending if not which(r))
-
-    def taken(self) -> int:
-        with self.handoff.cond:
-            return self.handoff.taken
+        self._inflight.pop(step, None)
+        self._handoff.put(step, batch.plan.plan_version, error)
 
     def fill(self) -> None:
         """Plan batches until ``prefetch`` are planned beyond what the trainer has taken;
@@ -426,16 +343,16 @@ class PlanBook:
         cursor = self.cursor
         if cursor is None:
             return
-        with self.handoff.cond:
-            taken = self.handoff.taken
-            ended = self.handoff.end_step is not None
-        for step in [s for s in self.plans if s < taken]:
-            del self.plans[step]
-        if self.alt_plan is not None and self.alt_plan.step != taken:
+        taken = self._handoff.taken()
+        ended = self._handoff.ended()
+        for step in [s for s in self._plans if s < taken]:
+            del self._plans[step]
+        alt = self.lookahead.plan
+        if alt is not None and alt.step != taken:
             self._drop_alt()  # the trainer took that step in the current mode
         while not ended and cursor.step <= taken:  # the next batch first
             ended = not self._plan_next(cursor)
-        if self.lookahead and self.armed and self.alt_plan is None:
+        if self.lookahead.active and self.lookahead.plan is None:
             self._plan_alt(cursor, taken)
         while not ended and cursor.step - taken < self.config.prefetch:
             ended = not self._plan_next(cursor)
@@ -443,23 +360,20 @@ class PlanBook:
     def _plan_next(self, cursor: Cursor) -> bool:
         plan = cursor.next_plan()
         if plan is None:
-            with self.handoff.cond:
-                self.handoff.end_step = cursor.step
-                self.handoff.cond.notify_all()
+            self._handoff.end_at(cursor.step)
             return False
-        self.plans[plan.step] = plan
-        self.inflight[plan.step] = self._plan_tasks(plan)
+        self._plans[plan.step] = plan
+        self._inflight[plan.step] = self._plan_tasks(plan)
         return True
 
     def _plan_tasks(self, plan: BatchPlan) -> InflightBatch:
         """The batch's buffer and tasks: runs of consecutive images, cut where the server
         their sources belong to changes (several servers), else evenly."""
-        batch = InflightBatch(plan, self.buffers.take((len(plan.images), 3, *plan.out_hw)))
+        batch = InflightBatch(plan, self._buffers.take((len(plan.images), 3, *plan.out_hw)))
         images = plan.images
         n = len(images)
         keys = [self._affinity(plan, j) for j in range(n)]
-        owner = self.owner
-        servers = [owner.get(key) or self.route(key) for key in keys]
+        servers = [self.affinity.server_for(key) for key in keys]
         segments: list[tuple[int, int]] = []  # [start, stop) of one preferred server
         for j in range(n):
             if j and servers[j] is servers[j - 1]:
@@ -471,16 +385,16 @@ class PlanBook:
             share = max(1, round(parts * (stop - start) / n))
             for run in split_runs(stop - start, share):
                 slots = tuple(start + j for j in run)
-                rec = self._new_task(
+                self.ledger.add(
                     batch,
                     slots,
                     tuple(images[j].indices for j in slots),
                     images[0].grid,
                     plan.out_hw,
+                    self.plan_version,
                     prefer=servers[start],
                     keys=tuple(keys[j] for j in slots) if servers[start] is not None else (),
                 )
-                self.pending.append(rec)
         return batch
 
     def _affinity(self, plan: BatchPlan, j: int) -> int:
@@ -489,7 +403,7 @@ class PlanBook:
         samples that one flip may stitch together are decoded into one server's store; else
         its first sample (the same server every epoch: cross-epoch cache hits)."""
         first = plan.images[j].indices[0]
-        if not (self.lookahead and self.armed) or self.cursor is None:
+        if not self.lookahead.active or self.cursor is None:
             return first
         k = self.layout.stitch_k
         per_image = k if plan.mode == STITCH and self.layout.stitch_layout == "spatial" else 1
@@ -498,38 +412,40 @@ class PlanBook:
 
     def _plan_alt(self, cursor: Cursor, taken: int) -> None:
         """Plan batch ``taken`` in the other mode, from the same shard position."""
-        primary = self.plans.get(taken)
+        primary = self._plans.get(taken)
         if primary is not None:
             start = primary.start
         elif cursor.step == taken:  # the current mode has no batch left there; the other may
             start = cursor.position
         else:
             return
-        other = STITCH if self.mode == REGULAR else REGULAR
-        key = (taken, start, other)
-        if self._alt_tried == key:
-            return  # tried already: the shard has too few samples left for it
-        self._alt_tried = key
+        other = STITCH if self._mode == REGULAR else REGULAR
+        if not self.lookahead.first_try((taken, start, other)):
+            return
         plan = cursor.plan_at(taken, start, other)
         if plan is None:
             return
-        self.alt_plan = plan
-        self.alt = self._plan_tasks(plan)
+        self.lookahead.hold(plan, self._plan_tasks(plan), None)
 
     def _drop_alt(self) -> None:
         """Forget the lookahead batch: its tasks (cancelled on the servers), its buffer."""
-        alt = self.alt
+        alt = self.lookahead.batch
         if alt is not None:
-            self._forget(lambda r: r.batch is alt, cancel=True)
-            if alt in self.sealing:
-                self.sealing.remove(alt)
-            self.buffers.give(alt.host)
-        self.alt_plan, self.alt, self.alt_ready = None, None, None
+            self.ledger.forget(lambda r: r.batch is alt, cancel=True)
+            if alt in self._sealing:
+                self._sealing.remove(alt)
+            self._buffers.give(alt.host)
+        self.lookahead.hold(None, None, None)
 
     def set_lookahead(self, on: bool) -> None:
-        self.lookahead = on
-        if not on and self.alt_plan is not None:
+        self.lookahead.enable(on)
+        if not on and self.lookahead.plan is not None:
             self._drop_alt()
+
+    def arm_lookahead(self) -> None:
+        """The trainer steers the mode: from now on keep the next batch ready in the other
+        mode too (one that never does pays nothing for it)."""
+        self.lookahead.arm()
 
     # ------------------------------------------------------------ commands
 
@@ -549,16 +465,12 @@ class PlanBook:
         self.epoch = epoch
         self.plan_version += 1
         self._drop_plans()
-        self.owner.clear()
+        self.affinity.clear()
         shard, spare = planned or epoch_shard(self.config, dataset_len, epoch, deal)
-        self.deal_state = None if deal is None else deal.to_state()
-        self.cursor = Cursor(shard, self.layout, self.mode, self.plan_version, spare)
-        self.cursor.position, self.cursor.step = position, step
-        with self.handoff.cond:
-            self.handoff.ready.clear()
-            self.handoff.taken = step
-            self.handoff.end_step = None
-            self.handoff.fatal = None
+        self._deal_state = None if deal is None else deal.to_state()
+        self.cursor = Cursor(shard, self.layout, self._mode, self.plan_version, spare)
+        self.cursor.jump(step, position, self._mode)
+        self._handoff.begin(step, self.plan_version)
         return len(shard)
 
     def flip(self, mode: str) -> bool:
@@ -566,48 +478,51 @@ class PlanBook:
         is that batch in that mode (ready at once when complete). False when there is no
         such batch: the caller then steers, planning everything again."""
         self.fill()  # the trainer may flip right after taking a batch: catch up first
-        alt_plan, cursor = self.alt_plan, self.cursor
-        if alt_plan is None or cursor is None or alt_plan.mode != mode or mode == self.mode:
+        alt_plan, cursor = self.lookahead.plan, self.cursor
+        if alt_plan is None or cursor is None or alt_plan.mode != mode or mode == self._mode:
             return False
-        with self.handoff.cond:
-            taken = self.handoff.taken
-            primary = self.plans.get(taken)
-            if alt_plan.step != taken or (primary is not None and primary.start != alt_plan.start):
-                return False
-            old_ready = self.handoff.ready.pop(taken, None)
-            for step in [s for s in self.handoff.ready if s > taken]:
-                del self.handoff.ready[step]  # deeper batches of the old mode
-            self.handoff.end_step = None
+        taken = self._handoff.taken()
+        primary = self._plans.get(taken)
+        if alt_plan.step != taken or (primary is not None and primary.start != alt_plan.start):
+            return False
+        old_ready = self._handoff.drop_from(taken)  # and the deeper batches of the old mode
         # The old mode's batch ``taken``, at whatever stage it is, becomes the lookahead.
-        old = self.inflight.pop(taken, None)
+        old = self._inflight.pop(taken, None)
         if old is None:
             old = next(
-                (b for b in self.sealing if b.plan.step == taken and b is not self.alt), None
+                (
+                    b
+                    for b in self._sealing
+                    if b.plan.step == taken and b is not self.lookahead.batch
+                ),
+                None,
             )
-        deeper = [b for s, b in self.inflight.items() if s > taken]
-        deeper += [b for b in self.sealing if b.plan.step > taken]
-        gone = set(map(id, deeper))
-        self._forget(lambda r: id(r.batch) in gone, cancel=True)
-        for batch in deeper:
-            self.inflight.pop(batch.plan.step, None)
-            self.buffers.give(batch.host)
-        self.sealing = [b for b in self.sealing if id(b) not in gone]
-        for step in [s for s in self.plans if s > taken]:
-            del self.plans[step]
-        new, new_ready = self.alt, self.alt_ready
-        self.alt_plan, self.alt, self.alt_ready = primary, old, old_ready
-        self.plans[taken] = alt_plan
+        self._drop_deeper(taken)
+        new, new_ready = self.lookahead.batch, self.lookahead.ready
+        self.lookahead.hold(primary, old, old_ready)
+        self._plans[taken] = alt_plan
         self.flips["promoted"] += 1
         if new_ready is not None:
             self.flips["promoted_ready"] += 1
-            with self.handoff.cond:
-                self.handoff.ready[taken] = new_ready
-                self.handoff.cond.notify_all()
-        elif new is not None and new not in self.sealing:
-            self.inflight[taken] = new
-        self.mode = mode
+            self._handoff.put(taken, alt_plan.plan_version, new_ready)
+        elif new is not None and new not in self._sealing:
+            self._inflight[taken] = new
+        self._mode = mode
         cursor.jump(taken + 1, alt_plan.stop, mode)
         return True
+
+    def _drop_deeper(self, taken: int) -> None:
+        """Forget the batches after ``taken`` (their tasks cancelled on the servers)."""
+        deeper = [b for s, b in self._inflight.items() if s > taken]
+        deeper += [b for b in self._sealing if b.plan.step > taken]
+        gone = set(map(id, deeper))
+        self.ledger.forget(lambda r: id(r.batch) in gone, cancel=True)
+        for batch in deeper:
+            self._inflight.pop(batch.plan.step, None)
+            self._buffers.give(batch.host)
+        self._sealing = [b for b in self._sealing if id(b) not in gone]
+        for step in [s for s in self._plans if s > taken]:
+            del self._plans[step]
 
     def steer(self, mode: str, control: dict[str, Any] | None) -> int:
         """Switch mode and/or control values from the next batch the trainer takes on.
@@ -616,57 +531,52 @@ class PlanBook:
         again from its first sample under the new plan.
         """
         self.plan_version += 1
-        if control is None and mode != self.mode:
+        if control is None and mode != self._mode:
             self.flips["replanned"] += 1
-        self.mode = mode
+        self._mode = mode
         if control is not None:
             self.control = {**self.control, **control}
             self.control_seq += 1
         if self.cursor is not None:
-            with self.handoff.cond:
-                taken = self.handoff.taken
-                self.handoff.ready.clear()
-                self.handoff.end_step = None
-            first = self.plans.get(taken)
+            taken = self._handoff.taken()
+            self._handoff.drop_from(taken, self.plan_version)
+            first = self._plans.get(taken)
             position = first.start if first is not None else self.cursor.position
             self._drop_plans()
             self.cursor.rewind(taken, position, mode, self.plan_version)
         return self.plan_version
 
     def _drop_plans(self) -> None:
-        for batch in [*self.inflight.values(), *self.sealing]:
-            self.buffers.give(batch.host)
-        if self.alt is not None and self.alt not in self.sealing:
-            self.buffers.give(self.alt.host)
-        self.alt_plan, self.alt, self.alt_ready, self._alt_tried = None, None, None, None
-        self.sealing.clear()
-        self.inflight.clear()
-        self.plans.clear()
-        self.tasks.clear()
-        self.pending.clear()
+        alt = self.lookahead.batch
+        for batch in [*self._inflight.values(), *self._sealing]:
+            self._buffers.give(batch.host)
+        if alt is not None and alt not in self._sealing:
+            self._buffers.give(alt.host)
+        self.lookahead.reset()
+        self._sealing.clear()
+        self._inflight.clear()
+        self._plans.clear()
+        self.ledger.clear()
 
-    def snapshot(self) -> dict[str, Any]:
+    def position(self) -> Position:
         """The resumable position: the first batch the trainer has not taken (its position
         in this rank's share of the epoch's deal, when the epoch has one)."""
-        taken = self.taken()
+        taken = self._handoff.taken()
         cursor = self.cursor
-        first = self.plans.get(taken)
+        first = self._plans.get(taken)
         position = first.start if first is not None else cursor.position if cursor else 0
-        return {
-            "epoch": self.epoch,
-            "position": position,
-            "step": taken,
-            "mode": self.mode,
-            "control": dict(self.control),
-            "control_seq": self.control_seq,
-            "deal": self.deal_state,
-            "share": len(cursor.shard) - cursor.spare if cursor is not None else None,
-        }
+        return Position(
+            epoch=self.epoch,
+            position=position,
+            step=taken,
+            mode=self._mode,
+            control=dict(self.control),
+            control_seq=self.control_seq,
+            deal=self._deal_state,
+            share=len(cursor.shard) - cursor.spare if cursor is not None else None,
+        )
 
     def restore(self, mode: str, control: dict[str, Any], control_seq: int) -> None:
-        self.mode = mode
+        self._mode = mode
         self.control = dict(control)
         self.control_seq = control_seq
-
-    def outstanding(self) -> Iterator[TaskRecord]:
-        return iter(self.tasks.values())

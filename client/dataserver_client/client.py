@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import weakref
@@ -13,8 +14,9 @@ import msgpack
 import torch
 
 from dataserver.protocol import control_problem
+from dataserver_client.assembly import Delivery
 from dataserver_client.batch import Batch
-from dataserver_client.book import Handoff, epoch_shard
+from dataserver_client.book import Position, epoch_shard
 from dataserver_client.config import (
     MAX_DATASET_LEN,
     ClientConfig,
@@ -24,18 +26,31 @@ from dataserver_client.config import (
 from dataserver_client.engine import Engine
 from dataserver_client.epoch import MODES, REGULAR, STITCH, shard_size
 from dataserver_client.errors import DataServerError
+from dataserver_client.handoff import Handoff, Stuck
 from dataserver_client.metrics import ClientMetrics
 from dataserver_client.resume import (
     CONFIG_KEYS,
     DEALT_VERSION,
     RANK_KEYS,
     STATE_VERSION,
+    Deal,
     check_state,
     merge_states,
     plan_resume,
 )
 
 log = logging.getLogger("dataserver_client")
+
+
+@dataclasses.dataclass(frozen=True)
+class Resume:
+    """Where the next iteration starts: a loaded state's epoch, position and step (its
+    deal, for an elastic resume), or the start of an epoch."""
+
+    epoch: int
+    position: int
+    step: int
+    deal: Deal | None
 
 
 class DataServerClient:
@@ -127,7 +142,7 @@ class DataServerClient:
         if self.config.metrics_port is not None:  # a taken port fails here, before any socket
             self._metrics.serve(self.config.metrics_port)
         self._metrics_finalizer = weakref.finalize(self, self._metrics.close)
-        self._handoff = Handoff()
+        self._handoff: Handoff[Delivery] = Handoff()
         self._engine = Engine(self.config, self._handoff, curve)
         self._engine.start()
         self._finalizer = weakref.finalize(self, self._engine.close)
@@ -136,16 +151,14 @@ class DataServerClient:
         except BaseException:
             self.close()
             raise
-        self.dataset_len: int = info["dataset_len"]
-        self.fingerprint: str = info["fingerprint"]
+        self.dataset_len: int = info.dataset_len
+        self.fingerprint: str = info.fingerprint
         self._epoch = 0
-        self._mode = REGULAR
         self._feedback_seq = 0
         self._active = False
-        self._resume: dict[str, Any] | None = None
+        self._resume: Resume | None = None  # a loaded state: where the next iteration starts
         self._closed = False
         self._generation = 0
-        self._steering = False
 
     # ------------------------------------------------------------ epoch
 
@@ -164,16 +177,18 @@ class DataServerClient:
         ends early when stitching shortened the epoch; ``bar.total = len(client)`` after
         each ``feedback`` keeps it exact.
         """
+        share: int | None = None
         if self._active and not self._closed:
-            where = self._engine.call(self._engine.snapshot)
+            snap: Position = self._engine.call(self._engine.snapshot)
+            position, step, mode, share = snap.position, snap.step, snap.mode, snap.share
         else:
-            where = self._resume or {"position": 0, "step": 0}
+            where = self._resume or Resume(self._epoch, 0, 0, None)
+            position, step, mode = where.position, where.step, self.mode
         # This rank's share of the epoch: a dealt epoch (elastic resume) has its own size;
         # a spare sample rides in the last batch, so batches are counted without it.
-        share = where.get("share")
-        left = max(0, (self.num_samples if share is None else share) - int(where["position"]))
-        per = self.config.batch_size * (self.config.stitch_k if self._mode == STITCH else 1)
-        return int(where["step"]) + (left // per if self.config.drop_last else -(-left // per))
+        left = max(0, (self.num_samples if share is None else share) - position)
+        per = self.config.batch_size * (self.config.stitch_k if mode == STITCH else 1)
+        return step + (left // per if self.config.drop_last else -(-left // per))
 
     @property
     def epoch(self) -> int:
@@ -181,14 +196,15 @@ class DataServerClient:
 
     @property
     def mode(self) -> str:
-        """The mode the next batch will have."""
-        return self._mode
+        """The mode the next batch will have (the I/O thread's plan book holds it)."""
+        self._check_open()
+        return str(self._engine.call(self._engine.mode))
 
     def set_epoch(self, epoch: int) -> None:
         """Use ``epoch`` for the next iteration (its order is fixed by (seed, epoch))."""
-        if self._resume is not None and self._resume["epoch"] != epoch:
+        if self._resume is not None and self._resume.epoch != epoch:
             log.warning(
-                "set_epoch(%d) discards the loaded state of epoch %d", epoch, self._resume["epoch"]
+                "set_epoch(%d) discards the loaded state of epoch %d", epoch, self._resume.epoch
             )
             self._resume = None
         self._epoch = int(epoch)
@@ -200,18 +216,13 @@ class DataServerClient:
         self._check_open()
         resume, self._resume = self._resume, None
         if resume is not None:
-            self._epoch = resume["epoch"]
-        where = resume or {"position": 0, "step": 0, "deal": None}
+            self._epoch = resume.epoch
+        where = resume or Resume(self._epoch, 0, 0, None)
         # The epoch's order is computed here, in the trainer's thread (it is the one
         # waiting for it): the I/O thread goes on serving the servers meanwhile.
-        planned = epoch_shard(self.config, self.dataset_len, self._epoch, where["deal"])
+        planned = epoch_shard(self.config, self.dataset_len, self._epoch, where.deal)
         self._engine.call(
-            self._engine.start_epoch,
-            self._epoch,
-            where["position"],
-            where["step"],
-            where["deal"],
-            planned,
+            self._engine.start_epoch, self._epoch, where.position, where.step, where.deal, planned
         )
         self._metrics.epoch_started()
         self._active = True
@@ -223,34 +234,22 @@ class DataServerClient:
             raise DataServerError("this iterator's epoch was superseded by a later iter(client)")
         if not self._active:
             raise StopIteration
-        h = self._handoff
         backstop = self.config.timeout + 10.0  # the I/O thread raises first; this catches its death
-        last = time.monotonic()
         started = time.perf_counter()  # the wait for data, for the metrics
-        with h.cond:
-            while True:
-                if h.fatal is not None:
-                    self._active = False
-                    raise h.fatal
-                item = h.ready.pop(h.taken, None)
-                if item is not None:
-                    h.taken += 1
-                    break
-                if h.end_step is not None and h.taken >= h.end_step:
-                    self._active = False
-                    raise StopIteration
-                if not self._engine.is_alive():
-                    self._active = False
-                    raise self._engine.dead_error()
-                if time.monotonic() - last > backstop:
-                    raise DataServerError(f"no batch for {backstop:g} s (the I/O thread is stuck)")
-                h.cond.wait(0.25)
+        try:
+            item = self._handoff.take(backstop, self._engine.is_alive)
+        except Stuck:
+            raise
+        except BaseException:  # the epoch's end, or the I/O thread's error: this epoch is over
+            self._active = False
+            raise
         now = time.perf_counter()
         self._engine.wake()  # a batch was taken: there is room to plan another
         if isinstance(item, DataServerError):
             raise item
-        batch = self._engine.mover.hand_over(item)
-        batch.feedback_seq = self._feedback_seq
+        batch = dataclasses.replace(
+            self._engine.mover.hand_over(item), feedback_seq=self._feedback_seq
+        )
         self._metrics.taken(now - started, batch.num_samples, now)
         return batch
 
@@ -284,19 +283,14 @@ class DataServerClient:
         problem = control_problem(values)
         if problem is not None:  # what the servers would refuse, refused here, at the call
             raise ValueError(f"DataServerClient.control: {problem}")
-        self._steer(self._mode, values)
+        self._steer(self.mode, values)
 
     def _steer(self, mode: str, control: dict[str, Any] | None) -> None:
         self._check_open()
         self._feedback_seq += 1
-        if control is None and not self._steering:
-            # A trainer that steers the mode: from now on keep the next batch ready in the
-            # other mode too (one that never does pays nothing for it).
-            self._steering = True
-            self._engine.call(self._engine.arm_lookahead)
-        if mode != self._mode or control is not None:
-            self._engine.call(self._engine.steer, mode, control)
-            self._mode = mode
+        # (A mode steer also arms the lookahead: from now on the next batch is kept ready
+        # in the other mode too; a trainer that never steers pays nothing for it.)
+        self._engine.call(self._engine.steer, mode, control)
 
     # ------------------------------------------------------------ state
 
@@ -315,25 +309,30 @@ class DataServerClient:
         combine the ranks' states with ``merge_states``).
         """
         self._check_open()
-        snap = self._engine.call(self._engine.snapshot)
-        snap.pop("share", None)  # (for len(); the deal says it)
+        snap: Position = self._engine.call(self._engine.snapshot)
         if not self._active:  # what the next iteration would do
-            where = self._resume or {"epoch": self._epoch, "position": 0, "step": 0, "deal": None}
-            deal = where.get("deal")
-            snap.update(
-                epoch=where["epoch"],
-                position=where["position"],
-                step=where["step"],
-                deal=None if deal is None else deal.to_state(),
+            where = self._resume or Resume(self._epoch, 0, 0, None)
+            deal = None if where.deal is None else where.deal.to_state()
+            snap = dataclasses.replace(
+                snap, epoch=where.epoch, position=where.position, step=where.step, deal=deal
             )
+        where_state = {
+            "epoch": snap.epoch,
+            "position": snap.position,
+            "step": snap.step,
+            "mode": snap.mode,
+            "control": snap.control,
+            "control_seq": snap.control_seq,
+            "deal": snap.deal,
+        }
         state: dict[str, Any] = {
-            "version": STATE_VERSION if snap["deal"] is None else DEALT_VERSION,
+            "version": STATE_VERSION if snap.deal is None else DEALT_VERSION,
             "dataset_len": self.dataset_len,
             "fingerprint": self.fingerprint,
             "image_size": list(self.config.image_size),
             "feedback_seq": self._feedback_seq,
             **{k: getattr(self.config, k) for k in ("rank", "world_size", *CONFIG_KEYS)},
-            **snap,
+            **where_state,
         }
         if self._gathering(gather):
             state["ranks"] = _gather_ranks(state, self.config.device)
@@ -390,11 +389,10 @@ class DataServerClient:
         self._engine.call(
             self._engine.restore, where["mode"], where["control"], where["control_seq"]
         )
-        self._mode = where["mode"]
         self._feedback_seq = where["feedback_seq"]
         self._epoch = where["epoch"]
         self._active = False
-        self._resume = {k: where[k] for k in ("epoch", "position", "step", "deal")}
+        self._resume = Resume(where["epoch"], where["position"], where["step"], where["deal"])
 
     def _identity(self) -> dict[str, Any]:
         """What a state must match to be loaded here."""

@@ -47,43 +47,53 @@ class ClientConfig:
     max_dataset_len: int = MAX_DATASET_LEN  # refuse servers announcing more samples
 
     def validate(self) -> None:
-        def bad(what: str) -> ValueError:
-            return ValueError(f"DataServerClient: {what}")
+        """Raise ``ValueError`` naming the first setting that is out of range."""
+        problem = self._address_problem() or self._image_problem() or self._run_problem()
+        if problem is not None:
+            raise ValueError(f"DataServerClient: {problem}")
 
+    def _address_problem(self) -> str | None:
         if not self.addresses:
-            raise bad("give at least one server address")
+            return "give at least one server address"
         for addr in self.addresses:
             if not (addr.startswith(("tcp://", "ipc://")) and len(addr) > 6):
-                raise bad(f"server address {addr!r} is not tcp://HOST:PORT or ipc://PATH")
+                return f"server address {addr!r} is not tcp://HOST:PORT or ipc://PATH"
+        return None
+
+    def _image_problem(self) -> str | None:
         if self.batch_size < 1:
-            raise bad(f"batch_size must be >= 1, got {self.batch_size}")
+            return f"batch_size must be >= 1, got {self.batch_size}"
         if len(self.image_size) != 2 or min(self.image_size) < 1:
-            raise bad(f"image_size must be (H, W) with H, W >= 1, got {self.image_size}")
+            return f"image_size must be (H, W) with H, W >= 1, got {self.image_size}"
         if max(self.image_size) > MAX_IMAGE_SIDE:
-            raise bad(f"image_size {self.image_size} exceeds {MAX_IMAGE_SIDE} pixels a side")
-        if not 0 <= self.seed <= MAX_INT:
-            raise bad(f"seed must be in 0..2**63-1, got {self.seed}")
+            return f"image_size {self.image_size} exceeds {MAX_IMAGE_SIDE} pixels a side"
         side = math.isqrt(self.stitch_k)
         if self.stitch_k < 1 or side * side != self.stitch_k or side > 4:
-            raise bad(f"stitch_k must be a square (1, 4, 9 or 16), got {self.stitch_k}")
+            return f"stitch_k must be a square (1, 4, 9 or 16), got {self.stitch_k}"
         if min(self.image_size) < side:
-            raise bad(f"image_size {self.image_size} is too small for stitch_k={self.stitch_k}")
+            return f"image_size {self.image_size} is too small for stitch_k={self.stitch_k}"
         if self.stitch_layout not in LAYOUTS:
-            raise bad(f"stitch_layout must be 'spatial' or 'batch', got {self.stitch_layout!r}")
+            return f"stitch_layout must be 'spatial' or 'batch', got {self.stitch_layout!r}"
+        return None
+
+    def _run_problem(self) -> str | None:
+        if not 0 <= self.seed <= MAX_INT:
+            return f"seed must be in 0..2**63-1, got {self.seed}"
         if self.on_error not in ("raise", "skip"):
-            raise bad(f"on_error must be 'raise' or 'skip', got {self.on_error!r}")
+            return f"on_error must be 'raise' or 'skip', got {self.on_error!r}"
         if not 0 <= self.rank < self.world_size:
-            raise bad(f"rank {self.rank} is not in 0..world_size-1 (world_size {self.world_size})")
+            return f"rank {self.rank} is not in 0..world_size-1 (world_size {self.world_size})"
         if self.timeout <= 0:
-            raise bad(f"timeout must be > 0, got {self.timeout}")
+            return f"timeout must be > 0, got {self.timeout}"
         if self.prefetch < 1:
-            raise bad(f"prefetch must be >= 1, got {self.prefetch}")
+            return f"prefetch must be >= 1, got {self.prefetch}"
         if not (self.discovery_interval >= 0 and math.isfinite(self.discovery_interval)):
-            raise bad(f"discovery_interval must be >= 0 seconds, got {self.discovery_interval}")
+            return f"discovery_interval must be >= 0 seconds, got {self.discovery_interval}"
         if not 1 <= self.max_dataset_len <= WELCOME_MAX_DATASET_LEN:
-            raise bad(f"max_dataset_len must be in 1..2**48, got {self.max_dataset_len}")
+            return f"max_dataset_len must be in 1..2**48, got {self.max_dataset_len}"
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
-            raise bad(f"metrics_port must be a TCP port (0..65535), got {self.metrics_port}")
+            return f"metrics_port must be a TCP port (0..65535), got {self.metrics_port}"
+        return None
 
     def layout(self) -> Layout:
         return Layout(

@@ -1,14 +1,17 @@
-"""The client's I/O thread: the loop that owns the sockets, the plan book and the links.
+"""The client's I/O thread: the poll loop, the command queue, and the routing of each
+message and connection event to the collaborator that owns what it changes.
 
 The trainer's thread talks to it only through ``call()`` (synchronous commands, answered
 before the caller goes on, which is what makes feedback zero-stale) and the ``Handoff``
 (finished batches, by step). ZeroMQ and the big copies release the GIL, so one thread
 keeps up with many workers.
 
-Collaborators, each owning its state: ``PlanBook`` (book.py: batches, tasks, steering; no
-sockets), ``Links`` (links.py: one ``ServerLink`` per server, connection events,
-heartbeats). This loop decodes messages, hands each to the book or the links, and decides
-what link events do to tasks.
+Collaborators, each the only writer of its state: ``PlanBook`` (book.py: plans, batches,
+mode, steering), ``TaskLedger`` (ledger.py: wanted tasks, the send queue), ``Affinity``
+(affinity.py: which server a key's sources went to), ``Links`` (links.py: one
+``ServerLink`` per server, connection events, heartbeats, the PUB socket), ``Sender``
+(dispatch.py: tasks, cancels, controls out). This loop decides and passes ids and values
+between them; it never writes their fields.
 
 No message can stop this thread: a message that does not decode is counted and dropped,
 and every handler runs under a ``MessageGuard`` (an exception costs that message, counted as
@@ -19,8 +22,9 @@ from the latencies seen, so nothing waits for ``timeout`` unless a server is rea
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import logging
-import math
 import os
 import threading
 import time
@@ -37,32 +41,34 @@ from dataserver.loop import MessageGuard, inject, is_shutdown
 from dataserver.protocol import (
     Bye,
     Cancelled,
-    Control,
     ErrorMsg,
     Heartbeat,
     Message,
     ProtocolError,
     Result,
-    Task,
     Welcome,
-    steer_tag,
 )
-from dataserver.protocol.messages import MAX_TAGS
 from dataserver.security import session_id
-from dataserver_client.assembly import DeviceMover, HostBuffers
-from dataserver_client.book import Handoff, PlanBook, TaskRecord
+from dataserver_client.answers import Deadlines, left_out, result_problem, task_error
+from dataserver_client.assembly import Delivery, DeviceMover, HostBuffers
+from dataserver_client.book import PlanBook, Position
 from dataserver_client.config import ClientConfig
+from dataserver_client.dispatch import Sender
 from dataserver_client.errors import DataServerError, NotAuthorized, ServerUnreachable
+from dataserver_client.handoff import Handoff
+from dataserver_client.ledger import TaskRecord
 from dataserver_client.links import (
+    DatasetInfo,
     Discovery,
     EventKind,
     LinkEvent,
     Links,
     LinkState,
+    Problem,
     ServerLink,
-    announced_address,
+    WelcomeProblem,
 )
-from dataserver_client.receive import WrongAnswer, boxes_problem, receive
+from dataserver_client.receive import WrongAnswer, receive
 from dataserver_client.resume import Deal
 
 log = logging.getLogger("dataserver_client")
@@ -71,52 +77,17 @@ POLL_MS = 50
 PIPELINE = 2  # tasks each worker holds at once (the server's own setting)
 TICK_S = 0.02  # liveness timers, not per message: 20 ms is plenty
 DRAIN = 256
-MAX_CANCEL = 4096  # task ids per CONTROL
+JOIN_S = 5.0  # how long close() waits for the thread
 
 
-_MASK = (1 << 64) - 1
-_SPAN = float(1 << 64) + 2.0
+class Phase(enum.Enum):
+    """The I/O thread's lifecycle: NEW -> HANDSHAKE -> RUNNING -> STOPPED (from any, once
+    the loop ends: closed, or a fatal error)."""
 
-
-def _mix(x: int) -> int:
-    """splitmix64's finaliser: a well-mixed 64-bit hash of ``x``."""
-    x = (x + 0x9E3779B97F4A7C15) & _MASK
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
-    return x ^ (x >> 31)
-
-
-class Deadlines:
-    """How long a task may stay unanswered before it is asked again: a multiple of the
-    recent answer latencies (which include queueing), never below ``floor``; before enough
-    were seen, ``initial``."""
-
-    def __init__(self, floor: float, initial: float, factor: float = 8.0) -> None:
-        self.floor = floor
-        self.initial = initial
-        self.factor = factor
-        self._seen: deque[float] = deque(maxlen=256)
-        self._value = initial
-
-    def observe(self, latency: float) -> None:
-        self._seen.append(latency)
-        if len(self._seen) >= 16 and len(self._seen) % 16 == 0:
-            ordered = sorted(self._seen)
-            p90 = ordered[int(0.9 * (len(ordered) - 1))]
-            self._value = max(self.floor, self.factor * p90)
-
-    @property
-    def value(self) -> float:
-        return self._value
-
-
-def _file_of(index: int, reason: str) -> str | None:
-    """The file a worker's failure reason names: it writes "sample I (FILE): why" when the
-    dataset named the sample's file (``SampleError``), "sample I: why" otherwise."""
-    head = f"sample {index} ("
-    if not reason.startswith(head) or "): " not in reason:
-        return None
-    return reason[len(head) : reason.index("): ")]
+    NEW = "new"
+    HANDSHAKE = "handshake"  # waiting for every server's WELCOME
+    RUNNING = "running"
+    STOPPED = "stopped"
 
 
 def _landing(config: ClientConfig) -> LandingArea | None:
@@ -133,10 +104,14 @@ def _landing(config: ClientConfig) -> LandingArea | None:
 
 
 class Engine(threading.Thread):
-    """The I/O thread of one ``DataServerClient``."""
+    """The I/O thread of one ``DataServerClient``. Its sockets (``links``, ``sender``) are
+    created in the thread itself, before the loop starts."""
+
+    links: Links
+    sender: Sender
 
     def __init__(
-        self, config: ClientConfig, handoff: Handoff, curve: dict[str, bytes] | None
+        self, config: ClientConfig, handoff: Handoff[Delivery], curve: dict[str, bytes] | None
     ) -> None:
         super().__init__(name="dataserver-client-io", daemon=True)
         self.config = config
@@ -147,9 +122,8 @@ class Engine(threading.Thread):
         self.landing = _landing(config)
         self.buffers = HostBuffers(config.device, keep=config.prefetch + 4, landing=self.landing)
         self.book = PlanBook(config, handoff, self.mover, self.buffers)
-        self.book.route = self._route
-        self._ready_links: list[ServerLink] = []
-        self.handshake: Future[dict[str, Any]] = Future()
+        self.ledger = self.book.ledger
+        self.handshake: Future[DatasetInfo] = Future()
         self.counters: Counter[str] = Counter(
             late=0,
             cancelled=0,
@@ -165,14 +139,16 @@ class Engine(threading.Thread):
         self.deadlines = Deadlines(floor=1.0, initial=max(1.0, config.timeout / 3))
         self.dataset_len = 0
         self.last_progress = time.monotonic()
+        self.phase = Phase.NEW
         self._commands: deque[tuple[Callable[..., Any], tuple[Any, ...], Future[Any]]] = deque()
         self._lock = threading.Lock()  # guards _stopped, the command queue's closing, the pipe
         self._stopped = False
+        self._halt = threading.Event()  # close() or a failed handshake: the loop ends
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
-        self._closing = False
-        self._control_endpoints: set[str] = set()
+        self._poller = zmq.Poller()
+        self._sockets: dict[Any, tuple[ServerLink, str]] = {}
 
     # ------------------------------------------------------------ any thread
 
@@ -196,14 +172,7 @@ class Engine(threading.Thread):
                     raise DataServerError("the client's I/O thread did not answer") from None
 
     def dead_error(self) -> DataServerError:
-        cause = self.handoff.fatal
-        if isinstance(cause, DataServerError):
-            return cause
-        err = DataServerError(
-            f"the client's I/O thread has stopped: {cause!r}" if cause else "the client is closed"
-        )
-        err.__cause__ = cause
-        return err
+        return self.handoff.dead_error()
 
     def wake(self) -> None:
         with self._lock:
@@ -215,12 +184,20 @@ class Engine(threading.Thread):
                 pass  # the pipe is full, so the thread is awake anyway
 
     def close(self) -> None:
-        """Stop the thread. Descriptors it polls are closed by the thread itself as it
-        ends, never from here while it might still be polling them."""
-        self._closing = True
+        """Stop the thread (idempotent). Descriptors it polls are closed by the thread
+        itself as it ends, never from here while it might still be polling them; a thread
+        that does not end within ``JOIN_S`` (stuck in a command) is logged and left to
+        close them when it does."""
+        self._halt.set()
         if self.is_alive():
             self.wake()
-            self.join(timeout=5.0)
+            self.join(timeout=JOIN_S)
+            if self.is_alive():
+                log.warning(
+                    "the client's I/O thread did not end within %g s (stuck in a command?); "
+                    "it closes its sockets when it ends",
+                    JOIN_S,
+                )
         elif self.ident is None:  # never ran: nobody else will close them
             self._close_pipe()
 
@@ -235,55 +212,47 @@ class Engine(threading.Thread):
 
     def run(self) -> None:
         ctx: zmq.Context[Any] = zmq.Context(io_threads=1)
-        self.pub = ctx.socket(zmq.PUB)
-        self.pub.setsockopt(zmq.LINGER, 0)
-        if self.curve:
-            self.pub.curve_serverkey = self.curve["server_public"]
-            self.pub.curve_publickey = self.curve["public"]
-            self.pub.curve_secretkey = self.curve["secret"]
-        self.links: Links | None = None
-        self.discovery: Discovery | None = None
+        links: Links | None = None
+        discovery: Discovery | None = None
         try:
-            self.links = Links(
-                ctx,
-                self.config,
-                self.session,
-                self.curve,
-                lambda: (self.book.plan_version, self.book.control_seq),
-                self.landing,
+            standing = lambda: (self.book.plan_version, self.book.control_seq)  # noqa: E731
+            links = Links(ctx, self.config, self.session, self.curve, standing, self.landing)
+            self.links = links
+            self.sender = Sender(
+                self.config, self.session, self.book, links, self.buffers, self.landing
             )
-            self.discovery = Discovery(
-                self.config.addresses, self.config.discovery_interval, self.wake
-            )
-            self.discovery.start()
-            self._loop(self.links)
+            discovery = Discovery(self.config.addresses, self.config.discovery_interval, self.wake)
+            discovery.start()
+            self._loop(discovery)
         except zmq.ZMQError as exc:
             if not is_shutdown(exc):
                 self._die(exc)
         except BaseException as exc:  # surface anything to the trainer instead of dying mute
             self._die(exc)
         finally:
-            if self.discovery is not None:
-                self.discovery.close()
-            if self.links is not None:
-                self.links.close()
-            self.pub.close(linger=0)
-            ctx.term()
-            with self._lock:
-                self._stopped = True
-                left = list(self._commands)
-                self._commands.clear()
-            for _, _, fut in left:
-                if not fut.done():
-                    fut.set_exception(self.dead_error())
-            self._close_pipe()
-            self.buffers.close()
-            if self.landing is not None:
-                self.landing.close()
-            with self.handoff.cond:
-                if self.handoff.fatal is None:
-                    self.handoff.fatal = DataServerError("the client is closed")
-                self.handoff.cond.notify_all()
+            self._teardown(ctx, links, discovery)
+
+    def _teardown(
+        self, ctx: zmq.Context[Any], links: Links | None, found: Discovery | None
+    ) -> None:
+        if found is not None:
+            found.close()
+        if links is not None:
+            links.close()
+        ctx.term()
+        with self._lock:
+            self._stopped = True
+            left = list(self._commands)
+            self._commands.clear()
+        for _, _, fut in left:
+            if not fut.done():
+                fut.set_exception(self.dead_error())
+        self._close_pipe()
+        self.buffers.close()
+        if self.landing is not None:
+            self.landing.close()
+        self.phase = Phase.STOPPED
+        self.handoff.fail(DataServerError("the client is closed"))
 
     def _die(self, exc: BaseException) -> None:
         log.exception("I/O thread failed")
@@ -296,70 +265,60 @@ class Engine(threading.Thread):
             err.__cause__ = exc
         self._fail(err)
 
-    @staticmethod
-    def _roles(link: ServerLink) -> list[tuple[zmq.Socket[Any], str]]:
-        return [
-            (link.sock, "front"),
-            (link.results, "results"),
-            (link.monitor, "monitor"),
-            (link.results_monitor, "results_monitor"),
-        ]
-
     def _watch(self, link: ServerLink) -> None:
-        for sock, role in self._roles(link):
+        for sock, role in link.sockets():
             self._poller.register(sock, zmq.POLLIN)
             self._sockets[sock] = (link, role)
 
     def _unwatch(self, link: ServerLink) -> None:
-        for sock, _ in self._roles(link):
+        for sock, _ in link.sockets():
             self._poller.unregister(sock)
             self._sockets.pop(sock, None)
 
-    def _loop(self, links: Links) -> None:
-        poller = self._poller = zmq.Poller()
-        poller.register(self._wake_r, zmq.POLLIN)
-        sockets: dict[Any, tuple[ServerLink, str]] = {}
-        self._sockets = sockets
-        for link in links:
+    def _loop(self, discovery: Discovery) -> None:
+        self._poller.register(self._wake_r, zmq.POLLIN)
+        for link in self.links:
             self._watch(link)
         started = time.monotonic()
         next_tick = 0.0
-        while not self._closing:
-            events = dict(poller.poll(POLL_MS))
+        self.phase = Phase.HANDSHAKE
+        while not self._halt.is_set():
+            events = dict(self._poller.poll(POLL_MS))
             if self._wake_r in events:
-                try:
-                    while os.read(self._wake_r, 4096):
-                        pass
-                except BlockingIOError:
-                    pass
+                self._drain_pipe()
             self._run_commands()
             inject("client.loop")  # a test's stand-in for a bug no guard catches
-            found = self.discovery.take() if self.discovery is not None else None
+            found = discovery.take()
             if found is not None:
-                self._discovered(links, found)
+                self._discovered(found)
             for sock in events:
-                if sock in sockets:
-                    link, role = sockets[sock]
-                    if role == "monitor":
-                        self._on_events(links.on_monitor(link))
-                    elif role == "results_monitor":
-                        self._on_events(links.on_results_monitor(link))
-                    else:
-                        self._drain(link, sock, direct=role == "results")
-            if not self.handshake.done():
-                self._check_handshake(links, started)
+                if sock in self._sockets:
+                    self._on_socket(sock, *self._sockets[sock])
+            if self.phase is Phase.HANDSHAKE:
+                self._check_handshake(started)
                 continue
-            self.book.retry_seals()
-            self.book.fill()
-            if self.book.to_cancel:
-                self._cancel()
-            self._dispatch(links)
+            self._turn()
             now = time.monotonic()
             if now >= next_tick:
                 next_tick = now + TICK_S
-                self._on_events(links.tick(now))
-                self._deadlines(links, now)
-                self._check_progress(links, now)
+                self._on_events(self.links.tick(now))
+                self._deadlines(now)
+                self._check_progress(now)
+
+    def _drain_pipe(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def _turn(self) -> None:
+        """What every pass of the loop does once running: deliver, plan, send."""
+        self.book.retry_seals()
+        self.book.fill()
+        if self.ledger.cancels:
+            self.sender.cancel()
+        self.sender.dispatch()
 
     def _run_commands(self) -> None:
         while True:
@@ -372,6 +331,14 @@ class Engine(threading.Thread):
             except BaseException as exc:
                 fut.set_exception(exc)
 
+    def _on_socket(self, sock: zmq.Socket[Any], link: ServerLink, role: str) -> None:
+        if role == "monitor":
+            self._on_events(self.links.on_monitor(link))
+        elif role == "results_monitor":
+            self._on_events(self.links.on_results_monitor(link))
+        else:
+            self._drain(link, sock, direct=role == "results")
+
     def _drain(self, link: ServerLink, sock: zmq.Socket[Any], direct: bool) -> None:
         site = "client.results" if direct else "client.data"
         for _ in range(DRAIN):
@@ -380,51 +347,48 @@ class Engine(threading.Thread):
             except zmq.Again:
                 return
             except WrongAnswer as exc:  # well-formed, for a task we want, and wrong
-                link.last_heard = time.monotonic()
+                link.heard()
                 self.rejected["wrong_answer"] += 1
                 self._bad_server(link, str(exc))
                 continue
             except ProtocolError as exc:
-                link.last_heard = time.monotonic()
+                link.heard()
                 self.rejected["malformed"] += 1
                 # The first few are worth a warning; a flood is counted (client.stats()).
                 level = logging.WARNING if self.rejected["malformed"] <= 5 else logging.DEBUG
                 log.log(level, "dropped a bad message from %s: %s", link.address, exc)
                 continue
-            link.last_heard = time.monotonic()
+            link.heard()
             self.guard.run(site, self._on_message, link, msg, direct)
 
     def _destinations(self, link: ServerLink, result: Result) -> np.ndarray | None:
-        """Where the images of ``result`` from ``link`` go: its task's slots of the batch
-        buffer (a scratch array for a probe, or for slots that are not consecutive), if the
+        """Where the images of ``result`` from ``link`` go (``PlanBook.destination``), if its
         task is still wanted and was sent to that server; None otherwise (the pixels are
         read off and dropped: a server reaches only the slots of tasks it was given)."""
         if result.session != link.session or link.state is LinkState.BANNED:
             return None
-        rec = self.book.wanted(result.task_id, result.plan_version)
+        rec = self.ledger.wanted(result.task_id, result.plan_version)
         if rec is None or rec.link is not link:
             return None
-        n = len(rec.slots)
-        if len(result.images) != n:
-            raise WrongAnswer(f"{len(result.images)} images for task {rec.task_id} of {n}")
-        batch = self.book.batch_of(rec)
-        first = rec.slots[0]
-        if rec.probe_of is not None or batch is None or rec.slots != tuple(range(first, first + n)):
-            return np.empty((n, 3, *rec.out_hw), np.uint8)
-        return batch.array[first : first + n]
+        if len(result.images) != len(rec.slots):
+            raise WrongAnswer(
+                f"{len(result.images)} images for task {rec.task_id} of {len(rec.slots)}"
+            )
+        return self.book.destination(rec)
 
     # ------------------------------------------------------------ messages
 
     def _on_message(self, link: ServerLink, msg: Message, direct: bool) -> None:
         if link.state is LinkState.BANNED:
             self.rejected["from_banned_server"] += 1
-            return
-        if direct and not isinstance(msg, Result):
+        elif direct and not isinstance(msg, Result):
             self.rejected["unexpected_type"] += 1  # workers send nothing else
-            return
-        if getattr(msg, "session", link.session) not in (link.session, None):
+        elif getattr(msg, "session", link.session) not in (link.session, None):
             self.rejected["other_session"] += 1
-            return
+        else:
+            self._route(link, msg)
+
+    def _route(self, link: ServerLink, msg: Message) -> None:
         match msg:
             case Result():
                 inject("client.result")
@@ -450,58 +414,25 @@ class Engine(threading.Thread):
 
     def _on_result(self, link: ServerLink, msg: Result) -> None:
         self._answered(link, msg.task_id)
-        link.results_total += 1
-        rec = self.book.wanted(msg.task_id, msg.plan_version)
+        link.answered()
+        rec = self.ledger.wanted(msg.task_id, msg.plan_version)
         if rec is None:
             self.counters["late"] += 1  # superseded plan, or a second answer after asking again
             return
         # Nothing counts as progress before the answer is checked: a server answering
         # what it was not asked must not keep an epoch that goes nowhere alive.
-        failed = {i for i, _ in msg.failed}
-        wanted = [tuple(i for i in image if i not in failed) for image in rec.images]
-        no_pixels = rec.land_gen is None if msg.landed else msg.pixels is None
-        if no_pixels or list(msg.images) != wanted or not failed <= set(rec.indices):
-            self.rejected["wrong_answer"] += 1
-            shown = [list(i) for i in msg.images][:4]
-            why = f"answered task {msg.task_id} with images {shown}, not those asked"
-            self._refuse(link, rec, why)
-            return
-        if msg.landed and not self._sealed(rec):
-            # "Landed" without the seal records it must write under its lock: the buffer
-            # holds whatever was there before (a stale batch), which must never be delivered.
-            self.rejected["landed_unsealed"] += 1
-            self._refuse(link, rec, f"task {msg.task_id}: said it landed, wrote no seal")
-            return
-        assert msg.boxes is not None and msg.labels is not None  # (receive checked them)
-        problem = boxes_problem(msg.boxes, msg.labels, rec.out_hw)
+        problem = result_problem(rec, msg, lambda: self._sealed(rec))
         if problem is not None:
-            self.rejected["bad_boxes"] += 1
-            self._refuse(link, rec, f"task {msg.task_id}: {problem}")
+            self.rejected[problem[0]] += 1
+            self._refuse(link, rec, problem[1])
             return
         self.last_progress = time.monotonic()
-        if failed and self.config.on_error == "raise":
-            # A server leaving samples out of a task that said "raise" reports them failed:
-            # the trainer gets the error a failed sample gives, never a silent skip.
-            index, reason = msg.failed[0]
-            error = DataServerError(
-                f"{link.address}: {reason}" if reason else f"{link.address}: sample {index} failed",
-                index,
-                _file_of(index, reason),
-            )
-            self.book.on_failure(rec, "sample", error)
+        if msg.failed and self.config.on_error == "raise":
+            self.book.on_failure(rec, "sample", left_out(link.address, msg))
             return
         self.counters["results"] += 1
-        batch = self.book.batch_of(rec)
         if msg.landed:
             self.counters["results_landed"] += 1
-        elif (
-            batch is not None
-            and rec.probe_of is None
-            and msg.pixels is not None
-            and not np.shares_memory(msg.pixels, batch.array)
-        ):
-            for j, slot in enumerate(rec.slots):  # received apart: slots not consecutive
-                batch.array[slot] = msg.pixels[j]
         self.book.on_result(rec, msg)
 
     def _sealed(self, rec: TaskRecord) -> bool:
@@ -519,47 +450,34 @@ class Engine(threading.Thread):
         (a forged answer to a task sent elsewhere, or asked again already)."""
         self._bad_server(link, why)
         if rec.link is link:
-            self._ask_again([rec])
+            self.ledger.ask_again([rec])
 
     def _on_error(self, link: ServerLink, msg: ErrorMsg) -> None:
         if msg.task_id is None:
             self._on_session_error(link, msg)
             return
         self._answered(link, msg.task_id)
-        rec = self.book.wanted(msg.task_id, msg.plan_version)
+        rec = self.ledger.wanted(msg.task_id, msg.plan_version)
         if rec is None or rec.link is not link:
             self.counters["late"] += 1  # (or about a task it was not given: not its to fail)
             return
         if msg.kind in ("maybe_lost", "dropped"):
             # A result that may never arrive (its worker died right after sending it), or
             # one the server would not hold for us: ask again (a late copy is dropped).
-            if msg.kind == "dropped" or rec.link is link:
-                self.counters[f"asked_again_{msg.kind}"] += 1
-                self._ask_again([rec])
-            return
-        if msg.kind == "control_missing":  # it never had our control values: send them
-            self._send_control(link)
-            self._ask_again([rec])
-            return
-        if msg.kind == "unknown_session":  # the server restarted or forgot us: handshake again
-            self._ask_again([rec])
-            if link.state is LinkState.READY:
-                link.state = LinkState.CONNECTING
-                link.was_lost = True
-                link.hello()
-            return
-        blamed = msg.index if msg.kind in ("sample", "poison") else None
-        if blamed is not None and blamed not in rec.indices:  # a sample the task lacks
-            self.rejected["wrong_answer"] += 1
-            self._refuse(link, rec, f"blamed sample {blamed} for task {msg.task_id}")
-            return
-        self.last_progress = time.monotonic()
-        error = DataServerError(
-            msg.message if msg.kind in ("sample", "poison") else f"{link.address}: {msg.message}",
-            msg.index,
-            msg.file,
-        )
-        self.book.on_failure(rec, msg.kind, error, msg.image)
+            self.counters[f"asked_again_{msg.kind}"] += 1
+            self.ledger.ask_again([rec])
+        elif msg.kind == "control_missing":  # it never had our control values: send them
+            self.sender.send_control(link)
+            self.ledger.ask_again([rec])
+        elif msg.kind == "unknown_session":  # the server restarted or forgot us: handshake again
+            self.ledger.ask_again([rec])
+            link.forget_session()
+        elif msg.kind in ("sample", "poison") and msg.index not in (None, *rec.indices):
+            self.rejected["wrong_answer"] += 1  # it blamed a sample the task lacks
+            self._refuse(link, rec, f"blamed sample {msg.index} for task {msg.task_id}")
+        else:
+            self.last_progress = time.monotonic()
+            self.book.on_failure(rec, msg.kind, task_error(link.address, msg), msg.image)
 
     def _on_session_error(self, link: ServerLink, msg: ErrorMsg) -> None:
         """An ERROR about this session and no task: the server forgot the session (say
@@ -568,21 +486,15 @@ class Engine(threading.Thread):
         that one (waiting would not help, and the server's words say why); with others
         ready, that server alone is dropped, so one server cannot end a job by saying so."""
         if msg.kind == "unknown_session":
-            if link.state is LinkState.READY:
-                link.state = LinkState.CONNECTING
-                link.was_lost = True
-                link.hello()
+            link.forget_session()
             return
-        if msg.kind == "not_authorized" or "not authorized" in msg.message:
+        if msg.kind == "not_authorized":
             error: DataServerError = NotAuthorized(
                 f"not authorized by {link.address}: {msg.message}"
             )
         else:
             error = DataServerError(f"{link.address}: {msg.message}")
-        others = self.links is not None and any(
-            lk is not link and lk.state is LinkState.READY for lk in self.links
-        )
-        if others and self.handshake.done():
+        if self.links.any_ready(besides=link) and self.handshake.done():
             self._bad_server(link, f"it refused this session: {msg.message}")
         else:
             self._fail(error)
@@ -591,106 +503,81 @@ class Engine(threading.Thread):
         for tid in msg.task_ids:
             if link.release(tid) is not None:
                 self.counters["cancelled"] += 1
-            rec = self.book.tasks.get(tid)
+            rec = self.ledger.get(tid)
             if rec is not None and rec.link is link:
-                self._ask_again([rec])  # cancelled though still wanted: send it again
+                self.ledger.ask_again([rec])  # cancelled though still wanted: send it again
 
     def _on_bye(self, link: ServerLink) -> None:
         """The server is draining (SIGTERM: a scale-down, a rolling update): send it nothing
         more. What it had queued for us comes back CANCELLED and goes to the others; what
         it runs, it finishes."""
-        if self.links is None:
-            return
         self.counters["servers_drained"] += link.state is not LinkState.DRAINING
-        self.links.drain(link)
-        self._count_workers()
-
-    def _discovered(self, links: Links, addresses: list[str]) -> None:
-        """DNS says the servers are now ``addresses``: greet the new ones (they get tasks once
-        they answer), let go of those that left (their tasks move at once)."""
-        known = {link.address: link for link in links}
-        for address in addresses:
-            if address not in known:
-                log.info("%s joined (discovery)", address)
-                self.counters["servers_joined"] += 1
-                self._watch(links.add(address))
-        for address, link in known.items():
-            if address in addresses:
-                continue
-            log.info("%s left (discovery): moving its %d task(s)", address, len(link.outstanding))
-            self.counters["servers_left"] += 1
-            self._unwatch(link)
-            links.remove(link)
-            self._count_workers()
-            self._move_tasks(link)
-            if link.welcome_msg is not None:
-                endpoint = announced_address(link.address, link.welcome_msg.control)
-                if endpoint in self._control_endpoints:
-                    self._control_endpoints.discard(endpoint)
-                    try:
-                        self.pub.disconnect(endpoint)
-                    except zmq.ZMQError:
-                        pass
-        self._count_workers()
-        self._check_lookahead()
+        link.drain()
+        self._servers_changed(lookahead=False)
 
     def _on_welcome(self, link: ServerLink, msg: Welcome) -> None:
-        limit = self.config.max_dataset_len
-        if msg.dataset_len > limit:
-            # The epoch's order is built in memory from this number: a server must not
-            # be able to make the trainer allocate gigabytes by a claim.
-            why = f"it announces {msg.dataset_len} samples, more than max_dataset_len {limit}"
-            self._bad_server(link, why)
-            self._fail(
-                DataServerError(
-                    f"{link.address}: {why} (a dataset that large needs "
-                    "DataServerClient(max_dataset_len=...))"
-                )
-            )
+        problem = self.links.check(link, msg)
+        if problem is not None:
+            self._unfit(link, msg, problem)
             return
-        if self.handshake.done():
-            info = self.handshake.result()
-            if msg.fingerprint != info["fingerprint"] or msg.dataset_len != info["dataset_len"]:
-                self._fail(
-                    DataServerError(
-                        f"{link.address} serves a different dataset ({msg.fingerprint}, "
-                        f"{msg.dataset_len} samples) than the others ({info['fingerprint']})"
-                    )
-                )
-                return
-            if max(self.config.image_size) > msg.max_image_side:
-                log.error(
-                    "%s serves images of at most %d pixels a side (its --max-image-side); "
-                    "this client asks for %s: not using it",
-                    link.address,
-                    msg.max_image_side,
-                    self.config.image_size,
-                )
-                link.welcome_msg = msg
-                if self.links is not None:
-                    self.links.drain(link)
-                return
         was_lost = link.was_lost
         restarted = link.welcome(msg)
         if self.book.control_seq or self.book.plan_version:
-            self._send_control(link)  # a server met anew learns the session's values first
-        self._count_workers()
-        self._check_lookahead()
-        endpoint = announced_address(link.address, msg.control)
-        if endpoint not in self._control_endpoints:
-            self._control_endpoints.add(endpoint)
-            self.pub.connect(endpoint)
+            self.sender.send_control(link)  # a server met anew learns the session's values first
+        self._servers_changed()
+        self.links.joined(link)
         if restarted or was_lost:
             # A restarted server lost what it held; after a lost connection, answers in
             # flight may be gone. Send again; an answer that comes twice is dropped by id.
             moved = self._move_tasks(link)
             log.warning("%s is back: asking again for its %d task(s)", link.address, moved)
-        if self.links is not None:
-            for other in self.links:  # servers still gone: their tasks come to those back
-                if other.state is LinkState.LOST and other.outstanding:
-                    self._move_tasks(other)
+        for other in self.links:  # servers still gone: their tasks come to those back
+            if other.state is LinkState.LOST and other.owed():
+                self._move_tasks(other)
+
+    def _unfit(self, link: ServerLink, msg: Welcome, problem: WelcomeProblem) -> None:
+        """A WELCOME that fails the check. A server that cannot compose our image size is
+        only declined when others serve the session; anything else stops it."""
+        if problem.kind is Problem.TOO_LARGE:
+            self._bad_server(link, problem.why)
+            self._fail(
+                DataServerError(
+                    f"{link.address}: {problem.why} (a dataset that large needs "
+                    "DataServerClient(max_dataset_len=...))"
+                )
+            )
+        elif (
+            problem.kind is Problem.IMAGE_SIDE
+            and self.handshake.done()
+            and self.links.any_ready(link)
+        ):
+            link.decline(msg, problem.why)
+            self._servers_changed()
+        else:
+            link.decline(msg, problem.why)  # (it holds a session for us: BYE frees it at close)
+            self._fail(DataServerError(problem.why))
 
     # ------------------------------------------------------------ links and tasks
+
+    def _discovered(self, addresses: list[str]) -> None:
+        """DNS says the servers are now ``addresses``: greet the new ones (they get tasks once
+        they answer), let go of those that left (their tasks move at once)."""
+        known = {link.address: link for link in self.links}
+        for address in addresses:
+            if address not in known:
+                log.info("%s joined (discovery)", address)
+                self.counters["servers_joined"] += 1
+                self._watch(self.links.add(address))
+        for address, link in known.items():
+            if address in addresses:
+                continue
+            log.info("%s left (discovery): moving its %d task(s)", address, len(link.owed()))
+            self.counters["servers_left"] += 1
+            self._unwatch(link)
+            self.links.remove(link)
+            self._servers_changed(lookahead=False)
+            self._move_tasks(link)
+        self._servers_changed()
 
     def _on_events(self, events: list[LinkEvent]) -> None:
         for event in events:
@@ -698,8 +585,8 @@ class Engine(threading.Thread):
                 self._fail(NotAuthorized(event.why))
             elif event.kind is EventKind.LOST:
                 self.counters["servers_lost"] += 1
-                self._count_workers()
-                if self.links is not None and self.links.any_ready():
+                self._servers_changed(lookahead=False)
+                if self.links.any_ready():
                     self._move_tasks(event.link)
             elif event.kind is EventKind.RESULTS_BROKEN:
                 # Results on their way in that connection are gone; which tasks they were
@@ -719,122 +606,84 @@ class Engine(threading.Thread):
         or hostile server. It is dropped for good (``LinkState.BANNED``), counted in
         ``rejected["bad_server"]``, and what it held moves to the other servers (with none
         left, the epoch stops at ``timeout`` with this reason)."""
-        if self.links is None or link.state is LinkState.BANNED:
+        if link.state is LinkState.BANNED:
             return
         self.rejected["bad_server"] += 1
-        self.links.ban(link, why)
-        self._count_workers()
-        self._check_lookahead()
+        link.ban(why)
+        self._servers_changed()
         self._move_tasks(link)
 
-    def _count_workers(self) -> None:
-        """How many tasks the ready servers can work on at once (the book cuts batches
-        into enough tasks to keep them all busy)."""
-        if self.links is not None:
-            ready = [lk for lk in self.links if lk.state is LinkState.READY]
-            self.book.parallelism = max(1, sum(lk.workers for lk in ready)) * PIPELINE
-            self._ready_links = ready if len(ready) > 1 else []
-            live = set(self._ready_links)
-            for rec in self.book.pending:  # a server gone: its waiting tasks go to anyone
-                if rec.prefer is not None and rec.prefer not in live:
-                    rec.prefer = None
-            owner = self.book.owner
-            if any(v not in live for v in owner.values()):
-                self.book.owner = {k: v for k, v in owner.items() if v in live}
-
-    def _route(self, key: int) -> ServerLink | None:
-        """Weighted rendezvous hashing: the ready server an affinity key belongs to (None
-        with one server), each server winning keys in proportion to its workers. A server
-        joining or leaving moves only the keys it wins or held."""
-        ready = self._ready_links
-        if not ready:
-            return None
-        return max(ready, key=lambda lk: lk.workers / -math.log((_mix(lk.salt ^ key) + 1) / _SPAN))
-
-    def arm_lookahead(self) -> None:
-        self.book.armed = True
-
-    def _check_lookahead(self) -> None:
-        """Lookahead composes the next batch in both modes from the same sources: worth it
-        only where every server keeps the sources it decoded (a store); without one, it
-        would decode them twice. Off, flips replan (zero stale batches either way)."""
-        if self.links is None or not self.config.lookahead:
-            return
-        stores = all(
-            lk.welcome_msg.store_bytes > 0 for lk in self.links if lk.welcome_msg is not None
-        )
-        if self.book.lookahead and not stores:
-            log.info("a server keeps no store of sources (--cache-gb 0): lookahead is off")
-            self.book.set_lookahead(False)
-        elif not self.book.lookahead and stores and self.config.stitch_k > 1:
-            self.book.set_lookahead(True)
+    def _servers_changed(self, lookahead: bool = True) -> None:
+        """The ready servers changed: how many tasks they can work on at once (the book
+        cuts batches into enough tasks to keep them all busy), where keys route; and
+        (``lookahead``) whether the lookahead is still worth it."""
+        ready = self.links.ready()
+        self.book.set_parallelism(max(1, sum(lk.workers for lk in ready)) * PIPELINE)
+        self.book.affinity.set_ready(ready)
+        self.ledger.unprefer(set(self.book.affinity.live()))
+        if lookahead and self.config.lookahead:
+            # Lookahead composes the next batch in both modes from the same sources: worth
+            # it only where every server keeps the sources it decoded (a store); without
+            # one, it would decode them twice. Off, flips replan (zero stale either way).
+            stores = self.links.stores()
+            if self.book.lookahead.enabled and not stores:
+                log.info("a server keeps no store of sources (--cache-gb 0): lookahead is off")
+                self.book.set_lookahead(False)
+            elif not self.book.lookahead.enabled and stores and self.config.stitch_k > 1:
+                self.book.set_lookahead(True)
 
     def _move_tasks(self, link: ServerLink) -> int:
-        recs = self.book.records(link.take_outstanding())
-        n = self.book.ask_again(recs)
+        n = self.ledger.ask_again(self.ledger.records(link.take_outstanding()))
         self.counters["reissued"] += n
         return n
 
-    def _ask_again(self, recs: list[TaskRecord]) -> None:
-        self.book.ask_again(recs)
-
-    def _deadlines(self, links: Links, now: float) -> None:
+    def _deadlines(self, now: float) -> None:
         """Tasks unanswered past the deadline are asked again (their credit is let go: the
         server either lost the answer, or will answer twice and the copy is dropped)."""
         limit = self.deadlines.value
-        for link in links:
-            if link.state is not LinkState.READY or not link.outstanding:
+        for link in self.links:
+            if link.state is not LinkState.READY:
                 continue
-            oldest = next(iter(link.outstanding.values()))
-            if now - oldest < limit:
-                continue
-            late = [t for t, sent in link.outstanding.items() if now - sent >= limit]
-            for tid in late:
-                del link.outstanding[tid]
-            n = self.book.ask_again(self.book.records(late))
+            n = self.ledger.ask_again(self.ledger.records(link.expire(now, limit)))
             if n:
                 self.counters["asked_again_deadline"] += n
                 log.info(
                     "%s: %d task(s) unanswered for %.1f s; asked again", link.address, n, limit
                 )
 
-    def _check_handshake(self, links: Links, started: float) -> None:
-        try:
-            info = links.handshake()
-        except DataServerError as exc:
-            self.handshake.set_exception(exc)
-            self._closing = True
-            return
+    def _check_handshake(self, started: float) -> None:
+        info = self.links.handshake()
         if info is not None:
-            self.dataset_len = int(info["dataset_len"])
+            self.dataset_len = info.dataset_len
             self.handshake.set_result(info)
             self.last_progress = time.monotonic()
+            self.phase = Phase.RUNNING
             return
-        links.tick(time.monotonic())
+        self.links.tick(time.monotonic())
         if time.monotonic() - started > self.config.timeout:
-            self.handshake.set_exception(
+            self._fail(
                 ServerUnreachable(
-                    f"no answer from {links.waiting_names()} within {self.config.timeout:g} s "
-                    "(is `dataserver serve` running there, and reachable?)"
+                    f"no answer from {self.links.waiting_names()} within "
+                    f"{self.config.timeout:g} s (is `dataserver serve` running there, and reachable?)"
                 )
             )
-            self._closing = True
 
-    def _check_progress(self, links: Links, now: float) -> None:
-        waiting = bool(self.book.pending) or any(link.outstanding for link in links)
-        if not (waiting and self.book.tasks):
+    def _check_progress(self, now: float) -> None:
+        ledger = self.ledger
+        waiting = bool(ledger.pending) or any(link.owed() for link in self.links)
+        if not (waiting and len(ledger)):
             self.last_progress = now
             return
         if now - self.last_progress <= self.config.timeout:
             return
         parts = []
-        for link in links:
-            mine = sum(1 for t in link.outstanding if t in self.book.tasks)
+        for link in self.links:
+            mine = sum(1 for t in link.owed() if t in ledger)
             why = f", {link.last_error}" if link.last_error else ""
             parts.append(
                 f"{link.address} ({link.state.name.lower()}, {mine} task(s) outstanding{why})"
             )
-        pending = len(self.book.pending)
+        pending = ledger.pending
         self._fail(
             DataServerError(
                 f"no progress for {self.config.timeout:g} s; waiting for: "
@@ -845,72 +694,12 @@ class Engine(threading.Thread):
         self.last_progress = now
 
     def _fail(self, error: BaseException) -> None:
+        """Stop the trainer with ``error``; before the handshake, the loop stops too (the
+        client's constructor raises it)."""
         if not self.handshake.done():
             self.handshake.set_exception(error)
-        with self.handoff.cond:
-            if self.handoff.fatal is None:
-                self.handoff.fatal = error
-            self.handoff.cond.notify_all()
-
-    def _dispatch(self, links: Links) -> None:
-        book = self.book
-        skip: set[ServerLink] = set()  # links with nothing they should take now
-        while book.pending:
-            link = links.best(skip)
-            if link is None:
-                return
-            rec = book.pop_pending(link)
-            if rec is None:
-                skip.add(link)
-                continue
-            task = Task(
-                session=link.session,
-                auth=link.secret,
-                task_id=rec.task_id,
-                plan_version=rec.plan_version,
-                epoch=book.epoch,
-                seed=self.config.seed,
-                images=rec.images,
-                grid=rec.grid,
-                out_hw=rec.out_hw,
-                fit_hw=self.config.image_size,
-                on_error=self.config.on_error,
-                control_seq=book.control_seq,
-                exclude=rec.exclude,
-            )
-            generation = self._land(task, rec, link)
-            if generation is not None:  # (else kept: an earlier send's landed answer may come)
-                rec.land_gen = generation
-            if not link.send(task.encode()):
-                book.pending.appendleft(rec)  # not connected after all: try again shortly
-                return
-            link.outstanding.pop(rec.task_id, None)  # sent again: it goes last, as the newest
-            link.outstanding[rec.task_id] = time.monotonic()
-            link.sent_total += 1
-            rec.link = link
-
-    def _land(self, task: Task, rec: TaskRecord, link: ServerLink) -> int | None:
-        """Name the landing place of ``task``'s images (a worker on this host writes them
-        straight into the batch buffer): the server's workers took our buffer (so it is
-        on this host), its batch's buffer is a landing region, and the task's slots are
-        consecutive. Returns the generation named, or None."""
-        batch = self.book.batch_of(rec)
-        if self.landing is None or batch is None or rec.probe_of is not None:
-            return None
-        if not link.can_land:
-            return None
-        where = self.buffers.landing_of(batch.host)
-        first = rec.slots[0]
-        if where is None or rec.slots != tuple(range(first, first + len(rec.slots))):
-            return None
-        region, generation, offset = where
-        task.land_token = self.landing.token
-        task.land_region = region
-        task.land_gen = generation
-        task.land_offset = offset + first * 3 * rec.out_hw[0] * rec.out_hw[1]
-        # Only a task's first send: a retry may follow a writer that died half-way.
-        task.land_zero = int(rec.land_gen is None and self.landing.fresh(region))
-        return generation
+            self._halt.set()
+        self.handoff.fail(error)
 
     # ------------------------------------------------------------ commands (I/O thread)
 
@@ -927,88 +716,38 @@ class Engine(threading.Thread):
         return n
 
     def steer(self, mode: str, control: dict[str, Any] | None) -> int:
-        if control is None and self.book.flip(mode):
-            self._cancel()  # the old mode's deeper batches; the plan itself stands
-            return self.book.plan_version
+        """The trainer steers: a mode (``control`` None) or control values. A mode steer
+        arms the lookahead; the same mode again changes nothing."""
+        if control is None:
+            self.book.arm_lookahead()
+            if mode == self.book.mode:
+                return self.book.plan_version
+            if self.book.flip(mode):
+                self.sender.cancel()  # the old mode's deeper batches; the plan itself stands
+                return self.book.plan_version
         version = self.book.steer(mode, control)
-        self._send_control(None)
+        self.sender.send_control(None)
         return version
 
-    def _cancel(self) -> None:
-        """Ask servers to drop queued tasks the plan no longer wants (by id: the rest of
-        the plan stands, so its version does not change)."""
-        by_link: dict[ServerLink, list[int]] = {}
-        for link, task_id in self.book.to_cancel:
-            if task_id in link.outstanding:
-                by_link.setdefault(link, []).append(task_id)
-        self.book.to_cancel.clear()
-        for link, ids in by_link.items():
-            for start in range(0, len(ids), MAX_CANCEL):
-                msg = self._control_msg(link)
-                msg.cancel = tuple(ids[start : start + MAX_CANCEL])
-                link.send(msg.encode())
+    def mode(self) -> str:
+        return self.book.mode
 
-    def _control_msg(self, link: ServerLink | None) -> Control:
-        """The session's CONTROL: for ``link``'s data socket (with its secret), or, for
-        ``None``, to publish (with a tag for each server met, none of the secrets)."""
-        msg = Control(
-            session=link.session if link is not None else self.session,
-            auth=link.secret if link is not None else None,
-            plan_version=self.book.plan_version,
-            control_seq=self.book.control_seq,
-            control=self.book.control,
-            mode=self.book.mode,
-        )
-        if link is None:
-            met = [lk for lk in self.links or () if lk.welcome_msg is not None]
-            msg.tags = tuple(steer_tag(lk.secret, msg) for lk in met[:MAX_TAGS])
-        return msg
-
-    def _send_control(self, link: ServerLink | None) -> None:
-        """The session's control values and plan to one server (``link``), or to every
-        server: on its data socket (reliable, and ahead of any task that needs them) and
-        published on the control socket."""
-        if link is not None:
-            link.send(self._control_msg(link).encode())
-            return
-        self.pub.send_multipart(self._control_msg(None).encode())
-        for each in self.links or ():
-            if each.state is LinkState.READY:
-                each.send(self._control_msg(each).encode())
-
-    def snapshot(self) -> dict[str, Any]:
-        return self.book.snapshot()
-
-    def _lookahead_state(self) -> dict[str, Any] | None:
-        """The lookahead batch, if one is planned: its step, mode and whether it is done."""
-        plan = self.book.alt_plan
-        if plan is None:
-            return None
-        return {"step": plan.step, "mode": plan.mode, "ready": self.book.alt_ready is not None}
+    def snapshot(self) -> Position:
+        return self.book.position()
 
     def restore(self, mode: str, control: dict[str, Any], control_seq: int) -> None:
         self.book.restore(mode, control, control_seq)
 
     def stats(self) -> dict[str, Any]:
-        links = list(self.links) if self.links is not None else []
+        lookahead = self.book.lookahead.state()
         return {
             **self.counters,
             "rejected": dict(self.rejected),
             "plan_version": self.book.plan_version,
             "flips": dict(self.book.flips),
-            "lookahead": self._lookahead_state(),
-            "skipped_poison_images": self.book.skipped_poison,
+            "lookahead": None if lookahead is None else dataclasses.asdict(lookahead),
+            "skipped_poison_images": self.ledger.skipped_poison,
             "task_deadline_s": round(self.deadlines.value, 3),
             "host_buffers_allocated": self.buffers.allocated,
-            "servers": [
-                {
-                    "address": link.address,
-                    "state": link.state.name.lower(),
-                    "sent": link.sent_total,
-                    "results": link.results_total,
-                    "outstanding": len(link.outstanding),
-                    "credit": link.credit,
-                }
-                for link in links
-            ],
+            "servers": [dataclasses.asdict(link.stats()) for link in self.links],
         }

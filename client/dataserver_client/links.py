@@ -4,14 +4,19 @@ connection-level logic: handshakes, heartbeats, what socket events mean.
 
 Created, used and closed only in the I/O thread. ``Links`` reports what happened
 (``LinkEvent``s) and the engine decides what that does to tasks; nothing here knows about
-batches.
+batches. ``Links`` also owns the PUB socket the session's CONTROL is published on.
 
-Link states::
+Link states (each arrow one ``ServerLink`` method; nothing else writes ``state``)::
 
-    CONNECTING -(WELCOME)-> READY -(disconnected, or silent past the heartbeat timeout)-> LOST
-    LOST -(WELCOME again)-> READY
-    CONNECTING, READY -(BYE from the server: it drains)-> DRAINING -(disconnected)-> LOST
-    any -(it answered what it was not asked, or lied about a result)-> BANNED (for good)
+    CONNECTING -(welcome)-> READY -(lose: disconnected, or silent past the timeout)-> LOST
+    LOST -(welcome again)-> READY
+    READY -(forget_session: the server says it does not know the session)-> CONNECTING
+    CONNECTING, READY -(drain: BYE from the server; decline: it cannot serve us)-> DRAINING
+    DRAINING -(lose: disconnected)-> LOST
+    any -(ban: it answered what it was not asked, or lied about a result)-> BANNED (for good)
+
+Every WELCOME is checked once, by ``welcome_problem``, against the first one accepted (the
+dataset the session serves) and this client's settings, at the handshake and after it.
 
 ``Discovery`` re-resolves DNS names among the addresses in a thread of its own (a lookup
 may block for seconds); the engine adds and removes links from what it finds.
@@ -29,7 +34,7 @@ import socket
 import stat
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,7 +45,6 @@ from dataserver.landing import Handover, LandingArea, landing_socket
 from dataserver.protocol import Bye, Heartbeat, Hello, Welcome
 from dataserver.security import new_secret, reply_id, session_id
 from dataserver_client.config import ClientConfig
-from dataserver_client.errors import DataServerError, NotAuthorized
 
 log = logging.getLogger("dataserver_client")
 
@@ -68,6 +72,71 @@ class EventKind(enum.Enum):
     LOST = "lost"  # the server went away (its tasks should move)
     RESULTS_BROKEN = "results_broken"  # a direct-result connection dropped (results in it are gone)
     NOT_AUTHORIZED = "not_authorized"  # CURVE refused this client's key
+
+
+class Problem(enum.Enum):
+    """What a WELCOME can be wrong about (``welcome_problem``)."""
+
+    TOO_LARGE = "too_large"  # more samples than max_dataset_len: the server is lying or wrong
+    OTHER_DATASET = "other_dataset"  # not the dataset the other servers serve
+    IMAGE_SIDE = "image_side"  # it cannot compose images as large as this client asks
+
+
+@dataclass(frozen=True)
+class DatasetInfo:
+    """The dataset a session serves, as its first accepted WELCOME announced it."""
+
+    dataset_len: int
+    fingerprint: str
+    address: str  # the server that announced it
+
+
+@dataclass(frozen=True)
+class WelcomeProblem:
+    kind: Problem
+    why: str
+
+
+def welcome_problem(
+    address: str, msg: Welcome, dataset: DatasetInfo | None, config: ClientConfig
+) -> WelcomeProblem | None:
+    """What is wrong with ``msg`` from ``address`` for this session, or None: the one check
+    of a WELCOME, at the handshake and after it."""
+    limit = config.max_dataset_len
+    if msg.dataset_len > limit:
+        # The epoch's order is built in memory from this number: a server must not be able
+        # to make the trainer allocate gigabytes by a claim.
+        why = f"it announces {msg.dataset_len} samples, more than max_dataset_len {limit}"
+        return WelcomeProblem(Problem.TOO_LARGE, why)
+    if dataset is not None and (msg.fingerprint, msg.dataset_len) != (
+        dataset.fingerprint,
+        dataset.dataset_len,
+    ):
+        return WelcomeProblem(
+            Problem.OTHER_DATASET,
+            f"servers disagree on the dataset: {dataset.address} serves "
+            f"{dataset.fingerprint} ({dataset.dataset_len} samples), {address} "
+            f"serves {msg.fingerprint} ({msg.dataset_len} samples)",
+        )
+    if max(config.image_size) > msg.max_image_side:
+        return WelcomeProblem(
+            Problem.IMAGE_SIDE,
+            f"{address} serves images of at most {msg.max_image_side} pixels a side "
+            f"(its --max-image-side); this client asks for {config.image_size}",
+        )
+    return None
+
+
+@dataclass(frozen=True)
+class LinkStats:
+    """One server as ``client.stats()`` shows it."""
+
+    address: str
+    state: str
+    sent: int
+    results: int
+    outstanding: int
+    credit: int
 
 
 @dataclass(frozen=True)
@@ -241,6 +310,7 @@ class ServerLink:
         session: bytes,
         curve: dict[str, bytes] | None,
         standing: Callable[[], tuple[int, int]] = lambda: (0, 0),
+        landing: LandingArea | None = None,
     ) -> None:
         self.address = address
         # This session's secret on this server (each server gets its own, so no server
@@ -268,9 +338,9 @@ class ServerLink:
         )
         self.result_endpoints: set[str] = set()
         self.local_token = ""
-        # Set by ``Links``: our landing buffer's hand-over to this server's workers, done
-        # only once it has proven it is on our host (``sync_results``).
-        self.handover: Handover | None = None
+        # Our landing buffer's hand-over to this server's workers, done only once it has
+        # proven it is on our host (``sync_results``).
+        self.handover = Handover(landing, session) if landing is not None else None
         self.connected = False  # a ZMTP handshake has completed on the current connection
         self.was_lost = False
         self.last_error = ""
@@ -286,6 +356,15 @@ class ServerLink:
         self.last_hello = 0.0
         self.sent_total = 0
         self.results_total = 0
+
+    def sockets(self) -> list[tuple[zmq.Socket[Any], str]]:
+        """Its sockets the I/O thread polls, each with its role."""
+        return [
+            (self.sock, "front"),
+            (self.results, "results"),
+            (self.monitor, "monitor"),
+            (self.results_monitor, "results_monitor"),
+        ]
 
     @property
     def free(self) -> int:
@@ -362,9 +441,11 @@ class ServerLink:
         and at least one of its workers took the buffer."""
         return self.handover is not None and self.handover.ready
 
+    # ------------------------------------------------------------ state transitions
+
     def welcome(self, msg: Welcome) -> bool:
-        """Take a WELCOME; True when it comes from a different server process than before
-        (a restart: whatever it held is gone)."""
+        """CONNECTING or LOST -> READY on a WELCOME; True when it comes from a different
+        server process than before (a restart: whatever it held is gone)."""
         restarted = bool(self.server_id) and msg.server_id != self.server_id
         self.welcome_msg = msg
         self.server_id = msg.server_id
@@ -377,6 +458,96 @@ class ServerLink:
         self.sync_results(msg.results, msg.local, msg.local_token)
         return restarted
 
+    def decline(self, msg: Welcome, why: str) -> None:
+        """-> DRAINING: the server answered, but cannot serve this session (``why``)."""
+        log.error("%s: not using it (%s)", self.address, why)
+        self.welcome_msg = msg
+        self.drain()
+
+    def drain(self) -> None:
+        """-> DRAINING: the server said BYE, it is leaving (SIGTERM, a scale-down). It gets
+        nothing more; what it still runs may come back, what it had queued it answers
+        CANCELLED."""
+        if self.state is not LinkState.DRAINING:
+            log.info("%s is draining: sending it nothing more", self.address)
+        self.state = LinkState.DRAINING
+        self.last_error = "draining"
+
+    def ban(self, why: str) -> None:
+        """-> BANNED: the server answered what it was not asked (or claimed what it did not
+        do): it gets nothing more and what it sends is dropped, for the rest of this
+        client's life. The engine moves its tasks to the other servers."""
+        if self.state is not LinkState.BANNED:
+            log.error("%s broke the protocol (%s): not using it any more", self.address, why)
+        self.state = LinkState.BANNED
+        self.last_error = f"dropped: {why}"
+
+    def lose(self, why: str) -> LinkEvent:
+        """-> LOST: the connection dropped, or the server fell silent."""
+        # A server that drained was expected to go: no warning for that.
+        level = logging.INFO if self.state is LinkState.DRAINING else logging.WARNING
+        log.log(level, "%s lost (%s)", self.address, why)
+        self.state = LinkState.LOST
+        self.was_lost = True
+        self.last_error = why
+        return LinkEvent(EventKind.LOST, self, why)
+
+    def forget_session(self) -> None:
+        """READY -> CONNECTING: the server restarted or forgot the session; HELLO again
+        (what it held is asked again once it answers, as after a loss)."""
+        if self.state is LinkState.READY:
+            self.state = LinkState.CONNECTING
+            self.was_lost = True
+            self.hello()
+
+    def on_handshake(self) -> None:
+        """A ZMTP handshake completed: greet the server unless it knows us already."""
+        self.connected = True
+        self.last_error = ""
+        if self.state not in (LinkState.READY, LinkState.BANNED):
+            self.hello()
+
+    def on_disconnect(self) -> LinkEvent | None:
+        """The front connection dropped: a LOST event when the server was in use."""
+        self.connected = False
+        if self.state in (LinkState.READY, LinkState.DRAINING):
+            return self.lose("disconnected")
+        return None
+
+    def failed_handshake(self, why: str) -> None:
+        self.last_error = why
+
+    # ------------------------------------------------------------ tasks and traffic
+
+    def heard(self) -> None:
+        """Any traffic from the server: it is alive."""
+        self.last_heard = time.monotonic()
+
+    def sent(self, task_id: int) -> None:
+        """``task_id`` went out (again: it goes last, as the newest)."""
+        self.outstanding.pop(task_id, None)
+        self.outstanding[task_id] = time.monotonic()
+        self.sent_total += 1
+
+    def answered(self) -> None:
+        self.results_total += 1
+
+    def owes(self, task_id: int) -> bool:
+        return task_id in self.outstanding
+
+    def owed(self) -> list[int]:
+        """The outstanding task ids, oldest first."""
+        return list(self.outstanding)
+
+    def expire(self, now: float, limit: float) -> list[int]:
+        """Forget the tasks outstanding for ``limit`` seconds or more; their ids."""
+        if not self.outstanding or now - next(iter(self.outstanding.values())) < limit:
+            return []
+        late = [t for t, sent in self.outstanding.items() if now - sent >= limit]
+        for tid in late:
+            del self.outstanding[tid]
+        return late
+
     def release(self, task_id: int) -> float | None:
         """The server answered ``task_id``: its credit is free again. Returns when it was
         sent (None if it was not outstanding here)."""
@@ -388,9 +559,22 @@ class ServerLink:
         self.outstanding.clear()
         return ids
 
+    def stats(self) -> LinkStats:
+        return LinkStats(
+            self.address,
+            self.state.name.lower(),
+            self.sent_total,
+            self.results_total,
+            len(self.outstanding),
+            self.credit,
+        )
+
     def close(self) -> None:
         try:
-            if self.state is LinkState.READY:
+            # A server that welcomed us holds a session until BYE (or its idle timeout).
+            if self.state is LinkState.READY or (
+                self.state is LinkState.DRAINING and self.welcome_msg is not None
+            ):
                 bye = Bye(session=self.session, auth=self.secret)
                 self.sock.send_multipart(bye.encode(), zmq.NOBLOCK)
         except zmq.ZMQError:
@@ -406,7 +590,9 @@ class ServerLink:
 
 
 class Links:
-    """Every server link of one client, and what their connections are doing."""
+    """Every server link of one client, what their connections are doing, and the PUB
+    socket the session's CONTROL is published on (connected to each server's control
+    endpoint once it welcomed us)."""
 
     def __init__(
         self,
@@ -421,6 +607,14 @@ class Links:
         self._ctx, self._session, self._curve = ctx, session, curve
         self._standing = standing
         self._landing = landing
+        self.pub = ctx.socket(zmq.PUB)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        if curve:
+            self.pub.curve_serverkey = curve["server_public"]
+            self.pub.curve_publickey = curve["public"]
+            self.pub.curve_secretkey = curve["secret"]
+        self._control_endpoints: set[str] = set()
+        self.dataset: DatasetInfo | None = None  # from the first WELCOME accepted
         self.links: list[ServerLink] = []
         for address in expand_addresses(config.addresses):
             self.add(address)
@@ -431,23 +625,40 @@ class Links:
         # session anywhere else (one that forgot the session could otherwise be told that
         # id first, by whoever learnt it from another server).
         session = session_id(self._curve["public"] if self._curve else None)
-        link = ServerLink(self._ctx, address, session, self._curve, self._standing)
-        if self._landing is not None:
-            link.handover = Handover(self._landing, session)
+        link = ServerLink(self._ctx, address, session, self._curve, self._standing, self._landing)
         self.links.append(link)
         link.hello()
         return link
 
     def remove(self, link: ServerLink) -> None:
-        """Forget a server (its address is gone): close its sockets."""
+        """Forget a server (its address is gone): close its sockets, stop publishing to it."""
         self.links.remove(link)
         link.close()
+        if link.welcome_msg is not None:
+            endpoint = announced_address(link.address, link.welcome_msg.control)
+            if endpoint in self._control_endpoints:
+                self._control_endpoints.discard(endpoint)
+                try:
+                    self.pub.disconnect(endpoint)
+                except zmq.ZMQError:
+                    pass
 
-    def __iter__(self) -> Any:
+    def __iter__(self) -> Iterator[ServerLink]:
         return iter(self.links)
 
-    def any_ready(self) -> bool:
-        return any(link.state is LinkState.READY for link in self.links)
+    def ready(self) -> list[ServerLink]:
+        return [link for link in self.links if link.state is LinkState.READY]
+
+    def any_ready(self, besides: ServerLink | None = None) -> bool:
+        return any(lk.state is LinkState.READY and lk is not besides for lk in self.links)
+
+    def met(self) -> list[ServerLink]:
+        """The servers that welcomed this session at least once."""
+        return [link for link in self.links if link.welcome_msg is not None]
+
+    def stores(self) -> bool:
+        """Whether every server met keeps a store of decoded sources."""
+        return all(lk.welcome_msg.store_bytes > 0 for lk in self.met() if lk.welcome_msg)
 
     def best(
         self, skip: set[ServerLink] | frozenset[ServerLink] = frozenset()
@@ -457,39 +668,33 @@ class Links:
         free = [lk for lk in self.links if lk.free > 0 and lk not in skip]
         return max(free, key=lambda lk: lk.free) if free else None
 
-    def handshake(self) -> dict[str, Any] | None:
-        """The dataset info once every server answered (None until then); raises
-        ``DataServerError`` when servers disagree, or refuse this client's image size."""
+    def check(self, link: ServerLink, msg: Welcome) -> WelcomeProblem | None:
+        """The one check of a WELCOME (``welcome_problem``); the first accepted fixes the
+        dataset the session serves."""
+        problem = welcome_problem(link.address, msg, self.dataset, self.config)
+        if problem is None and self.dataset is None:
+            self.dataset = DatasetInfo(msg.dataset_len, msg.fingerprint, link.address)
+        return problem
+
+    def joined(self, link: ServerLink) -> None:
+        """``link`` welcomed us: publish the session's CONTROL to its control endpoint too."""
+        assert link.welcome_msg is not None
+        endpoint = announced_address(link.address, link.welcome_msg.control)
+        if endpoint not in self._control_endpoints:
+            self._control_endpoints.add(endpoint)
+            self.pub.connect(endpoint)
+
+    def publish(self, frames: list[Any]) -> None:
+        self.pub.send_multipart(frames)
+
+    def handshake(self) -> DatasetInfo | None:
+        """The dataset once every server answered (None until then)."""
         waiting = [
             lk for lk in self.links if lk.state not in (LinkState.DRAINING, LinkState.BANNED)
         ]
         if any(link.welcome_msg is None for link in waiting):
             return None
-        welcomed = [
-            lk
-            for lk in self.links
-            if lk.welcome_msg is not None and lk.state is not LinkState.BANNED
-        ]
-        if not welcomed:
-            return None
-        first = welcomed[0].welcome_msg
-        assert first is not None
-        for link in welcomed:
-            w = link.welcome_msg
-            assert w is not None
-            if (w.fingerprint, w.dataset_len) != (first.fingerprint, first.dataset_len):
-                raise DataServerError(
-                    f"servers disagree on the dataset: {welcomed[0].address} serves "
-                    f"{first.fingerprint} ({first.dataset_len} samples), {link.address} "
-                    f"serves {w.fingerprint} ({w.dataset_len} samples)"
-                )
-            side = max(self.config.image_size)
-            if side > w.max_image_side:
-                raise DataServerError(
-                    f"{link.address} serves images of at most {w.max_image_side} pixels a side "
-                    f"(its --max-image-side); this client asks for {self.config.image_size}"
-                )
-        return {"dataset_len": first.dataset_len, "fingerprint": first.fingerprint}
+        return self.dataset if any(lk.state is not LinkState.BANNED for lk in self.met()) else None
 
     def waiting_names(self) -> str:
         return ", ".join(
@@ -504,14 +709,11 @@ class Links:
         for event in _events(link.monitor):
             kind = event["event"]
             if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                link.connected = True
-                link.last_error = ""
-                if link.state not in (LinkState.READY, LinkState.BANNED):
-                    link.hello()
+                link.on_handshake()
             elif kind == zmq.EVENT_DISCONNECTED:
-                link.connected = False
-                if link.state in (LinkState.READY, LinkState.DRAINING):
-                    out.append(self.lose(link, "disconnected"))
+                lost = link.on_disconnect()
+                if lost is not None:
+                    out.append(lost)
             elif kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
                 out.append(
                     LinkEvent(
@@ -525,7 +727,7 @@ class Links:
                 zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
                 zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL,
             ):
-                link.last_error = (
+                link.failed_handshake(
                     "the connection handshake failed: a CURVE setting on one side only, "
                     "or not a dataserver"
                 )
@@ -543,32 +745,6 @@ class Links:
             return [LinkEvent(EventKind.RESULTS_BROKEN, link, ", ".join(sorted(endpoints)))]
         return []
 
-    def drain(self, link: ServerLink) -> None:
-        """The server said BYE: it is leaving (SIGTERM, a scale-down). It gets nothing more;
-        what it still runs may come back, and what it had queued it answers CANCELLED."""
-        if link.state is not LinkState.DRAINING:
-            log.info("%s is draining: sending it nothing more", link.address)
-        link.state = LinkState.DRAINING
-        link.last_error = "draining"
-
-    def ban(self, link: ServerLink, why: str) -> None:
-        """The server answered what it was not asked (or claimed what it did not do): it
-        gets nothing more and what it sends is dropped, for the rest of this client's life.
-        The engine moves its tasks to the other servers."""
-        if link.state is not LinkState.BANNED:
-            log.error("%s broke the protocol (%s): not using it any more", link.address, why)
-        link.state = LinkState.BANNED
-        link.last_error = f"dropped: {why}"
-
-    def lose(self, link: ServerLink, why: str) -> LinkEvent:
-        # A server that drained was expected to go: no warning for that.
-        level = logging.INFO if link.state is LinkState.DRAINING else logging.WARNING
-        log.log(level, "%s lost (%s)", link.address, why)
-        link.state = LinkState.LOST
-        link.was_lost = True
-        link.last_error = why
-        return LinkEvent(EventKind.LOST, link, why)
-
     def tick(self, now: float) -> list[LinkEvent]:
         """Heartbeats, HELLOs to servers without a session, and silence past the timeout."""
         out = []
@@ -578,7 +754,7 @@ class Links:
                 if now - link.last_sent > cfg.heartbeat_interval:
                     link.heartbeat()
                 if now - link.last_heard > cfg.heartbeat_timeout:
-                    out.append(self.lose(link, f"silent for {now - link.last_heard:.1f} s"))
+                    out.append(link.lose(f"silent for {now - link.last_heard:.1f} s"))
             elif link.state is not LinkState.BANNED:
                 # Soon after a failed send (not connected yet); once a second while a sent
                 # HELLO waits for its WELCOME.
@@ -587,9 +763,7 @@ class Links:
                     link.hello()
         return out
 
-    def not_authorized(self, link: ServerLink, message: str) -> NotAuthorized:
-        return NotAuthorized(f"not authorized by {link.address}: {message}")
-
     def close(self) -> None:
         for link in self.links:
             link.close()
+        self.pub.close(linger=0)

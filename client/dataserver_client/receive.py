@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import numpy as np
 import zmq
 
@@ -98,6 +99,32 @@ def receive(sock: zmq.Socket[Any], destinations: Destinations) -> Message:
         raise ProtocolError(f"unreadable message ({type(exc).__name__}: {exc})") from None
 
 
+def _images(
+    sock: zmq.Socket[Any],
+    result: Result,
+    spec: tuple[Any, tuple[int, ...], int],
+    n: int,
+    destinations: Destinations,
+) -> np.ndarray | None:
+    """Receive a RESULT's image frame straight into where ``destinations`` says (None: not
+    wanted, read off and dropped)."""
+    dtype, shape, nbytes = spec
+    check_images_spec(dtype, shape, n)
+    if not sock.getsockopt(zmq.RCVMORE):
+        raise ProtocolError("RESULT ends before its images")
+    dest = destinations(result)
+    if dest is None:  # not wanted (late, or a duplicate): read it off, keep nothing
+        sock.recv(copy=False)
+        return None
+    if dest.shape != shape:
+        sock.recv(copy=False)
+        raise WrongAnswer(f"images of {shape}, not the {dest.shape} asked")
+    got = sock.recv_into(dest.data.cast("B"))
+    if got != nbytes:
+        raise ProtocolError(f"images: the frame holds {got} bytes, not {nbytes}")
+    return dest
+
+
 def _receive(sock: zmq.Socket[Any], first: Any, destinations: Destinations) -> Message:
     head = [first]
     while len(head) < 3 and sock.getsockopt(zmq.RCVMORE):
@@ -114,22 +141,8 @@ def _receive(sock: zmq.Socket[Any], first: Any, destinations: Destinations) -> M
     if len(specs) != want:
         raise ProtocolError(f"RESULT names {len(specs)} arrays, not {want}")
     shapes = [check_spec(i, spec) for i, spec in enumerate(specs)]
-    dest = None
-    if not result.landed:  # the images come in this message: into the batch buffer
-        dtype, shape, nbytes = shapes[0]
-        check_images_spec(dtype, shape, n)
-        if not sock.getsockopt(zmq.RCVMORE):
-            raise ProtocolError("RESULT ends before its images")
-        dest = destinations(result)
-        if dest is None:  # not wanted (late, or a duplicate): read it off, keep nothing
-            sock.recv(copy=False)
-        elif dest.shape != shape:
-            sock.recv(copy=False)
-            raise WrongAnswer(f"images of {shape}, not the {dest.shape} asked")
-        else:
-            got = sock.recv_into(dest.data.cast("B"))
-            if got != nbytes:
-                raise ProtocolError(f"images: the frame holds {got} bytes, not {nbytes}")
+    # (landed: the images are in our buffer already; else they come in this message)
+    dest = None if result.landed else _images(sock, result, shapes[0], n, destinations)
     arrays = []
     for i in (want - 2, want - 1):
         if not sock.getsockopt(zmq.RCVMORE):
@@ -143,6 +156,4 @@ def _receive(sock: zmq.Socket[Any], first: Any, destinations: Destinations) -> M
     if sock.getsockopt(zmq.RCVMORE):
         raise ProtocolError("RESULT carries frames after its labels")
     check_boxes(arrays[0], arrays[1], sum(result.box_counts))
-    result.pixels = dest
-    result.boxes, result.labels = arrays
-    return result
+    return msgspec.structs.replace(result, pixels=dest, boxes=arrays[0], labels=arrays[1])

@@ -228,27 +228,22 @@ def line_counts() -> dict[str, tuple[int, int]]:
 # ---------------------------------------------------------------------------- fuzz comparison
 
 
-def fuzz_compare(count: int) -> dict[str, Counter[str]]:
-    """Fuzzed headers (``fuzzing.headers``, decoded without arrays) and fuzzed messages
-    (``fuzzing.messages``) through both decoders: where they differ, and what escaped."""
-    tests = Path(__file__).resolve().parents[2] / "tests"
-    sys.path.insert(0, str(tests))
-    import msgpack
-    from fuzzing import headers
-    from fuzzing import messages as fuzz_messages
-    from hypothesis import HealthCheck, given, settings
-    from hypothesis import strategies as st
+class _Compare:
+    """Both decoders on one input, tallied into ``report``."""
 
-    old = handwritten()
-    report: dict[str, Counter[str]] = {
-        "runs": Counter(),
-        "differences": Counter(),
-        "escaped": Counter(),
-        "accepted": Counter(),
-    }
+    def __init__(self, old: Any) -> None:
+        self.old = old
+        self.report: dict[str, Counter[str]] = {
+            "runs": Counter(),
+            "differences": Counter(),
+            "escaped": Counter(),
+            "accepted": Counter(),
+        }
 
-    def one(frames: list[bytes], with_arrays: bool, kind: str) -> None:
-        report["runs"][kind] += 1
+    def _decode_both(
+        self, frames: list[bytes], with_arrays: bool
+    ) -> tuple[Any, protocol.Message | None, str, str]:
+        old, escaped = self.old, self.report["escaped"]
         cur: Any = None
         new: protocol.Message | None = None
         cur_err = new_err = ""
@@ -257,13 +252,19 @@ def fuzz_compare(count: int) -> dict[str, Counter[str]]:
         except old.ProtocolError as exc:
             cur_err = str(exc)
         except BaseException as exc:
-            report["escaped"][f"hand-written: {type(exc).__name__}"] += 1
+            escaped[f"hand-written: {type(exc).__name__}"] += 1
         try:
             new = protocol.decode(frames, with_arrays)
         except ProtocolError as exc:
             new_err = str(exc)
         except BaseException as exc:
-            report["escaped"][f"msgspec: {type(exc).__name__}"] += 1
+            escaped[f"msgspec: {type(exc).__name__}"] += 1
+        return cur, new, cur_err, new_err
+
+    def __call__(self, frames: list[bytes], with_arrays: bool, kind: str) -> None:
+        report = self.report
+        report["runs"][kind] += 1
+        cur, new, cur_err, new_err = self._decode_both(frames, with_arrays)
         try:
             mtype = MsgType(frames[1][0]).name
         except (IndexError, ValueError):
@@ -284,6 +285,20 @@ def fuzz_compare(count: int) -> dict[str, Counter[str]]:
                 _same(cur, new)
             except AssertionError:
                 report["differences"][f"{kind} {mtype}: both accept, values differ"] += 1
+
+
+def fuzz_compare(count: int) -> dict[str, Counter[str]]:
+    """Fuzzed headers (``fuzzing.headers``, decoded without arrays) and fuzzed messages
+    (``fuzzing.messages``) through both decoders: where they differ, and what escaped."""
+    tests = Path(__file__).resolve().parents[2] / "tests"
+    sys.path.insert(0, str(tests))
+    import msgpack
+    from fuzzing import headers
+    from fuzzing import messages as fuzz_messages
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    one = _Compare(handwritten())
 
     settings_ = settings(
         max_examples=count,
@@ -310,7 +325,7 @@ def fuzz_compare(count: int) -> dict[str, Counter[str]]:
 
     run_headers()
     run_messages()
-    return report
+    return one.report
 
 
 def _short(err: str | None) -> str:

@@ -27,8 +27,7 @@ import numpy as np
 
 from dataserver.data.sample import Sample, SampleError, as_sample
 from dataserver.data.transforms import fit_size, keep_valid
-
-_MASK = (1 << 64) - 1
+from dataserver.hashing import MASK64, mix64
 
 
 @dataclass(slots=True)
@@ -88,18 +87,37 @@ def prepare(dataset: Any, index: int, fit_hw: Sequence[int]) -> Source:
     return fit(read(dataset, index), fit_hw)
 
 
-def _mix(x: int) -> int:
-    # splitmix64's finaliser: a cheap, well-mixed 64-bit hash
-    x = (x + 0x9E3779B97F4A7C15) & _MASK
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
-    return x ^ (x >> 31)
-
-
 def flip_of(seed: int, epoch: int, index: int) -> bool:
     """The augmentation: mirror left-right or not, a function of (seed, epoch, index) only
     (so a task rerun anywhere gives the same bytes), true for about half of the indices."""
-    return bool(_mix(_mix(_mix(seed & _MASK) ^ (epoch & _MASK)) ^ (index & _MASK)) >> 63)
+    return bool(mix64(mix64(mix64(seed & MASK64) ^ (epoch & MASK64)) ^ (index & MASK64)) >> 63)
+
+
+def _mirror(boxes: np.ndarray, width: float) -> None:
+    """Mirror xyxy ``boxes`` left-right in place, within an image ``width`` wide."""
+    x1 = width - boxes[:, 2]
+    boxes[:, 2] = width - boxes[:, 0]
+    boxes[:, 0] = x1
+
+
+def _draw(
+    canvas: np.ndarray, y0: int, x0: int, size: tuple[int, int], image: np.ndarray, flip: bool
+) -> None:
+    """Write the CHW ``image`` at (y0, x0) of ``canvas``, resized to ``size`` (h, w) when
+    it differs, mirrored when ``flip``."""
+    new_h, new_w = size
+    same = size == image.shape[1:]
+    if same and not flip:
+        np.copyto(canvas[:, y0 : y0 + new_h, x0 : x0 + new_w], image)
+        return
+    for c in range(3):
+        dst = canvas[c, y0 : y0 + new_h, x0 : x0 + new_w]
+        if same:
+            cv2.flip(image[c], 1, dst=dst)
+        else:
+            cv2.resize(image[c], (new_w, new_h), dst=dst, interpolation=cv2.INTER_LINEAR)
+            if flip:
+                cv2.flip(dst, 1, dst=dst)
 
 
 def place(
@@ -110,35 +128,20 @@ def place(
     boxes in canvas pixels and their labels (clipped; degenerate ones dropped)."""
     _, height, width = source.image.shape
     new_h, new_w = fit_size(height, width, cell_h, cell_w)
-    same = (new_h, new_w) == (height, width)
-    if same and not flip:
-        np.copyto(canvas[:, y0 : y0 + new_h, x0 : x0 + new_w], source.image)
-    for c in range(3):
-        dst = canvas[c, y0 : y0 + new_h, x0 : x0 + new_w]
-        if same:
-            if flip:
-                cv2.flip(source.image[c], 1, dst=dst)
-        else:
-            cv2.resize(source.image[c], (new_w, new_h), dst=dst, interpolation=cv2.INTER_LINEAR)
-            if flip:
-                cv2.flip(dst, 1, dst=dst)
+    _draw(canvas, y0, x0, (new_h, new_w), source.image, flip)
     if not len(source.boxes):
         return source.boxes, source.labels
-    if same:  # the boxes are already clipped to the source and none is degenerate
+    if (new_h, new_w) == (height, width):  # already clipped to the source, none degenerate
         boxes = source.boxes.copy()
         if flip:
-            x1 = width - boxes[:, 2]
-            boxes[:, 2] = width - boxes[:, 0]
-            boxes[:, 0] = x1
+            _mirror(boxes, width)
         if x0 or y0:
             boxes += np.array([x0, y0, x0, y0], dtype=np.float32)
         return boxes, source.labels.copy()
     sx, sy = new_w / width, new_h / height
     boxes = source.boxes * np.array([sx, sy, sx, sy], dtype=np.float32)
     if flip:
-        x1 = new_w - boxes[:, 2]
-        boxes[:, 2] = new_w - boxes[:, 0]
-        boxes[:, 0] = x1
+        _mirror(boxes, new_w)
     np.clip(boxes, 0.0, np.array([new_w, new_h, new_w, new_h], dtype=np.float32), out=boxes)
     boxes, labels = keep_valid(boxes, source.labels)
     boxes += np.array([x0, y0, x0, y0], dtype=np.float32)

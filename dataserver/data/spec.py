@@ -42,31 +42,39 @@ class DatasetSpec:
     args_json: str = "{}"
 
 
+def _parse_args(args_json: str | None) -> dict[str, Any]:
+    """``--dataset-args``: a JSON object (none: empty)."""
+    if args_json is None:
+        return {}
+    try:
+        args = json.loads(args_json)
+    except json.JSONDecodeError as exc:
+        raise SpecError(f"--dataset-args is not valid JSON: {exc}") from None
+    if not isinstance(args, dict):
+        raise SpecError("--dataset-args must be a JSON object")
+    return args
+
+
+def _parse_coco(text: str) -> DatasetSpec:
+    rest = text[len("coco:") :]
+    ann, sep, image_dir = rest.rpartition(":")
+    if not sep or not ann.endswith(".json"):
+        ann, image_dir = rest, ""
+    if not ann:
+        raise SpecError("coco: needs a path, as in coco:ANNOTATIONS.json[:IMAGE_DIR]")
+    return DatasetSpec(text, "coco", {"annotations": ann, "image_dir": image_dir or None})
+
+
 def parse_spec(text: str, args_json: str | None = None) -> DatasetSpec:
     """Parse a ``--dataset`` value (and ``--dataset-args``); raise ``SpecError``."""
-    if args_json is not None:
-        try:
-            args = json.loads(args_json)
-        except json.JSONDecodeError as exc:
-            raise SpecError(f"--dataset-args is not valid JSON: {exc}") from None
-        if not isinstance(args, dict):
-            raise SpecError("--dataset-args must be a JSON object")
-    else:
-        args = {}
+    args = _parse_args(args_json)
+    builtin = text == "synthetic" or text.startswith(("synthetic:", "coco:"))
+    if builtin and args:
+        raise SpecError("--dataset-args is only for package.module:factory datasets")
     if text == "synthetic" or text.startswith("synthetic:"):
-        if args:
-            raise SpecError("--dataset-args is only for package.module:factory datasets")
         return DatasetSpec(text, "synthetic", _parse_synthetic(text))
     if text.startswith("coco:"):
-        if args:
-            raise SpecError("--dataset-args is only for package.module:factory datasets")
-        rest = text[len("coco:") :]
-        ann, sep, image_dir = rest.rpartition(":")
-        if not sep or not ann.endswith(".json"):
-            ann, image_dir = rest, ""
-        if not ann:
-            raise SpecError("coco: needs a path, as in coco:ANNOTATIONS.json[:IMAGE_DIR]")
-        return DatasetSpec(text, "coco", {"annotations": ann, "image_dir": image_dir or None})
+        return _parse_coco(text)
     if _PLUGIN.match(text):
         return DatasetSpec(text, "plugin", args, json.dumps(args, sort_keys=True))
     raise SpecError(

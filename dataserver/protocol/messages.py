@@ -237,8 +237,8 @@ class Task(Message, kw_only=True):
     """Compose a run of output images of one batch: image i from the sources
     ``images[i]`` (grid x grid cells, row-major), each source first fitted into ``fit_hw``
     (the client's image size: what the server's store keeps), then into its cell.
-    ``control_seq`` names the control values the dataset must hold (sent once, by CONTROL);
-    ``priority`` 1 marks a speculative task (run when nothing else waits)."""
+    ``control_seq`` names the control values the dataset must hold (sent once, by CONTROL).
+    ``priority`` is reserved: checked (0 or 1) and otherwise ignored; no side sets it."""
 
     TYPE: ClassVar[MsgType] = MsgType.TASK
     session: Session

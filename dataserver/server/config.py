@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import re
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import MISSING, asdict, dataclass, fields, replace
+from functools import partial
+from typing import Any
 
 from dataserver.data.spec import DEFAULT_SPEC
 from dataserver.protocol import MAX_IMAGE_SIDE
@@ -53,34 +58,35 @@ class ServerConfig:
         return self.workers if self.workers > 0 else (os.cpu_count() or 1)
 
     def validate(self) -> None:
+        """Raise ``ConfigError`` naming the first flag whose value cannot work."""
         if self.workers < 0:
             raise ConfigError(f"--workers must be >= 1, got {self.workers}")
         check_endpoint("--bind", self.bind)
         if self.control_bind is not None:
             check_endpoint("--control-bind", self.control_bind)
-        if self.max_sessions < 1:
-            raise ConfigError(f"--max-sessions must be >= 1, got {self.max_sessions}")
-        if not 1 <= self.max_image_side <= MAX_IMAGE_SIDE:
-            raise ConfigError(
-                f"--max-image-side must be in 1..{MAX_IMAGE_SIDE}, got {self.max_image_side}"
-            )
-        if self.max_queued_mb < 1:
-            raise ConfigError(f"--max-queued-mb must be >= 1, got {self.max_queued_mb}")
-        if not 0 <= self.drain_seconds <= 86400:
-            raise ConfigError(f"--drain-seconds must be in 0..86400, got {self.drain_seconds}")
-        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
-            raise ConfigError(f"--metrics-port must be in 0..65535, got {self.metrics_port}")
+        for flag, least in (
+            ("--max-sessions", self.max_sessions),
+            ("--max-queued-mb", self.max_queued_mb),
+        ):
+            if least < 1:
+                raise ConfigError(f"{flag} must be >= 1, got {least}")
+        ranges: list[tuple[str, float | None, float, float]] = [
+            ("--max-image-side", self.max_image_side, 1, MAX_IMAGE_SIDE),
+            ("--drain-seconds", self.drain_seconds, 0, 86400),
+            ("--metrics-port", self.metrics_port, 0, 65535),
+            ("--idle-timeout", self.idle_timeout, 1, 86400),
+            ("--cache-gb", self.cache_gb, 0, 1 << 14),
+        ]
+        for flag, value, lo, hi in ranges:
+            if value is not None and not lo <= value <= hi:
+                raise ConfigError(f"{flag} must be in {lo}..{hi}, got {value}")
         if self.metrics_bind is not None and not _HOST.match(self.metrics_bind):
             raise ConfigError(
                 f"--metrics-bind {self.metrics_bind!r}: expected an address or a host name "
                 "(e.g. 0.0.0.0, 10.0.0.5, ::)"
             )
-        if not 1 <= self.idle_timeout <= 86400:
-            raise ConfigError(f"--idle-timeout must be in 1..86400, got {self.idle_timeout}")
         if self.session_ttl <= 0:
             raise ConfigError(f"--session-ttl must be > 0, got {self.session_ttl}")
-        if not 0 <= self.cache_gb <= 1 << 14:
-            raise ConfigError(f"--cache-gb must be in 0..16384, got {self.cache_gb}")
         if (self.curve_secret_key is None) != (self.curve_authorized_keys is None):
             raise ConfigError("--curve-secret-key and --curve-authorized-keys go together")
 
@@ -153,3 +159,80 @@ def bindable(endpoint: str) -> str:
     if m is not None and m["port"] == "0":
         return f"tcp://{m['host']}:*"
     return endpoint
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Everything a worker process is told, written once: the pool fills it in for each
+    slot (``for_slot``), passes it as the one argument of ``python -m
+    dataserver.server.worker`` (``to_json``), and the worker reads it back (``from_json``)
+    and builds its ``Worker`` from it."""
+
+    backend: str  # the front's backend ROUTER (ipc)
+    state_dir: str  # the front's private directory: running slots, start errors, ipc paths
+    dataset: str
+    dataset_args: str | None = None
+    fingerprint: str = ""
+    max_queued_mb: int = DEFAULT_MAX_QUEUED_MB
+    # (index fd, arena fd) of the store's memfds the worker inherits, and its size
+    store_fds: tuple[int, int] | None = None
+    store_bytes: int = 0
+    results_bind: str | None = None  # its direct-result socket (may hold "{slot}" until for_slot)
+    local_results: bool = False  # ... also on ipc, for clients on this host
+    curve: tuple[str, str] | None = None  # (secret key, authorized keys)
+    worker_id: int = 0  # its slot
+    parent_pid: int = 0  # the front: the worker dies with it
+
+    def for_slot(self, slot: int, parent_pid: int) -> WorkerConfig:
+        """This configuration for the worker of ``slot``, started by ``parent_pid``."""
+        bind = None if self.results_bind is None else self.results_bind.format(slot=slot)
+        return replace(self, worker_id=slot, parent_pid=parent_pid, results_bind=bind)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_argv(cls, argv: list[str]) -> WorkerConfig:
+        """A worker's command line: one argument, the JSON ``to_json`` writes (what the
+        pool passes), or flags named after the fields, for running a worker by hand
+        (``--worker-id 0 --store-fds 3,4 ...``; pairs are written ``A,B``). Bad flags exit
+        2 with argparse's message."""
+        if len(argv) == 1 and argv[0].startswith("{"):
+            return cls.from_json(argv[0])
+        parser = argparse.ArgumentParser(prog="dataserver-worker")
+        for f in fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            kind = str(f.type)
+            if kind == "bool":
+                parser.add_argument(flag, action="store_true", dest=f.name)
+                continue
+            parse: Any = str
+            if kind.startswith("tuple[int"):
+                parse = partial(_pair, int)
+            elif kind.startswith("tuple[str"):
+                parse = partial(_pair, str)
+            elif kind == "int":
+                parse = int
+            required = f.default is MISSING
+            default = None if required else f.default
+            parser.add_argument(flag, type=parse, required=required, default=default, dest=f.name)
+        return cls(**vars(parser.parse_args(argv)))
+
+    @classmethod
+    def from_json(cls, text: str) -> WorkerConfig:
+        """Raises ``ValueError`` (or ``TypeError``) on anything but what ``to_json`` wrote."""
+        raw = json.loads(text)
+        if not isinstance(raw, dict):
+            raise ValueError("a worker's configuration is a JSON object")
+        for pair in ("store_fds", "curve"):
+            if raw.get(pair) is not None:
+                raw[pair] = tuple(raw[pair])
+        return cls(**raw)
+
+
+def _pair(kind: Callable[[str], Any], text: str) -> tuple[Any, Any]:
+    """``A,B`` as a pair of ``kind``."""
+    a, sep, b = text.partition(",")
+    if not sep:
+        raise ValueError(f"{text!r}: expected A,B")
+    return kind(a), kind(b)

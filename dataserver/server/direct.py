@@ -71,6 +71,8 @@ class DirectResults:
             self.local = local
 
     def _read_claims(self) -> None:
+        """Take the claims (HELLOs) that came, after forgetting every claim if a
+        connection dropped."""
         if self.monitor is not None:
             try:
                 while recv_monitor_message(self.monitor, zmq.NOBLOCK):
@@ -82,23 +84,25 @@ class DirectResults:
                 frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            if self.curve is None or len(frames) < 2:
-                continue
-            try:
-                msg = decode(frames[1:])
-            except ProtocolError:
-                continue
-            name = frames[0].bytes
-            # A connection is named by the reply id of a session's secret: claiming it
-            # needs the secret, and with CURVE the key the session id is tagged with.
-            if not isinstance(msg, Hello) or msg.auth is None or reply_id(msg.auth) != name:
-                continue
-            try:
-                user = str(frames[1].get("User-Id") or "")
-            except zmq.ZMQError:
-                user = ""
-            if owns(msg.session, user) and len(self.claims) < MAX_CLAIMS:
-                self.claims.add(name)
+            if self.curve is not None and len(frames) >= 2:
+                self._claim(frames)
+
+    def _claim(self, frames: list[Any]) -> None:
+        try:
+            msg = decode(frames[1:])
+        except ProtocolError:
+            return
+        name = frames[0].bytes
+        # A connection is named by the reply id of a session's secret: claiming it
+        # needs the secret, and with CURVE the key the session id is tagged with.
+        if not isinstance(msg, Hello) or msg.auth is None or reply_id(msg.auth) != name:
+            return
+        try:
+            user = str(frames[1].get("User-Id") or "")
+        except zmq.ZMQError:
+            user = ""
+        if owns(msg.session, user) and len(self.claims) < MAX_CLAIMS:
+            self.claims.add(name)
 
     def send(self, out: Result, route: bytes) -> bool | str:
         """Send ``out`` straight to its client, whose result connections are named ``route``

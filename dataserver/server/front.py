@@ -37,10 +37,9 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from dataserver.loop import MessageGuard, inject, is_shutdown
+from dataserver.loop import MessageGuard, StopFlag, inject, serve
 from dataserver.protocol import (
     Bye,
-    Cancelled,
     Control,
     ErrorMsg,
     Heartbeat,
@@ -54,15 +53,17 @@ from dataserver.protocol import (
     steer_tag,
 )
 from dataserver.security import owns, same_secret, start_server_curve
-from dataserver.server.config import ServerConfig, bindable, results_bind
+from dataserver.server.config import ServerConfig, WorkerConfig, bindable, results_bind
 from dataserver.server.conns import ConnTracker, fd_budget, fd_limit, peer_socket_options
 from dataserver.server.metrics import ServerMetrics
-from dataserver.server.outbox import Outbox, tracked
+from dataserver.server.outbox import Outbox
+from dataserver.server.outlet import Outlet
 from dataserver.server.pool import WorkerPool
 from dataserver.server.routing import PIPELINE, WorkerRouter
 from dataserver.server.sessions import Scheduler, Session, TaskEntry
 from dataserver.server.statsview import StatsView
 from dataserver.server.store import Store, memory_room
+from dataserver.server.view import Limits, ServerView
 
 log = logging.getLogger("dataserver.front")
 
@@ -106,6 +107,40 @@ def _user_id(frame: Any) -> str:
         return ""
 
 
+class _Poller:
+    """The loop's poller: its sockets (with their handlers), their monitors, and the
+    pidfds of the workers, re-read whenever the pool's version changes."""
+
+    def __init__(
+        self,
+        handlers: dict[Any, tuple[str, Callable[[list[Any]], None]]],
+        monitors: dict[Any, str],
+    ) -> None:
+        self.handlers = handlers
+        self.monitors = monitors
+        self._poller = zmq.Poller()
+        for sock in (*handlers, *monitors):
+            self._poller.register(sock, zmq.POLLIN)
+        self._pidfds: set[int] = set()
+        self._version = -1
+
+    def watch(self, version: int, pidfds: dict[int, Any]) -> None:
+        """Workers came or went (the pool's ``version`` moved): watch their pidfds."""
+        if version == self._version:
+            return
+        self._version = version
+        current = set(pidfds)
+        for fd in self._pidfds - current:
+            self._poller.unregister(fd)
+        for fd in current - self._pidfds:
+            self._poller.register(fd, zmq.POLLIN)
+        self._pidfds = current
+
+    def poll(self, timeout_ms: int) -> list[Any]:
+        """What is readable (sockets, monitors, pidfds), waiting at most ``timeout_ms``."""
+        return [sock for sock, _ in self._poller.poll(timeout_ms)]
+
+
 class WorkerStartError(RuntimeError):
     """No worker could start (its dataset fails to build in the worker, say); one line."""
 
@@ -134,7 +169,7 @@ class Front:
         self.guard = MessageGuard(log, self.rejected)
         self.started = time.time()
         self.endpoints: dict[str, str] = {}
-        self._stop = False
+        self._stop = StopFlag()  # set from a signal handler, too
         self._terminate = False  # SIGTERM came: drain (see ``_drain_step``)
         self.draining_since: float | None = None
         self._announced = False
@@ -146,27 +181,46 @@ class Front:
         self.local_token = uuid.uuid4().hex
         Path(self._tmpdir, "host-token").write_text(self.local_token)
         self.store = self._make_store()
-        self.pool = WorkerPool(
-            f"ipc://{self._tmpdir}/backend",
-            self._tmpdir,
-            config.dataset,
-            config.dataset_args,
-            fingerprint,
-            (*self.store.fds, self.store.capacity) if self.store else None,
-            config.max_queued_mb,
-            results_bind(config.bind, self._tmpdir) if config.direct_results else None,
-            config.curve,
-            config.local_results,
+        self.pool = WorkerPool(self._worker_config())
+        self.outlet = Outlet(self.scheduler, self.outbox, self.counters)
+        self.workers = WorkerRouter(
+            self.pool, self.scheduler, self.outlet, self.counters, self.rejected, self._observe
         )
-        self.workers = WorkerRouter(self.pool, self.scheduler, self, self.counters, self.rejected)
         self.metrics: ServerMetrics | None = None  # --metrics-port: started by run()
-        self.statsview = StatsView(self)
+        self.statsview = StatsView(self.rejected, self.store)
         self.conns = ConnTracker(
             config.idle_timeout,
             fd_budget(fd_limit(), self.n_workers, config.max_sessions),
             self.rejected,
         )
-        self.statsview.conns = self.conns
+        # What the metrics' HTTP thread reads: the view housekeeping last published (one
+        # reference, replaced whole; the view itself never changes).
+        self._published: ServerView | None = None
+        self._poller: _Poller | None = None  # the loop's, made in its thread (``_start``)
+        self._on_ready: Callable[[Front], None] = lambda front: None
+        self._next_housekeeping = 0.0
+
+    def _worker_config(self) -> WorkerConfig:
+        config = self.config
+        direct = results_bind(config.bind, self._tmpdir) if config.direct_results else None
+        return WorkerConfig(
+            backend=f"ipc://{self._tmpdir}/backend",
+            state_dir=self._tmpdir,
+            dataset=config.dataset,
+            dataset_args=config.dataset_args,
+            fingerprint=self.fingerprint,
+            max_queued_mb=config.max_queued_mb,
+            store_fds=self.store.fds if self.store is not None else None,
+            store_bytes=self.store.capacity if self.store is not None else 0,
+            results_bind=direct,
+            local_results=config.local_results,
+            curve=config.curve,
+        )
+
+    def _observe(self, task_us: int, decode_us: tuple[int, ...] | None) -> None:
+        """A worker's timings of a task, for the metrics' histograms (when they are on)."""
+        if self.metrics is not None:
+            self.metrics.observe_task(task_us, decode_us)
 
     def _make_store(self) -> Store | None:
         """The store of prepared sources: memfds that this process holds for the workers
@@ -192,13 +246,13 @@ class Front:
 
     def stop(self) -> None:
         """Ask the loop to finish (safe from a signal handler)."""
-        self._stop = True
+        self._stop.set()
 
     def terminate(self) -> None:
         """SIGTERM: drain, then finish (safe from a signal handler). A second one, or a
         drain of 0 seconds, stops at once."""
         if self._terminate or self.config.drain_seconds <= 0:
-            self._stop = True
+            self._stop.set()
         self._terminate = True
 
     def _drain_step(self, now: float) -> None:
@@ -211,10 +265,10 @@ class Front:
             sessions = list(self.scheduler.sessions.values())
             queued = 0
             for session in sessions:
-                self.reply(session, Bye(session=session.sid))
+                self.outlet.reply(session, Bye(session=session.sid))
                 gone = self.scheduler.take(session, lambda e: e.held_by is None)
                 queued += len(gone)
-                self.cancel(session, gone)
+                self.outlet.cancel(session, gone)
             log.log(
                 logging.WARNING if sessions else logging.INFO,
                 "SIGTERM: draining (%d session(s) told, %d queued task(s) handed back; "
@@ -231,7 +285,7 @@ class Front:
                     "drain: %g s passed with work still held; stopping", self.config.drain_seconds
                 )
             log.info("drained in %.2f s", now - self.draining_since)
-            self._stop = True
+            self._stop.set()
 
     # ------------------------------------------------------------------ run loop
 
@@ -241,24 +295,67 @@ class Front:
         self.data = ctx.socket(zmq.ROUTER)
         self.control_sock = ctx.socket(zmq.SUB)
         self.backend = ctx.socket(zmq.ROUTER)
+        self.outlet.attach(self.data, self.backend)
+        self._on_ready = on_ready
+        serve(lambda: self._start(ctx), self._turn, self._stop, lambda: self._close(ctx))
+
+    def _start(self, ctx: zmq.Context[Any]) -> None:
+        self._bind(ctx)
+        if self.config.metrics_port is not None:  # a taken port fails before any worker
+            self.metrics = ServerMetrics(
+                lambda: self._published, self.config.metrics_port, self.config.metrics_host()
+            )
+        self.pool.start(self.n_workers)
+        self._poller = _Poller(
+            {
+                self.backend: ("front.backend", self.workers.on_message),
+                self.data: ("front.data", self._on_data),
+                self.control_sock: ("front.control", self._on_control),
+            },
+            # Connection-level events on the public sockets: failed handshakes (raw TCP
+            # junk, wrong socket types, CURVE refusals) never reach the loop as messages.
+            {
+                self.data.get_monitor_socket(MONITORED): "data",
+                self.control_sock.get_monitor_socket(MONITORED): "control",
+            },
+        )
+
+    def _close(self, ctx: zmq.Context[Any]) -> None:
         try:
-            self._bind(ctx)
-            if self.config.metrics_port is not None:  # a taken port fails before any worker
-                self.metrics = ServerMetrics(
-                    self, self.config.metrics_port, self.config.metrics_host()
-                )
-                self.workers.observe = self.metrics.observe_task
-            self.pool.start(self.n_workers)
-            self._loop(on_ready)
-        except zmq.ZMQError as exc:
-            if not is_shutdown(exc):
-                raise
+            self._shutdown(ctx)
         finally:
-            try:
-                self._shutdown(ctx)
-            finally:
-                if self.metrics is not None:  # scrapes are answered until the very end
-                    self.metrics.stop()
+            if self.metrics is not None:  # scrapes are answered until the very end
+                self.metrics.stop()
+
+    def _turn(self) -> None:
+        """One turn of the loop: wait at most ``POLL_MS`` for input, handle it, then the
+        periodic work, then give queued tasks to idle workers."""
+        poller = self._poller
+        if poller is None:  # (_start sets it before the first turn)
+            return
+        poller.watch(self.pool.version, self.pool.by_pidfd())
+        reap = False
+        for sock in poller.poll(POLL_MS):
+            if sock in poller.handlers:
+                site, handler = poller.handlers[sock]
+                self._drain(sock, site, handler)
+            elif sock in poller.monitors:
+                self._on_monitor(sock, poller.monitors[sock])
+            else:
+                reap = True  # a pidfd: a worker exited
+        now = time.monotonic()
+        if self._terminate:
+            self._drain_step(now)
+        if reap or now >= self._next_housekeeping:
+            self.workers.reap()
+        if now >= self._next_housekeeping:
+            self._next_housekeeping = now + 0.5
+            self._housekeeping()
+        self.workers.dispatch()
+        if not self._announced and len(self.workers.ready) >= self.n_workers:
+            self._announced = True
+            self._published = self.view()  # a scrape after the ready line sees them ready
+            self._on_ready(self)
 
     def _bind(self, ctx: zmq.Context[Any]) -> None:
         data, control, backend = self.data, self.control_sock, self.backend
@@ -281,58 +378,6 @@ class Front:
             "data": data.getsockopt_string(zmq.LAST_ENDPOINT),
             "control": control.getsockopt_string(zmq.LAST_ENDPOINT),
         }
-
-    def _loop(self, on_ready: Callable[[Front], None]) -> None:
-        poller = zmq.Poller()
-        handlers: dict[Any, tuple[str, Callable[[list[Any]], None]]] = {
-            self.backend: ("front.backend", self.workers.on_message),
-            self.data: ("front.data", self._on_data),
-            self.control_sock: ("front.control", self._on_control),
-        }
-        for sock in handlers:
-            poller.register(sock, zmq.POLLIN)
-        # Connection-level events on the public sockets: failed handshakes (raw TCP junk,
-        # wrong socket types, CURVE refusals) never reach the loop as messages.
-        monitors = {
-            self.data.get_monitor_socket(MONITORED): "data",
-            self.control_sock.get_monitor_socket(MONITORED): "control",
-        }
-        for mon in monitors:
-            poller.register(mon, zmq.POLLIN)
-        pidfds: set[int] = set()
-        pool_version = -1
-        next_housekeeping = 0.0
-        while not self._stop:
-            if self.pool.version != pool_version:  # workers came or went: watch their pidfds
-                pool_version = self.pool.version
-                current = set(self.pool.by_pidfd())
-                for fd in pidfds - current:
-                    poller.unregister(fd)
-                for fd in current - pidfds:
-                    poller.register(fd, zmq.POLLIN)
-                pidfds = current
-            events = poller.poll(POLL_MS)
-            reap = False
-            for sock, _ in events:
-                if sock in handlers:
-                    site, handler = handlers[sock]
-                    self._drain(sock, site, handler)
-                elif sock in monitors:
-                    self._on_monitor(sock, monitors[sock])
-                else:
-                    reap = True  # a pidfd: a worker exited
-            now = time.monotonic()
-            if self._terminate:
-                self._drain_step(now)
-            if reap or now >= next_housekeeping:
-                self.workers.reap()
-            if now >= next_housekeeping:
-                next_housekeeping = now + 0.5
-                self._housekeeping()
-            self.workers.dispatch()
-            if not self._announced and len(self.workers.ready) >= self.n_workers:
-                self._announced = True
-                on_ready(self)
 
     def _drain(
         self, sock: zmq.Socket[Any], site: str, handler: Callable[[list[Any]], None]
@@ -366,10 +411,10 @@ class Front:
                 self.conns.accepted(name, event["value"])
 
     def _shutdown(self, ctx: zmq.Context[Any]) -> None:
-        self.workers.stopping = True
+        self.workers.stop()
         for w in list(self.pool.workers.values()):
             if w.identity is not None:
-                self.send_worker(w.identity, Bye(session=None).encode())
+                self.outlet.send_worker(w.identity, Bye(session=None).encode())
         try:
             self.pool.stop()
         finally:
@@ -381,82 +426,13 @@ class Front:
                 self.store.close()
             shutil.rmtree(self._tmpdir, ignore_errors=True)
 
-    # ------------------------------------------------------------------ sending (Clients)
-
-    def _send(self, sock: zmq.Socket[Any], identity: bytes, frames: list[Any]) -> bool:
-        """Send without blocking; a gone or saturated peer costs a counter, not the loop."""
-        try:
-            sock.send_multipart([identity, *frames], zmq.NOBLOCK, copy=False)
-            return True
-        except zmq.Again:
-            self.counters["send_dropped_full"] += 1
-        except zmq.ZMQError as exc:
-            if exc.errno != zmq.EHOSTUNREACH:
-                raise
-            self.counters["send_dropped_gone"] += 1
-        return False
-
-    def _send_to(self, identity: bytes, msg: Message) -> None:
-        self._send(self.data, identity, msg.encode())
-
-    def send_worker(self, identity: bytes, frames: list[Any]) -> bool:
-        return self._send(self.backend, identity, frames)
-
-    def reply(self, session: Session, msg: Message) -> None:
-        self._send_to(session.identity, msg)
-
-    def forward_result(self, session: Session, frames: list[Any], landed: bool) -> None:
-        """A worker's RESULT that could not go straight to its client: send it on, within
-        the outbox's bounds (beyond them the client is told, and asks again)."""
-        if landed:  # no pixels in it: only a header, boxes and labels
-            if self._send(self.data, session.identity, frames):
-                self.counters["results_via_front"] += 1
-            return
-        nbytes = len(memoryview(frames[3])) if len(frames) > 3 else 0
-        refused = self.outbox.refuse(session.sid, nbytes)
-        if refused is not None:
-            self.counters["results_dropped"] += 1
-            header = decode(frames, with_arrays=False)
-            self.reply(
-                session,
-                ErrorMsg(
-                    message=f"result not sent: {refused} (--max-queued-mb)",
-                    kind="dropped",
-                    session=session.sid,
-                    task_id=getattr(header, "task_id", None),
-                    plan_version=getattr(header, "plan_version", None),
-                ),
-            )
-            return
-        image = tracked(frames[3]) if len(frames) > 3 else None
-        out = [*frames[:3], image, *frames[4:]] if image is not None else frames
-        if self._send(self.data, session.identity, out):
-            self.counters["results_via_front"] += 1
-            if image is not None:
-                self.outbox.sent(session.sid, nbytes, image.tracker)
-
-    def cancel(self, session: Session, entries: list[TaskEntry]) -> None:
-        if not entries:
-            return
-        for entry in entries:
-            self.scheduler.finish(entry)
-        self.counters["tasks_cancelled"] += len(entries)
-        self.reply(
-            session,
-            Cancelled(
-                session=session.sid,
-                task_ids=tuple(e.task_id for e in entries),
-                plan_version=session.version,
-            ),
-        )
-
     def _refuse(self, reason: str, identity: bytes | None, detail: str, **ids: Any) -> None:
         """Count a refused message; tell its sender why when there is one to tell."""
         self.rejected[reason] += 1
         log.debug("rejected (%s): %s", reason, detail)
         if identity is not None:
             kind = "protocol" if reason == "malformed" else reason
-            self._send_to(
+            self.outlet.send_to(
                 identity, ErrorMsg(message=f"rejected: {reason}: {detail}", kind=kind, **ids)
             )
 
@@ -524,6 +500,10 @@ class Front:
                 "not_owner", identity, "this session id belongs to another key", session=session_id
             )
             return
+        self._on_client_message(identity, msg, frames)
+
+    def _on_client_message(self, identity: bytes, msg: Message, frames: list[Any]) -> None:
+        """A decoded message from a client connection ``identity``, to its handler."""
         match msg:
             case Task():
                 inject("front.task")
@@ -535,26 +515,34 @@ class Front:
                 if session is not None:
                     self._steer(session, msg)
             case Heartbeat():
-                if msg.session is not None:
-                    self._authentic(identity, msg, quiet=True)
-                results, local = self.workers.result_endpoints()
-                beat = Heartbeat(server_id=self.server_id, results=results, local=local)
-                self._send_to(identity, beat)
+                self._on_heartbeat(identity, msg)
             case Stats():
                 if self.statsview.allow(frames[1]):  # (counted when over the rate)
-                    self._send_to(identity, Stats(stats=self.stats()))
+                    self.outlet.send_to(identity, Stats(stats=self.stats()))
             case Bye():
-                if msg.session is not None and self._authentic(identity, msg, quiet=True):
-                    self.scheduler.close(msg.session)
-                    self.counters["sessions_closed"] += 1
+                self._on_bye(identity, msg)
             case _:
                 self._refuse(
                     "unexpected_type", identity, f"{msg.TYPE.name} is not sent to a server"
                 )
 
+    def _on_heartbeat(self, identity: bytes, msg: Heartbeat) -> None:
+        """A beat: the session (if it names one) is alive; the answer lists where the
+        workers' direct results are now."""
+        if msg.session is not None:
+            self._authentic(identity, msg, quiet=True)
+        results, local = self.workers.result_endpoints()
+        beat = Heartbeat(server_id=self.server_id, results=results, local=local)
+        self.outlet.send_to(identity, beat)
+
+    def _on_bye(self, identity: bytes, msg: Bye) -> None:
+        if msg.session is not None and self._authentic(identity, msg, quiet=True):
+            self.scheduler.close(msg.session)
+            self.counters["sessions_closed"] += 1
+
     def _on_hello(self, identity: bytes, msg: Hello) -> None:
         if self.draining_since is not None:  # leaving: a new client should not count on us
-            self._send_to(identity, Bye(session=msg.session))
+            self.outlet.send_to(identity, Bye(session=msg.session))
             return
         if msg.auth is None:
             self._refuse(
@@ -584,7 +572,7 @@ class Front:
             return
         self.counters["hellos"] += 1
         results, local = self.workers.result_endpoints()
-        self._send_to(
+        self.outlet.send_to(
             identity,
             Welcome(
                 session=msg.session,
@@ -644,9 +632,11 @@ class Front:
                 **ids,
             )
             return
-        self.cancel(session, self.scheduler.cancel_older(session, task.plan_version))
+        self.outlet.cancel(session, self.scheduler.cancel_older(session, task.plan_version))
         if task.plan_version < session.version or self.draining_since is not None:
-            self.cancel(session, [TaskEntry(session.sid, task.task_id, task.plan_version, (), [])])
+            self.outlet.cancel(
+                session, [TaskEntry(session.sid, task.task_id, task.plan_version, (), [])]
+            )
             return
         nbytes = sum(len(memoryview(f)) for f in frames)
         over = self.scheduler.over_limit(session, nbytes)
@@ -663,9 +653,16 @@ class Front:
                 "control_missing", identity, f"control values {task.control_seq} unknown", **ids
             )
             return
-        entry = TaskEntry(session.sid, task.task_id, task.plan_version, task.images, frames, nbytes)
-        entry.control_seq = task.control_seq
-        entry.digest = digest
+        entry = TaskEntry(
+            session.sid,
+            task.task_id,
+            task.plan_version,
+            task.images,
+            frames,
+            nbytes,
+            control_seq=task.control_seq,
+            digest=digest,
+        )
         self.scheduler.admit(session, entry)
         self.counters["tasks_received"] += 1
 
@@ -706,13 +703,12 @@ class Front:
             self.rejected["sequence"] += 1  # would cancel everything the session sends after
             return
         self.counters["controls"] += 1
-        if msg.control_seq > session.control_seq:
-            session.control_seq, session.control = msg.control_seq, msg.control
+        self.scheduler.steer(session, msg.control_seq, msg.control)
         seq = session.control_seq
         gone = self.scheduler.cancel_older(session, msg.plan_version)
         wanted = set(msg.cancel)
         gone += self.scheduler.take(session, lambda e: e.task_id in wanted or e.control_seq < seq)
-        self.cancel(session, gone)
+        self.outlet.cancel(session, gone)
 
     def _housekeeping(self) -> None:
         for sid in self.scheduler.expired(self.config.session_ttl):
@@ -725,10 +721,49 @@ class Front:
         now = time.monotonic()
         self.statsview.refresh(now)
         self.conns.check(now)
+        self._published = self.view()  # for the metrics' thread
 
     # ------------------------------------------------------------------ stats
 
+    def view(self) -> ServerView:
+        """The server's figures now, read from its collaborators (in the loop's thread)."""
+        config, scheduler, pool = self.config, self.scheduler, self.pool
+        draining = self.draining_since
+        return ServerView(
+            server_id=self.server_id,
+            started=self.started,
+            taken=time.time(),
+            metrics_port=self.metrics.port if self.metrics is not None else None,
+            dataset_len=self.dataset_len,
+            fingerprint=self.fingerprint,
+            workers=self.n_workers,
+            workers_alive=pool.alive(),
+            workers_ready=len(self.workers.ready),
+            workers_busy=self.workers.busy(),
+            workers_started=pool.started_total,
+            worker_spawn_failures=pool.spawn_failures,
+            queue_depth=scheduler.queued,
+            queued_bytes=scheduler.queued_bytes,
+            results_unread_bytes=self.outbox.nbytes,
+            sessions=len(scheduler.sessions),
+            sessions_evicted=scheduler.evicted,
+            connections=len(self.conns.conns),
+            draining_for_s=None if draining is None else round(time.monotonic() - draining, 2),
+            limits=Limits(
+                max_sessions=config.max_sessions,
+                max_image_side=config.max_image_side,
+                max_queued_mb=config.max_queued_mb,
+                max_connections=self.conns.limit,
+                idle_timeout_s=config.idle_timeout,
+            ),
+            store=self.statsview.usage,
+            counters=ServerView.frozen(self.counters),
+            rejected=ServerView.frozen(self.rejected),
+        )
+
     def stats(self) -> dict[str, Any]:
-        """The counters ``dataserver stats`` prints (``statsview.py``: cheap, and nothing
-        in them a peer should not know)."""
-        return self.statsview.answer()
+        """The counters ``dataserver stats`` prints (``view.py``: nothing in them a peer
+        should not know). The view they come from is published for the metrics too: what
+        a STATS answer showed, a scrape after it shows at least."""
+        view = self._published = self.view()
+        return view.as_stats()

@@ -2,15 +2,12 @@
 
 An HTTP server (``scrape.py``: one thread of the front, no thread per client, the page
 rendered at most twice a second) answers scrapes, on ``--metrics-bind`` (default: the
-interface of ``--bind``). Counters and gauges are read from the front's live state when a scrape
-comes (``FrontCollector``), so the loop pays nothing for them; the two histograms are
-observed by the front's loop from the timings every worker puts in its DONE or RESULT
-(``observe_task``: a few microseconds per task).
-
-What the HTTP thread may do to the front: read. It copies the front's dicts (a dict copy
-happens under the GIL in one step) and reads its integers; it never calls into the loop's
-objects in a way that changes them. The store's usage is the one the front's housekeeping
-read last (at most a second old): a scrape never takes the store's lock.
+interface of ``--bind``). Counters and gauges come from the last ``ServerView`` the front's
+loop published (``ViewCollector``; the loop publishes one twice a second, so a figure is at
+most about a second old): the HTTP thread is handed a callable that returns that view, and
+never sees the front, its pool, scheduler or router. The two histograms are observed by
+the front's loop from the timings every worker puts in its DONE or RESULT
+(``observe_task``: a few microseconds per task; ``prometheus_client``'s histograms lock).
 
 Names (kept: deploy manifests and dashboards use them)::
 
@@ -32,17 +29,14 @@ Names (kept: deploy manifests and dashboards use them)::
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, TypeVar
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from dataserver.server.scrape import ScrapeServer
-
-if TYPE_CHECKING:
-    from dataserver.server.front import Front
+from dataserver.server.view import ServerView, StoreUsage
 
 log = logging.getLogger("dataserver.metrics")
 
@@ -52,106 +46,89 @@ DECODE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.
 TASK_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 US = 1e-6
 
-K = TypeVar("K")
-V = TypeVar("V")
-
 
 class MetricsPortError(RuntimeError):
     """``--metrics-port`` cannot be listened on (taken, or not allowed); one line."""
 
 
-def copy_of(d: Mapping[K, V]) -> dict[K, V]:
-    """A copy of a dict the front's thread may be changing. ``dict(d)`` of a plain dict (or
-    a ``Counter``) copies in one step under the GIL; the retry covers a Python that does
-    not."""
-    for _ in range(8):
-        try:
-            return dict(d)
-        except RuntimeError:  # changed size during iteration
-            continue
-    return {}
+class ViewCollector(Collector):
+    """The server's counters and gauges, from the view ``view()`` returns when a scrape
+    comes (nothing before the loop published its first)."""
 
-
-class FrontCollector(Collector):
-    """The front's counters and gauges, read when a scrape comes."""
-
-    def __init__(self, front: Front) -> None:
-        self.front = front
+    def __init__(self, view: Callable[[], ServerView | None]) -> None:
+        self._view = view
 
     def collect(self) -> Iterator[Metric]:
-        front = self.front
-        counters = copy_of(front.counters)
-        rejected = copy_of(front.rejected)
-        workers = list(copy_of(front.pool.workers).values())
+        view = self._view()
+        if view is None:
+            return
         yield CounterMetricFamily(
             "dataserver_samples_served",
             "Output images delivered (a stitched image counts once).",
-            value=counters.get("images_done", 0),
+            value=view.counters.get("images_done", 0),
         )
         yield GaugeMetricFamily(
             "dataserver_queue_depth",
             "Tasks queued in the front, not yet given to a worker.",
-            value=front.scheduler.queued,
+            value=view.queue_depth,
         )
         yield GaugeMetricFamily(
             "dataserver_workers_busy",
             "Worker processes holding at least one task.",
-            value=sum(1 for w in workers if w.tasks),
+            value=view.workers_busy,
         )
         yield GaugeMetricFamily(
             "dataserver_workers",
             "Live worker processes (started and ready).",
-            value=len(front.workers.ready),
+            value=view.workers_ready,
         )
-        yield GaugeMetricFamily(
-            "dataserver_sessions", "Client sessions open.", value=len(front.scheduler.sessions)
-        )
+        yield GaugeMetricFamily("dataserver_sessions", "Client sessions open.", value=view.sessions)
         family = CounterMetricFamily(
             "dataserver_rejected_messages",
             "Messages and connections refused, by reason.",
             labels=["reason"],
         )
-        for reason, n in sorted(rejected.items()):
+        for reason, n in sorted(view.rejected.items()):
             family.add_metric([reason], n)
         yield family
         yield CounterMetricFamily(
             "dataserver_worker_restarts",
             "Worker processes started to replace one that exited.",
-            value=max(0, front.pool.started_total - front.n_workers),
+            value=view.worker_restarts,
         )
-        if self.front.store is not None:
-            yield from self._cache(counters)
+        if view.store is not None:
+            yield from _cache(view, view.store)
 
-    def _cache(self, counters: dict[str, int]) -> Iterator[Metric]:
-        store = self.front.store
-        usage = self.front.statsview.usage or {
-            "bytes": 0,
-            "capacity_bytes": store.capacity if store is not None else 0,
-        }
-        yield CounterMetricFamily(
-            "dataserver_cache_hits",
-            "Sources a task found in the store (or waited for while another worker made them).",
-            value=counters.get("sources_reused", 0),
-        )
-        yield CounterMetricFamily(
-            "dataserver_cache_misses",
-            "Sources decoded and fitted by a worker.",
-            value=counters.get("sources_decoded", 0),
-        )
-        yield GaugeMetricFamily(
-            "dataserver_cache_bytes", "Bytes of sources the store holds.", value=usage["bytes"]
-        )
-        yield GaugeMetricFamily(
-            "dataserver_cache_capacity_bytes",
-            "The store's size in bytes.",
-            value=usage["capacity_bytes"],
-        )
+
+def _cache(view: ServerView, usage: StoreUsage) -> Iterator[Metric]:
+    yield CounterMetricFamily(
+        "dataserver_cache_hits",
+        "Sources a task found in the store (or waited for while another worker made them).",
+        value=view.counters.get("sources_reused", 0),
+    )
+    yield CounterMetricFamily(
+        "dataserver_cache_misses",
+        "Sources decoded and fitted by a worker.",
+        value=view.counters.get("sources_decoded", 0),
+    )
+    yield GaugeMetricFamily(
+        "dataserver_cache_bytes", "Bytes of sources the store holds.", value=usage.bytes
+    )
+    yield GaugeMetricFamily(
+        "dataserver_cache_capacity_bytes",
+        "The store's size in bytes.",
+        value=usage.capacity_bytes,
+    )
 
 
 class ServerMetrics:
-    """The metrics endpoint of one front: its registry, histograms and HTTP server."""
+    """The metrics endpoint of one front: its registry, histograms and HTTP server.
+    ``view`` returns the server's latest published ``ServerView`` (called from the HTTP
+    thread: it must only read what the loop published)."""
 
-    def __init__(self, front: Front, port: int, addr: str = "0.0.0.0") -> None:
+    def __init__(
+        self, view: Callable[[], ServerView | None], port: int, addr: str = "0.0.0.0"
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.decode_seconds = Histogram(
             "dataserver_decode_seconds",
@@ -165,7 +142,7 @@ class ServerMetrics:
             buckets=TASK_BUCKETS,
             registry=self.registry,
         )
-        self.collector = FrontCollector(front)
+        self.collector = ViewCollector(view)
         self.registry.register(self.collector)
         self._server: ScrapeServer | None = None
         try:

@@ -72,10 +72,6 @@ class Outbox:
         self._by_session[session] += 1
         self._waiting.append((tracker, session, nbytes))
 
-    @property
-    def waiting(self) -> int:
-        return len(self._waiting)
-
 
 def tracked(data: Any) -> zmq.Frame:
     """A zero-copy frame over ``data`` whose tracker tells when ZeroMQ is done with it."""

@@ -19,15 +19,17 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
+from dataserver.server.config import WorkerConfig
 from dataserver.server.running import RunningSlot
+from dataserver.server.sessions import TaskEntry
 
 log = logging.getLogger("dataserver.pool")
 
 # Why a start can fail that waiting may cure: no fd (this process's limit or the system's),
 # no process slot, no memory for the fork.
 SPAWN_RETRY_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.EAGAIN, errno.ENOMEM)
+CONTROLS_KEPT = 4096  # sessions whose control values the front remembers a worker has
 
 
 @dataclass(eq=False)
@@ -40,7 +42,7 @@ class WorkerHandle:
     started: float
     running: RunningSlot  # the task it runs, readable after it died
     identity: bytes | None = None  # its DEALER's routing id, known once READY arrives
-    tasks: deque[Any] = field(default_factory=deque)  # TaskEntries sent to it, oldest first
+    tasks: deque[TaskEntry] = field(default_factory=deque)  # sent to it, oldest first
     results: str = ""  # the endpoint its clients connect to for direct results
     local: str = ""  # the same, over ipc, for clients on this host
     controls: dict[bytes, int] = field(default_factory=dict)  # session -> control_seq it has
@@ -58,38 +60,84 @@ class WorkerHandle:
     def ready(self) -> bool:
         return self.identity is not None
 
+    def became_ready(self, identity: bytes, results: str, local: str) -> None:
+        """Its READY came from the connection ``identity``; clients reach its direct
+        results at ``results`` (and ``local``, on this host)."""
+        self.identity, self.results, self.local = identity, results, local
+
+    def give(self, entry: TaskEntry) -> None:
+        """``entry`` was (about to be) sent to it: it holds it, after those it holds."""
+        self.tasks.append(entry)
+        entry.hold(self)
+
+    def take_back(self, entry: TaskEntry) -> None:
+        """``entry`` never reached it (the send failed)."""
+        self.tasks.remove(entry)
+        entry.release()
+
+    def answered(
+        self, session: bytes | None, task_id: int | None
+    ) -> tuple[list[TaskEntry], TaskEntry] | None:
+        """It answered ``task_id`` of ``session``: (the entries given before it, whose
+        answers were lost, and the answered entry), all no longer held; None when it holds
+        no such task. (A worker runs its tasks in order; a task asked again may be held
+        twice: the later is the one answered.)"""
+        found = None
+        for i, entry in enumerate(self.tasks):
+            if entry.task_id == task_id and entry.session == session:
+                found = i
+        if found is None:
+            return None
+        lost = [self.tasks.popleft() for _ in range(found)]
+        entry = self.tasks.popleft()
+        for e in (*lost, entry):
+            e.release()
+        return lost, entry
+
+    def drop_all(self) -> list[TaskEntry]:
+        """It died: every entry it held, oldest first, no longer held."""
+        entries = list(self.tasks)
+        self.tasks.clear()
+        for entry in entries:
+            entry.release()
+        return entries
+
+    def has_control(self, session: bytes, control_seq: int) -> bool:
+        """Whether it was sent ``session``'s control values of ``control_seq``."""
+        return self.controls.get(session) == control_seq
+
+    def learned_control(self, session: bytes, control_seq: int) -> None:
+        """It was sent ``session``'s values of ``control_seq`` (the oldest of more than
+        ``CONTROLS_KEPT`` sessions are forgotten: a worker keeps a bounded number too)."""
+        self.controls[session] = control_seq
+        if len(self.controls) > CONTROLS_KEPT:
+            self.controls.pop(next(iter(self.controls)))
+
+    def forgot_control(self, session: bytes) -> None:
+        """It said it lacks ``session``'s values: send them again before its next task."""
+        self.controls.pop(session, None)
+
+    def sent_direct(self, session: bytes, task_id: int, plan_version: int) -> None:
+        """It sent a result straight to its client (DONE came)."""
+        self.recent_direct.append((time.monotonic(), session, task_id, plan_version))
+
+    def take_recent_direct(self) -> list[tuple[float, bytes, int, int]]:
+        """The direct results it sent lately, forgotten here (it died)."""
+        recent = list(self.recent_direct)
+        self.recent_direct.clear()
+        return recent
+
 
 class WorkerPool:
     """Starts ``count`` workers for ``backend`` and replaces those that die."""
 
-    def __init__(
-        self,
-        backend: str,
-        state_dir: str,
-        dataset: str,
-        dataset_args: str | None,
-        fingerprint: str,
-        store: tuple[int, int, int] | None,
-        max_queued_mb: int,
-        results_bind: str | None = None,
-        curve: tuple[str, str] | None = None,
-        local_results: bool = True,
-    ) -> None:
-        self.local_results = local_results
-        self.backend = backend
-        self.state_dir = state_dir
-        self.dataset = dataset
-        self.dataset_args = dataset_args
-        self.fingerprint = fingerprint
-        # (index fd, arena fd, bytes) of the store workers inherit and map, if there is one
-        self.store = store
-        self.max_queued_mb = max_queued_mb
-        self.results_bind = results_bind  # may hold "{slot}"
-        self.curve = curve
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config  # what each worker is told (``for_slot`` fills in the slot)
+        self.backend = config.backend
+        self.state_dir = config.state_dir
         self.workers: dict[int, WorkerHandle] = {}  # by slot
         self.started_total = 0
         self.version = 0  # bumped whenever a worker is added or removed
-        self.deaths = 0
         self.ever_ready = False
         self._early_deaths: dict[int, int] = {}  # slot -> consecutive deaths before READY
         self._start_errors: dict[int, str] = {}  # slot -> why its last start failed
@@ -134,38 +182,10 @@ class WorkerPool:
                     log.warning("worker %d started after all", slot)
 
     def _spawn(self, slot: int) -> WorkerHandle:
-        cmd = [
-            sys.executable,
-            "-m",
-            "dataserver.server.worker",
-            "--backend",
-            self.backend,
-            "--worker-id",
-            str(slot),
-            "--parent-pid",
-            str(os.getpid()),
-            "--dataset",
-            self.dataset,
-            "--fingerprint",
-            self.fingerprint,
-            "--max-queued-mb",
-            str(self.max_queued_mb),
-            "--state-dir",
-            self.state_dir,
-        ]
-        if self.dataset_args is not None:
-            cmd += ["--dataset-args", self.dataset_args]
-        pass_fds: tuple[int, ...] = ()
-        if self.store is not None:
-            index_fd, arena_fd, capacity = self.store
-            pass_fds = (index_fd, arena_fd)  # the same numbers in the worker
-            cmd += ["--store-fds", f"{index_fd},{arena_fd}", "--store-bytes", str(capacity)]
-        if self.results_bind is not None:
-            cmd += ["--results-bind", self.results_bind.format(slot=slot)]
-            if self.local_results:
-                cmd += ["--local-results"]
-        if self.curve is not None:
-            cmd += ["--curve-secret-key", self.curve[0], "--curve-authorized-keys", self.curve[1]]
+        config = self.config.for_slot(slot, os.getpid())
+        cmd = [sys.executable, "-m", "dataserver.server.worker", config.to_json()]
+        # The store's memfds keep their numbers in the worker (the only fds it inherits).
+        pass_fds = config.store_fds or ()
         env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
         running = self._slots.get(slot)
         if running is None:
@@ -188,6 +208,10 @@ class WorkerPool:
 
     def _error_file(self, slot: int) -> Path:
         return Path(self.state_dir) / f"worker-{slot}.err"
+
+    def starting(self, pid: int) -> WorkerHandle | None:
+        """The worker of ``pid`` that has not said READY yet, if there is one."""
+        return next((w for w in self.workers.values() if w.pid == pid and not w.ready), None)
 
     def mark_ready(self, handle: WorkerHandle) -> None:
         self.ever_ready = True
@@ -216,7 +240,6 @@ class WorkerPool:
 
     def forget(self, handle: WorkerHandle) -> float:
         """Drop a dead worker; return how long to wait before replacing it (crash-loop backoff)."""
-        self.deaths += 1
         self.version += 1
         if handle.pidfd is not None:
             os.close(handle.pidfd)

@@ -1,8 +1,9 @@
 """The workers as the front sees them: READY, answers (RESULT, ERROR, DONE), dispatch of
 queued tasks to the least loaded workers, and what a worker's death does to its tasks.
 
-``WorkerRouter`` owns the pool and the worker handles; it reaches sessions only through the
-``Clients`` interface the front gives it (the front owns the client sockets).
+``WorkerRouter`` decides; the worker handles (``pool.py``), the scheduler's sessions and
+the task entries change only through their own methods. It reaches clients and workers
+only through the ``Clients`` interface (the front's ``Outlet``, which owns the sends).
 
 A worker runs its tasks in the order it was given them, so an answer for a task tells the
 front that every task given to that worker before it was answered too: an entry older than
@@ -40,7 +41,7 @@ MAYBE_LOST_S = 10.0  # a direct result this recent may have died with its worker
 
 
 class Clients(Protocol):
-    """What the router needs from the front to reach sessions."""
+    """What the router needs to reach sessions and workers (the front's ``Outlet``)."""
 
     def reply(self, session: Session, msg: Message) -> None: ...
     def forward_result(self, session: Session, frames: list[Any], landed: bool) -> None: ...
@@ -48,8 +49,16 @@ class Clients(Protocol):
     def send_worker(self, identity: bytes, frames: list[Any]) -> bool: ...
 
 
+Observe = Callable[[int, tuple[int, ...] | None], None]  # a worker's timings of a task
+
+
 class WorkerRouter:
-    """Routes tasks to worker processes and their answers back to sessions."""
+    """Routes tasks to worker processes and their answers back to sessions.
+
+    Its collaborators come in as arguments: the ``pool`` (processes), the ``scheduler``
+    (sessions, queues, live tasks: changed through its methods), ``clients`` (sending),
+    the server's ``counters`` and ``rejected`` counts, and ``observe`` (the metrics' hook,
+    None when they are off). It owns which workers are ready and their routing ids."""
 
     def __init__(
         self,
@@ -58,6 +67,7 @@ class WorkerRouter:
         clients: Clients,
         counters: Counter[str],
         rejected: Counter[str],
+        observe: Observe | None = None,
     ) -> None:
         self.pool = pool
         self.scheduler = scheduler
@@ -67,9 +77,12 @@ class WorkerRouter:
         self.by_identity: dict[bytes, WorkerHandle] = {}
         self.ready: list[WorkerHandle] = []  # live workers that said READY
         self._respawn_at: dict[int, float] = {}
-        self.stopping = False
-        # The metrics' hook for a worker's timings of a task it answered (None: metrics off).
-        self.observe: Callable[[int, tuple[int, ...] | None], None] | None = None
+        self._stopping = False
+        self._observe = observe
+
+    def stop(self) -> None:
+        """The server is shutting down: workers that die are not replaced."""
+        self._stopping = True
 
     # ------------------------------------------------------------ answers
 
@@ -90,83 +103,96 @@ class WorkerRouter:
         handle = self.by_identity.get(identity)
         if handle is None:
             self.rejected["worker_unexpected"] += 1
-            return
-        if isinstance(msg, ErrorMsg) and msg.task_id is None:
+        elif isinstance(msg, ErrorMsg) and msg.task_id is None:
             if msg.kind == "internal":  # the worker's loop dropped a message that raised
                 self.rejected["internal"] += 1
             log.error("worker %d: %s", handle.slot, msg.message)
-            return
-        if not isinstance(msg, (Result, ErrorMsg, Done)):
+        elif isinstance(msg, (Result, ErrorMsg, Done)):
+            self._on_answer(handle, msg, frames[1:])
+        else:
             self.rejected["worker_unexpected"] += 1
-            return
+
+    def _on_answer(
+        self, handle: WorkerHandle, msg: Result | ErrorMsg | Done, frames: list[Any]
+    ) -> None:
         entry = self._take(handle, msg)
         if entry is None:
             return
         session = self.scheduler.sessions.get(entry.session)
-        if isinstance(msg, ErrorMsg) and msg.kind == "control_missing" and session is not None:
-            # The worker no longer has the session's values (it keeps a bounded number of
-            # sessions'): they go to it again before the task does, instead of the client
-            # resending values this front believes the worker has, forever.
-            handle.controls.pop(entry.session, None)
-            entry.control_resends += 1
-            if entry.control_resends <= 3 and entry.control_seq == session.control_seq:
-                self.counters["controls_resent"] += 1
-                self.scheduler.relive(session, entry)
-                self.scheduler.push(session, entry, front=True)
-                return
-        if isinstance(msg, ErrorMsg) and msg.kind == "internal" and msg.retry:
-            # The worker's loop dropped this task as it raised: once more, then the error.
-            self.rejected["internal"] += 1
-            entry.attempts += 1
-            if entry.attempts < 2 and session is not None:
-                self.counters["tasks_retried"] += 1
-                self.scheduler.relive(session, entry)
-                self.scheduler.push(session, entry, front=True)
-                return
-        ok = not isinstance(msg, ErrorMsg)
-        self.counters["tasks_done" if ok else "tasks_failed"] += 1
-        if isinstance(msg, (Result, Done)):
-            samples = msg.samples if isinstance(msg, Done) else sum(len(i) for i in msg.images)
-            self.counters["images_done"] += msg.images if isinstance(msg, Done) else len(msg.images)
-            self.counters["sources_decoded"] += msg.decoded
-            self.counters["sources_reused"] += max(0, samples - msg.decoded)
-            if self.observe is not None:
-                self.observe(msg.task_us, msg.decode_us)
+        if isinstance(msg, ErrorMsg) and self._again(handle, entry, session, msg):
+            return
+        self._count(msg)
         if isinstance(msg, Done):  # the worker sent the RESULT straight to the client
             self.counters["results_direct"] += 1
-            handle.recent_direct.append(
-                (time.monotonic(), entry.session, entry.task_id, entry.plan_version)
-            )
+            handle.sent_direct(entry.session, entry.task_id, entry.plan_version)
             return
         if isinstance(msg, ErrorMsg) and msg.kind == "dropped":
             self.counters["results_dropped"] += 1
         if session is None:
             self.counters["results_orphaned"] += 1
-            return
-        if isinstance(msg, Result):
-            self.clients.forward_result(session, frames[1:], bool(msg.landed))
+        elif isinstance(msg, Result):
+            self.clients.forward_result(session, frames, bool(msg.landed))
         else:
             self.clients.reply(session, msg)
 
+    def _again(
+        self, handle: WorkerHandle, entry: TaskEntry, session: Session | None, msg: ErrorMsg
+    ) -> bool:
+        """Whether an ERROR is one the front answers by queueing the task again (at the
+        head) instead of passing it on."""
+        if msg.kind == "control_missing" and session is not None:
+            # The worker no longer has the session's values (it keeps a bounded number of
+            # sessions'): they go to it again before the task does, instead of the client
+            # resending values this front believes the worker has, forever.
+            handle.forgot_control(entry.session)
+            resends = entry.resend_control()
+            if resends <= 3 and entry.control_seq == session.control_seq:
+                self.counters["controls_resent"] += 1
+                self._requeue(session, entry)
+                return True
+        if msg.kind == "internal" and msg.retry:
+            # The worker's loop dropped this task as it raised: once more, then the error.
+            self.rejected["internal"] += 1
+            if entry.blame() < 2 and session is not None:
+                self.counters["tasks_retried"] += 1
+                self._requeue(session, entry)
+                return True
+        return False
+
+    def _requeue(self, session: Session, entry: TaskEntry) -> None:
+        """``entry`` is live again and first in its session's queue."""
+        self.scheduler.relive(session, entry)
+        self.scheduler.push(session, entry, front=True)
+
+    def _count(self, msg: Result | ErrorMsg | Done) -> None:
+        """An answer the client gets: counted, and its timings observed."""
+        ok = not isinstance(msg, ErrorMsg)
+        self.counters["tasks_done" if ok else "tasks_failed"] += 1
+        if isinstance(msg, ErrorMsg):
+            return
+        if isinstance(msg, Done):
+            samples, images = msg.samples, msg.images
+        else:
+            samples, images = sum(len(i) for i in msg.images), len(msg.images)
+        self.counters["images_done"] += images
+        self.counters["sources_decoded"] += msg.decoded
+        self.counters["sources_reused"] += max(0, samples - msg.decoded)
+        if self._observe is not None:
+            self._observe(msg.task_us, msg.decode_us)
+
     def _take(self, handle: WorkerHandle, msg: Result | ErrorMsg | Done) -> TaskEntry | None:
-        """The entry ``msg`` answers, removed from the worker's; older entries go with it."""
-        found = None
-        for i, entry in enumerate(handle.tasks):
-            if entry.task_id == msg.task_id and entry.session == msg.session:
-                found = i  # the last such (a task asked again may be held twice)
-        if found is not None:
-            for _ in range(found):  # answered before this one, but the answer never came
-                lost = handle.tasks.popleft()
-                lost.held_by = None
-                self.scheduler.finish(lost)
-                self.counters["worker_answers_lost"] += 1
-            entry = handle.tasks.popleft()
-            entry.held_by = None
-            self.scheduler.finish(entry)
-            return entry
-        log.error("worker %d answered task %s it was not given", handle.slot, msg.task_id)
-        self.rejected["worker_unexpected"] += 1
-        return None
+        """The entry ``msg`` answers, taken from the worker's; older entries go with it."""
+        taken = handle.answered(msg.session, msg.task_id)
+        if taken is None:
+            log.error("worker %d answered task %s it was not given", handle.slot, msg.task_id)
+            self.rejected["worker_unexpected"] += 1
+            return None
+        lost, entry = taken
+        for e in lost:  # answered before this one, but the answer never came
+            self.scheduler.finish(e)
+            self.counters["worker_answers_lost"] += 1
+        self.scheduler.finish(entry)
+        return entry
 
     def is_running(self, entry: TaskEntry) -> bool:
         """Whether a worker holds ``entry`` and shows it running now."""
@@ -176,18 +202,16 @@ class WorkerRouter:
         )
 
     def _on_ready(self, identity: bytes, msg: Ready) -> None:
-        for handle in self.pool.workers.values():
-            if handle.pid == msg.pid and handle.identity is None:
-                handle.identity = identity
-                handle.results = msg.results
-                handle.local = msg.local
-                if msg.store is False:  # it logged why; it serves, decoding every source
-                    self.counters["workers_without_store"] += 1
-                self.by_identity[identity] = handle
-                self.ready.append(handle)
-                self.pool.mark_ready(handle)
-                return
-        log.warning("READY from unknown worker pid %d", msg.pid)
+        handle = self.pool.starting(msg.pid)
+        if handle is None:
+            log.warning("READY from unknown worker pid %d", msg.pid)
+            return
+        handle.became_ready(identity, msg.results, msg.local)
+        if msg.store is False:  # it logged why; it serves, decoding every source
+            self.counters["workers_without_store"] += 1
+        self.by_identity[identity] = handle
+        self.ready.append(handle)
+        self.pool.mark_ready(handle)
 
     def result_endpoints(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """Where clients connect to receive results straight from the workers: over the
@@ -210,23 +234,26 @@ class WorkerRouter:
                 if len(handle.tasks) > depth or not self.scheduler.queued:
                     continue
                 entry = self._next_entry()
-                if entry is None:
+                if entry is None or not self._give(handle, entry):
                     return
-                handle.tasks.append(entry)
-                entry.held_by = handle
-                self._send_control(handle, entry)
-                if not self.clients.send_worker(handle.identity or b"", entry.frames):
-                    handle.tasks.remove(entry)
-                    entry.held_by = None
-                    session = self.scheduler.sessions.get(entry.session)
-                    if session is not None:
-                        self.scheduler.push(session, entry, front=True)
-                    return
+
+    def _give(self, handle: WorkerHandle, entry: TaskEntry) -> bool:
+        """Send ``entry`` to ``handle``'s worker; if it cannot go, it is first in its
+        session's queue again (and False)."""
+        handle.give(entry)
+        self._send_control(handle, entry)
+        if self.clients.send_worker(handle.identity or b"", entry.frames):
+            return True
+        handle.take_back(entry)
+        session = self.scheduler.sessions.get(entry.session)
+        if session is not None:
+            self.scheduler.push(session, entry, front=True)
+        return False
 
     def _send_control(self, handle: WorkerHandle, entry: TaskEntry) -> None:
         """Give the worker the session's control values before a task that needs values it
         does not have yet (sent once per change, not with every task)."""
-        if entry.control_seq == 0 or handle.controls.get(entry.session) == entry.control_seq:
+        if entry.control_seq == 0 or handle.has_control(entry.session, entry.control_seq):
             return
         session = self.scheduler.sessions.get(entry.session)
         if session is None or session.control_seq != entry.control_seq:
@@ -235,9 +262,7 @@ class WorkerRouter:
             session=entry.session, control_seq=session.control_seq, control=session.control
         )
         if self.clients.send_worker(handle.identity or b"", msg.encode()):
-            handle.controls[entry.session] = entry.control_seq
-            if len(handle.controls) > 4096:
-                handle.controls.pop(next(iter(handle.controls)))
+            handle.learned_control(entry.session, entry.control_seq)
 
     def _next_entry(self) -> TaskEntry | None:
         """The next queued task that is still wanted (older plans are answered CANCELLED)."""
@@ -258,10 +283,10 @@ class WorkerRouter:
             self._on_death(handle)
         now = time.monotonic()
         for slot, when in list(self._respawn_at.items()):
-            if now >= when and not self.stopping:
+            if now >= when and not self._stopping:
                 del self._respawn_at[slot]
                 self.pool.spawn(slot)
-        if not self.stopping:
+        if not self._stopping:
             self.pool.retry_due(now)  # starts that failed for want of fds
 
     def _on_death(self, handle: WorkerHandle) -> None:
@@ -278,10 +303,7 @@ class WorkerRouter:
         if handle in self.ready:
             self.ready.remove(handle)
         self._warn_recent_direct(handle)
-        entries: list[TaskEntry] = list(handle.tasks)
-        handle.tasks.clear()
-        for entry in entries:
-            entry.held_by = None
+        entries = handle.drop_all()
         # Only the task it was running is to blame; the others go back unblamed, in order.
         blamed = next((e for e in entries if task_key(e.session, e.task_id) == running_key), None)
         for entry in reversed(entries):
@@ -289,8 +311,7 @@ class WorkerRouter:
             if owner is None:
                 continue
             if entry is blamed:
-                entry.attempts += 1
-                if entry.attempts >= 2:
+                if entry.blame() >= 2:
                     self._poison(owner, entry, code, running_image)
                     continue
                 self.counters["tasks_retried"] += 1
@@ -324,7 +345,7 @@ class WorkerRouter:
         """A worker died: a result it sent straight to a client just before may not have left
         the process. Tell those clients; one still waiting for it runs the task again."""
         horizon = time.monotonic() - MAYBE_LOST_S
-        for when, sid, task_id, plan_version in handle.recent_direct:
+        for when, sid, task_id, plan_version in handle.take_recent_direct():
             session = self.scheduler.sessions.get(sid)
             if when < horizon or session is None:
                 continue
@@ -339,7 +360,6 @@ class WorkerRouter:
                     plan_version=plan_version,
                 ),
             )
-        handle.recent_direct.clear()
 
     def busy(self) -> int:
         return sum(1 for w in self.pool.workers.values() if w.tasks)

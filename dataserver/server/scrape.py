@@ -82,6 +82,8 @@ class ScrapeServer:
     # ------------------------------------------------------------ loop
 
     def _run(self) -> None:
+        """The loop (the one idiom, for a selector): until the stop event, wait at most
+        ``TICK_S``; one place catches what ends it, ``finally`` closes every socket."""
         try:
             while not self._stopping.is_set():
                 now = time.monotonic()
@@ -192,8 +194,15 @@ class ScrapeServer:
 
     # ------------------------------------------------------------ control
 
-    def stop(self) -> None:
-        """Stop serving, close every connection and the listener (idempotent)."""
+    def stop(self, timeout: float = 5.0) -> bool:
+        """Stop serving, close every connection and the listener (idempotent): whether
+        the thread ended within ``timeout`` (it sees the stop within ``TICK_S``; if it
+        did not, that is logged: it is a daemon thread and goes with the process)."""
         self._stopping.set()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(5.0)
+        if self._thread is threading.current_thread():
+            return False
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.warning("the metrics server did not stop within %g s", timeout)
+            return False
+        return True

@@ -38,6 +38,24 @@ class TaskEntry:
     digest: bytes = b""  # of what it computes: a task asked again is the same task
     control_resends: int = 0  # its worker lacked the session's values: sent again
 
+    def hold(self, handle: Any) -> None:
+        """A worker (its handle) was given this task."""
+        self.held_by = handle
+
+    def release(self) -> None:
+        """No worker holds this task any more (answered, lost, or its worker died)."""
+        self.held_by = None
+
+    def blame(self) -> int:
+        """A worker died running it (or dropped it as it raised): how many have now."""
+        self.attempts += 1
+        return self.attempts
+
+    def resend_control(self) -> int:
+        """Its worker lacked the session's values, sent again: how many times now."""
+        self.control_resends += 1
+        return self.control_resends
+
 
 @dataclass(eq=False)
 class Session:
@@ -114,6 +132,12 @@ class Scheduler:
         self.close(oldest.sid)
         self.evicted += 1
         return True
+
+    def steer(self, session: Session, control_seq: int, control: dict[str, Any]) -> None:
+        """The session's control values are now ``control``, as of ``control_seq`` (newer
+        values only: an older or repeated CONTROL changes nothing)."""
+        if control_seq > session.control_seq:
+            session.control_seq, session.control = control_seq, control
 
     def touch(self, session: Session, identity: bytes) -> None:
         """An authentic message of ``session`` came from ``identity``: reply there (a

@@ -41,6 +41,7 @@ sizes the store from what memory there is (``memory_room``).
 
 from __future__ import annotations
 
+import enum
 import errno
 import fcntl
 import hashlib
@@ -58,12 +59,13 @@ from typing import Any
 import numpy as np
 
 from dataserver.data.pipeline import Source
+from dataserver.hashing import MASK64, mix64
 from dataserver.landing import pid_alive
 
 log = logging.getLogger("dataserver.store")
 
 MAGIC = 0x44535354_4F524532  # "DSSTORE2"
-EMPTY, PENDING, READY = 0, 1, 2
+EMPTY, PENDING, READY = 0, 1, 2  # an index entry's states
 PENDING_WAIT_S = 30.0  # how long to wait for a source another live worker is making
 ENTRY_BYTES = 8192  # hash table slots: one per this many bytes of ring
 MIN_ENTRIES = 1024
@@ -101,16 +103,6 @@ _ENTRY = np.dtype(
 _JOURNAL = np.dtype([("pos", "<u8"), ("k0", "<u8"), ("k1", "<u8")])
 
 
-_MASK = (1 << 64) - 1
-
-
-def _mix(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _MASK
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
-    return x ^ (x >> 31)
-
-
 def store_key(*parts: object) -> tuple[int, int]:
     """A 128-bit key for what determines a prepared source (never (0, 0))."""
     digest = hashlib.blake2b(repr(parts).encode(), digest_size=16).digest()
@@ -122,13 +114,22 @@ def index_keys(base: tuple[int, int], indices: list[int]) -> list[tuple[int, int
     """``store_key(*parts, index)`` for many indices at once, cheaply: ``base`` is
     ``store_key(*parts)``, mixed with each index (128 bits, so distinct keys stay distinct)."""
     b0, b1 = base
-    return [(_mix(b0 ^ i) or 1, _mix(b1 + i * 0x9E3779B97F4A7C15 & _MASK)) for i in indices]
+    return [(mix64(b0 ^ i) or 1, mix64(b1 + i * 0x9E3779B97F4A7C15 & MASK64)) for i in indices]
 
 
 def _layout(capacity: int) -> tuple[int, int]:
     entries = max(MIN_ENTRIES, capacity // ENTRY_BYTES)
     index_bytes = _HEADER.itemsize + entries * (_ENTRY.itemsize + _JOURNAL.itemsize)
     return entries, index_bytes
+
+
+class Claim(enum.Enum):
+    """What a process does about a source it needs (``Store._claim``)."""
+
+    HIT = "hit"  # stored: read it
+    MINE = "mine"  # this process makes it (its entry is PENDING under this pid)
+    BUSY = "busy"  # another live worker makes it: wait for it
+    FULL = "full"  # no slot for it: make it, keep it nowhere
 
 
 @dataclass
@@ -415,48 +416,61 @@ class Store:
 
     # ------------------------------------------------------------ use
 
+    def _claim(self, k0: int, k1: int, take_over: bool) -> tuple[Claim, int]:
+        """Under the lock: what this process does about the source ``(k0, k1)``, the one
+        rule ``get`` and ``fetch`` share. ``HIT``: it is stored (refreshed; the second
+        value is its position). ``MINE``: its entry is now PENDING under this pid, so this
+        process makes it (a new entry, one of its own, one whose maker died, or, with
+        ``take_over``, one another worker was making for too long). ``BUSY``: another live
+        worker is making it. ``FULL``: no slot is free for it (make it, keep it nowhere)."""
+        i = self._find(k0, k1)
+        if i >= 0 and int(self.table[i]["state"]) == READY:
+            self.stats.hits += 1
+            return Claim.HIT, self._refresh(i)
+        if i >= 0:  # PENDING
+            owner = int(self.table[i]["pid"])
+            if not (take_over or owner == self._pid or not pid_alive(owner)):
+                return Claim.BUSY, -1
+            self._dirty(True)
+            self.table[i]["pid"] = self._pid
+            self._dirty(False)
+            return Claim.MINE, -1
+        if self._ready_count() >= self.entries * 3 // 4:  # the table is filling
+            self._dirty(True)
+            h = self.header[0]
+            self._evict_before(int(h["head"]) - int(h["ring"]) // 2)
+            self._dirty(False)
+        slot = self._free_slot(k0)
+        if slot < 0:
+            return Claim.FULL, -1
+        self._dirty(True)
+        e = self.table[slot]
+        e["k0"], e["k1"], e["state"], e["pid"] = k0, k1, PENDING, self._pid
+        self._dirty(False)
+        return Claim.MINE, -1
+
     def get(self, key: tuple[int, int], make: Callable[[], Source]) -> tuple[Source, int]:
         """The source for ``key``: from the store, or made by ``make()`` and stored. While
-        another live worker makes the same source, wait for it instead of making it
-        twice. Returns (source, position); position >= 0 means its arrays are views into
-        the ring: check ``intact(position)`` after using them."""
+        another live worker makes the same source, wait for it (at most
+        ``PENDING_WAIT_S``) instead of making it twice. Returns (source, position);
+        position >= 0 means its arrays are views into the ring: check
+        ``intact(position)`` after using them."""
         k0, k1 = key
         deadline = time.monotonic() + PENDING_WAIT_S
         waited = False
         while True:
             self._lock()
             try:
-                i = self._find(k0, k1)
-                if i >= 0 and int(self.table[i]["state"]) == READY:
-                    pos = self._refresh(i)
-                    self.stats.hits += 1
+                claim, pos = self._claim(k0, k1, take_over=time.monotonic() > deadline)
+                if claim is Claim.HIT:
                     self.stats.waits += waited
                     return self._view(k0, k1, pos), pos
-                if i >= 0:  # PENDING
-                    owner = int(self.table[i]["pid"])
-                    mine = owner == self._pid or not pid_alive(owner)
-                    if mine or time.monotonic() > deadline:
-                        self._dirty(True)
-                        self.table[i]["pid"] = self._pid
-                        self._dirty(False)
-                        break
-                else:
-                    if self._ready_count() >= self.entries * 3 // 4:  # the table is filling
-                        self._dirty(True)
-                        self._evict_before(
-                            int(self.header[0]["head"]) - int(self.header[0]["ring"]) // 2
-                        )
-                        self._dirty(False)
-                    slot = self._free_slot(k0)
-                    if slot < 0:
-                        return make(), -1  # no room at all: make it, do not keep it
-                    self._dirty(True)
-                    e = self.table[slot]
-                    e["k0"], e["k1"], e["state"], e["pid"] = k0, k1, PENDING, self._pid
-                    self._dirty(False)
-                    break
             finally:
                 self._unlock()
+            if claim is Claim.FULL:
+                return make(), -1  # no room at all: make it, do not keep it
+            if claim is Claim.MINE:
+                break
             waited = True
             time.sleep(0.0005)
         self.stats.misses += 1
@@ -465,7 +479,7 @@ class Store:
         except BaseException:
             self._forget(k0, k1)
             raise
-        self._put(k0, k1, source)
+        self._put_many([(key, source)])
         return source, -1
 
     def fetch(
@@ -475,45 +489,21 @@ class Store:
         where the store lacks it, or None where ``make`` raised: call ``make(i)`` again to
         see why), and the oldest ring position read (check ``intact`` once after use)."""
         out: list[Source | None] = [None] * len(keys)
-        views: list[tuple[int, int]] = []  # (i, position) of hits
+        views: list[int] = []  # positions of hits
         mine: list[int] = []  # keys this call makes
-        later: list[int] = []  # keys another live worker is making
+        later: list[int] = []  # keys another live worker is making (or with no slot)
         self._lock()
         try:
             for i, (k0, k1) in enumerate(keys):
-                slot = self._find(k0, k1)
-                if slot >= 0 and int(self.table[slot]["state"]) == READY:
-                    pos = self._refresh(slot)
-                    views.append((i, pos))
+                claim, pos = self._claim(k0, k1, take_over=False)
+                if claim is Claim.HIT:
+                    views.append(pos)
                     out[i] = self._view(k0, k1, pos)
-                    self.stats.hits += 1
-                elif slot >= 0:
-                    owner = int(self.table[slot]["pid"])
-                    if owner == self._pid or not pid_alive(owner):
-                        self._dirty(True)
-                        self.table[slot]["pid"] = self._pid
-                        self._dirty(False)
-                        mine.append(i)
-                    else:
-                        later.append(i)
                 else:
-                    if self._ready_count() >= self.entries * 3 // 4:
-                        self._dirty(True)
-                        h = self.header[0]
-                        self._evict_before(int(h["head"]) - int(h["ring"]) // 2)
-                        self._dirty(False)
-                    free = self._free_slot(k0)
-                    if free < 0:
-                        later.append(i)
-                        continue
-                    self._dirty(True)
-                    e = self.table[free]
-                    e["k0"], e["k1"], e["state"], e["pid"] = k0, k1, PENDING, self._pid
-                    self._dirty(False)
-                    mine.append(i)
+                    (mine if claim is Claim.MINE else later).append(i)
         finally:
             self._unlock()
-        made: list[tuple[int, Source]] = []
+        made: list[tuple[tuple[int, int], Source]] = []
         for i in mine:
             self.stats.misses += 1
             try:
@@ -522,18 +512,17 @@ class Store:
                 self._forget(*keys[i])
                 continue
             out[i] = source
-            made.append((i, source))
+            made.append((keys[i], source))
         if made:
-            self._put_many([(keys[i], src) for i, src in made])
+            self._put_many(made)
         for i in later:  # rare: wait for the other worker, one by one
             try:
                 out[i], pos = self.get(keys[i], partial(make, i))
             except Exception:
                 continue
             if pos >= 0:
-                views.append((i, pos))
-        oldest = min((pos for _, pos in views), default=-1)
-        return out, oldest
+                views.append(pos)
+        return out, min(views, default=-1)
 
     def intact(self, position: int) -> bool:
         """Whether the bytes read at ``position`` were not written over since."""
@@ -563,9 +552,6 @@ class Store:
                 self._dirty(False)
         finally:
             self._unlock()
-
-    def _put(self, k0: int, k1: int, source: Source) -> None:
-        self._put_many([((k0, k1), source)])
 
     def _put_many(self, items: list[tuple[tuple[int, int], Source]]) -> None:
         """Store sources this process made (their entries PENDING, its own), one lock."""

@@ -22,12 +22,12 @@ is composed straight into it, and its seal records written, before the RESULT sa
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import logging
 import os
 import signal
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -42,7 +42,7 @@ from dataserver.data.pipeline import Source, compose_into, flip_of, prepare
 from dataserver.data.sample import SampleError
 from dataserver.data.spec import build_dataset, parse_spec
 from dataserver.landing import landing_socket
-from dataserver.loop import MessageGuard, fault, inject, is_shutdown
+from dataserver.loop import MessageGuard, fault, inject, serve
 from dataserver.protocol import (
     MAX_TASK_IMAGES,
     MAX_TILES,
@@ -58,6 +58,7 @@ from dataserver.protocol import (
     decode,
 )
 from dataserver.security import reply_id
+from dataserver.server.config import WorkerConfig
 from dataserver.server.controls import ControlMissing, ControlStates
 from dataserver.server.direct import DirectResults
 from dataserver.server.landings import Landings
@@ -69,6 +70,7 @@ log = logging.getLogger("dataserver.worker")
 
 PR_SET_PDEATHSIG = 1
 EXIT_START_FAILED = 3
+POLL_MS = 1000  # the longest the loop waits before it looks at its stop event again
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -87,39 +89,33 @@ class Worker:
 
     def __init__(
         self,
-        worker_id: int,
-        backend: str,
+        config: WorkerConfig,
         dataset: Any,
-        fingerprint: str = "",
         store: Store | None = None,
-        results_bind: str | None = None,
-        curve: tuple[str, str] | None = None,
         running: RunningSlot | None = None,
-        max_queued_bytes: int = 256 << 20,
-        state_dir: str | None = None,
-        local_results: bool = False,
         fresh: Callable[[], Any] | None = None,
-        store_wanted: bool = False,
     ) -> None:
-        self.worker_id = worker_id
-        self.store_wanted = store_wanted  # the front gave it a store (usable or not)
-        self.state_dir = state_dir
-        self.local_results = local_results
-        self.backend = backend
-        self.results_bind = results_bind
-        self.curve = curve
+        """``store``: the server's (None: none, or unusable); ``running``: where it says
+        which task it runs; ``fresh``: builds another copy of the dataset (one per set of
+        control values)."""
+        self.config = config
+        self.worker_id = config.worker_id
+        self.store_wanted = config.store_fds is not None  # the front gave it a store
         self.dataset = dataset
-        self.fingerprint = fingerprint
+        self.fingerprint = config.fingerprint
         self.size = len(dataset)
         self.store = store
         self.running = running
-        self.max_queued_bytes = max_queued_bytes
         self.counters: Counter[str] = Counter()
         self.guard = MessageGuard(log, self.counters)
         self.controls = ControlStates(dataset, fresh)
         self._current: Task | None = None  # the task being handled
-        self._stop = False
+        self._stop = threading.Event()  # BYE came (or ``stop()``)
         self.landings = Landings(self.counters)
+
+    def stop(self) -> None:
+        """Ask the loop to finish (from any thread); it notices within ``POLL_MS``."""
+        self._stop.set()
 
     def run(self) -> None:
         ctx = zmq.Context(io_threads=1)
@@ -127,12 +123,13 @@ class Worker:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IDENTITY, f"w{self.worker_id}-{os.getpid()}".encode())
         results = None
-        if self.results_bind is not None:
+        config = self.config
+        if config.results_bind is not None:
             local = None
-            if self.local_results and self.state_dir:
-                local = f"ipc://{self.state_dir}/results-{self.worker_id}"
+            if config.local_results and config.state_dir:
+                local = f"ipc://{config.state_dir}/results-{self.worker_id}"
             results = DirectResults(
-                ctx, self.results_bind, self.curve, self.max_queued_bytes, local
+                ctx, config.results_bind, config.curve, config.max_queued_mb << 20, local
             )
         ready = Ready(
             worker=self.worker_id,
@@ -147,43 +144,53 @@ class Worker:
                 self.landings.listen(landing)
             except OSError as exc:  # clients on this host then get their pixels by socket
                 log.warning("worker %d: no landing socket at %s: %s", self.worker_id, landing, exc)
-        try:
-            sock.connect(self.backend)
+        poller = zmq.Poller()
+        watched: set[int] = set()
+
+        def start() -> None:
+            sock.connect(config.backend)
             sock.send_multipart(ready.encode())
             self.guard.report = lambda site, exc: self._report(sock, site, exc)
-            self._serve(sock, results)
-        except zmq.ZMQError as exc:
-            if not is_shutdown(exc):
-                raise
-        finally:
+            poller.register(sock, zmq.POLLIN)
+
+        def turn() -> None:
+            nonlocal watched
+            watched = self._turn(poller, watched, sock, results)
+
+        def close() -> None:
             self.landings.close()
             sock.close(linger=0)
             if results is not None:
-                results.close(linger_ms=1000 if self._stop else 0)
+                results.close(linger_ms=1000 if self._stop.is_set() else 0)
             ctx.term()
 
-    def _serve(self, sock: zmq.Socket[Any], results: DirectResults | None) -> None:
-        """The loop: messages from the front, and landing hand-overs (polled together, so
-        neither waits for the other; a hand-over that came with a task is taken first)."""
-        poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
-        watched: set[int] = set()
-        while not self._stop:
-            fds = set(self.landings.fds())
-            for fd in watched - fds:
-                poller.unregister(fd)
-            for fd in fds - watched:
-                poller.register(fd, zmq.POLLIN)
-            watched = fds
-            events = dict(poller.poll(1000))
-            for fd in watched & events.keys():
-                self.guard.run("worker.landing", self.landings.on_readable, fd)
-            if sock in events:
-                try:
-                    frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                except zmq.Again:
-                    continue
-                self.guard.run("worker.message", self._on_frames, frames, sock, results)
+        serve(start, turn, self._stop, close)
+
+    def _turn(
+        self,
+        poller: zmq.Poller,
+        watched: set[int],
+        sock: zmq.Socket[Any],
+        results: DirectResults | None,
+    ) -> set[int]:
+        """One turn of the loop: messages from the front, and landing hand-overs (polled
+        together, so neither waits for the other; a hand-over that came with a task is
+        taken first), waiting at most ``POLL_MS``. Returns the landing fds now watched."""
+        fds = set(self.landings.fds())
+        for fd in watched - fds:
+            poller.unregister(fd)
+        for fd in fds - watched:
+            poller.register(fd, zmq.POLLIN)
+        events = dict(poller.poll(POLL_MS))
+        for fd in fds & events.keys():
+            self.guard.run("worker.landing", self.landings.on_readable, fd)
+        if sock in events:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return fds
+            self.guard.run("worker.message", self._on_frames, frames, sock, results)
+        return fds
 
     def _report(self, sock: zmq.Socket[Any], site: str, exc: BaseException) -> None:
         """Tell the front a message was dropped (it counts it as internal); when it was a
@@ -216,7 +223,7 @@ class Worker:
             self.controls.learn(msg.session, msg.control_seq, msg.control)
             return
         if isinstance(msg, Bye):
-            self._stop = True
+            self.stop()
             return
         if not isinstance(msg, Task):
             return
@@ -412,18 +419,14 @@ def _start_failed(state_dir: str | None, slot: int, exc: BaseException) -> int:
     return EXIT_START_FAILED
 
 
-def inherited_store(fds: str | None, capacity: int, slot: int) -> Store | None:
-    """The store whose memfds the front passed down (``INDEX,ARENA``), checked; None when
+def inherited_store(fds: tuple[int, int] | None, capacity: int, slot: int) -> Store | None:
+    """The store whose memfds (index, arena) the front passed down, checked; None when
     there is none or it is unusable (logged: this worker serves without it, and its READY
     says so). Never an exit: a worker that could not start would be replaced, and fail
     the same way, in a loop."""
     if fds is None:
         return None
-    try:
-        index_fd, arena_fd = (int(n) for n in fds.split(","))
-    except ValueError:
-        log.error("worker %d: --store-fds %r is not INDEX,ARENA; serving without", slot, fds)
-        return None
+    index_fd, arena_fd = fds
     try:
         store = Store.attach(index_fd, arena_fd, capacity)
     except (OSError, ValueError) as exc:
@@ -438,56 +441,27 @@ def inherited_store(fds: str | None, capacity: int, slot: int) -> Store | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="dataserver-worker")
-    parser.add_argument("--backend", required=True)
-    parser.add_argument("--worker-id", type=int, required=True)
-    parser.add_argument("--parent-pid", type=int, required=True)
-    parser.add_argument("--dataset", required=True)
-    parser.add_argument("--dataset-args", default=None)
-    parser.add_argument("--fingerprint", default="")
-    parser.add_argument(
-        "--store-fds", default=None, help="INDEX,ARENA: the store's memfds, inherited"
-    )
-    parser.add_argument("--store-bytes", type=int, default=0)
-    parser.add_argument("--max-queued-mb", type=int, default=256)
-    parser.add_argument("--results-bind", default=None)
-    parser.add_argument("--local-results", action="store_true")
-    parser.add_argument("--state-dir", default=None)
-    parser.add_argument("--curve-secret-key", default=None)
-    parser.add_argument("--curve-authorized-keys", default=None)
-    args = parser.parse_args(argv)
-
+    """``python -m dataserver.server.worker CONFIG``: CONFIG is a ``WorkerConfig`` as JSON
+    (what the front's pool writes), or its fields as flags (``WorkerConfig.from_argv``)."""
+    config = WorkerConfig.from_argv(sys.argv[1:] if argv is None else argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _die_with_parent(args.parent_pid)
+    _die_with_parent(config.parent_pid)
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     keep_large_blocks()
     cv2.setNumThreads(1)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+
+    def build() -> Any:
+        return build_dataset(parse_spec(config.dataset, config.dataset_args))
+
     try:
-        dataset = build_dataset(parse_spec(args.dataset, args.dataset_args))
+        dataset = build()
         len(dataset)
     except Exception as exc:
-        return _start_failed(args.state_dir, args.worker_id, exc)
-    curve = None
-    if args.curve_secret_key and args.curve_authorized_keys:
-        curve = (args.curve_secret_key, args.curve_authorized_keys)
-    running = RunningSlot.open(args.state_dir, args.worker_id) if args.state_dir else None
-    store = inherited_store(args.store_fds, args.store_bytes, args.worker_id)
-    Worker(
-        args.worker_id,
-        args.backend,
-        dataset,
-        args.fingerprint,
-        store,
-        args.results_bind,
-        curve,
-        running,
-        args.max_queued_mb << 20,
-        args.state_dir,
-        args.local_results,
-        fresh=lambda: build_dataset(parse_spec(args.dataset, args.dataset_args)),
-        store_wanted=args.store_fds is not None,
-    ).run()
+        return _start_failed(config.state_dir, config.worker_id, exc)
+    running = RunningSlot.open(config.state_dir, config.worker_id) if config.state_dir else None
+    store = inherited_store(config.store_fds, config.store_bytes, config.worker_id)
+    Worker(config, dataset, store, running, fresh=build).run()
     return 0
 
 

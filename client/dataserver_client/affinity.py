@@ -1,0 +1,82 @@
+"""Server affinity with several servers: which server an affinity key (a sample that starts
+an image) belongs to, and which server its sources already went to.
+
+A key goes first to the server that already took it this epoch (its store holds the
+sources, or is decoding them), else to the ready server weighted rendezvous hashing picks.
+With one server (or none) nothing is routed: every key is for "any". No sockets; the I/O
+thread is the only caller, and tests drive it directly.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Generic, Protocol, TypeVar
+
+from dataserver.hashing import mix64
+
+_SPAN = float(1 << 64) + 2.0  # (mix64 + 1) / _SPAN lies in (0, 1): its log is finite
+
+
+class Server(Protocol):
+    """What routing needs of a server: a stable salt (from its address), its workers."""
+
+    @property
+    def salt(self) -> int: ...
+
+    @property
+    def workers(self) -> int: ...
+
+
+S = TypeVar("S", bound=Server)
+
+
+def rendezvous(servers: Iterable[S], key: int) -> S:
+    """Weighted rendezvous hashing: the server ``key`` belongs to, each server winning keys
+    in proportion to its workers. A server joining or leaving moves only the keys it wins
+    or held."""
+    return max(servers, key=lambda s: s.workers / -math.log((mix64(s.salt ^ key) + 1) / _SPAN))
+
+
+class Affinity(Generic[S]):
+    """Owners of affinity keys (the server each key's sources went to this epoch) and the
+    ready servers keys are routed over."""
+
+    def __init__(self) -> None:
+        self._ready: list[S] = []  # routed over; empty with fewer than two servers
+        self._owner: dict[int, S] = {}  # key -> the server its sources went to
+
+    def set_ready(self, ready: list[S]) -> None:
+        """The servers that are ready now. Keys owned by servers gone are forgotten."""
+        self._ready = list(ready) if len(ready) > 1 else []
+        live = set(map(id, self._ready))
+        if any(id(s) not in live for s in self._owner.values()):
+            self._owner = {k: s for k, s in self._owner.items() if id(s) in live}
+
+    def live(self) -> list[S]:
+        """The servers routed over (empty: one server, route nothing)."""
+        return list(self._ready)
+
+    def route(self, key: int) -> S | None:
+        """The ready server ``key`` hashes to (None with fewer than two)."""
+        return rendezvous(self._ready, key) if self._ready else None
+
+    def server_for(self, key: int) -> S | None:
+        """Where ``key``'s sources should be composed: where they went, else its route."""
+        return self._owner.get(key) or self.route(key)
+
+    def claim(self, keys: Iterable[int], server: S) -> None:
+        """``server`` takes the tasks of ``keys``: their sources are decoded there."""
+        for key in keys:
+            self._owner[key] = server
+
+    def movable(self, keys: Iterable[int], server: S) -> bool:
+        """Whether tasks of ``keys`` may go to ``server``: no other server began on them."""
+        return all(self._owner.get(k, server) is server for k in keys)
+
+    def owner(self, key: int) -> S | None:
+        return self._owner.get(key)
+
+    def clear(self) -> None:
+        """A new epoch: no server holds anything of it yet."""
+        self._owner.clear()

@@ -1,0 +1,88 @@
+"""What a server's answer means, checked before the plan book believes it: pure functions
+of the task asked and the message received, plus the answer deadlines drawn from the
+latencies seen. No sockets; the engine routes each message here, then to the book."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+from dataserver.protocol import ErrorMsg, Result
+from dataserver_client.errors import DataServerError
+from dataserver_client.ledger import TaskRecord
+from dataserver_client.receive import boxes_problem
+
+
+class Deadlines:
+    """How long a task may stay unanswered before it is asked again: a multiple of the
+    recent answer latencies (which include queueing), never below ``floor``; before enough
+    were seen, ``initial``."""
+
+    def __init__(self, floor: float, initial: float, factor: float = 8.0) -> None:
+        self.floor = floor
+        self.initial = initial
+        self.factor = factor
+        self._seen: deque[float] = deque(maxlen=256)
+        self._value = initial
+
+    def observe(self, latency: float) -> None:
+        self._seen.append(latency)
+        if len(self._seen) >= 16 and len(self._seen) % 16 == 0:
+            ordered = sorted(self._seen)
+            p90 = ordered[int(0.9 * (len(ordered) - 1))]
+            self._value = max(self.floor, self.factor * p90)
+
+    @property
+    def value(self) -> float:
+        return self._value
+
+
+def file_of(index: int, reason: str) -> str | None:
+    """The file a worker's failure reason names: it writes "sample I (FILE): why" when the
+    dataset named the sample's file (``SampleError``), "sample I: why" otherwise."""
+    head = f"sample {index} ("
+    if not reason.startswith(head) or "): " not in reason:
+        return None
+    return reason[len(head) : reason.index("): ")]
+
+
+def result_problem(
+    rec: TaskRecord, msg: Result, sealed: Callable[[], bool]
+) -> tuple[str, str] | None:
+    """What is wrong with ``msg`` as the answer to ``rec``: (the ``rejected`` counter, why),
+    or None. ``sealed()``: whether the seal records of a landed answer are in our buffer."""
+    failed = {i for i, _ in msg.failed}
+    wanted = [tuple(i for i in image if i not in failed) for image in rec.images]
+    no_pixels = rec.land_gen is None if msg.landed else msg.pixels is None
+    if no_pixels or list(msg.images) != wanted or not failed <= set(rec.indices):
+        shown = [list(i) for i in msg.images][:4]
+        return "wrong_answer", f"answered task {msg.task_id} with images {shown}, not those asked"
+    if msg.landed and not sealed():
+        # "Landed" without the seal records it must write under its lock: the buffer holds
+        # whatever was there before (a stale batch), which must never be delivered.
+        return "landed_unsealed", f"task {msg.task_id}: said it landed, wrote no seal"
+    assert msg.boxes is not None and msg.labels is not None  # (receive checked them)
+    problem = boxes_problem(msg.boxes, msg.labels, rec.out_hw)
+    if problem is not None:
+        return "bad_boxes", f"task {msg.task_id}: {problem}"
+    return None
+
+
+def left_out(address: str, msg: Result) -> DataServerError:
+    """The error of a task that said "raise" and came back with samples left out: the one a
+    failed sample gives, never a silent skip."""
+    index, reason = msg.failed[0]
+    return DataServerError(
+        f"{address}: {reason}" if reason else f"{address}: sample {index} failed",
+        index,
+        file_of(index, reason),
+    )
+
+
+def task_error(address: str, msg: ErrorMsg) -> DataServerError:
+    """The trainer's error for a task's ERROR (a sample's own words stand alone)."""
+    return DataServerError(
+        msg.message if msg.kind in ("sample", "poison") else f"{address}: {msg.message}",
+        msg.index,
+        msg.file,
+    )

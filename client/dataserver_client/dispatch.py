@@ -1,0 +1,152 @@
+"""What the client sends: tasks to the servers with free credit (landing straight into our
+buffer where a worker on this host can), cancels of tasks the plan no longer wants, and
+the session's CONTROL. Decides nothing about the plan: it reads the plan book and the
+ledger through their methods and tells the ledger and the links what went where."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from dataserver.landing import LandingArea
+from dataserver.protocol import Control, Task, steer_tag
+from dataserver.protocol.messages import MAX_TAGS
+from dataserver_client.assembly import HostBuffers
+from dataserver_client.book import PlanBook
+from dataserver_client.config import ClientConfig
+from dataserver_client.ledger import TaskRecord
+from dataserver_client.links import Links, LinkState, ServerLink
+
+MAX_CANCEL = 4096  # task ids per CONTROL
+
+
+class Sender:
+    """Sends what the plan book wants sent, over ``links``."""
+
+    def __init__(
+        self,
+        config: ClientConfig,
+        session: bytes,
+        book: PlanBook,
+        links: Links,
+        buffers: HostBuffers,
+        landing: LandingArea | None,
+    ) -> None:
+        self._config = config
+        self._session = session
+        self._book = book
+        self._links = links
+        self._buffers = buffers
+        self._landing = landing
+
+    def dispatch(self) -> None:
+        """Send waiting tasks while some server has free credit for them."""
+        ledger = self._book.ledger
+        skip: set[ServerLink] = set()  # links with nothing they should take now
+        while ledger.pending:
+            link = self._links.best(skip)
+            if link is None:
+                return
+            rec = ledger.pop_pending(link, self._book.affinity)
+            if rec is None:
+                skip.add(link)
+                continue
+            task, generation = self._task(rec, link)
+            if not link.send(task.encode()):
+                ledger.unsent(rec)  # not connected after all: try again shortly
+                return
+            link.sent(rec.task_id)
+            ledger.sent(rec, link, generation)
+
+    def _task(self, rec: TaskRecord, link: ServerLink) -> tuple[Task, int | None]:
+        """The TASK for ``rec`` on ``link``, and the landing generation it names (None: its
+        images come back over the socket)."""
+        book, cfg = self._book, self._config
+        where = self._landing_place(rec, link)
+        land: dict[str, Any] = {}
+        if where is not None:
+            region, generation, offset = where
+            assert self._landing is not None
+            land = {
+                "land_token": self._landing.token,
+                "land_region": region,
+                "land_gen": generation,
+                "land_offset": offset,
+                # Only a task's first send: a retry may follow a writer that died half-way.
+                "land_zero": int(rec.land_gen is None and self._landing.fresh(region)),
+            }
+        task = Task(
+            session=link.session,
+            auth=link.secret,
+            task_id=rec.task_id,
+            plan_version=rec.plan_version,
+            epoch=book.epoch,
+            seed=cfg.seed,
+            images=rec.images,
+            grid=rec.grid,
+            out_hw=rec.out_hw,
+            fit_hw=cfg.image_size,
+            on_error=cfg.on_error,
+            control_seq=book.control_seq,
+            exclude=rec.exclude,
+            **land,
+        )
+        return task, where[1] if where is not None else None
+
+    def _landing_place(self, rec: TaskRecord, link: ServerLink) -> tuple[int, int, int] | None:
+        """Where ``rec``'s images may land (region, generation, file offset): the server's
+        workers took our buffer (so it is on this host), its batch's buffer is a landing
+        region, and the task's slots are consecutive. None: not landed."""
+        batch = self._book.batch_of(rec)
+        if self._landing is None or batch is None or not rec.consecutive or not link.can_land:
+            return None
+        where = self._buffers.landing_of(batch.host)
+        if where is None:
+            return None
+        region, generation, offset = where
+        return region, generation, offset + rec.slots[0] * 3 * rec.out_hw[0] * rec.out_hw[1]
+
+    def cancel(self) -> None:
+        """Ask servers to drop queued tasks the plan no longer wants (by id: the rest of
+        the plan stands, so its version does not change)."""
+        by_link: dict[ServerLink, list[int]] = {}
+        for link, task_id in self._book.ledger.take_cancels():
+            if link.owes(task_id):
+                by_link.setdefault(link, []).append(task_id)
+        for link, ids in by_link.items():
+            for start in range(0, len(ids), MAX_CANCEL):
+                link.send(self.control_msg(link, ids[start : start + MAX_CANCEL]).encode())
+
+    def control_msg(self, link: ServerLink | None, cancel: Iterable[int] = ()) -> Control:
+        """The session's CONTROL: for ``link``'s data socket (with its secret), or, for
+        ``None``, to publish (with a tag for each server met, none of the secrets)."""
+        book = self._book
+        fields: dict[str, Any] = {
+            "plan_version": book.plan_version,
+            "control_seq": book.control_seq,
+            "control": book.control,
+            "mode": book.mode,
+            "cancel": tuple(cancel),
+        }
+        if link is not None:
+            return Control(session=link.session, auth=link.secret, **fields)
+        bare = Control(session=self._session, auth=None, **fields)
+        met = self._links.met()[:MAX_TAGS]
+        return Control(
+            session=self._session,
+            auth=None,
+            tags=tuple(steer_tag(lk.secret, bare) for lk in met),
+            **fields,
+        )
+
+    def send_control(self, link: ServerLink | None) -> None:
+        """The session's control values and plan to one server (``link``), or to every
+        server: on its data socket (reliable, and ahead of any task that needs them) and
+        published on the control socket."""
+        if link is not None:
+            link.send(self.control_msg(link).encode())
+            return
+        self._links.publish(self.control_msg(None).encode())
+        for each in self._links:
+            if each.state is LinkState.READY:
+                each.send(self.control_msg(each).encode())

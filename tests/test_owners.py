@@ -1,0 +1,230 @@
+"""The client's owners alone, without sockets: the hand-off, the task ledger, affinity and
+the plan book (each changes its own state only, through its methods)."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any, cast
+
+import numpy as np
+import pytest
+import torch
+
+from dataserver_client.affinity import Affinity, rendezvous
+from dataserver_client.assembly import DeviceMover, HostBuffers, InflightBatch
+from dataserver_client.book import PlanBook
+from dataserver_client.config import ClientConfig
+from dataserver_client.epoch import REGULAR, STITCH, BatchPlan, ImagePlan
+from dataserver_client.errors import DataServerError
+from dataserver_client.handoff import Handoff, Stuck
+from dataserver_client.ledger import TaskLedger
+
+pytestmark = pytest.mark.timeout(60)
+
+
+# ------------------------------------------------------------ hand-off
+
+
+def test_handoff_takes_in_step_order_and_refuses_other_plans() -> None:
+    h: Handoff[str] = Handoff()
+    h.begin(0, version=1)
+    assert h.put(1, 1, "b1") and h.put(0, 1, "b0")
+    assert not h.put(2, 0, "stale")  # another plan's batch is never held
+    assert h.take(1.0, lambda: True) == "b0"
+    assert h.take(1.0, lambda: True) == "b1"
+    assert not h.put(0, 1, "taken already")
+    assert h.taken() == 2
+
+
+def test_handoff_drop_from_keeps_earlier_and_returns_the_first() -> None:
+    h: Handoff[str] = Handoff()
+    h.begin(3, version=1)
+    for step in (3, 4, 5):
+        h.put(step, 1, f"b{step}")
+    h.end_at(6)
+    assert h.drop_from(3, version=2) == "b3"
+    assert not h.ended()
+    assert not h.put(4, 1, "old plan")
+    assert h.put(3, 2, "new")
+    assert h.take(1.0, lambda: True) == "new"
+
+
+def test_handoff_end_fail_and_stuck() -> None:
+    h: Handoff[str] = Handoff()
+    h.begin(0, version=1)
+    h.end_at(0)
+    with pytest.raises(StopIteration):
+        h.take(1.0, lambda: True)
+    h.begin(0, version=1)
+    with pytest.raises(Stuck):
+        h.take(0.05, lambda: True)
+    with pytest.raises(DataServerError, match="closed"):
+        h.take(1.0, lambda: False)  # the I/O thread is gone, with no error of its own
+    h.fail(DataServerError("first"))
+    h.fail(DataServerError("second"))
+    with pytest.raises(DataServerError, match="first"):
+        h.take(1.0, lambda: True)
+
+
+def test_handoff_wakes_a_waiting_trainer() -> None:
+    h: Handoff[str] = Handoff()
+    h.begin(0, version=1)
+    threading.Timer(0.05, lambda: h.put(0, 1, "late")).start()
+    assert h.take(5.0, lambda: True) == "late"
+
+
+# ------------------------------------------------------------ ledger and affinity
+
+
+@dataclass(eq=False)
+class FakeServer:
+    salt: int
+    workers: int = 2
+
+
+def _batch(n: int = 4, step: int = 0) -> InflightBatch:
+    images = tuple(ImagePlan((i,), 1, (8, 8)) for i in range(n))
+    plan = BatchPlan(step, 1, REGULAR, 0, n, images, (8, 8))
+    return InflightBatch(plan, torch.zeros((n, 3, 8, 8), dtype=torch.uint8))
+
+
+def test_ledger_queue_send_and_ask_again_in_plan_order() -> None:
+    ledger, aff = TaskLedger(), cast(Any, Affinity())
+    batch = _batch()
+    a = ledger.add(batch, (0, 1), ((0,), (1,)), 1, (8, 8), 1)
+    b = ledger.add(batch, (2, 3), ((2,), (3,)), 1, (8, 8), 1)
+    assert ledger.pending == 2 and len(ledger) == 2
+    link: Any = FakeServer(1)
+    assert ledger.pop_pending(link, aff) is a
+    ledger.sent(a, link, None)
+    assert a.link is link
+    assert ledger.pop_pending(link, aff) is b
+    assert ledger.ask_again([b, a]) == 2
+    assert a.link is None
+    assert ledger.pop_pending(None, aff) is a  # plan order: slot 0 first
+    assert ledger.wanted(a.task_id, 1) is a and ledger.wanted(a.task_id, 2) is None
+    ledger.done(a)
+    assert a.task_id not in ledger and ledger.ask_again([a]) == 0
+
+
+def test_ledger_forget_with_cancel_names_what_was_sent() -> None:
+    ledger, aff = TaskLedger(), cast(Any, Affinity())
+    batch = _batch()
+    a = ledger.add(batch, (0,), ((0,),), 1, (8, 8), 1)
+    ledger.add(batch, (1,), ((1,),), 1, (8, 8), 1)
+    link: Any = FakeServer(1)
+    first = ledger.pop_pending(link, aff)
+    assert first is a
+    ledger.sent(first, link, None)
+    ledger.forget(lambda r: r.batch is batch, cancel=True)
+    assert ledger.cancels and ledger.take_cancels() == [(link, a.task_id)]
+    assert not ledger.cancels and len(ledger) == 0
+    assert ledger.pop_pending(link, aff) is None
+
+
+def test_ledger_split_and_probe_find_the_poison() -> None:
+    ledger = TaskLedger()
+    batch = _batch()
+    rec = ledger.add(batch, (0, 1, 2), ((0,), (1,), (2,)), 1, (8, 8), 1)
+    bad = ledger.split(rec, 1)
+    assert bad is not None and bad.slots == (1,) and rec.task_id not in ledger
+    stitched = ledger.add(batch, (3,), ((10, 11),), 2, (8, 8), 1)
+    ledger.probe(stitched)
+    probes = [r for r in ledger if r.probe_of is stitched]
+    assert sorted(p.indices for p in probes) == [(10,), (11,)]
+    assert ledger.probe_done(probes[0], bad=probes[0].indices == (11,)) is None
+    assert ledger.probe_done(probes[1], bad=probes[1].indices == (11,)) is None
+    assert stitched.exclude == (11,) and stitched.task_id in ledger  # composed again without it
+    alone = ledger.add(batch, (3,), ((12, 13),), 2, (8, 8), 1)
+    ledger.probe(alone)
+    last = None
+    for probe in [r for r in ledger if r.probe_of is alone]:
+        last = ledger.probe_done(probe, bad=False)
+    assert last is alone and ledger.skipped_poison == 1  # the composition itself kills
+
+
+def test_affinity_routes_by_weight_and_forgets_servers_gone() -> None:
+    a, b = FakeServer(11, workers=1), FakeServer(22, workers=3)
+    wins = [rendezvous([a, b], key) for key in range(4000)]
+    assert 0.65 < wins.count(b) / len(wins) < 0.85  # about 3/4
+    aff = Affinity[FakeServer]()
+    assert aff.route(5) is None  # fewer than two servers: route nothing
+    aff.set_ready([a, b])
+    key = next(k for k in range(100) if aff.route(k) is b)
+    aff.claim([key], a)
+    assert aff.server_for(key) is a and not aff.movable([key], b) and aff.movable([key], a)
+    aff.set_ready([b, FakeServer(33)])
+    assert aff.owner(key) is None  # a is gone
+    aff.clear()
+    assert aff.server_for(key) in aff.live()
+
+
+# ------------------------------------------------------------ plan book
+
+
+def _book(**kw: object) -> tuple[PlanBook, Handoff]:
+    cfg = ClientConfig(
+        addresses=("tcp://127.0.0.1:1",),
+        batch_size=4,
+        image_size=(16, 16),
+        stitch_k=4,
+        device=torch.device("cpu"),
+        **kw,  # type: ignore[arg-type]
+    )
+    cpu = torch.device("cpu")
+    handoff: Handoff = Handoff()
+    book = PlanBook(cfg, handoff, DeviceMover(cpu), HostBuffers(cpu, keep=4))
+    return book, handoff
+
+
+def _answer_all(book: PlanBook) -> None:
+    from dataserver.protocol import Result
+
+    for rec in list(book.ledger):
+        n = len(rec.slots)
+        result = Result(
+            session=b"s" * 16,
+            task_id=rec.task_id,
+            plan_version=rec.plan_version,
+            images=rec.images,
+            box_counts=(0,) * n,
+            boxes=np.zeros((0, 4), np.float32),
+            labels=np.zeros((0,), np.int64),
+        )
+        book.on_result(rec, result)
+
+
+def test_book_plans_prefetch_batches_and_delivers_in_order() -> None:
+    book, handoff = _book(prefetch=2, shuffle=False)
+    assert book.start_epoch(0, 12) == 12
+    book.fill()
+    assert {r.step for r in book.ledger} == {0, 1}
+    _answer_all(book)
+    first = handoff.take(1.0, lambda: True)
+    assert not isinstance(first, DataServerError)
+    assert first.batch.step == 0 and first.batch.indices == [[0], [1], [2], [3]]
+    book.fill()  # one taken: one more planned
+    assert {r.step for r in book.ledger} == {2}
+
+
+def test_book_steer_replans_from_the_first_batch_not_taken() -> None:
+    book, _ = _book(prefetch=2, shuffle=False)
+    book.start_epoch(0, 40)
+    book.fill()
+    version = book.steer(STITCH, None)
+    assert book.mode == STITCH and version == book.plan_version and len(book.ledger) == 0
+    book.fill()
+    steps = sorted({r.step for r in book.ledger})
+    assert steps == [0, 1] and all(len(r.images[0]) == 4 for r in book.ledger)
+    assert book.position().step == 0 and book.position().mode == STITCH
+
+
+def test_book_fails_a_batch_through_the_handoff() -> None:
+    book, handoff = _book(prefetch=1, shuffle=False)
+    book.start_epoch(0, 4)
+    book.fill()
+    rec = next(iter(book.ledger))
+    book.on_failure(rec, "request", DataServerError("refused"))
+    assert isinstance(handoff.take(1.0, lambda: True), DataServerError)
+    assert len(book.ledger) == 0

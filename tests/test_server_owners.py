@@ -1,0 +1,113 @@
+"""The server's owners alone, without sockets: a worker's configuration written once, the
+read model STATS and the metrics share, a worker handle's tasks, the store's claim rule."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dataserver.hashing import mix64
+from dataserver.server.config import WorkerConfig
+from dataserver.server.metrics import ViewCollector
+from dataserver.server.pool import WorkerHandle
+from dataserver.server.running import RunningSlot
+from dataserver.server.sessions import TaskEntry
+from dataserver.server.view import Limits, ServerView, StoreUsage
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_worker_config_round_trips_and_reads_flags() -> None:
+    config = WorkerConfig(
+        backend="ipc:///tmp/x/backend",
+        state_dir="/tmp/x",
+        dataset="synthetic:images=8",
+        store_fds=(5, 6),
+        store_bytes=1 << 24,
+        results_bind="tcp://127.0.0.1:*",
+        local_results=True,
+        curve=("secret", "authorized"),
+    )
+    slot = config.for_slot(3, 1234)
+    assert (slot.worker_id, slot.parent_pid) == (3, 1234)
+    assert WorkerConfig.from_argv([slot.to_json()]) == slot
+    ipc = WorkerConfig("b", "d", "ds", results_bind="ipc:///r-{slot}").for_slot(2, 1)
+    assert ipc.results_bind == "ipc:///r-2"
+    flags = "--backend b --state-dir d --dataset ds --worker-id 1 --store-fds 3,4"
+    by_hand = WorkerConfig.from_argv(flags.split())
+    assert by_hand.store_fds == (3, 4) and by_hand.worker_id == 1 and not by_hand.local_results
+
+
+def _view(**over: object) -> ServerView:
+    base: dict[str, object] = {
+        "server_id": "s",
+        "started": 100.0,
+        "taken": 112.34,
+        "metrics_port": None,
+        "dataset_len": 8,
+        "fingerprint": "f",
+        "workers": 2,
+        "workers_alive": 2,
+        "workers_ready": 2,
+        "workers_busy": 1,
+        "workers_started": 3,
+        "worker_spawn_failures": 0,
+        "queue_depth": 4,
+        "queued_bytes": 40,
+        "results_unread_bytes": 0,
+        "sessions": 1,
+        "sessions_evicted": 0,
+        "connections": 2,
+        "draining_for_s": None,
+        "limits": Limits(1024, 4096, 256, 100, 30.0),
+        "store": StoreUsage(1, 10, 1 << 20),
+        "counters": ServerView.frozen({"sources_decoded": 1, "sources_reused": 3}),
+        "rejected": ServerView.frozen({"malformed": 2}),
+    }
+    base.update(over)
+    return ServerView(**base)  # type: ignore[arg-type]
+
+
+def test_one_view_serves_stats_and_metrics() -> None:
+    view = _view()
+    stats = view.as_stats()
+    assert stats["uptime_s"] == 12.3 and stats["store"]["hit_rate"] == 0.75
+    assert stats["rejected_total"] == 2 and stats["draining"] is None
+    assert view.worker_restarts == 1
+    with pytest.raises(TypeError):
+        view.counters["x"] = 1  # type: ignore[index]
+    fams = {m.name: m for m in ViewCollector(lambda: view).collect()}
+    assert fams["dataserver_worker_restarts"].samples[0].value == 1
+    assert fams["dataserver_cache_hits"].samples[0].value == 3
+    assert not list(ViewCollector(lambda: None).collect())  # nothing published yet
+    assert "dataserver_cache_bytes" not in {
+        m.name for m in ViewCollector(lambda: _view(store=None)).collect()
+    }
+
+
+def test_a_handle_gives_up_entries_answered_before_the_one_answered(tmp_path: Path) -> None:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    slot = RunningSlot.open(str(tmp_path), 0)
+    handle = WorkerHandle(0, proc, None, 0.0, slot)
+    a, b, c = (TaskEntry(b"s" * 16, tid, 1, ((tid,),), []) for tid in (1, 2, 3))
+    for entry in (a, b, c):
+        handle.give(entry)
+    assert all(e.held_by is handle for e in (a, b, c))
+    assert handle.answered(b"s" * 16, 9) is None
+    lost, got = handle.answered(b"s" * 16, 2) or ([], None)
+    assert lost == [a] and got is b and a.held_by is None and b.held_by is None
+    assert handle.drop_all() == [c] and c.held_by is None and not handle.tasks
+    handle.learned_control(b"s" * 16, 4)
+    assert handle.has_control(b"s" * 16, 4)
+    handle.forgot_control(b"s" * 16)
+    assert not handle.has_control(b"s" * 16, 4)
+    slot.close()
+
+
+def test_mix64_is_splitmix64() -> None:
+    # (the finaliser's published first outputs for seed 0: state 0x9E3779B97F4A7C15)
+    assert mix64(0) == 0xE220A8397B1DCDAF
