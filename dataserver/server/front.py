@@ -605,22 +605,7 @@ class Front:
             )
             return
         digest = task_digest(task)
-        live = self.scheduler.live.get((task.session, task.task_id))
-        if live is not None and live.digest != digest:
-            # The session's owner (the secret was checked) changed a task it asked for: a
-            # source left out after it killed workers. The new one replaces a queued copy;
-            # a running one finishes, and the client takes whichever answer it still wants.
-            # (A task is never taken for a duplicate of one with other contents.)
-            self.counters["tasks_replaced"] += 1
-            if live.held_by is None:
-                self.scheduler.take(session, lambda e: e is live)
-            self.scheduler.finish(live)
-            live = None
-        if live is not None and (live.held_by is None or self.workers.is_running(live)):
-            # Asked again (its deadline passed) while it is still queued or running: the
-            # answer the first one makes is the answer. A task a worker holds but does not
-            # run may be one whose answer was lost: that one is run again.
-            self.counters["tasks_duplicate"] += 1
+        if self._asked_again(session, task, digest):
             return
         side = self.config.max_image_side
         if max(task.out_hw) > side:
@@ -665,6 +650,26 @@ class Front:
         )
         self.scheduler.admit(session, entry)
         self.counters["tasks_received"] += 1
+
+    def _asked_again(self, session: Session, task: Task, digest: bytes) -> bool:
+        """Whether ``task`` is one still queued or running here, asked again (its deadline
+        passed): then the answer the first one makes is the answer. A task a worker holds
+        but does not run may be one whose answer was lost: that one is run again."""
+        live = self.scheduler.live.get((task.session, task.task_id))
+        if live is not None and live.digest != digest:
+            # The session's owner (the secret was checked) changed a task it asked for: a
+            # source left out after it killed workers. The new one replaces a queued copy;
+            # a running one finishes, and the client takes whichever answer it still wants.
+            # (A task is never taken for a duplicate of one with other contents.)
+            self.counters["tasks_replaced"] += 1
+            if live.held_by is None:
+                self.scheduler.take(session, lambda e: e is live)
+            self.scheduler.finish(live)
+            return False
+        if live is not None and (live.held_by is None or self.workers.is_running(live)):
+            self.counters["tasks_duplicate"] += 1
+            return True
+        return False
 
     def _on_control(self, frames: list[Any]) -> None:
         try:
