@@ -1,9 +1,12 @@
-"""The client's owners alone, without sockets: the hand-off, the task ledger, affinity and
-the plan book (each changes its own state only, through its methods)."""
+"""The client's owners alone, without sockets: the hand-off, the task ledger, affinity, the
+plan book and the message handlers (each changes its own state only, through its methods)."""
 
 from __future__ import annotations
 
 import threading
+from collections import Counter
+from collections.abc import Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -15,10 +18,13 @@ from dataserver_client.affinity import Affinity, rendezvous
 from dataserver_client.assembly import DeviceMover, HostBuffers, InflightBatch
 from dataserver_client.book import PlanBook
 from dataserver_client.config import ClientConfig
+from dataserver_client.dispatch import Sender
 from dataserver_client.epoch import REGULAR, STITCH, BatchPlan, ImagePlan
 from dataserver_client.errors import DataServerError
+from dataserver_client.handlers import Handlers
 from dataserver_client.handoff import Handoff, Stuck
 from dataserver_client.ledger import TaskLedger
+from dataserver_client.links import Links, LinkState, ServerLink
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -228,3 +234,60 @@ def test_book_fails_a_batch_through_the_handoff() -> None:
     book.on_failure(rec, "request", DataServerError("refused"))
     assert isinstance(handoff.take(1.0, lambda: True), DataServerError)
     assert len(book.ledger) == 0
+
+
+# ------------------------------------------------------------ handlers
+
+
+@dataclass(eq=False)
+class FakeLink:
+    """What ``Handlers`` reads of a ``ServerLink`` when the ready servers change."""
+
+    salt: int
+    workers: int
+    credit: int
+    state: LinkState = LinkState.READY
+
+    def drain(self) -> None:
+        self.state = LinkState.DRAINING
+
+
+class FakeLinks:
+    def __init__(self, *links: FakeLink) -> None:
+        self.links = list(links)
+
+    def __iter__(self) -> Iterator[FakeLink]:
+        return iter(self.links)
+
+    def ready(self) -> list[FakeLink]:
+        return [lk for lk in self.links if lk.state is LinkState.READY]
+
+    def stores(self) -> bool:
+        return True
+
+
+def test_handlers_take_parallelism_from_the_welcome_credit() -> None:
+    """Each ready server runs half its credit at once (the rest waits queued there): the
+    book cuts batches into that many tasks, and a server that drains counts no more."""
+    book, _ = _book(prefetch=1, shuffle=False)
+    a, b = FakeLink(1, workers=2, credit=8), FakeLink(2, workers=3, credit=20)
+    counters: Counter[str] = Counter()
+    handlers = Handlers(
+        book.config,
+        book,
+        cast(Links, FakeLinks(a, b)),
+        cast(Sender, None),
+        HostBuffers(torch.device("cpu"), keep=4),
+        None,
+        Future(),
+        counters,
+        Counter(),
+        fail=lambda exc: None,
+        watch=lambda link: None,
+        unwatch=lambda link: None,
+    )
+    handlers.on_bye(cast(ServerLink, b))  # b drains: only a's 8 // 2 run at once
+    assert counters["servers_drained"] == 1
+    assert book.tasks_per_batch(64) == 4
+    handlers.on_bye(cast(ServerLink, a))  # none ready: one task at a time
+    assert book.tasks_per_batch(64) == 1

@@ -1,20 +1,31 @@
 """The server's owners alone, without sockets: a worker's configuration written once, the
-read model STATS and the metrics share, a worker handle's tasks, the store's claim rule."""
+read model STATS and the metrics share, a worker handle's tasks, the store's claim rule, the
+client messages' checks."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
+import zmq
+from fuzzing import AUTH, SID, task_header
 
 from dataserver.hashing import mix64
-from dataserver.server.config import WorkerConfig
+from dataserver.protocol import Bye, ErrorMsg, Hello, Task, Welcome
+from dataserver.server.clients import Clients
+from dataserver.server.config import ServerConfig, WorkerConfig
 from dataserver.server.metrics import ViewCollector
+from dataserver.server.outlet import Outlet
 from dataserver.server.pool import WorkerHandle
+from dataserver.server.routing import WorkerRouter
 from dataserver.server.running import RunningSlot
-from dataserver.server.sessions import TaskEntry
+from dataserver.server.sessions import Scheduler, TaskEntry
+from dataserver.server.statsview import StatsView
 from dataserver.server.view import Limits, ServerView, StoreUsage
 
 pytestmark = pytest.mark.timeout(60)
@@ -111,3 +122,79 @@ def test_a_handle_gives_up_entries_answered_before_the_one_answered(tmp_path: Pa
 def test_mix64_is_splitmix64() -> None:
     # (the finaliser's published first outputs for seed 0: state 0x9E3779B97F4A7C15)
     assert mix64(0) == 0xE220A8397B1DCDAF
+
+
+class FakeOutlet:
+    """Records what the front would send (``Outlet.send_to`` / ``cancel``)."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[bytes, Any]] = []
+
+    def send_to(self, identity: bytes, msg: Any) -> None:
+        self.sent.append((identity, msg))
+
+    def cancel(self, session: Any, entries: list[Any]) -> None:
+        pass
+
+
+class FakeRouter:
+    def result_endpoints(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        return (), ()
+
+    def is_running(self, entry: Any) -> bool:
+        return False
+
+
+def _welcome(session: bytes) -> Welcome:
+    return Welcome(
+        session=session,
+        server_id="server-1",
+        dataset_len=10,
+        fingerprint="f",
+        workers=2,
+        credit=8,
+        control="tcp://127.0.0.1:1",
+    )
+
+
+def _clients(draining: bool = False) -> tuple[Clients, FakeOutlet, Counter[str]]:
+    outlet, counters, rejected = FakeOutlet(), Counter[str](), Counter[str]()
+    config = SimpleNamespace(curve=None, max_sessions=4, max_image_side=4096, max_queued_mb=64)
+    clients = Clients(
+        cast(ServerConfig, config),
+        Scheduler(4, 64, 1 << 20, 1 << 24),
+        cast(Outlet, outlet),
+        cast(WorkerRouter, FakeRouter()),
+        StatsView(rejected, None),
+        counters,
+        rejected,
+        "server-1",
+        welcome=_welcome,
+        stats=dict,
+        draining=lambda: draining,
+    )
+    return clients, outlet, rejected
+
+
+def _frames(msg: Any) -> list[Any]:
+    return [zmq.Frame(b"peer"), *(zmq.Frame(bytes(f)) for f in msg.encode())]
+
+
+def test_clients_refuse_a_task_before_hello_and_greet_with_the_fronts_welcome() -> None:
+    clients, outlet, rejected = _clients()
+    clients.on_data(_frames(Task(**task_header(SID))))
+    ((identity, refusal),) = outlet.sent
+    assert identity == b"peer" and isinstance(refusal, ErrorMsg)
+    assert refusal.kind == "unknown_session" and refusal.task_id == 1
+    assert rejected["unknown_session"] == 1
+    clients.on_data(_frames(Hello(session=SID, auth=AUTH)))
+    assert outlet.sent[-1] == (b"peer", _welcome(SID))  # the front's, as it is
+    clients.on_data(_frames(Task(**task_header(SID))))
+    assert len(outlet.sent) == 2  # taken: no answer yet
+
+
+def test_clients_send_bye_to_a_hello_while_draining() -> None:
+    clients, outlet, _ = _clients(draining=True)
+    clients.on_data(_frames(Hello(session=SID, auth=AUTH)))
+    ((_, reply),) = outlet.sent
+    assert isinstance(reply, Bye) and reply.session == SID

@@ -10,6 +10,7 @@ faults on fresh memory, and a batch the trainer keeps is never overwritten.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,8 +19,11 @@ import torch
 
 from dataserver.landing import LandingArea
 from dataserver_client.batch import Batch
+from dataserver_client.config import ClientConfig
 from dataserver_client.epoch import BatchPlan
 from dataserver_client.errors import DataServerError
+
+log = logging.getLogger("dataserver_client")
 
 
 class HostBuffers:
@@ -278,3 +282,16 @@ class DeviceMover:
                 t["boxes"].record_stream(current)
                 t["labels"].record_stream(current)
         return batch
+
+
+def landing_area(config: ClientConfig) -> LandingArea | None:
+    """The shared-memory buffers workers on this host may write results into (a sealed
+    memfd: no name on the file system), unless ``shared_memory`` is off."""
+    if not config.shared_memory:
+        return None
+    h, w = config.image_size
+    try:
+        return LandingArea(config.prefetch + 5, config.batch_size * 3 * h * w, config.batch_size)
+    except (OSError, ValueError) as exc:
+        log.info("no landing buffers (%s): results come over the socket", exc)
+        return None

@@ -1,0 +1,418 @@
+"""What each message from a server, and each change in the set of servers, does to the
+session: the handlers the engine routes messages, link events and discovery changes to.
+
+``Handlers`` decides; the owners apply. It gets its collaborators as arguments (the plan book
+and its ledger, the links, the sender, the buffers) and changes them only through their
+methods; the counters it is given it increments. It owns the answer ``Deadlines`` and the
+time of the last progress (the "no progress for ``timeout``" check). No thread of its own:
+every method runs in the engine's I/O thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from typing import Any
+
+import numpy as np
+import zmq
+
+from dataserver.landing import LandingArea
+from dataserver.protocol import Cancelled, ErrorMsg, Message, ProtocolError, Result, Welcome
+from dataserver_client.answers import Deadlines, left_out, result_problem, task_error
+from dataserver_client.assembly import HostBuffers
+from dataserver_client.book import PlanBook
+from dataserver_client.config import ClientConfig
+from dataserver_client.dispatch import Sender
+from dataserver_client.errors import DataServerError, NotAuthorized
+from dataserver_client.ledger import TaskRecord
+from dataserver_client.links import (
+    DatasetInfo,
+    EventKind,
+    LinkEvent,
+    Links,
+    LinkState,
+    Problem,
+    ServerLink,
+    WelcomeProblem,
+)
+from dataserver_client.receive import WrongAnswer, receive
+
+log = logging.getLogger("dataserver_client")
+
+DRAIN = 256  # messages read off one socket per pass, so one busy server cannot starve the rest
+
+
+class Handlers:
+    """The session's answers to what servers say and do. ``fail(error)`` stops the trainer
+    (and, before the handshake, the engine's loop); ``watch``/``unwatch`` add or remove a
+    link's sockets from the engine's poller."""
+
+    def __init__(
+        self,
+        config: ClientConfig,
+        book: PlanBook,
+        links: Links,
+        sender: Sender,
+        buffers: HostBuffers,
+        landing: LandingArea | None,
+        handshake: Future[DatasetInfo],
+        counters: Counter[str],
+        rejected: Counter[str],
+        fail: Callable[[BaseException], None],
+        watch: Callable[[ServerLink], None],
+        unwatch: Callable[[ServerLink], None],
+    ) -> None:
+        self.config = config
+        self.book = book
+        self.ledger = book.ledger
+        self.links = links
+        self.sender = sender
+        self.buffers = buffers
+        self.landing = landing
+        self.handshake = handshake
+        self.counters = counters
+        self.rejected = rejected
+        self._fail = fail
+        self._watch = watch
+        self._unwatch = unwatch
+        self.deadlines = Deadlines(floor=1.0, initial=max(1.0, config.timeout / 3))
+        self._last_progress = time.monotonic()
+
+    # ------------------------------------------------------------ reading a socket
+
+    def messages(self, link: ServerLink, sock: zmq.Socket[Any], direct: bool) -> Iterator[Message]:
+        """The messages waiting on ``sock`` (at most ``DRAIN``), decoded and meant for this
+        session, one at a time: the next is read only once the engine handled this one
+        (whether a result is still wanted depends on what came before). What does not
+        decode, comes from a banned server or belongs elsewhere is counted and left out."""
+        for _ in range(DRAIN):
+            try:
+                msg = receive(sock, lambda result: self._destinations(link, result))
+            except zmq.Again:
+                return
+            except WrongAnswer as exc:  # well-formed, for a task we want, and wrong
+                link.heard()
+                self.rejected["wrong_answer"] += 1
+                self._bad_server(link, str(exc))
+                continue
+            except ProtocolError as exc:
+                link.heard()
+                self.rejected["malformed"] += 1
+                # The first few are worth a warning; a flood is counted (client.stats()).
+                level = logging.WARNING if self.rejected["malformed"] <= 5 else logging.DEBUG
+                log.log(level, "dropped a bad message from %s: %s", link.address, exc)
+                continue
+            link.heard()
+            if self._accepted(link, msg, direct):
+                yield msg
+
+    def _accepted(self, link: ServerLink, msg: Message, direct: bool) -> bool:
+        if link.state is LinkState.BANNED:
+            self.rejected["from_banned_server"] += 1
+        elif direct and not isinstance(msg, Result):
+            self.rejected["unexpected_type"] += 1  # workers send nothing else
+        elif getattr(msg, "session", link.session) not in (link.session, None):
+            self.rejected["other_session"] += 1
+        else:
+            return True
+        return False
+
+    def _destinations(self, link: ServerLink, result: Result) -> np.ndarray | None:
+        """Where the images of ``result`` from ``link`` go (``PlanBook.destination``), if its
+        task is still wanted and was sent to that server; None otherwise (the pixels are
+        read off and dropped: a server reaches only the slots of tasks it was given)."""
+        if result.session != link.session or link.state is LinkState.BANNED:
+            return None
+        rec = self.ledger.wanted(result.task_id, result.plan_version)
+        if rec is None or rec.link is not link:
+            return None
+        if len(result.images) != len(rec.slots):
+            raise WrongAnswer(
+                f"{len(result.images)} images for task {rec.task_id} of {len(rec.slots)}"
+            )
+        return self.book.destination(rec)
+
+    # ------------------------------------------------------------ messages
+
+    def _answered(self, link: ServerLink, task_id: int) -> None:
+        sent = link.release(task_id)
+        if sent is not None:
+            self.deadlines.observe(time.monotonic() - sent)
+
+    def on_result(self, link: ServerLink, msg: Result) -> None:
+        self._answered(link, msg.task_id)
+        link.answered()
+        rec = self.ledger.wanted(msg.task_id, msg.plan_version)
+        if rec is None:
+            self.counters["late"] += 1  # superseded plan, or a second answer after asking again
+            return
+        # Nothing counts as progress before the answer is checked: a server answering
+        # what it was not asked must not keep an epoch that goes nowhere alive.
+        problem = result_problem(rec, msg, lambda: self._sealed(rec))
+        if problem is not None:
+            self.rejected[problem[0]] += 1
+            self._refuse(link, rec, problem[1])
+            return
+        self.progressed()
+        if msg.failed and self.config.on_error == "raise":
+            self.book.on_failure(rec, "sample", left_out(link.address, msg))
+            return
+        self.counters["results"] += 1
+        if msg.landed:
+            self.counters["results_landed"] += 1
+        self.book.on_result(rec, msg)
+
+    def _sealed(self, rec: TaskRecord) -> bool:
+        """Whether every image of ``rec`` carries the seal record (generation, task id) a
+        worker writes after composing it into our landing buffer: two words an image."""
+        batch = self.book.batch_of(rec)
+        where = self.buffers.landing_of(batch.host) if batch is not None else None
+        if where is None or rec.land_gen is None or self.landing is None:
+            return False
+        return self.landing.sealed(where[0], rec.slots, rec.land_gen, rec.task_id)
+
+    def _refuse(self, link: ServerLink, rec: TaskRecord, why: str) -> None:
+        """``link`` answered ``rec`` wrongly: it is dropped (``_bad_server``) and ``rec``
+        asked again elsewhere, unless it is out with another server or waiting to be sent
+        (a forged answer to a task sent elsewhere, or asked again already)."""
+        self._bad_server(link, why)
+        if rec.link is link:
+            self.ledger.ask_again([rec])
+
+    def on_error(self, link: ServerLink, msg: ErrorMsg) -> None:
+        if msg.task_id is None:
+            self._on_session_error(link, msg)
+            return
+        self._answered(link, msg.task_id)
+        rec = self.ledger.wanted(msg.task_id, msg.plan_version)
+        if rec is None or rec.link is not link:
+            self.counters["late"] += 1  # (or about a task it was not given: not its to fail)
+            return
+        if msg.kind in ("maybe_lost", "dropped"):
+            # A result that may never arrive (its worker died right after sending it), or
+            # one the server would not hold for us: ask again (a late copy is dropped).
+            self.counters[f"asked_again_{msg.kind}"] += 1
+            self.ledger.ask_again([rec])
+        elif msg.kind == "control_missing":  # it never had our control values: send them
+            self.sender.send_control(link)
+            self.ledger.ask_again([rec])
+        elif msg.kind == "unknown_session":  # the server restarted or forgot us: handshake again
+            self.ledger.ask_again([rec])
+            link.forget_session()
+        elif msg.kind in ("sample", "poison") and msg.index not in (None, *rec.indices):
+            self.rejected["wrong_answer"] += 1  # it blamed a sample the task lacks
+            self._refuse(link, rec, f"blamed sample {msg.index} for task {msg.task_id}")
+        else:
+            self.progressed()
+            self.book.on_failure(rec, msg.kind, task_error(link.address, msg), msg.image)
+
+    def _on_session_error(self, link: ServerLink, msg: ErrorMsg) -> None:
+        """An ERROR about this session and no task: the server forgot the session (say
+        HELLO again), or refuses it (limits, a key that does not own it, a message it cannot
+        read). A refusal is final for this client when no other server can go on without
+        that one (waiting would not help, and the server's words say why); with others
+        ready, that server alone is dropped, so one server cannot end a job by saying so."""
+        if msg.kind == "unknown_session":
+            link.forget_session()
+            return
+        if msg.kind == "not_authorized":
+            error: DataServerError = NotAuthorized(
+                f"not authorized by {link.address}: {msg.message}"
+            )
+        else:
+            error = DataServerError(f"{link.address}: {msg.message}")
+        if self.links.any_ready(besides=link) and self.handshake.done():
+            self._bad_server(link, f"it refused this session: {msg.message}")
+        else:
+            self._fail(error)
+
+    def on_cancelled(self, link: ServerLink, msg: Cancelled) -> None:
+        for tid in msg.task_ids:
+            if link.release(tid) is not None:
+                self.counters["cancelled"] += 1
+            rec = self.ledger.get(tid)
+            if rec is not None and rec.link is link:
+                self.ledger.ask_again([rec])  # cancelled though still wanted: send it again
+
+    def on_bye(self, link: ServerLink) -> None:
+        """The server is draining (SIGTERM: a scale-down, a rolling update): send it nothing
+        more. What it had queued for us comes back CANCELLED and goes to the others; what
+        it runs, it finishes."""
+        self.counters["servers_drained"] += link.state is not LinkState.DRAINING
+        link.drain()
+        self._servers_changed(lookahead=False)
+
+    def on_welcome(self, link: ServerLink, msg: Welcome) -> None:
+        problem = self.links.check(link, msg)
+        if problem is not None:
+            self._unfit(link, msg, problem)
+            return
+        was_lost = link.was_lost
+        restarted = link.welcome(msg)
+        if self.book.control_seq or self.book.plan_version:
+            self.sender.send_control(link)  # a server met anew learns the session's values first
+        self._servers_changed()
+        self.links.joined(link)
+        if restarted or was_lost:
+            # A restarted server lost what it held; after a lost connection, answers in
+            # flight may be gone. Send again; an answer that comes twice is dropped by id.
+            moved = self._move_tasks(link)
+            log.warning("%s is back: asking again for its %d task(s)", link.address, moved)
+        for other in self.links:  # servers still gone: their tasks come to those back
+            if other.state is LinkState.LOST and other.owed():
+                self._move_tasks(other)
+
+    def _unfit(self, link: ServerLink, msg: Welcome, problem: WelcomeProblem) -> None:
+        """A WELCOME that fails the check. A server that cannot compose our image size is
+        only declined when others serve the session; anything else stops it."""
+        if problem.kind is Problem.TOO_LARGE:
+            self._bad_server(link, problem.why)
+            self._fail(
+                DataServerError(
+                    f"{link.address}: {problem.why} (a dataset that large needs "
+                    "DataServerClient(max_dataset_len=...))"
+                )
+            )
+        elif (
+            problem.kind is Problem.IMAGE_SIDE
+            and self.handshake.done()
+            and self.links.any_ready(link)
+        ):
+            link.decline(msg, problem.why)
+            self._servers_changed()
+        else:
+            link.decline(msg, problem.why)  # (it holds a session for us: BYE frees it at close)
+            self._fail(DataServerError(problem.why))
+
+    # ------------------------------------------------------------ links and tasks
+
+    def discovered(self, addresses: list[str]) -> None:
+        """DNS says the servers are now ``addresses``: greet the new ones (they get tasks once
+        they answer), let go of those that left (their tasks move at once)."""
+        known = {link.address: link for link in self.links}
+        for address in addresses:
+            if address not in known:
+                log.info("%s joined (discovery)", address)
+                self.counters["servers_joined"] += 1
+                self._watch(self.links.add(address))
+        for address, link in known.items():
+            if address in addresses:
+                continue
+            log.info("%s left (discovery): moving its %d task(s)", address, len(link.owed()))
+            self.counters["servers_left"] += 1
+            self._unwatch(link)
+            self.links.remove(link)
+            self._servers_changed(lookahead=False)
+            self._move_tasks(link)
+        self._servers_changed()
+
+    def on_events(self, events: list[LinkEvent]) -> None:
+        for event in events:
+            if event.kind is EventKind.NOT_AUTHORIZED:
+                self._fail(NotAuthorized(event.why))
+            elif event.kind is EventKind.LOST:
+                self.counters["servers_lost"] += 1
+                self._servers_changed(lookahead=False)
+                if self.links.any_ready():
+                    self._move_tasks(event.link)
+            elif event.kind is EventKind.RESULTS_BROKEN:
+                # Results on their way in that connection are gone; which tasks they were
+                # for, only the server knew. Ask again for what this server still owes.
+                n = self._move_tasks(event.link)
+                if n:
+                    self.counters["asked_again_results_broken"] += n
+                    log.info(
+                        "%s: a result connection dropped (%s); asked again for %d task(s)",
+                        event.link.address,
+                        event.why,
+                        n,
+                    )
+
+    def _bad_server(self, link: ServerLink, why: str) -> None:
+        """``link`` answered what it was not asked or claimed what it did not do: a faulty
+        or hostile server. It is dropped for good (``LinkState.BANNED``), counted in
+        ``rejected["bad_server"]``, and what it held moves to the other servers (with none
+        left, the epoch stops at ``timeout`` with this reason)."""
+        if link.state is LinkState.BANNED:
+            return
+        self.rejected["bad_server"] += 1
+        link.ban(why)
+        self._servers_changed()
+        self._move_tasks(link)
+
+    def _servers_changed(self, lookahead: bool = True) -> None:
+        """The ready servers changed: how many tasks they can work on at once (the book
+        cuts batches into enough tasks to keep them all busy), where keys route; and
+        (``lookahead``) whether the lookahead is still worth it."""
+        ready = self.links.ready()
+        # A server's credit (WELCOME) is what its workers run plus as many again queued
+        # there for them: half of it runs at once.
+        self.book.set_parallelism(max(1, sum(lk.credit // 2 for lk in ready)))
+        self.book.affinity.set_ready(ready)
+        self.ledger.unprefer(set(self.book.affinity.live()))
+        if lookahead and self.config.lookahead:
+            # Lookahead composes the next batch in both modes from the same sources: worth
+            # it only where every server keeps the sources it decoded (a store); without
+            # one, it would decode them twice. Off, flips replan (zero stale either way).
+            stores = self.links.stores()
+            if self.book.lookahead.enabled and not stores:
+                log.info("a server keeps no store of sources (--cache-gb 0): lookahead is off")
+                self.book.set_lookahead(False)
+            elif not self.book.lookahead.enabled and stores and self.config.stitch_k > 1:
+                self.book.set_lookahead(True)
+
+    def _move_tasks(self, link: ServerLink) -> int:
+        n = self.ledger.ask_again(self.ledger.records(link.take_outstanding()))
+        self.counters["reissued"] += n
+        return n
+
+    # ------------------------------------------------------------ timers
+
+    def expire(self, now: float) -> None:
+        """Tasks unanswered past the deadline are asked again (their credit is let go: the
+        server either lost the answer, or will answer twice and the copy is dropped)."""
+        limit = self.deadlines.value
+        for link in self.links:
+            if link.state is not LinkState.READY:
+                continue
+            n = self.ledger.ask_again(self.ledger.records(link.expire(now, limit)))
+            if n:
+                self.counters["asked_again_deadline"] += n
+                log.info(
+                    "%s: %d task(s) unanswered for %.1f s; asked again", link.address, n, limit
+                )
+
+    def progressed(self) -> None:
+        """Something moved the epoch on (a checked answer, a task's failure, a new epoch)."""
+        self._last_progress = time.monotonic()
+
+    def check_progress(self, now: float) -> None:
+        """Stop the trainer when tasks are waiting and nothing progressed for ``timeout``,
+        naming what each server still owes."""
+        ledger = self.ledger
+        waiting = bool(ledger.pending) or any(link.owed() for link in self.links)
+        if not (waiting and len(ledger)):
+            self._last_progress = now
+            return
+        if now - self._last_progress <= self.config.timeout:
+            return
+        parts = []
+        for link in self.links:
+            mine = sum(1 for t in link.owed() if t in ledger)
+            why = f", {link.last_error}" if link.last_error else ""
+            parts.append(
+                f"{link.address} ({link.state.name.lower()}, {mine} task(s) outstanding{why})"
+            )
+        pending = ledger.pending
+        self._fail(
+            DataServerError(
+                f"no progress for {self.config.timeout:g} s; waiting for: "
+                + ", ".join(parts)
+                + (f"; {pending} task(s) not yet sent" if pending else "")
+            )
+        )
+        self._last_progress = now

@@ -1,0 +1,375 @@
+"""The front's client messages: HELLO, TASK, CONTROL (from the data socket or the control
+socket), HEARTBEAT, STATS and BYE, each checked (the session's secret, the CURVE key that
+owns the session id, sequence numbers, limits) before it changes anything.
+
+``Clients`` decides what a message does; the ``Scheduler`` (sessions and their queues) and
+the ``Outlet`` (every send) apply it, through their methods. It gets them, the worker
+router (where results go, which tasks run), the config and the counters as arguments, and
+from the ``Front`` only callables: whether it is draining, the WELCOME it sends, its STATS.
+It owns one thing: which CURVE key each client connection came with (``_owners``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+from collections import Counter, OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from dataserver.loop import inject
+from dataserver.protocol import (
+    Bye,
+    Control,
+    ErrorMsg,
+    Heartbeat,
+    Hello,
+    Message,
+    ProtocolError,
+    Stats,
+    Task,
+    Welcome,
+    decode,
+    steer_tag,
+)
+from dataserver.security import owns, same_secret
+from dataserver.server.config import ServerConfig
+from dataserver.server.outlet import Outlet
+from dataserver.server.routing import WorkerRouter
+from dataserver.server.sessions import Scheduler, Session, TaskEntry
+from dataserver.server.statsview import StatsView
+
+log = logging.getLogger("dataserver.front")
+
+OWNERS_KEPT = 4096  # connections whose CURVE key is remembered
+
+
+def task_digest(task: Task) -> bytes:
+    """What a task computes (not where it lands): a task asked again is the same task, and
+    one that says otherwise under a live id is refused, not taken for a duplicate."""
+    what = (
+        task.plan_version,
+        task.epoch,
+        task.seed,
+        task.images,
+        task.grid,
+        task.out_hw,
+        task.fit_hw,
+        task.on_error,
+        task.control_seq,
+        task.exclude,
+    )
+    return hashlib.blake2b(repr(what).encode(), digest_size=16).digest()
+
+
+def _user_id(frame: Any) -> str:
+    """The CURVE user id ZAP gave the connection ``frame`` came on ("" without one)."""
+    try:
+        return str(frame.get("User-Id") or "")
+    except (zmq.ZMQError, AttributeError):
+        return ""
+
+
+class Clients:
+    """What each client message does. ``on_data`` takes the frames of the data socket,
+    ``on_control`` those of the control socket; both run in the front's loop thread."""
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        scheduler: Scheduler,
+        outlet: Outlet,
+        workers: WorkerRouter,
+        statsview: StatsView,
+        counters: Counter[str],
+        rejected: Counter[str],
+        server_id: str,
+        welcome: Callable[[bytes], Welcome],
+        stats: Callable[[], dict[str, Any]],
+        draining: Callable[[], bool],
+    ) -> None:
+        self.config = config
+        self.scheduler = scheduler
+        self.outlet = outlet
+        self.workers = workers
+        self.statsview = statsview
+        self.counters = counters
+        self.rejected = rejected
+        self._server_id = server_id
+        self._welcome = welcome
+        self._stats = stats
+        self._draining = draining
+        self._owners: OrderedDict[bytes, str] = OrderedDict()  # identity -> CURVE user id
+
+    def _refuse(self, reason: str, identity: bytes | None, detail: str, **ids: Any) -> None:
+        """Count a refused message; tell its sender why when there is one to tell."""
+        self.rejected[reason] += 1
+        log.debug("rejected (%s): %s", reason, detail)
+        if identity is not None:
+            kind = "protocol" if reason == "malformed" else reason
+            self.outlet.send_to(
+                identity, ErrorMsg(message=f"rejected: {reason}: {detail}", kind=kind, **ids)
+            )
+
+    def _owner(self, identity: bytes, frame: Any) -> str | None:
+        """The CURVE user (z85 public key) of the connection ``identity``, remembered."""
+        user = self._owners.get(identity)
+        if user is None:
+            user = _user_id(frame)
+            self._owners[identity] = user
+            if len(self._owners) > OWNERS_KEPT:
+                self._owners.popitem(last=False)
+        else:
+            self._owners.move_to_end(identity)
+        return user
+
+    def _not_owner(self, identity: bytes | None, frame: Any, session: bytes | None) -> bool:
+        """With CURVE, a session id may only be used by the key it is tagged with."""
+        if self.config.curve is None or session is None:
+            return False
+        user = self._owner(identity, frame) if identity is not None else _user_id(frame)
+        return not owns(session, user)
+
+    def _authentic(
+        self,
+        identity: bytes,
+        msg: Task | Control | Heartbeat | Bye,
+        ids: dict[str, Any] | None = None,
+        quiet: bool = False,
+    ) -> Session | None:
+        """The session ``msg`` acts for, if it carries that session's secret: then replies
+        go to ``identity`` (where its owner is now). Otherwise None, counted, and the
+        sender (never the session's owner) told why unless ``quiet``."""
+        session = self.scheduler.sessions.get(msg.session) if msg.session is not None else None
+        if session is None:
+            reason, why = "unknown_session", "unknown session: say HELLO first"
+        elif not same_secret(session.secret, msg.auth):
+            reason, why = "bad_secret", "this message does not carry the session's secret"
+        else:
+            self.scheduler.touch(session, identity)
+            return session
+        if quiet:  # (a heartbeat or BYE for a session this server forgot is no attack)
+            self.rejected[reason] += reason == "bad_secret"
+        else:
+            more = ids if ids is not None and reason == "unknown_session" else {}
+            self._refuse(
+                reason,
+                identity,
+                why + " (the server may have restarted)" if reason == "unknown_session" else why,
+                **more,
+            )
+        return None
+
+    def on_data(self, frames: list[Any]) -> None:
+        identity = frames[0].bytes
+        try:
+            msg = decode(frames[1:])
+        except ProtocolError as exc:
+            self._refuse("malformed", identity, str(exc))
+            return
+        session_id = getattr(msg, "session", None)
+        if self._not_owner(identity, frames[1], session_id):
+            self._refuse(
+                "not_owner", identity, "this session id belongs to another key", session=session_id
+            )
+            return
+        self._on_client_message(identity, msg, frames)
+
+    def _on_client_message(self, identity: bytes, msg: Message, frames: list[Any]) -> None:
+        """A decoded message from a client connection ``identity``, to its handler."""
+        match msg:
+            case Task():
+                inject("front.task")
+                self._on_task(identity, msg, frames[1:])
+            case Hello():
+                self._on_hello(identity, msg)
+            case Control():
+                session = self._authentic(identity, msg)
+                if session is not None:
+                    self._steer(session, msg)
+            case Heartbeat():
+                self._on_heartbeat(identity, msg)
+            case Stats():
+                if self.statsview.allow(frames[1]):  # (counted when over the rate)
+                    self.outlet.send_to(identity, Stats(stats=self._stats()))
+            case Bye():
+                self._on_bye(identity, msg)
+            case _:
+                self._refuse(
+                    "unexpected_type", identity, f"{msg.TYPE.name} is not sent to a server"
+                )
+
+    def _on_heartbeat(self, identity: bytes, msg: Heartbeat) -> None:
+        """A beat: the session (if it names one) is alive; the answer lists where the
+        workers' direct results are now."""
+        if msg.session is not None:
+            self._authentic(identity, msg, quiet=True)
+        results, local = self.workers.result_endpoints()
+        beat = Heartbeat(server_id=self._server_id, results=results, local=local)
+        self.outlet.send_to(identity, beat)
+
+    def _on_bye(self, identity: bytes, msg: Bye) -> None:
+        if msg.session is not None and self._authentic(identity, msg, quiet=True):
+            self.scheduler.close(msg.session)
+            self.counters["sessions_closed"] += 1
+
+    def _on_hello(self, identity: bytes, msg: Hello) -> None:
+        if self._draining():  # leaving: a new client should not count on us
+            self.outlet.send_to(identity, Bye(session=msg.session))
+            return
+        if msg.auth is None:
+            self._refuse(
+                "no_secret", identity, "HELLO carries no session secret (auth)", session=msg.session
+            )
+            return
+        known = self.scheduler.sessions.get(msg.session)
+        if known is not None and not same_secret(known.secret, msg.auth):
+            # Someone else's session id: whoever holds it keeps it, and the sender learns
+            # nothing but that.
+            self._refuse(
+                "not_owner",
+                identity,
+                "this session id is in use by another client",
+                session=msg.session,
+            )
+            return
+        base = max(msg.plan_version, msg.control_seq)
+        if self.scheduler.open(msg.session, identity, msg.auth, base) is None:
+            self._refuse(
+                "session_limit",
+                identity,
+                f"this server has {len(self.scheduler.sessions)} sessions open, the most it "
+                f"takes (--max-sessions {self.config.max_sessions})",
+                session=msg.session,
+            )
+            return
+        self.counters["hellos"] += 1
+        self.outlet.send_to(identity, self._welcome(msg.session))
+
+    def _on_task(self, identity: bytes, task: Task, frames: list[Any]) -> None:
+        ids = {"session": task.session, "task_id": task.task_id, "plan_version": task.plan_version}
+        session = self._authentic(identity, task, ids)
+        if session is None:
+            return
+        if not (session.reachable(task.plan_version) and session.reachable(task.control_seq)):
+            self._refuse(
+                "sequence",
+                identity,
+                f"plan_version {task.plan_version} / control_seq {task.control_seq}: more than "
+                "this session can have reached",
+                **ids,
+            )
+            return
+        digest = task_digest(task)
+        if self._asked_again(session, task, digest):
+            return
+        side = self.config.max_image_side
+        if max(task.out_hw) > side:
+            self._refuse(
+                "limit",
+                identity,
+                f"image {task.out_hw[0]}x{task.out_hw[1]} exceeds this server's "
+                f"--max-image-side {side}",
+                **ids,
+            )
+            return
+        self.outlet.cancel(session, self.scheduler.cancel_older(session, task.plan_version))
+        if task.plan_version < session.version or self._draining():
+            self.outlet.cancel(
+                session, [TaskEntry(session.sid, task.task_id, task.plan_version, (), [])]
+            )
+            return
+        nbytes = sum(len(memoryview(f)) for f in frames)
+        over = self.scheduler.over_limit(session, nbytes)
+        if over is not None:
+            reason, why = over
+            if reason == "queue_bytes":
+                why += f" (--max-queued-mb {self.config.max_queued_mb})"
+            self._refuse(reason, identity, why, **ids)
+            return
+        if task.control_seq > session.control_seq:
+            # The CONTROL that names these values never came (this server restarted, or
+            # forgot the session): the client sends it again, then the task.
+            self._refuse(
+                "control_missing", identity, f"control values {task.control_seq} unknown", **ids
+            )
+            return
+        entry = TaskEntry(
+            session.sid,
+            task.task_id,
+            task.plan_version,
+            task.images,
+            frames,
+            nbytes,
+            control_seq=task.control_seq,
+            digest=digest,
+        )
+        self.scheduler.admit(session, entry)
+        self.counters["tasks_received"] += 1
+
+    def _asked_again(self, session: Session, task: Task, digest: bytes) -> bool:
+        """Whether ``task`` is one still queued or running here, asked again (its deadline
+        passed): then the answer the first one makes is the answer. A task a worker holds
+        but does not run may be one whose answer was lost: that one is run again."""
+        live = self.scheduler.live.get((task.session, task.task_id))
+        if live is not None and live.digest != digest:
+            # The session's owner (the secret was checked) changed a task it asked for: a
+            # source left out after it killed workers. The new one replaces a queued copy;
+            # a running one finishes, and the client takes whichever answer it still wants.
+            # (A task is never taken for a duplicate of one with other contents.)
+            self.counters["tasks_replaced"] += 1
+            if live.held_by is None:
+                self.scheduler.take(session, lambda e: e is live)
+            self.scheduler.finish(live)
+            return False
+        if live is not None and (live.held_by is None or self.workers.is_running(live)):
+            self.counters["tasks_duplicate"] += 1
+            return True
+        return False
+
+    def on_control(self, frames: list[Any]) -> None:
+        try:
+            msg = decode(frames)
+        except ProtocolError as exc:
+            self._refuse("control_malformed", None, str(exc))
+            return
+        if not isinstance(msg, Control):
+            self._refuse("control_unexpected_type", None, msg.TYPE.name)
+            return
+        if self._not_owner(None, frames[0], msg.session):
+            self._refuse("control_not_owner", None, "session id belongs to another key")
+            return
+        # Published to every server of a client: one entry per server (a handle from the
+        # secret this server has for the session, and a keyed tag), under the client's own
+        # id, which names no session here. This server knows only its own secrets.
+        matched = False
+        for entry in msg.tags or ():
+            session = self.scheduler.by_handle.get(entry[:16])
+            if session is None:
+                continue
+            matched = True
+            if hmac.compare_digest(steer_tag(session.secret, msg), entry):
+                self._steer(session, msg)
+                return
+        self.rejected["control_bad_secret" if matched else "control_unknown_session"] += 1
+
+    def _steer(self, session: Session, msg: Control) -> None:
+        """A session's CONTROL (from the data or the control socket; the second copy of
+        one is a no-op): new control values, older plans' queued tasks cancelled, and the
+        tasks it lists cancelled if still queued."""
+        if msg.plan_version < session.version or msg.control_seq < session.control_seq:
+            self.rejected["control_stale"] += 1  # replayed or overtaken: nothing to do
+            return
+        if not (session.reachable(msg.plan_version) and session.reachable(msg.control_seq)):
+            self.rejected["sequence"] += 1  # would cancel everything the session sends after
+            return
+        self.counters["controls"] += 1
+        self.scheduler.steer(session, msg.control_seq, msg.control)
+        seq = session.control_seq
+        gone = self.scheduler.cancel_older(session, msg.plan_version)
+        wanted = set(msg.cancel)
+        gone += self.scheduler.take(session, lambda e: e.task_id in wanted or e.control_seq < seq)
+        self.outlet.cancel(session, gone)
