@@ -411,9 +411,16 @@ class ServerLink:
     def sync_results(
         self, announced: Sequence[str], local: Sequence[str] = (), token: str | None = None
     ) -> None:
-        """Connect to the workers a server announces, and let go of those it no longer does.
-        A worker's ipc endpoint (``local``, same order) is preferred when this client is on
-        the server's host: when the server's token can be read beside it."""
+        """Connect to the workers a server announces. A worker's ipc endpoint (``local``,
+        same order) is preferred when this client is on the server's host: when the
+        server's token can be read beside it.
+
+        Endpoints no longer announced (a replaced worker's) are never disconnected: libzmq
+        aborts the process (``Assertion failed: !_more``, src/fq.cpp; libzmq #3485) when a
+        pipe is terminated while a multipart message from it is being read, and a message
+        from that worker may be waiting. A dead endpoint costs a reconnect attempt a
+        second; at most ``MAX_WORKER_ENDPOINTS`` are ever connected (past that, results
+        from new workers come through the front, as for a client that cannot reach them)."""
         if token is not None:
             self.local_token = token
         use_local = len(local) == len(announced) and _same_host(local, self.local_token)
@@ -424,13 +431,10 @@ class ServerLink:
             if e.startswith(("tcp://", "ipc://"))
         }
         for endpoint in sorted(wanted - self.result_endpoints):
+            if len(self.result_endpoints) >= MAX_WORKER_ENDPOINTS:
+                break
             self.results.connect(endpoint)
-        for endpoint in sorted(self.result_endpoints - wanted):
-            try:
-                self.results.disconnect(endpoint)
-            except zmq.ZMQError:
-                pass
-        self.result_endpoints = wanted
+            self.result_endpoints.add(endpoint)
         if self.handover is not None:
             paths = [landing_socket(e) for e in local] if use_local else []
             self.handover.sync([p for p in paths[:MAX_WORKER_ENDPOINTS] if p is not None])
