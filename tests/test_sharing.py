@@ -27,18 +27,20 @@ N = 64
 MERGE = ("--dataset", "ds_plugins:merge", "--dataset-args", '{"n": 64}')
 
 
+def batch_digest(batch: Any) -> str:
+    """A batch's pixels, boxes, labels and indices, as one digest."""
+    h = hashlib.blake2b(batch.images.numpy().tobytes(), digest_size=16)
+    for t in batch.targets:
+        h.update(t["boxes"].numpy().tobytes())
+        h.update(t["labels"].numpy().tobytes())
+    h.update(repr(batch.indices).encode())
+    return h.hexdigest()
+
+
 def digests(client: DataServerClient, epoch: int = 0) -> list[str]:
-    """One digest per batch of an epoch: pixels, boxes, labels and indices."""
+    """One digest per batch of an epoch."""
     client.set_epoch(epoch)
-    out = []
-    for batch in client:
-        h = hashlib.blake2b(batch.images.numpy().tobytes(), digest_size=16)
-        for t in batch.targets:
-            h.update(t["boxes"].numpy().tobytes())
-            h.update(t["labels"].numpy().tobytes())
-        h.update(repr(batch.indices).encode())
-        out.append(h.hexdigest())
-    return out
+    return [batch_digest(batch) for batch in client]
 
 
 def job(address: str, control: dict[str, Any] | None, **kwargs: Any) -> list[str]:
@@ -143,15 +145,7 @@ def test_a_long_job_outlives_many_sessions_passing_through_its_worker(
             ctx.term()
         assert answered == 1500
         rest = list(it)
-    got = []
-    for batch in [*first, *rest]:
-        h = hashlib.blake2b(batch.images.numpy().tobytes(), digest_size=16)
-        for t in batch.targets:
-            h.update(t["boxes"].numpy().tobytes())
-            h.update(t["labels"].numpy().tobytes())
-        h.update(repr(batch.indices).encode())
-        got.append(h.hexdigest())
-    assert got == reference
+    assert [batch_digest(batch) for batch in [*first, *rest]] == reference
     assert server.stats()["counters"].get("controls_resent", 0) >= 1
 
 
