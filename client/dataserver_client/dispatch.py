@@ -26,14 +26,14 @@ class Sender:
     def __init__(
         self,
         config: ClientConfig,
-        session: bytes,
+        publisher: bytes,
         book: PlanBook,
         links: Links,
         buffers: HostBuffers,
         landing: LandingArea | None,
     ) -> None:
         self._config = config
-        self._session = session
+        self._publisher = publisher  # the id published CONTROLs go under
         self._book = book
         self._links = links
         self._buffers = buffers
@@ -130,10 +130,10 @@ class Sender:
         }
         if link is not None:
             return Control(session=link.session, auth=link.secret, **fields)
-        bare = Control(session=self._session, auth=None, **fields)
+        bare = Control(session=self._publisher, auth=None, **fields)
         met = self._links.met()[:MAX_TAGS]
         return Control(
-            session=self._session,
+            session=self._publisher,
             auth=None,
             tags=tuple(steer_tag(lk.secret, bare) for lk in met),
             **fields,

@@ -83,7 +83,9 @@ class Engine(threading.Thread):
         self.config = config
         self.handoff = handoff
         self.curve = curve
-        self.session = session_id(curve["public"] if curve else None)
+        # The client's own id: what it publishes on control sockets goes under it. It names
+        # no session on any server (each link draws its own, see ``Links.add``).
+        self.publisher = session_id(curve["public"] if curve else None)
         self.mover = DeviceMover(config.device)
         self.landing = landing_area(config)
         self.buffers = HostBuffers(config.device, keep=config.prefetch + 4, landing=self.landing)
@@ -180,10 +182,10 @@ class Engine(threading.Thread):
         discovery: Discovery | None = None
         try:
             standing = lambda: (self.book.plan_version, self.book.control_seq)  # noqa: E731
-            links = Links(ctx, self.config, self.session, self.curve, standing, self.landing)
+            links = Links(ctx, self.config, self.curve, standing, self.landing)
             self.links = links
             self.sender = Sender(
-                self.config, self.session, self.book, links, self.buffers, self.landing
+                self.config, self.publisher, self.book, links, self.buffers, self.landing
             )
             self.handlers = Handlers(
                 self.config,

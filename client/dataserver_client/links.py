@@ -602,13 +602,12 @@ class Links:
         self,
         ctx: zmq.Context[Any],
         config: ClientConfig,
-        session: bytes,
         curve: dict[str, bytes] | None,
         standing: Callable[[], tuple[int, int]] = lambda: (0, 0),
         landing: LandingArea | None = None,
     ) -> None:
         self.config = config
-        self._ctx, self._session, self._curve = ctx, session, curve
+        self._ctx, self._curve = ctx, curve
         self._standing = standing
         self._landing = landing
         self.pub = ctx.socket(zmq.PUB)
