@@ -354,6 +354,9 @@ class Clients:
             if hmac.compare_digest(steer_tag(session.secret, msg), entry):
                 self._steer(session, msg)
                 return
+        if not matched and any(e[:16] in self.scheduler.closed_handles for e in msg.tags or ()):
+            self.counters["controls_after_close"] += 1  # published before its BYE, came after
+            return
         self.rejected["control_bad_secret" if matched else "control_unknown_session"] += 1
 
     def _steer(self, session: Session, msg: Control) -> None:

@@ -12,7 +12,7 @@ seconds when all places are taken (a client beats every 0.5 s; a silent one is g
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +20,7 @@ from dataserver.protocol.messages import pub_handle
 
 STEER_RATE = 100_000  # plan/control changes a second a session could make (a tight loop)
 STEER_SLACK = 1 << 16
+CLOSED_HANDLES_KEPT = 4096
 
 
 @dataclass(eq=False)
@@ -106,6 +107,9 @@ class Scheduler:
         self.live: dict[tuple[bytes, int], TaskEntry] = {}
         # Sessions by the handle a published CONTROL names them with (``pub_handle``).
         self.by_handle: dict[bytes, Session] = {}
+        # Handles of sessions closed lately: a CONTROL its client published just before its
+        # BYE may arrive after it (another socket), and is no attack.
+        self.closed_handles: OrderedDict[bytes, None] = OrderedDict()
         self._ready: deque[Session] = deque()
         self.queued = 0
         self.queued_bytes = 0
@@ -235,7 +239,11 @@ class Scheduler:
         """Forget a session and its queued tasks."""
         session = self.sessions.pop(sid, None)
         if session is not None:
-            self.by_handle.pop(pub_handle(session.secret), None)
+            handle = pub_handle(session.secret)
+            self.by_handle.pop(handle, None)
+            self.closed_handles[handle] = None
+            if len(self.closed_handles) > CLOSED_HANDLES_KEPT:
+                self.closed_handles.popitem(last=False)
             self._took(session, len(session.queue), session.queued_bytes)
             session.queue.clear()
             for task_id in session.live_ids:  # its own, not a scan of every session's
