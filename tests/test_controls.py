@@ -15,7 +15,7 @@ pytestmark = pytest.mark.timeout(30)
 
 
 def tint(states: ControlStates, session: bytes, seq: int) -> int:
-    dataset, _ = states.for_task(session, seq)
+    dataset, _, _ = states.for_task(session, seq)
     return int(dataset[0]["image"][0, 0, 0])
 
 
@@ -25,7 +25,7 @@ def test_each_session_sees_its_own_values_from_a_known_start() -> None:
     states.learn(b"b", 3, {"label_shift": 5})  # merge-style: tint is not b's to inherit
     assert tint(states, b"a", 1) == 100
     assert tint(states, b"b", 3) == 0
-    dataset_b, _ = states.for_task(b"b", 3)
+    dataset_b, _, _ = states.for_task(b"b", 3)
     assert int(dataset_b[0]["labels"][0]) == 6
     assert tint(states, b"c", 0) == 0  # never set values: the pristine dataset
     assert states.pristine.state == {"tint": 0, "label_shift": 0}  # never told anything
@@ -35,8 +35,8 @@ def test_equal_values_share_one_object_and_keys_name_the_values() -> None:
     states = ControlStates(Merge(4), keep=2)
     states.learn(b"a", 1, {"tint": 3})
     states.learn(b"b", 9, {"tint": 3})
-    da, ka = states.for_task(b"a", 1)
-    db, kb = states.for_task(b"b", 9)
+    da, ka, _ = states.for_task(b"a", 1)
+    db, kb, _ = states.for_task(b"b", 9)
     assert da is db and ka == kb
     states.learn(b"c", 1, {"tint": 4})
     assert states.for_task(b"c", 1)[1] != ka
@@ -83,5 +83,5 @@ def test_a_dataset_without_set_control_is_shared_as_built() -> None:
 
     plain = Plain()
     states = ControlStates(plain)
-    assert states.for_task(b"a", 0) == (plain, "")
-    assert states.for_task(b"a", 7) == (plain, "")  # values cannot matter to it
+    assert states.for_task(b"a", 0) == (plain, "", {})
+    assert states.for_task(b"a", 7) == (plain, "", {})  # values cannot matter to it

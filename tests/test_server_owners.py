@@ -75,6 +75,7 @@ def _view(**over: object) -> ServerView:
         "draining_for_s": None,
         "limits": Limits(1024, 4096, 256, 100, 30.0),
         "store": StoreUsage(1, 10, 1 << 20),
+        "sources": "stored",
         "counters": ServerView.frozen({"sources_decoded": 1, "sources_reused": 3}),
         "rejected": ServerView.frozen({"malformed": 2}),
     }

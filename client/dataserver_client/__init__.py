@@ -13,11 +13,13 @@ with DataServerClient("tcp://127.0.0.1:5555", batch_size=16) as client:
 from dataserver_client.batch import Batch
 from dataserver_client.client import DataServerClient, iterate_epochs
 from dataserver_client.errors import DataServerError, NotAuthorized, ServerUnreachable
+from dataserver_client.sizes import MultiScale
 
 __all__ = [
     "Batch",
     "DataServerClient",
     "DataServerError",
+    "MultiScale",
     "NotAuthorized",
     "ServerUnreachable",
     "iterate_epochs",

@@ -170,11 +170,26 @@ def _unregister(landing: LandingArea) -> None:
 
 
 class InflightBatch:
-    """A planned batch whose tasks are being answered, slot by slot."""
+    """A planned batch whose tasks are being answered, slot by slot. ``control_seq`` and
+    ``control``: the control values it is planned under; ``inline``: its tasks carry those
+    values themselves (a rebuilt batch), with its own ``on_error`` (None: the client's)."""
 
-    def __init__(self, plan: BatchPlan, host: torch.Tensor) -> None:
+    def __init__(
+        self,
+        plan: BatchPlan,
+        host: torch.Tensor,
+        control_seq: int = 0,
+        control: dict[str, Any] | None = None,
+        *,
+        inline: bool = False,
+        on_error: str | None = None,
+    ) -> None:
         self.plan = plan
         self.host = host
+        self.control_seq = control_seq
+        self.control = control if control is not None else {}
+        self.inline = inline
+        self.on_error = on_error
         self.array = host.numpy()  # a view: writes land in the (pinned) tensor
         n = len(plan.images)
         self.boxes: list[np.ndarray | None] = [None] * n
@@ -188,6 +203,12 @@ class InflightBatch:
     @property
     def complete(self) -> bool:
         return self.pending == 0
+
+    def again(self, plan: BatchPlan, host: torch.Tensor, control_seq: int) -> InflightBatch:
+        """A fresh batch of the same recipe under ``plan`` (a rebuild planned again)."""
+        return InflightBatch(
+            plan, host, control_seq, self.control, inline=self.inline, on_error=self.on_error
+        )
 
     def fill(
         self,
@@ -228,7 +249,13 @@ class DeviceMover:
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.cuda else None
 
-    def deliver(self, inflight: InflightBatch, epoch: int, buffers: HostBuffers) -> Delivery:
+    def deliver(
+        self,
+        inflight: InflightBatch,
+        epoch: int,
+        buffers: HostBuffers,
+        manifest: dict[str, Any] | None = None,
+    ) -> Delivery:
         plan = inflight.plan
         keep = [s for s in range(len(plan.images)) if s not in inflight.dropped]
         images = inflight.host
@@ -268,6 +295,8 @@ class DeviceMover:
             feedback_seq=0,
             skipped=len(inflight.skipped),
             skipped_indices=list(inflight.skipped),
+            image_size=plan.fit_hw,
+            manifest=manifest if manifest is not None else {},
         )
         return Delivery(batch, event)
 
@@ -289,7 +318,7 @@ def landing_area(config: ClientConfig) -> LandingArea | None:
     memfd: no name on the file system), unless ``shared_memory`` is off."""
     if not config.shared_memory:
         return None
-    h, w = config.image_size
+    h, w = config.sizes.stored_hw  # the largest size of the schedule
     try:
         return LandingArea(config.prefetch + 5, config.batch_size * 3 * h * w, config.batch_size)
     except (OSError, ValueError) as exc:

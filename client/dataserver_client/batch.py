@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -20,6 +21,11 @@ class Batch:
     - ``mode``: "regular" or "stitch"; ``epoch``; ``step`` (batch number in the epoch);
       ``feedback_seq``: how many feedback/set_mode/control calls this batch honours.
     - ``skipped``: samples left out under ``on_error="skip"``.
+    - ``image_size``: (h, w) the batch was made at (its images' size; with
+      ``stitch_layout="batch"``, the size before the stitched images were cut in k).
+    - ``manifest``: plain data naming the batch completely (epoch, step, mode, image size,
+      indices, control values, seed, ...): ``client.rebuild(manifest)`` makes it again,
+      bit-identical, from any client of servers with the same dataset.
     """
 
     images: torch.Tensor
@@ -31,6 +37,8 @@ class Batch:
     feedback_seq: int
     skipped: int = 0
     skipped_indices: list[int] = field(default_factory=list)
+    image_size: tuple[int, int] = (0, 0)
+    manifest: dict[str, Any] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return int(self.images.shape[0])

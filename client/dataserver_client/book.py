@@ -20,7 +20,8 @@ again), and drops the deeper batches of the old mode, cancelling their tasks by 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -42,6 +43,8 @@ from dataserver_client.epoch import (
 from dataserver_client.errors import DataServerError
 from dataserver_client.handoff import Handoff
 from dataserver_client.ledger import TaskLedger, TaskRecord
+from dataserver_client.rebuild import Rebuilds, manifest_of
+from dataserver_client.sizes import SizeSchedule
 
 if TYPE_CHECKING:
     from dataserver_client.links import ServerLink
@@ -81,6 +84,7 @@ class Position:
     control_seq: int
     deal: dict[str, Any] | None
     share: int | None  # samples in this rank's share of the epoch (None: no epoch yet)
+    image_size: list[int] | dict[str, Any]  # the size schedule, as a state holds it
 
 
 @dataclass(frozen=True)
@@ -180,10 +184,13 @@ class PlanBook:
         self.plan_version = 0
         self.control: dict[str, Any] = {}
         self.control_seq = 0
+        self.sizes: SizeSchedule = config.sizes  # the size schedule from the next batch on
         self.cursor: Cursor | None = None
+        self.rebuilds = Rebuilds()  # batches rebuilt from a manifest (``client.rebuild``)
         self._inflight: dict[int, InflightBatch] = {}
         self._plans: dict[int, BatchPlan] = {}  # the current mode's plans, from step taken on
         self._sealing: list[InflightBatch] = []  # complete, waiting for their buffer's seal
+        self._sealing_rebuilds: list[InflightBatch] = []  # the same, of rebuilt batches
         self._parallelism = 2  # worker slots over every ready server
         self.lookahead = Lookahead(config.lookahead and self.layout.stitch_k > 1)
         self.flips = {"promoted": 0, "promoted_ready": 0, "replanned": 0}
@@ -207,7 +214,7 @@ class PlanBook:
         batch = rec.batch
         if batch is self.lookahead.batch or self._inflight.get(batch.plan.step) is batch:
             return batch
-        return None
+        return batch if batch in self.rebuilds else None
 
     def destination(self, rec: TaskRecord) -> np.ndarray:
         """Where the images of a wanted task's answer are received: its slots of the batch
@@ -301,6 +308,12 @@ class PlanBook:
     def _maybe_finish(self, batch: InflightBatch) -> None:
         if not batch.complete:
             return
+        if batch in self.rebuilds:  # (sealed apart: no plan of the epoch's may touch it)
+            if self._buffers.seal(batch.host):
+                self._deliver(batch)
+            else:
+                self._sealing_rebuilds.append(batch)
+            return
         if batch is not self.lookahead.batch:
             del self._inflight[batch.plan.step]
         if not self._buffers.seal(batch.host):  # a late writer is in it: deliver once out
@@ -309,7 +322,11 @@ class PlanBook:
         self._deliver(batch)
 
     def _deliver(self, batch: InflightBatch) -> None:
-        delivery = self._mover.deliver(batch, self.epoch, self._buffers)
+        manifest = manifest_of(batch, self.layout, self.config.on_error)
+        delivery = self._mover.deliver(batch, batch.plan.epoch, self._buffers, manifest)
+        if batch in self.rebuilds:
+            self.rebuilds.finished(batch, delivery)
+            return
         if batch is self.lookahead.batch:  # kept until a flip promotes it or the step passes
             self.lookahead.finished(delivery)
             return
@@ -317,6 +334,12 @@ class PlanBook:
 
     def retry_seals(self) -> None:
         """Deliver the complete batches whose buffers could not be sealed before."""
+        if self._sealing_rebuilds:
+            waiting = [b for b in self._sealing_rebuilds if not self._buffers.seal(b.host)]
+            for batch in self._sealing_rebuilds:
+                if batch not in waiting:
+                    self._deliver(batch)
+            self._sealing_rebuilds = waiting
         if not self._sealing:
             return
         waiting = []
@@ -330,6 +353,9 @@ class PlanBook:
     def fail_batch(self, batch: InflightBatch, error: DataServerError) -> None:
         self.ledger.forget(lambda r: r.batch is batch)
         self._buffers.give(batch.host)
+        if batch in self.rebuilds:
+            self.rebuilds.failed(batch, error)
+            return
         if batch is self.lookahead.batch:  # the trainer gets the error if a flip promotes it
             self.lookahead.finished(error)
             return
@@ -366,10 +392,13 @@ class PlanBook:
         self._inflight[plan.step] = self._plan_tasks(plan)
         return True
 
-    def _plan_tasks(self, plan: BatchPlan) -> InflightBatch:
+    def _plan_tasks(self, plan: BatchPlan, batch: InflightBatch | None = None) -> InflightBatch:
         """The batch's buffer and tasks: runs of consecutive images, cut where the server
-        their sources belong to changes (several servers), else evenly."""
-        batch = InflightBatch(plan, self._buffers.take((len(plan.images), 3, *plan.out_hw)))
+        their sources belong to changes (several servers), else evenly. ``batch``: one made
+        already (a rebuild), else a new one under the current control values."""
+        if batch is None:
+            host = self._buffers.take((len(plan.images), 3, *plan.out_hw))
+            batch = InflightBatch(plan, host, self.control_seq, self.control)
         images = plan.images
         n = len(images)
         keys = [self._affinity(plan, j) for j in range(n)]
@@ -406,7 +435,7 @@ class PlanBook:
         if not self.lookahead.active or self.cursor is None:
             return first
         k = self.layout.stitch_k
-        per_image = k if plan.mode == STITCH and self.layout.stitch_layout == "spatial" else 1
+        per_image = k if plan.mode == STITCH and self.layout.k_per_image else 1
         position = plan.start + j * per_image
         return int(self.cursor.shard[position - position % k])
 
@@ -468,9 +497,19 @@ class PlanBook:
         self.affinity.clear()
         shard, spare = planned or epoch_shard(self.config, dataset_len, epoch, deal)
         self._deal_state = None if deal is None else deal.to_state()
-        self.cursor = Cursor(shard, self.layout, self._mode, self.plan_version, spare)
+        self.cursor = Cursor(
+            shard,
+            self.layout,
+            self._mode,
+            self.plan_version,
+            spare,
+            epoch=epoch,
+            seed=self.config.seed,
+            sizes=self.sizes,
+        )
         self.cursor.jump(step, position, self._mode)
         self._handoff.begin(step, self.plan_version)
+        self._replan_rebuilds()
         return len(shard)
 
     def flip(self, mode: str) -> bool:
@@ -524,27 +563,67 @@ class PlanBook:
         for step in [s for s in self._plans if s > taken]:
             del self._plans[step]
 
-    def steer(self, mode: str, control: dict[str, Any] | None) -> int:
-        """Switch mode and/or control values from the next batch the trainer takes on.
+    def steer(
+        self, mode: str, control: dict[str, Any] | None, sizes: SizeSchedule | None = None
+    ) -> int:
+        """Switch mode, control values and/or the size schedule from the next batch the
+        trainer takes on.
 
         Returns the new plan_version. Every batch not yet taken is dropped and planned
         again from its first sample under the new plan.
         """
         self.plan_version += 1
-        if control is None and mode != self._mode:
+        if control is None and sizes is None and mode != self._mode:
             self.flips["replanned"] += 1
         self._mode = mode
         if control is not None:
             self.control = {**self.control, **control}
             self.control_seq += 1
+        if sizes is not None:
+            self.sizes = sizes
         if self.cursor is not None:
             taken = self._handoff.taken()
             self._handoff.drop_from(taken, self.plan_version)
             first = self._plans.get(taken)
             position = first.start if first is not None else self.cursor.position
             self._drop_plans()
-            self.cursor.rewind(taken, position, mode, self.plan_version)
+            self.cursor.rewind(taken, position, mode, self.plan_version, self.sizes)
+        self._replan_rebuilds()
         return self.plan_version
+
+    # ------------------------------------------------------------ rebuilds
+
+    def rebuild(self, plan: BatchPlan, control: dict[str, Any], on_error: str) -> Any:
+        """Plan a batch again from its manifest (``rebuild.plan_of``): composed with the
+        manifest's control values, delivered to the Future this returns, never to the
+        trainer's stream of batches."""
+        plan = replace(plan, plan_version=self.plan_version)
+        host = self._buffers.take((len(plan.images), 3, *plan.out_hw))
+        batch = InflightBatch(plan, host, self.control_seq, control, inline=True, on_error=on_error)
+        future = self.rebuilds.add(batch)
+        self._plan_tasks(plan, batch)
+        return future
+
+    def abandon_rebuild(self, future: Any) -> None:
+        """The trainer stopped waiting for a rebuild: drop its tasks and buffer."""
+        batch = self.rebuilds.abandon(future)
+        if batch is not None:
+            self.ledger.forget(lambda r: r.batch is batch, cancel=True)
+            if batch in self._sealing_rebuilds:
+                self._sealing_rebuilds.remove(batch)
+            self._buffers.give(batch.host)
+
+    def _replan_rebuilds(self) -> None:
+        """The plan moved on (a steer, a new epoch): the servers drop tasks of older plans,
+        so the batches being rebuilt are asked again under this one."""
+        for old in self.rebuilds.pending():
+            self.ledger.forget(_of_batch(old), cancel=True)
+            self._buffers.give(old.host)
+            plan = replace(old.plan, plan_version=self.plan_version)
+            host = self._buffers.take((len(plan.images), 3, *plan.out_hw))
+            batch = old.again(plan, host, self.control_seq)
+            self.rebuilds.replace(old, batch)
+            self._plan_tasks(plan, batch)
 
     def _drop_plans(self) -> None:
         alt = self.lookahead.batch
@@ -556,7 +635,7 @@ class PlanBook:
         self._sealing.clear()
         self._inflight.clear()
         self._plans.clear()
-        self.ledger.clear()
+        self.ledger.clear()  # (batches being rebuilt are planned again by the caller)
 
     def position(self) -> Position:
         """The resumable position: the first batch the trainer has not taken (its position
@@ -574,9 +653,18 @@ class PlanBook:
             control_seq=self.control_seq,
             deal=self._deal_state,
             share=len(cursor.shard) - cursor.spare if cursor is not None else None,
+            image_size=self.sizes.to_state(),
         )
 
-    def restore(self, mode: str, control: dict[str, Any], control_seq: int) -> None:
+    def restore(
+        self, mode: str, control: dict[str, Any], control_seq: int, sizes: SizeSchedule
+    ) -> None:
         self._mode = mode
         self.control = dict(control)
         self.control_seq = control_seq
+        self.sizes = sizes
+
+
+def _of_batch(batch: InflightBatch) -> Callable[[TaskRecord], bool]:
+    """Whether a record is of ``batch``."""
+    return lambda rec: rec.batch is batch

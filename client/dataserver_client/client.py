@@ -22,12 +22,14 @@ from dataserver_client.config import (
     ClientConfig,
     default_rank_world,
     resolve_device,
+    size_problem,
 )
 from dataserver_client.engine import Engine
 from dataserver_client.epoch import MODES, REGULAR, STITCH, shard_size
 from dataserver_client.errors import DataServerError
 from dataserver_client.handoff import Handoff, Stuck
 from dataserver_client.metrics import ClientMetrics
+from dataserver_client.rebuild import plan_of
 from dataserver_client.resume import (
     CONFIG_KEYS,
     DEALT_VERSION,
@@ -38,6 +40,7 @@ from dataserver_client.resume import (
     merge_states,
     plan_resume,
 )
+from dataserver_client.sizes import MultiScale, SizeSchedule, schedule_of
 
 log = logging.getLogger("dataserver_client")
 
@@ -82,13 +85,20 @@ class DataServerClient:
     on that port of this process; ``stats()`` has them either way. ``max_dataset_len``:
     a server announcing more samples is refused (``DataServerError``; default 2**31: the
     epoch's order is held in memory, 4 bytes a sample up to that size).
+
+    ``image_size``: (h, w), or a ``MultiScale`` schedule (batch ``step``'s size drawn from
+    its sizes by (seed, epoch, step // every), the same on every rank, planned ahead);
+    ``set_image_size`` changes it from the next batch on. ``stitch_layout``: "spatial"
+    (a sqrt(k) x sqrt(k) grid), "batch" (k smaller images) or "mosaic" (YOLO's mosaic of 4
+    around a random centre, ``dataserver/data/mosaic.py``); ``set_mode`` turns any of them
+    on and off (close-mosaic is ``set_mode("regular")``).
     """
 
     def __init__(
         self,
         addresses: str | Sequence[str],
         batch_size: int = 16,
-        image_size: tuple[int, int] = (512, 512),
+        image_size: tuple[int, int] | MultiScale = (512, 512),
         shuffle: bool = True,
         seed: int = 0,
         rank: int | None = None,
@@ -114,10 +124,14 @@ class DataServerClient:
             auto_rank, auto_world = default_rank_world()
             rank = auto_rank if rank is None else rank
             world_size = auto_world if world_size is None else world_size
+        try:
+            sizes = schedule_of(image_size)
+        except ValueError as exc:
+            raise ValueError(f"DataServerClient: {exc}") from None
         self.config = ClientConfig(
             addresses=tuple([addresses] if isinstance(addresses, str) else addresses),
             batch_size=int(batch_size),
-            image_size=(int(image_size[0]), int(image_size[1])),
+            image_size=sizes,
             shuffle=bool(shuffle),
             seed=int(seed),
             rank=int(rank),
@@ -250,6 +264,7 @@ class DataServerClient:
         batch = dataclasses.replace(
             self._engine.mover.hand_over(item), feedback_seq=self._feedback_seq
         )
+        batch.manifest["fingerprint"] = self.fingerprint
         self._metrics.taken(now - started, batch.num_samples, now)
         return batch
 
@@ -275,6 +290,65 @@ class DataServerClient:
         if mode not in MODES:
             raise ValueError(f"mode must be 'regular' or 'stitch', got {mode!r}")
         self._steer(mode, None)
+
+    def set_image_size(self, size: tuple[int, int] | MultiScale) -> None:
+        """Make the next batch (and those after it) ``size`` (h, w), boxes in its pixels, or
+        follow a ``MultiScale`` schedule from the next batch on. Like ``set_mode``, the next
+        batch ``next()`` returns honours it, whatever the prefetch depth: the batches
+        prepared at the old size are planned again (a scheduled change, ``MultiScale``,
+        costs no such wait: its sizes are planned ahead)."""
+        try:
+            sizes = schedule_of(size, "set_image_size")
+        except ValueError as exc:
+            raise ValueError(str(exc)) from None
+        problem = size_problem(sizes, self.config.layout().grid)
+        if problem is not None:
+            raise ValueError(f"set_image_size: {problem}")
+        self._check_open()
+        self._feedback_seq += 1
+        self._engine.call(self._engine.resize, sizes)
+
+    @property
+    def image_size(self) -> tuple[int, int] | MultiScale:
+        """The size schedule from the next batch on: (h, w) or a ``MultiScale``."""
+        self._check_open()
+        sizes: SizeSchedule = self._engine.call(lambda: self._engine.book.sizes)
+        return sizes if isinstance(sizes, MultiScale) else sizes.hw
+
+    def rebuild(self, manifest: dict[str, Any]) -> Batch:
+        """The batch ``manifest`` (a ``batch.manifest``) names, composed again: bit-identical
+        images, boxes, labels, indices and mode, on any client of servers with the same
+        dataset, without touching this client's epoch, mode or control values (the batch
+        is composed with the manifest's own values). Raises ``ValueError`` for a manifest
+        that is not one (naming the field) or is of another dataset, and
+        ``DataServerError`` as ``next()`` would."""
+        self._check_open()
+        if isinstance(manifest, dict) and manifest.get("fingerprint", self.fingerprint) != (
+            self.fingerprint
+        ):
+            raise ValueError(
+                f"manifest is of dataset {manifest.get('fingerprint')!r}; the servers serve "
+                f"{self.fingerprint!r}"
+            )
+        plan, values, on_error = plan_of(manifest, self.dataset_len)
+        future = self._engine.call(self._engine.rebuild, plan, values, on_error)
+        deadline = time.monotonic() + self.config.timeout + 10.0
+        while True:
+            try:
+                delivery = future.result(0.25)
+                break
+            except TimeoutError:
+                if not self._engine.is_alive():
+                    raise self._engine.dead_error() from None
+                if time.monotonic() > deadline:
+                    self._engine.call(self._engine.abandon_rebuild, future)
+                    raise DataServerError(
+                        f"rebuild of epoch {plan.epoch} step {plan.step}: no answer within "
+                        f"{self.config.timeout + 10.0:g} s"
+                    ) from None
+        batch: Batch = self._engine.mover.hand_over(delivery)
+        batch.manifest["fingerprint"] = self.fingerprint
+        return batch
 
     def control(self, **values: Any) -> None:
         """Send values to the dataset's ``set_control(values)`` on every server; every
@@ -324,12 +398,12 @@ class DataServerClient:
             "control": snap.control,
             "control_seq": snap.control_seq,
             "deal": snap.deal,
+            "image_size": snap.image_size,
         }
         state: dict[str, Any] = {
             "version": STATE_VERSION if snap.deal is None else DEALT_VERSION,
             "dataset_len": self.dataset_len,
             "fingerprint": self.fingerprint,
-            "image_size": list(self.config.image_size),
             "feedback_seq": self._feedback_seq,
             **{k: getattr(self.config, k) for k in ("rank", "world_size", *CONFIG_KEYS)},
             **where_state,
@@ -387,7 +461,11 @@ class DataServerClient:
         check_state(job, self._identity())
         where = plan_resume(job, self.config.rank, self.config.world_size)
         self._engine.call(
-            self._engine.restore, where["mode"], where["control"], where["control_seq"]
+            self._engine.restore,
+            where["mode"],
+            where["control"],
+            where["control_seq"],
+            where["image_size"],
         )
         self._feedback_seq = where["feedback_seq"]
         self._epoch = where["epoch"]
@@ -400,7 +478,6 @@ class DataServerClient:
             **{k: getattr(self.config, k) for k in CONFIG_KEYS},
             "fingerprint": self.fingerprint,
             "dataset_len": self.dataset_len,
-            "image_size": list(self.config.image_size),
         }
 
     def stats(self) -> dict[str, Any]:

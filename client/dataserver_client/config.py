@@ -10,6 +10,7 @@ import torch
 
 from dataserver.protocol import MAX_IMAGE_SIDE, MAX_INT
 from dataserver_client.epoch import LAYOUTS, Layout
+from dataserver_client.sizes import SizeSchedule, schedule_of
 
 # The most samples a server may announce (WELCOME's dataset_len) before the client refuses
 # it: the epoch's order is built in memory, 4 bytes a sample (int32 indices: 2**31 is the
@@ -25,7 +26,7 @@ class ClientConfig:
 
     addresses: tuple[str, ...]
     batch_size: int = 16
-    image_size: tuple[int, int] = (512, 512)
+    image_size: SizeSchedule | tuple[int, int] = (512, 512)  # a SizeSchedule once built
     shuffle: bool = True
     seed: int = 0
     rank: int = 0
@@ -46,6 +47,15 @@ class ClientConfig:
     metrics_port: int | None = None  # serve the client's metrics (Prometheus) on this port
     max_dataset_len: int = MAX_DATASET_LEN  # refuse servers announcing more samples
 
+    def __post_init__(self) -> None:
+        # (h, w) given as a pair becomes a FixedSize: every reader sees one schedule type
+        object.__setattr__(self, "image_size", schedule_of(self.image_size))
+
+    @property
+    def sizes(self) -> SizeSchedule:
+        """The size schedule the client was built with."""
+        return schedule_of(self.image_size)  # (itself: normalised when built)
+
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first setting that is out of range."""
         problem = self._address_problem() or self._image_problem() or self._run_problem()
@@ -63,18 +73,16 @@ class ClientConfig:
     def _image_problem(self) -> str | None:
         if self.batch_size < 1:
             return f"batch_size must be >= 1, got {self.batch_size}"
-        if len(self.image_size) != 2 or min(self.image_size) < 1:
-            return f"image_size must be (H, W) with H, W >= 1, got {self.image_size}"
-        if max(self.image_size) > MAX_IMAGE_SIDE:
-            return f"image_size {self.image_size} exceeds {MAX_IMAGE_SIDE} pixels a side"
         side = math.isqrt(self.stitch_k)
         if self.stitch_k < 1 or side * side != self.stitch_k or side > 4:
             return f"stitch_k must be a square (1, 4, 9 or 16), got {self.stitch_k}"
-        if min(self.image_size) < side:
-            return f"image_size {self.image_size} is too small for stitch_k={self.stitch_k}"
         if self.stitch_layout not in LAYOUTS:
-            return f"stitch_layout must be 'spatial' or 'batch', got {self.stitch_layout!r}"
-        return None
+            return f"stitch_layout must be one of {', '.join(LAYOUTS)}, got {self.stitch_layout!r}"
+        if self.stitch_layout == "mosaic" and self.stitch_k != 4:
+            return (
+                f"stitch_layout='mosaic' takes 4 samples an image: stitch_k=4, got {self.stitch_k}"
+            )
+        return size_problem(self.sizes, side)
 
     def _run_problem(self) -> str | None:
         if not 0 <= self.seed <= MAX_INT:
@@ -97,12 +105,18 @@ class ClientConfig:
 
     def layout(self) -> Layout:
         return Layout(
-            self.batch_size,
-            (int(self.image_size[0]), int(self.image_size[1])),
-            self.stitch_k,
-            self.stitch_layout,
-            self.drop_last,
+            self.batch_size, self.image_size, self.stitch_k, self.stitch_layout, self.drop_last
         )
+
+
+def size_problem(sizes: SizeSchedule, grid: int) -> str | None:
+    """What is wrong with every size of ``sizes`` for a grid of ``grid`` cells a side."""
+    for h, w in sizes.sizes:
+        if max(h, w) > MAX_IMAGE_SIDE:
+            return f"image size {(h, w)} exceeds {MAX_IMAGE_SIDE} pixels a side"
+        if min(h, w) < grid:
+            return f"image size {(h, w)} is too small for a {grid}x{grid} stitch"
+    return None
 
 
 def default_rank_world() -> tuple[int, int]:

@@ -75,20 +75,28 @@ class Sender:
                 # Only a task's first send: a retry may follow a writer that died half-way.
                 "land_zero": int(rec.land_gen is None and self._landing.fresh(region)),
             }
+        batch = rec.batch
+        plan = batch.plan
         task = Task(
             session=link.session,
             auth=link.secret,
             task_id=rec.task_id,
             plan_version=rec.plan_version,
-            epoch=book.epoch,
-            seed=cfg.seed,
+            epoch=plan.epoch,
+            seed=plan.seed,
             images=rec.images,
             grid=rec.grid,
             out_hw=rec.out_hw,
-            fit_hw=cfg.image_size,
-            on_error=cfg.on_error,
+            fit_hw=plan.fit_hw,
+            source_hw=plan.stored_hw if plan.stored_hw != plan.fit_hw else None,
+            on_error=batch.on_error or cfg.on_error,
             control_seq=book.control_seq,
+            control=batch.control if batch.inline else None,
             exclude=rec.exclude,
+            step=plan.step,
+            mode=plan.mode,
+            # (a probe composes one source alone, whatever its batch's layout)
+            layout=plan.layout if rec.probe_of is None else "grid",
             **land,
         )
         return task, where[1] if where is not None else None

@@ -45,11 +45,13 @@ from dataserver_client.assembly import Delivery, DeviceMover, HostBuffers, landi
 from dataserver_client.book import PlanBook, Position
 from dataserver_client.config import ClientConfig
 from dataserver_client.dispatch import Sender
+from dataserver_client.epoch import BatchPlan
 from dataserver_client.errors import DataServerError, ServerUnreachable
 from dataserver_client.handlers import Handlers
 from dataserver_client.handoff import Handoff
 from dataserver_client.links import DatasetInfo, Discovery, Links, ServerLink
 from dataserver_client.resume import Deal
+from dataserver_client.sizes import SizeSchedule
 
 log = logging.getLogger("dataserver_client")
 
@@ -399,8 +401,25 @@ class Engine(threading.Thread):
     def snapshot(self) -> Position:
         return self.book.position()
 
-    def restore(self, mode: str, control: dict[str, Any], control_seq: int) -> None:
-        self.book.restore(mode, control, control_seq)
+    def resize(self, sizes: SizeSchedule) -> int:
+        """The trainer sets the size schedule: from the next batch on (planned again)."""
+        version = self.book.steer(self.book.mode, None, sizes)
+        self.sender.send_control(None)  # the servers drop the tasks of the older plan
+        return version
+
+    def rebuild(self, plan: BatchPlan, control: dict[str, Any], on_error: str) -> Future[Any]:
+        """Compose the batch a manifest names again; its Future gets the ``Delivery``."""
+        future = self.book.rebuild(plan, control, on_error)
+        self.handlers.progressed()
+        return future
+
+    def abandon_rebuild(self, future: Future[Any]) -> None:
+        self.book.abandon_rebuild(future)
+
+    def restore(
+        self, mode: str, control: dict[str, Any], control_seq: int, sizes: SizeSchedule
+    ) -> None:
+        self.book.restore(mode, control, control_seq, sizes)
 
     def stats(self) -> dict[str, Any]:
         lookahead = self.book.lookahead.state()

@@ -16,10 +16,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dataserver_client.sizes import SizeSchedule, schedule_of
+
 REGULAR = "regular"
 STITCH = "stitch"
 MODES = (REGULAR, STITCH)
-LAYOUTS = ("spatial", "batch")
+LAYOUTS = ("spatial", "batch", "mosaic")
 
 
 def index_dtype(n: int) -> type[np.signedinteger]:
@@ -74,10 +76,12 @@ def global_order(order: np.ndarray, world_size: int, drop_last: bool) -> np.ndar
 
 @dataclass(frozen=True)
 class Layout:
-    """How a batch is cut and composed."""
+    """How a batch is cut and composed. ``image_size``: the size schedule the client was
+    built with ((h, w) or a ``sizes`` schedule); the plan book may replace it
+    (``set_image_size``): planning takes the size of each step from the cursor's."""
 
     batch_size: int
-    image_size: tuple[int, int]
+    image_size: SizeSchedule | tuple[int, int]
     stitch_k: int
     stitch_layout: str
     drop_last: bool
@@ -85,6 +89,11 @@ class Layout:
     @property
     def grid(self) -> int:
         return math.isqrt(self.stitch_k)
+
+    @property
+    def k_per_image(self) -> bool:
+        """Whether a stitched image holds k samples (spatial, mosaic), not one (batch)."""
+        return self.stitch_layout != "batch"
 
     def samples_per_batch(self, mode: str) -> int:
         return self.batch_size if mode == REGULAR else self.batch_size * self.stitch_k
@@ -101,7 +110,10 @@ class ImagePlan:
 
 @dataclass(frozen=True)
 class BatchPlan:
-    """Batch ``step`` of the epoch under ``plan_version``: shard positions [start, stop)."""
+    """Batch ``step`` of the epoch under ``plan_version``: shard positions [start, stop).
+    ``image_size``: the batch's size (none: ``out_hw``); ``source_hw``: what sources are
+    fitted to first, as the servers' stores keep them (none: ``image_size``);
+    ``layout``: "grid" or "mosaic" (how the servers compose an image of several)."""
 
     step: int
     plan_version: int
@@ -110,6 +122,19 @@ class BatchPlan:
     stop: int
     images: tuple[ImagePlan, ...]
     out_hw: tuple[int, int]
+    epoch: int = 0
+    seed: int = 0
+    image_size: tuple[int, int] | None = None
+    source_hw: tuple[int, int] | None = None
+    layout: str = "grid"
+
+    @property
+    def fit_hw(self) -> tuple[int, int]:
+        return self.image_size if self.image_size is not None else self.out_hw
+
+    @property
+    def stored_hw(self) -> tuple[int, int]:
+        return self.source_hw if self.source_hw is not None else self.fit_hw
 
 
 def split_runs(n: int, parts: int) -> list[range]:
@@ -125,11 +150,11 @@ def split_runs(n: int, parts: int) -> list[range]:
 
 
 def cut_images(
-    indices: np.ndarray, layout: Layout, mode: str
+    indices: np.ndarray, layout: Layout, mode: str, image_size: tuple[int, int]
 ) -> tuple[tuple[ImagePlan, ...], tuple[int, int]]:
-    """The output images that compose ``indices`` into one batch in ``mode``, and their
-    size."""
-    h, w = layout.image_size
+    """The output images that compose ``indices`` into one batch in ``mode`` at
+    ``image_size``, and their size."""
+    h, w = image_size
     if mode == REGULAR:
         return tuple(ImagePlan((int(i),), 1, (h, w)) for i in indices), (h, w)
     g = layout.grid
@@ -152,13 +177,25 @@ class Cursor:
     """
 
     def __init__(
-        self, shard: np.ndarray, layout: Layout, mode: str, plan_version: int, spare: int = 0
+        self,
+        shard: np.ndarray,
+        layout: Layout,
+        mode: str,
+        plan_version: int,
+        spare: int = 0,
+        *,
+        epoch: int = 0,
+        seed: int = 0,
+        sizes: SizeSchedule | None = None,
     ) -> None:
         self.shard = shard
         self.layout = layout
         self.mode = mode
         self.plan_version = plan_version
         self.spare = spare
+        self.epoch = epoch
+        self.seed = seed
+        self.sizes = sizes if sizes is not None else schedule_of(layout.image_size)
         self.position = 0  # shard position of the next batch to plan
         self.step = 0  # its step number
 
@@ -175,8 +212,23 @@ class Cursor:
         if left <= 0 or (self.layout.drop_last and short < want):
             return None
         stop = start + (left if self.spare and short == want else min(want, left))
-        images, out_hw = cut_images(self.shard[start:stop], self.layout, mode)
-        return BatchPlan(step, self.plan_version, mode, start, stop, images, out_hw)
+        size = self.sizes.size_at(self.seed, self.epoch, step)
+        images, out_hw = cut_images(self.shard[start:stop], self.layout, mode, size)
+        mosaic = mode == STITCH and self.layout.stitch_layout == "mosaic"
+        return BatchPlan(
+            step,
+            self.plan_version,
+            mode,
+            start,
+            stop,
+            images,
+            out_hw,
+            epoch=self.epoch,
+            seed=self.seed,
+            image_size=size,
+            source_hw=self.sizes.stored_hw,
+            layout="mosaic" if mosaic else "grid",
+        )
 
     def next_plan(self) -> BatchPlan | None:
         """Plan the next batch, or None when the epoch has no more."""
@@ -185,12 +237,22 @@ class Cursor:
             self.position, self.step = plan.stop, plan.step + 1
         return plan
 
-    def rewind(self, step: int, position: int, mode: str, plan_version: int) -> None:
-        """Forget every plan from ``step`` on; plan again from ``position`` in ``mode``."""
+    def rewind(
+        self,
+        step: int,
+        position: int,
+        mode: str,
+        plan_version: int,
+        sizes: SizeSchedule | None = None,
+    ) -> None:
+        """Forget every plan from ``step`` on; plan again from ``position`` in ``mode``
+        (at ``sizes``, when given)."""
         if plan_version <= self.plan_version:
             raise ValueError("a rewind must raise plan_version")
         self.step, self.position = step, position
         self.mode, self.plan_version = mode, plan_version
+        if sizes is not None:
+            self.sizes = sizes
 
     def jump(self, step: int, position: int, mode: str) -> None:
         """Go on from batch ``step`` at ``position`` in ``mode``, under the same plan: the

@@ -118,7 +118,7 @@ def welcome_problem(
             f"{dataset.fingerprint} ({dataset.dataset_len} samples), {address} "
             f"serves {msg.fingerprint} ({msg.dataset_len} samples)",
         )
-    if max(config.image_size) > msg.max_image_side:
+    if max(config.sizes.stored_hw) > msg.max_image_side:
         return WelcomeProblem(
             Problem.IMAGE_SIDE,
             f"{address} serves images of at most {msg.max_image_side} pixels a side "

@@ -37,6 +37,7 @@ import numpy as np
 from dataserver.protocol import MAX_INT, control_problem
 from dataserver.protocol.messages import MAX_SEQ
 from dataserver_client.epoch import MODES, shard_size
+from dataserver_client.sizes import schedule_of
 
 STATE_VERSION = 1  # a state of a normal epoch: what clients without elastic resume read too
 DEALT_VERSION = 2  # a state of a dealt epoch: older clients must refuse it, not misread it
@@ -139,8 +140,9 @@ def undelivered(
 
 def check_state(state: Any, expected: dict[str, Any]) -> None:
     """Refuse a state that is not ours or was saved for other data, naming what differs
-    (``expected``: the loading client's values of ``CONFIG_KEYS``, ``fingerprint``,
-    ``dataset_len`` and ``image_size``)."""
+    (``expected``: the loading client's values of ``CONFIG_KEYS``, ``fingerprint`` and
+    ``dataset_len``). The state's ``image_size`` (the size schedule it goes on with) must
+    be one."""
     if not isinstance(state, dict) or state.get("version") not in VERSIONS:
         raise ValueError(
             f"not a DataServerClient state of version {' or '.join(map(str, VERSIONS))}"
@@ -150,10 +152,9 @@ def check_state(state: Any, expected: dict[str, Any]) -> None:
         mismatched.append("fingerprint (dataset)")
     if state.get("dataset_len") != expected["dataset_len"]:
         mismatched.append("dataset_len")
-    if list(state.get("image_size", [])) != list(expected["image_size"]):
-        mismatched.append("image_size")
     if mismatched:
         raise ValueError(f"state does not match this client: {', '.join(mismatched)} differ")
+    schedule_of(state.get("image_size"), "state 'image_size'")
     world, rank = state.get("world_size"), state.get("rank")
     if not isinstance(world, int) or not isinstance(rank, int) or not 0 <= rank < world:
         raise ValueError("state has no valid rank and world_size")
@@ -227,7 +228,8 @@ def merge_states(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 def plan_resume(state: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
     """Where rank ``rank`` of a job of ``world_size`` ranks goes on from a checked state:
-    ``{epoch, position, step, deal, mode, control, control_seq, feedback_seq}``.
+    ``{epoch, position, step, deal, mode, control, control_seq, feedback_seq, image_size}``
+    (the size schedule: the state's own, job-wide).
 
     Same world size: each rank goes on from its own entry, exactly as an unbroken run
     would. Another world size: the job's undelivered positions are dealt to the new ranks,
@@ -293,4 +295,5 @@ def plan_resume(state: dict[str, Any], rank: int, world_size: int) -> dict[str, 
         "feedback_seq": int(entry["feedback_seq"]),
         "position": start,
         "deal": dealt,
+        "image_size": schedule_of(state["image_size"], "state 'image_size'"),
     }

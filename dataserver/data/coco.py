@@ -26,6 +26,8 @@ class CocoDataset:
     are valid negatives). ``image_dir`` defaults to the annotation file's folder.
     """
 
+    deterministic = True  # __getitem__ is a pure function of the index
+
     def __init__(self, annotations: str | os.PathLike[str], image_dir: str | None = None) -> None:
         path = Path(annotations)
         raw = path.read_bytes()

@@ -1,16 +1,24 @@
-"""From a task's parameters to output images: read, fit, flip, compose. Pure functions.
+"""From a task's parameters to output images: read, fit, augment, flip, compose. Pure
+functions.
 
-The steps, and why they are split where they are:
+Two stages. The *source* (steps 1-2) is deterministic: what a server's store may keep, and
+keeps only for a dataset that says its ``__getitem__`` is a pure function of the index
+(``deterministic = True``). The *augment* (steps 3-5) is random, a function of (seed,
+epoch, index) and the batch's parameters, and never stored.
 
 1. ``read``: the dataset's sample, checked (``SampleError`` names the index).
-2. ``fit``: resized to fit the client's image size, keeping its aspect ratio, stored as
-   CHW planes (``Source``). This is the expensive, mode-independent part, and what a
-   server's store keeps: the same fitted source serves a regular image, a cell of a
-   stitched one, every epoch and every job asking for that size.
-3. ``flips``: the augmentation, a function of (seed, epoch, index) only.
-4. ``compose_into``: each source placed at the top-left of its cell (fitted into the cell
-   when the cell is smaller), mirrored when its flip says so, written plane by plane
-   straight into the output canvas (the wire layout; no whole-image transpose).
+2. ``fit``: resized to fit the stored size (the task's ``source_hw``: the largest size of a
+   multi-scale schedule, else the image size), keeping its aspect ratio, as CHW planes
+   (``Source``). The expensive, mode-independent part: the same fitted source serves a
+   regular image, a cell of a stitched one or a mosaic, every epoch, every size of the
+   schedule and every job asking for that size.
+3. ``refit``: fitted again into the batch's image size, when that is smaller.
+4. ``augmented``: the dataset's own ``augment(sample, rng, params)``, if it has one, with
+   ``rng`` from (seed, epoch, index) only (``augment_rng``); its answer checked.
+5. ``flip_of`` and composition: ``compose_into`` places each source at the top-left of its
+   cell (fitted into the cell when the cell is smaller), mirrored when its flip says so,
+   written plane by plane straight into the output canvas (the wire layout; no
+   whole-image transpose); ``dataserver.data.mosaic`` composes a mosaic.
 
 Used unchanged by the server's workers and by the DataLoader baseline of ``dataserver
 bench``, so both sides of every comparison run the same image code, and by the tests.
@@ -85,6 +93,87 @@ def _scaled(
 def prepare(dataset: Any, index: int, fit_hw: Sequence[int]) -> Source:
     """``read`` then ``fit``: what a worker does on a store miss."""
     return fit(read(dataset, index), fit_hw)
+
+
+def refit(source: Source, fit_hw: Sequence[int]) -> Source:
+    """``source`` (fitted to the stored size) fitted into ``fit_hw``, keeping its aspect
+    ratio; itself when it fits exactly already."""
+    _, height, width = source.image.shape
+    new_h, new_w = fit_size(height, width, int(fit_hw[0]), int(fit_hw[1]))
+    if (new_h, new_w) == (height, width):
+        return source
+    planes = np.empty((3, new_h, new_w), dtype=np.uint8)
+    for c in range(3):
+        cv2.resize(source.image[c], (new_w, new_h), dst=planes[c], interpolation=cv2.INTER_LINEAR)
+    boxes, labels = _scaled(
+        source.boxes, source.labels, new_w / width, new_h / height, new_h, new_w
+    )
+    return Source(planes, boxes, labels)
+
+
+def augment_rng(seed: int, epoch: int, index: int) -> np.random.Generator:
+    """The generator ``augment`` is given for sample ``index``: a function of (seed, epoch,
+    index) only, so a task rerun on any worker of any server draws the same numbers."""
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, epoch, index, 0xA6])))
+
+
+@dataclass(frozen=True, slots=True)
+class Recipe:
+    """What a task says about how its images are made, besides their indices."""
+
+    seed: int
+    epoch: int
+    step: int
+    mode: str
+    fit_hw: tuple[int, int]  # the batch's image size
+    stored_hw: tuple[int, int]  # the size sources are fitted to first (what the store keeps)
+    control: dict[str, Any]  # the session's control values (``augment``'s params)
+
+    def params(self, index: int) -> dict[str, Any]:
+        """``augment``'s ``params`` for sample ``index`` (a fresh dict: it may keep it)."""
+        return {
+            "epoch": self.epoch,
+            "step": self.step,
+            "mode": self.mode,
+            "image_size": self.fit_hw,
+            "control": self.control,
+            "index": index,
+            "seed": self.seed,
+        }
+
+
+def augmented(dataset: Any, index: int, source: Source, recipe: Recipe) -> Source:
+    """``source`` through the dataset's ``augment`` (HWC in and out, as ``__getitem__``
+    returns), checked: an image at most the batch's size, boxes clipped to it (degenerate
+    ones dropped); anything else is a ``SampleError`` naming the index. Without
+    ``augment``: ``source`` itself."""
+    augment = getattr(dataset, "augment", None)
+    if augment is None:
+        return source
+    sample = {
+        "image": cv2.merge([source.image[0], source.image[1], source.image[2]]),
+        "boxes": source.boxes.copy(),
+        "labels": source.labels.copy(),
+    }
+    rng = augment_rng(recipe.seed, recipe.epoch, index)
+    try:
+        raw = augment(sample, rng, recipe.params(index))
+    except SampleError:
+        raise
+    except Exception as exc:
+        raise SampleError(index, f"augment raised {type(exc).__name__}: {exc}") from None
+    out = as_sample(index, raw, "augment")
+    height, width = out.image.shape[:2]
+    if height > recipe.fit_hw[0] or width > recipe.fit_hw[1]:
+        raise SampleError(
+            index,
+            f"augment returned a {height}x{width} image, larger than the image size "
+            f"{recipe.fit_hw[0]}x{recipe.fit_hw[1]}",
+        )
+    planes = np.empty((3, height, width), dtype=np.uint8)
+    cv2.split(out.image, [planes[0], planes[1], planes[2]])
+    boxes, labels = _scaled(out.boxes, out.labels, 1.0, 1.0, height, width)
+    return Source(planes, boxes, labels)
 
 
 def flip_of(seed: int, epoch: int, index: int) -> bool:
@@ -194,6 +283,47 @@ def compose_into(
     return Composed(np.concatenate(all_boxes), np.concatenate(all_labels), kept, failed)
 
 
+def finished(dataset: Any, index: int, stored: Source, recipe: Recipe) -> Source:
+    """A source as stored (fitted to ``recipe.stored_hw``) made ready to compose: fitted
+    into the batch's size, then augmented. Never stored."""
+    source = stored if recipe.stored_hw == recipe.fit_hw else refit(stored, recipe.fit_hw)
+    return augmented(dataset, index, source, recipe)
+
+
+def compose_image(
+    canvas: np.ndarray,
+    get_source: Callable[[int], Source],
+    indices: Sequence[int],
+    grid: int,
+    layout: str,
+    recipe: Recipe,
+    skip_errors: bool,
+) -> Composed:
+    """One output image into the zeroed CHW ``canvas``: ``layout`` "grid" (``compose_into``)
+    or "mosaic" (``dataserver.data.mosaic``, its randomness from (seed, epoch, indices)).
+    ``get_source`` gives a ``finished`` source."""
+    flips = [flip_of(recipe.seed, recipe.epoch, i) for i in indices]
+    if layout != "mosaic":
+        return compose_into(canvas, get_source, indices, grid, flips, skip_errors)
+    from dataserver.data.mosaic import compose_mosaic, mosaic_rng
+
+    sources: list[Source | None] = []
+    kept: list[int] = []
+    failed: list[tuple[int, str]] = []
+    for index in indices:
+        try:
+            sources.append(get_source(index))
+            kept.append(index)
+        except SampleError as exc:
+            if not skip_errors:
+                raise
+            sources.append(None)
+            failed.append((index, str(exc)))
+    rng = mosaic_rng(recipe.seed, recipe.epoch, indices)
+    boxes, labels = compose_mosaic(canvas, sources, flips, rng)
+    return Composed(boxes, labels, kept, failed)
+
+
 def compose_one(
     dataset: Any,
     indices: Sequence[int],
@@ -202,12 +332,22 @@ def compose_one(
     fit_hw: Sequence[int],
     seed: int,
     epoch: int,
+    *,
+    step: int = 0,
+    mode: str = "regular",
+    layout: str = "grid",
+    stored_hw: Sequence[int] | None = None,
+    control: dict[str, Any] | None = None,
 ) -> tuple[np.ndarray, Composed]:
     """One output image straight from the dataset (no store): what the DataLoader baseline
     and the tests run. Bit-identical to what a worker sends for the same task."""
     canvas = np.zeros((3, int(out_hw[0]), int(out_hw[1])), dtype=np.uint8)
-    flips = [flip_of(seed, epoch, i) for i in indices]
-    composed = compose_into(
-        canvas, lambda i: prepare(dataset, i, fit_hw), indices, grid, flips, False
-    )
+    fit_size_hw = (int(fit_hw[0]), int(fit_hw[1]))
+    stored = fit_size_hw if stored_hw is None else (int(stored_hw[0]), int(stored_hw[1]))
+    recipe = Recipe(seed, epoch, step, mode, fit_size_hw, stored, dict(control or {}))
+
+    def source(i: int) -> Source:
+        return finished(dataset, i, prepare(dataset, i, stored), recipe)
+
+    composed = compose_image(canvas, source, indices, grid, layout, recipe, False)
     return canvas, composed

@@ -38,31 +38,36 @@ class Sample:
         return int(self.image.nbytes + self.boxes.nbytes + self.labels.nbytes)
 
 
-def as_sample(index: int, raw: Any) -> Sample:
-    """Turn what a dataset's ``__getitem__`` returned into a checked ``Sample``.
+def as_sample(index: int, raw: Any, who: str = "dataset") -> Sample:
+    """Turn what a dataset's ``__getitem__`` (or, ``who="augment"``, its ``augment``)
+    returned into a checked ``Sample``.
 
     Accepts the documented dict (``image``, ``boxes``, ``labels``); raises ``SampleError``
     naming the index and what is wrong otherwise.
     """
     if isinstance(raw, Sample):
         return raw
+    by = "" if who == "dataset" else f"{who}: "  # (a dataset's problems read as before)
     if not isinstance(raw, dict) or "image" not in raw:
         raise SampleError(
-            index, f"dataset returned {type(raw).__name__}, expected a dict with 'image'"
+            index, f"{who} returned {type(raw).__name__}, expected a dict with 'image'"
         )
-    image = np.asarray(raw["image"])
+    try:
+        image = np.asarray(raw["image"])
+        boxes = np.asarray(raw.get("boxes", np.zeros((0, 4))), dtype=np.float32).reshape(-1, 4)
+        labels = np.asarray(raw.get("labels", np.zeros((0,))), dtype=np.int64).reshape(-1)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise SampleError(index, f"{who} returned unusable boxes or labels: {exc}") from None
     if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3:
         raise SampleError(
-            index, f"image must be uint8 (H, W, 3), got {image.dtype} {tuple(image.shape)}"
+            index, f"{by}image must be uint8 (H, W, 3), got {image.dtype} {tuple(image.shape)}"
         )
     if image.shape[0] < 1 or image.shape[1] < 1:
-        raise SampleError(index, f"image is empty: {tuple(image.shape)}")
-    boxes = np.asarray(raw.get("boxes", np.zeros((0, 4))), dtype=np.float32).reshape(-1, 4)
-    labels = np.asarray(raw.get("labels", np.zeros((0,))), dtype=np.int64).reshape(-1)
+        raise SampleError(index, f"{by}image is empty: {tuple(image.shape)}")
     if len(boxes) != len(labels):
-        raise SampleError(index, f"{len(boxes)} boxes but {len(labels)} labels")
+        raise SampleError(index, f"{by}{len(boxes)} boxes but {len(labels)} labels")
     if not np.isfinite(boxes).all():
-        raise SampleError(index, "boxes hold NaN or infinity")
+        raise SampleError(index, f"{by}boxes hold NaN or infinity")
     if len(labels) and (labels >> 31).any():  # negative, or above MAX_LABEL
-        raise SampleError(index, f"labels must be class ids in 0..{MAX_LABEL}")
+        raise SampleError(index, f"{by}labels must be class ids in 0..{MAX_LABEL}")
     return Sample(np.ascontiguousarray(image), boxes, labels)

@@ -17,6 +17,8 @@ import numpy as np
 
 
 class Simulated:
+    deterministic = True  # __getitem__ is a pure function of the index
+
     def __init__(self, n: int, ms: float, size: int) -> None:
         self.n, self.seconds, self.size = n, ms / 1000.0, size
 
@@ -39,6 +41,8 @@ def simulated(n: int = 4096, ms: float = 10.0, size: int = 32) -> Simulated:
 class Predecoded:
     """``n`` ready RGB images of ``size`` x ``size`` held in memory: no file, no decode, so
     what is measured is moving pixels, not making them."""
+
+    deterministic = True  # __getitem__ is a pure function of the index
 
     def __init__(self, n: int, size: int) -> None:
         rng = np.random.default_rng(0)

@@ -62,6 +62,8 @@ def generate(seed: int, index: int) -> Sample:
 class SyntheticDataset:
     """``synthetic:images=N,seed=S``: N generated images, deterministic in (S, index)."""
 
+    deterministic = True  # __getitem__ is a pure function of the index
+
     def __init__(self, images: int = 2048, seed: int = 0) -> None:
         if images < 1:
             raise ValueError(f"images must be >= 1, got {images}")

@@ -235,9 +235,14 @@ class Welcome(Message, kw_only=True):
 
 class Task(Message, kw_only=True):
     """Compose a run of output images of one batch: image i from the sources
-    ``images[i]`` (grid x grid cells, row-major), each source first fitted into ``fit_hw``
-    (the client's image size: what the server's store keeps), then into its cell.
-    ``control_seq`` names the control values the dataset must hold (sent once, by CONTROL).
+    ``images[i]``, each source fitted into ``source_hw`` (what the server's store keeps;
+    none: ``fit_hw``), then into ``fit_hw`` (the batch's image size) when that is smaller,
+    then given to the dataset's ``augment`` (never stored), then composed: ``layout``
+    "grid" puts them in grid x grid cells (row-major), "mosaic" around a random centre
+    (``dataserver/data/mosaic.py``). ``step`` and ``mode`` are the batch's (``augment``
+    is told them). ``control_seq`` names the control values the dataset must hold (sent
+    once, by CONTROL); ``control``, when set, are values for this task alone (a rebuilt
+    batch: ``client.rebuild``), in place of the session's.
     ``priority`` is reserved: checked (0 or 1) and otherwise ignored; no side sets it."""
 
     TYPE: ClassVar[MsgType] = MsgType.TASK
@@ -255,6 +260,11 @@ class Task(Message, kw_only=True):
     control_seq: Seq
     exclude: Annotated[tuple[U63, ...], Len(0, MAX_TILES)] = ()
     priority: Flag01 = 0
+    step: U63 = 0
+    mode: Annotated[str, Meta(pattern=r"\A(regular|stitch)\Z")] = "regular"
+    layout: Annotated[str, Meta(pattern=r"\A(grid|mosaic)\Z")] = "grid"
+    source_hw: tuple[Side, Side] | None = None
+    control: dict[str, Any] | None = None
     # Landing (same host): write the images into the client's shared-memory buffer
     # (``dataserver/landing.py``) instead of sending them, if the worker holds the buffer
     # registered under ``land_token`` for this session (handed over on its unix socket).
@@ -275,6 +285,18 @@ class Task(Message, kw_only=True):
                 )
         if min(self.out_hw) < self.grid:
             raise ProtocolError(f"out_hw {self.out_hw} is smaller than the grid {self.grid}")
+        if self.layout == "mosaic" and self.grid != 2:
+            raise ProtocolError(f"a mosaic has 4 cells (grid 2), not grid {self.grid}")
+        if self.control is not None:
+            problem = control_problem(self.control)
+            if problem:
+                raise ProtocolError(f"field 'control': {problem}")
+
+    @property
+    def stored_hw(self) -> tuple[int, int]:
+        """The size sources are fitted to before any other step (what the store keeps)."""
+        hw = self.source_hw if self.source_hw is not None else self.fit_hw
+        return (hw[0], hw[1])
 
     @property
     def indices(self) -> tuple[int, ...]:

@@ -25,7 +25,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-PROTOCOL_VERSION = 4  # 4: session secrets (auth, tags)
+PROTOCOL_VERSION = 5  # 4: session secrets (auth, tags); 5: per-task sizes, augment, mosaic
 MAGIC = b"DS" + str(PROTOCOL_VERSION).encode()
 
 MAX_FRAMES = 16

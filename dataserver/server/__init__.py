@@ -31,12 +31,13 @@ def ready_line(front: Front) -> str:
     """The one line ``dataserver serve`` prints once every worker is up."""
     return (
         f"dataserver ready data={front.endpoints['data']} control={front.endpoints['control']} "
-        f"workers={front.n_workers} samples={front.dataset_len} dataset={front.config.dataset}"
+        f"workers={front.n_workers} samples={front.dataset_len} dataset={front.config.dataset} "
+        f"sources={front.sources()}"
     )
 
 
 def parse_ready_line(line: str) -> dict[str, str]:
-    """The fields of a ``ready_line`` (data, control, workers, samples, dataset)."""
+    """The fields of a ``ready_line`` (data, control, workers, samples, dataset, sources)."""
     return dict(part.split("=", 1) for part in line.split()[2:])
 
 
@@ -55,8 +56,9 @@ def serve(config: ServerConfig, on_ready: Callable[[Front], Any]) -> None:
     if size < 1:
         raise ConfigError(f"--dataset {config.dataset}: the dataset is empty")
     fingerprint = dataset_fingerprint(spec, dataset)
+    deterministic = getattr(dataset, "deterministic", False) is True
     del dataset
-    front = Front(config, size, fingerprint)
+    front = Front(config, size, fingerprint, deterministic)
     previous = {
         signal.SIGINT: signal.signal(signal.SIGINT, lambda *_: front.stop()),
         # SIGTERM (a scale-down, a rolling update): drain first; a second one stops at once.

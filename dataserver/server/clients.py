@@ -61,6 +61,11 @@ def task_digest(task: Task) -> bytes:
         task.on_error,
         task.control_seq,
         task.exclude,
+        task.step,
+        task.mode,
+        task.layout,
+        task.source_hw,
+        task.control,
     )
     return hashlib.blake2b(repr(what).encode(), digest_size=16).digest()
 
@@ -267,15 +272,16 @@ class Clients:
         if self._asked_again(session, task, digest):
             return
         side = self.config.max_image_side
-        if max(task.out_hw) > side:
-            self._refuse(
-                "limit",
-                identity,
-                f"image {task.out_hw[0]}x{task.out_hw[1]} exceeds this server's "
-                f"--max-image-side {side}",
-                **ids,
-            )
-            return
+        # Every size a worker allocates for (the output, the fitted and the stored source).
+        for name, hw in (("image", task.out_hw), ("fit", task.fit_hw), ("stored", task.stored_hw)):
+            if max(hw) > side:
+                self._refuse(
+                    "limit",
+                    identity,
+                    f"{name} size {hw[0]}x{hw[1]} exceeds this server's --max-image-side {side}",
+                    **ids,
+                )
+                return
         self.outlet.cancel(session, self.scheduler.cancel_older(session, task.plan_version))
         if task.plan_version < session.version or self._draining():
             self.outlet.cancel(

@@ -68,6 +68,8 @@ class ControlStates:
         self.keep = keep
         self.sessions = sessions
         self.steerable = callable(getattr(pristine, "set_control", None))
+        # A dataset with ``augment`` is told the values in its params, steerable or not.
+        self.wants_values = self.steerable or callable(getattr(pristine, "augment", None))
         self._values: OrderedDict[bytes, tuple[int, dict[str, Any]]] = OrderedDict()
         self._states: OrderedDict[str, Any] = OrderedDict()
         self.made = 0  # dataset objects made for a control state (copies or rebuilds)
@@ -82,22 +84,21 @@ class ControlStates:
     def forget(self, session: bytes) -> None:
         self._values.pop(session, None)
 
-    def for_task(self, session: bytes, control_seq: int) -> tuple[Any, str]:
-        """(dataset object, control key) for a task of ``session`` at ``control_seq``.
-        Raises ``ControlMissing`` when this worker lacks those values, and whatever the
-        dataset's ``set_control`` raises."""
+    def for_task(
+        self, session: bytes, control_seq: int, inline: dict[str, Any] | None = None
+    ) -> tuple[Any, str, dict[str, Any]]:
+        """(dataset object, control key, the values) for a task of ``session`` at
+        ``control_seq``, or with its own values ``inline`` (a rebuilt batch). Raises
+        ``ControlMissing`` when this worker lacks those values, and whatever the dataset's
+        ``set_control`` raises."""
+        if not self.wants_values:
+            return self.pristine, "", {}
+        values = inline if inline is not None else self._values_of(session, control_seq)
         if not self.steerable:
-            return self.pristine, ""
-        if control_seq == 0:
-            return self.pristine, control_key({})
-        known = self._values.get(session)
-        if known is None or known[0] != control_seq:
-            raise ControlMissing(f"control values {control_seq} of this session are not here")
-        self._values.move_to_end(session)
-        values = known[1]
+            return self.pristine, "", values
         key = control_key(values)
         if not values:
-            return self.pristine, key
+            return self.pristine, key, values
         state = self._states.get(key)
         if state is None:
             state = self._make()
@@ -107,7 +108,16 @@ class ControlStates:
                 self._states.popitem(last=False)
         else:
             self._states.move_to_end(key)
-        return state, key
+        return state, key, values
+
+    def _values_of(self, session: bytes, control_seq: int) -> dict[str, Any]:
+        if control_seq == 0:
+            return {}
+        known = self._values.get(session)
+        if known is None or known[0] != control_seq:
+            raise ControlMissing(f"control values {control_seq} of this session are not here")
+        self._values.move_to_end(session)
+        return known[1]
 
     def _make(self) -> Any:
         """A dataset object in the state the pristine one was built in."""

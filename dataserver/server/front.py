@@ -108,10 +108,15 @@ class WorkerStartError(RuntimeError):
 class Front:
     """Routes tasks from client sessions to worker processes and results back."""
 
-    def __init__(self, config: ServerConfig, dataset_len: int, fingerprint: str) -> None:
+    def __init__(
+        self, config: ServerConfig, dataset_len: int, fingerprint: str, deterministic: bool = True
+    ) -> None:
+        """``deterministic``: the dataset says its ``__getitem__`` is a pure function of
+        the index (``deterministic = True``); only then may the store keep its output."""
         self.config = config
         self.dataset_len = dataset_len
         self.fingerprint = fingerprint
+        self.deterministic = deterministic
         self.server_id = uuid.uuid4().hex[:12]
         self.n_workers = config.worker_count()
         # Credit per client: PIPELINE tasks at each worker plus as many again queued here,
@@ -201,6 +206,14 @@ class Front:
         killer: the other half is left to the workers and whatever else runs here)."""
         want = self.config.cache_bytes
         if want <= 0:
+            return None
+        if not self.deterministic:
+            log.warning(
+                "dataset %s is not marked deterministic (a class attribute deterministic = "
+                "True says __getitem__ is a pure function of the index): its samples are "
+                "read fresh for every task and never stored; augment belongs in its augment()",
+                self.config.dataset,
+            )
             return None
         room = memory_room()
         size = want if room is None else min(want, room // 2)
@@ -465,9 +478,17 @@ class Front:
                 idle_timeout_s=config.idle_timeout,
             ),
             store=self.statsview.usage,
+            sources=self.sources(),
             counters=ServerView.frozen(self.counters),
             rejected=ServerView.frozen(self.rejected),
         )
+
+    def sources(self) -> str:
+        """How sources are served: "stored" (kept in the store), "fresh:not-deterministic"
+        (the dataset does not say it is a pure function of the index) or "fresh:no-store"."""
+        if self.store is not None:
+            return "stored"
+        return "fresh:no-store" if self.deterministic else "fresh:not-deterministic"
 
     def stats(self) -> dict[str, Any]:
         """The counters ``dataserver stats`` prints (``view.py``: nothing in them a peer

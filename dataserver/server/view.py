@@ -63,6 +63,7 @@ class ServerView:
     draining_for_s: float | None  # None: not draining
     limits: Limits
     store: StoreUsage | None  # None: the server has no store
+    sources: str  # "stored", "fresh:not-deterministic" or "fresh:no-store" (Front.sources)
     counters: Mapping[str, int]  # read-only copies (``frozen``)
     rejected: Mapping[str, int]
 
@@ -117,6 +118,7 @@ class ServerView:
                 "idle_timeout_s": limits.idle_timeout_s,
             },
             "store": self._store_stats(),
+            "sources": self.sources,
             "counters": dict(self.counters),
             "rejected": dict(self.rejected),
             "rejected_total": sum(self.rejected.values()),

@@ -38,7 +38,7 @@ import cv2
 import numpy as np
 import zmq
 
-from dataserver.data.pipeline import Source, compose_into, flip_of, prepare
+from dataserver.data.pipeline import Recipe, Source, compose_image, finished, prepare
 from dataserver.data.sample import SampleError
 from dataserver.data.spec import build_dataset, parse_spec
 from dataserver.landing import landing_socket
@@ -286,12 +286,16 @@ class Worker:
             msg = f"index {bad[0]} out of range: the dataset has {self.size} samples"
             return ErrorMsg(message=msg, kind="request", index=bad[0], **ids)
         try:
-            dataset, ckey = self.controls.for_task(task.session, task.control_seq)
+            dataset, ckey, values = self.controls.for_task(
+                task.session, task.control_seq, task.control
+            )
         except ControlMissing as exc:
             return ErrorMsg(message=str(exc), kind="control_missing", **ids)
         except Exception as exc:
             msg = f"dataset.set_control raised {type(exc).__name__}: {exc}"
             return ErrorMsg(message=msg[:4000], kind="control", **ids)
+        fit_hw = (task.fit_hw[0], task.fit_hw[1])
+        recipe = Recipe(task.seed, task.epoch, task.step, task.mode, fit_hw, task.stored_hw, values)
         shape = (len(task.images), 3, task.out_hw[0], task.out_hw[1])
         try:
             with self.landings.target(
@@ -303,12 +307,12 @@ class Worker:
                 shape,
             ) as dest:
                 if dest is None:
-                    return self._compose(task, dataset, ckey, ids, None)
+                    return self._compose(task, dataset, ckey, recipe, ids, None)
                 if fault("worker.lie_landed"):  # tests: claim it landed, write nothing
-                    result = self._compose(task, dataset, ckey, ids, None)
+                    result = self._compose(task, dataset, ckey, recipe, ids, None)
                     result.pixels, result.landed = None, True
                     return result
-                result = self._compose(task, dataset, ckey, ids, dest.pixels)
+                result = self._compose(task, dataset, ckey, recipe, ids, dest.pixels)
                 dest.seal(task.task_id)  # composed: the client may now believe "landed"
                 return result
         except SampleError as exc:
@@ -321,10 +325,18 @@ class Worker:
             return ErrorMsg(message=msg[:4000], kind="internal", **ids)
 
     def _compose(
-        self, task: Task, dataset: Any, ckey: str, ids: dict[str, Any], dest: np.ndarray | None
+        self,
+        task: Task,
+        dataset: Any,
+        ckey: str,
+        recipe: Recipe,
+        ids: dict[str, Any],
+        dest: np.ndarray | None,
     ) -> Result:
-        """Compose ``task`` into ``dest`` (the client's landing buffer) or a new canvas."""
-        fit_hw = (task.fit_hw[0], task.fit_hw[1])
+        """Compose ``task`` into ``dest`` (the client's landing buffer) or a new canvas:
+        sources from the store (fitted to the stored size; made and stored on a miss, for
+        a deterministic dataset), then ``finished`` (refit, augment: never stored)."""
+        stored_hw = recipe.stored_hw
         excluded = set(task.exclude)
         wanted = list(dict.fromkeys(i for i in task.indices if i not in excluded))
         decoded = 0
@@ -341,14 +353,14 @@ class Worker:
                 self.running.image(image_of.get(index, 0))
             start = time.perf_counter_ns()
             try:
-                return prepare(dataset, index, fit_hw)
+                return prepare(dataset, index, stored_hw)
             finally:
                 timings.append((time.perf_counter_ns() - start) // 1000)
 
         got: dict[int, Source | None] = {}
         oldest = -1
         if self.store is not None:
-            keys = index_keys(store_key(self.fingerprint, fit_hw, ckey), wanted)
+            keys = index_keys(store_key(self.fingerprint, stored_hw, ckey), wanted)
             sources, oldest = self.store.fetch(keys, lambda k: make(wanted[k]))
             got = dict(zip(wanted, sources, strict=True))
 
@@ -356,12 +368,13 @@ class Worker:
             if index in excluded:  # the client found it kills workers: leave its cell empty
                 raise SampleError(index, "killed worker processes when read; left out")
             src = got.get(index)
-            return src if src is not None else make(index)  # (a failed one raises again)
+            stored = src if src is not None else make(index)  # (a failed one raises again)
+            return finished(dataset, index, stored, recipe)
 
-        result = self._compose_with(task, source, ids, dest)
+        result = self._compose_with(task, source, recipe, ids, dest)
         if self.store is not None and not self.store.intact(oldest):
             got.clear()  # the store wrote over a source as we read it: compose from scratch
-            result = self._compose_with(task, source, ids, dest)
+            result = self._compose_with(task, source, recipe, ids, dest)
         result.decoded = decoded  # sources read and fitted for this task (store misses)
         result.decode_us = tuple(timings[: MAX_TASK_IMAGES * MAX_TILES]) or None
         return result
@@ -370,6 +383,7 @@ class Worker:
         self,
         task: Task,
         source: Callable[[int], Source],
+        recipe: Recipe,
         ids: dict[str, Any],
         dest: np.ndarray | None,
     ) -> Result:
@@ -388,8 +402,7 @@ class Worker:
         for n, indices in enumerate(task.images):
             if self.running is not None:
                 self.running.image(n)
-            flips = [flip_of(task.seed, task.epoch, i) for i in indices]
-            done = compose_into(canvas[n], source, indices, task.grid, flips, skip)
+            done = compose_image(canvas[n], source, indices, task.grid, task.layout, recipe, skip)
             # (under on_error="skip" an image whose every source failed holds no index)
             kept.append(tuple(done.indices))
             failed.extend((i, m[:4000]) for i, m in done.failed)

@@ -23,6 +23,8 @@ class FlatDataset:
     """Image i is one flat colour naming i, of size (h, w) varying with i; one box covering
     the middle half of the image, label i + 1."""
 
+    deterministic = True  # __getitem__ is a pure function of the index
+
     def __init__(self, n: int = 64, h: int = 60, w: int = 80) -> None:
         self.n, self.h, self.w = n, h, w
 
@@ -49,6 +51,8 @@ def flat(n: int = 64, h: int = 60, w: int = 80) -> FlatDataset:
 class NoPickle:
     """A dataset that refuses to be pickled: served fine, because nothing pickles it."""
 
+    deterministic = True  # __getitem__ is a pure function of the index
+
     def __init__(self, n: int) -> None:
         self.n = n
 
@@ -70,6 +74,8 @@ def no_pickle(n: int = 32) -> NoPickle:
 class Failing:
     """Samples in ``bad`` raise ValueError; the rest are flat images."""
 
+    deterministic = True  # __getitem__ is a pure function of the index
+
     def __init__(self, n: int, bad: list[int]) -> None:
         self.inner = FlatDataset(n)
         self.bad = set(bad)
@@ -90,6 +96,8 @@ def failing(n: int = 32, bad: list[int] | None = None) -> Failing:
 class Poison:
     """Reading sample ``poison`` kills the worker process (SIGKILL), every time."""
 
+    deterministic = True  # __getitem__ is a pure function of the index
+
     def __init__(self, n: int, poison: int) -> None:
         self.inner = FlatDataset(n)
         self.poison = poison
@@ -109,6 +117,8 @@ def poison(n: int = 32, index: int = 7) -> Poison:
 
 class Flag:
     """Reads ``active`` from set_control: image value and label say whether it was set."""
+
+    deterministic = True  # __getitem__ is a pure function of the index
 
     def __init__(self, n: int) -> None:
         self.n = n
@@ -133,6 +143,8 @@ def flag(n: int = 256) -> Flag:
 class Slow:
     """Flat images that each take ``ms`` milliseconds (a stand-in for heavy decoding)."""
 
+    deterministic = True  # __getitem__ is a pure function of the index
+
     def __init__(self, n: int, ms: float) -> None:
         self.inner = FlatDataset(n)
         self.seconds = ms / 1000.0
@@ -153,6 +165,8 @@ class PoisonWhenStitched:
     """Sample ``index`` is fine alone, but kills the worker process when it is read for a
     stitched image (as a composition too large for memory would): its probes all pass,
     and the composed image itself is the poison."""
+
+    deterministic = True  # __getitem__ is a pure function of the index
 
     def __init__(self, n: int, index: int) -> None:
         self.inner = FlatDataset(n)
@@ -185,6 +199,8 @@ class FailsInWorker:
     """Builds in the front (which checks the spec), fails in every worker: as a dataset
     whose files are mounted only where the front runs would."""
 
+    deterministic = True  # __getitem__ is a pure function of the index
+
     def __init__(self, n: int) -> None:
         if sys.argv[0].endswith(os.path.join("server", "worker.py")):
             raise FileNotFoundError("/data/shard-0.tar: no such file (mounted on the front only)")
@@ -206,6 +222,8 @@ class Merge:
     (``dataset.tint = ...``): image i's value is i's colour plus the state's ``tint``, its
     label 1 + ``label_shift``. A sample depends on every value ever merged in: what a worker
     shared by several sessions must not let one session's values reach another's samples."""
+
+    deterministic = True  # __getitem__ is a pure function of the index
 
     def __init__(self, n: int = 64) -> None:
         self.n = n

@@ -1,0 +1,171 @@
+"""Replayable batches: ``batch.manifest``, what names a batch completely, and the batches
+being rebuilt from one (``client.rebuild``).
+
+A batch is a pure function of its recipe: the servers' dataset, the planned indices of each
+image, the epoch, step, mode, layout, image size, stored size, seed, control values and
+``on_error`` (the augmentation's randomness comes from (seed, epoch, index), a mosaic's from
+(seed, epoch, indices)). The manifest holds exactly that as plain data (msgpack- and
+JSON-able: lists, ints, strings), so any client connected to servers of the same dataset
+composes the same bytes again: the way to look at the batch behind a loss spike. A rebuilt
+batch is composed with the manifest's control values (sent with its tasks, for them alone:
+the session's own values are untouched) and never enters the trainer's stream of batches.
+"""
+
+from __future__ import annotations
+
+import math
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+from dataserver.protocol import MAX_IMAGE_SIDE, MAX_INT, control_problem
+from dataserver_client.epoch import MODES, REGULAR, BatchPlan, ImagePlan, Layout
+from dataserver_client.sizes import schedule_of
+
+if TYPE_CHECKING:
+    from dataserver_client.assembly import Delivery, InflightBatch
+    from dataserver_client.errors import DataServerError
+
+MANIFEST_VERSION = 1
+MAX_MANIFEST_IMAGES = 1 << 16
+
+
+def manifest_of(batch: InflightBatch, layout: Layout, on_error: str) -> dict[str, Any]:
+    """The manifest of a planned batch (its indices as planned: a sample left out under
+    ``on_error="skip"`` is left out again when it is rebuilt)."""
+    plan = batch.plan
+    return {
+        "version": MANIFEST_VERSION,
+        "epoch": plan.epoch,
+        "step": plan.step,
+        "mode": plan.mode,
+        "stitch_layout": layout.stitch_layout,
+        "stitch_k": layout.stitch_k,
+        "image_size": list(plan.fit_hw),
+        "source_size": list(plan.stored_hw),
+        "indices": [list(image.indices) for image in plan.images],
+        "control_seq": batch.control_seq,
+        "control": batch.control,
+        "seed": plan.seed,
+        "on_error": batch.on_error or on_error,
+    }
+
+
+def _count(manifest: dict[str, Any], key: str, hi: int = MAX_INT) -> int:
+    value = manifest.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= hi:
+        raise ValueError(f"manifest {key!r} must be an integer in 0..{hi}, got {value!r}")
+    return value
+
+
+def _size(manifest: dict[str, Any], key: str) -> tuple[int, int]:
+    hw = schedule_of(manifest.get(key), f"manifest {key!r}")
+    if hw.to_state() != list(hw.sizes[0]) or max(hw.sizes[0]) > MAX_IMAGE_SIDE:
+        raise ValueError(f"manifest {key!r} must be [h, w] of at most {MAX_IMAGE_SIDE}")
+    return hw.sizes[0]
+
+
+def _images(manifest: dict[str, Any], k: int, per_image: int) -> list[tuple[int, ...]]:
+    indices = manifest.get("indices")
+    if not isinstance(indices, list) or not 1 <= len(indices) <= MAX_MANIFEST_IMAGES:
+        raise ValueError("manifest 'indices' must be a list of images' index lists")
+    out = []
+    for image in indices:
+        if (
+            not isinstance(image, list)
+            or not 1 <= len(image) <= per_image
+            or not all(isinstance(i, int) and not isinstance(i, bool) for i in image)
+            or min(image) < 0
+        ):
+            raise ValueError(
+                f"manifest 'indices' must hold lists of 1..{per_image} indices (stitch_k {k})"
+            )
+        out.append(tuple(image))
+    return out
+
+
+def plan_of(manifest: Any, dataset_len: int) -> tuple[BatchPlan, dict[str, Any], str]:
+    """The batch plan a manifest names, its control values and ``on_error``: every field
+    checked (ValueError naming it)."""
+    if not isinstance(manifest, dict) or manifest.get("version") != MANIFEST_VERSION:
+        raise ValueError(f"not a batch manifest of version {MANIFEST_VERSION}")
+    mode, layout, k = manifest.get("mode"), manifest.get("stitch_layout"), manifest.get("stitch_k")
+    if mode not in MODES:
+        raise ValueError(f"manifest 'mode' must be one of {MODES}, got {mode!r}")
+    if layout not in ("spatial", "batch", "mosaic"):
+        raise ValueError(f"manifest 'stitch_layout' is not a layout: {layout!r}")
+    if k not in (1, 4, 9, 16) or (layout == "mosaic" and k != 4):
+        raise ValueError(f"manifest 'stitch_k' {k!r} does not fit stitch_layout {layout!r}")
+    grid = 1 if mode == REGULAR or layout == "batch" else math.isqrt(k)
+    fit_hw, stored_hw = _size(manifest, "image_size"), _size(manifest, "source_size")
+    if min(fit_hw) < grid:
+        raise ValueError(f"manifest 'image_size' {fit_hw} is too small for its grid")
+    images = _images(manifest, k, grid * grid)
+    if max(max(image) for image in images) >= dataset_len:
+        raise ValueError(f"manifest 'indices' name samples beyond this dataset ({dataset_len})")
+    control = manifest.get("control")
+    problem = "not a dict" if not isinstance(control, dict) else control_problem(control)
+    if problem is not None or not isinstance(control, dict):
+        raise ValueError(f"manifest 'control' is not valid control values: {problem}")
+    on_error = manifest.get("on_error")
+    if on_error not in ("raise", "skip"):
+        raise ValueError(f"manifest 'on_error' must be 'raise' or 'skip', got {on_error!r}")
+    out_hw = fit_hw
+    if mode != REGULAR and layout == "batch":
+        side = math.isqrt(k)
+        out_hw = (fit_hw[0] // side, fit_hw[1] // side)
+    count = sum(len(image) for image in images)
+    plan = BatchPlan(
+        step=_count(manifest, "step"),
+        plan_version=0,
+        mode=str(mode),
+        start=0,
+        stop=count,
+        images=tuple(ImagePlan(image, grid, out_hw) for image in images),
+        out_hw=out_hw,
+        epoch=_count(manifest, "epoch"),
+        seed=_count(manifest, "seed"),
+        image_size=fit_hw,
+        source_hw=stored_hw,
+        layout="mosaic" if layout == "mosaic" and mode != REGULAR else "grid",
+    )
+    return plan, dict(control), str(on_error)
+
+
+class Rebuilds:
+    """The batches being rebuilt, each with the Future its caller waits on (owned by the
+    plan book; the I/O thread is the only caller)."""
+
+    def __init__(self) -> None:
+        self._futures: dict[int, tuple[InflightBatch, Future[Delivery]]] = {}
+
+    def __contains__(self, batch: object) -> bool:
+        return id(batch) in self._futures and self._futures[id(batch)][0] is batch
+
+    def add(self, batch: InflightBatch) -> Future[Delivery]:
+        future: Future[Delivery] = Future()
+        self._futures[id(batch)] = (batch, future)
+        return future
+
+    def pending(self) -> list[InflightBatch]:
+        """The batches still being answered (not those complete and being sealed)."""
+        return [batch for batch, _ in self._futures.values() if not batch.complete]
+
+    def replace(self, old: InflightBatch, new: InflightBatch) -> None:
+        _, future = self._futures.pop(id(old))
+        self._futures[id(new)] = (new, future)
+
+    def finished(self, batch: InflightBatch, delivery: Delivery) -> None:
+        _, future = self._futures.pop(id(batch))
+        future.set_result(delivery)
+
+    def failed(self, batch: InflightBatch, error: DataServerError) -> None:
+        _, future = self._futures.pop(id(batch))
+        future.set_exception(error)
+
+    def abandon(self, future: Future[Delivery]) -> InflightBatch | None:
+        """The caller stopped waiting (a timeout): forget its batch, and return it."""
+        for key, (batch, each) in list(self._futures.items()):
+            if each is future:
+                del self._futures[key]
+                return batch
+        return None

@@ -1,0 +1,125 @@
+"""Image sizes per batch: one fixed size, or ``MultiScale``, a schedule known ahead.
+
+A schedule is a pure function of (seed, epoch, step): every rank computes the same size for
+the same step without a word between them, and the plan book plans each prefetched batch
+at its own size, so a scheduled size change costs the trainer no wait (the batch was
+prepared at that size already). ``set_image_size`` replaces the schedule from the next
+batch on (an unscheduled change: the batches prefetched at the old size are planned again).
+
+What the servers' stores keep: every source fitted once to the schedule's largest size
+(``stored_hw``), then fitted into each batch's size as it is composed (never stored). One
+copy of each source whatever the number of sizes, so a store that holds the dataset at the
+largest size serves every size from the second epoch on; the price is one resize of a
+fitted source per use (far less than a decode) and pixels that went through two
+interpolations for the smaller sizes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from dataserver.hashing import MASK64, mix64
+
+SIZE_SALT = 0x51_2E5  # keeps the size draw apart from every other use of (seed, epoch, n)
+
+
+def _pair(value: Any, what: str) -> tuple[int, int]:
+    """(h, w) from an int (a square) or a pair of positive ints; ValueError naming ``what``."""
+    if isinstance(value, bool):
+        raise ValueError(f"{what} must be an int or (h, w), got {value!r}")
+    if isinstance(value, int):
+        pair: tuple[Any, ...] = (value, value)
+    elif isinstance(value, Sequence) and not isinstance(value, str) and len(value) == 2:
+        pair = tuple(value)
+    else:
+        raise ValueError(f"{what} must be an int or (h, w), got {value!r}")
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in pair):
+        raise ValueError(f"{what} must be positive integers, got {value!r}")
+    return int(pair[0]), int(pair[1])
+
+
+@dataclass(frozen=True)
+class FixedSize:
+    """One size for every batch."""
+
+    hw: tuple[int, int]
+
+    @property
+    def sizes(self) -> tuple[tuple[int, int], ...]:
+        return (self.hw,)
+
+    @property
+    def stored_hw(self) -> tuple[int, int]:
+        return self.hw
+
+    def size_at(self, seed: int, epoch: int, step: int) -> tuple[int, int]:
+        return self.hw
+
+    def to_state(self) -> list[int]:
+        return [self.hw[0], self.hw[1]]
+
+
+class MultiScale:
+    """``image_size=MultiScale(sizes, every=1)``: batch ``step`` of an epoch has the size
+    ``sizes[draw(seed, epoch, step // every)]``: the same on every rank, held for ``every``
+    steps, known ahead (so the prefetch plans it and a change costs no stall). ``sizes``:
+    ints (squares) or (h, w) pairs, as YOLOX's ``random_size`` or MMDetection's
+    ``BatchSyncRandomResize`` ranges list them, e.g. ``MultiScale(range(320, 641, 32),
+    every=10)``."""
+
+    def __init__(self, sizes: Sequence[int | Sequence[int]], every: int = 1) -> None:
+        if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Sequence | range):
+            raise ValueError(f"MultiScale: sizes must be a sequence of sizes, got {sizes!r}")
+        pairs = tuple(_pair(s, f"MultiScale: size {j}") for j, s in enumerate(sizes))
+        if not pairs:
+            raise ValueError("MultiScale: give at least one size")
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"MultiScale: every must be an int >= 1, got {every!r}")
+        self.sizes = pairs
+        self.every = every
+
+    @property
+    def stored_hw(self) -> tuple[int, int]:
+        """The size sources are fitted to and stored at: the largest height and width."""
+        return max(h for h, _ in self.sizes), max(w for _, w in self.sizes)
+
+    def size_at(self, seed: int, epoch: int, step: int) -> tuple[int, int]:
+        """The size of batch ``step`` of ``epoch``."""
+        if len(self.sizes) == 1:
+            return self.sizes[0]
+        block = step // self.every
+        draw = mix64(mix64(mix64((seed ^ SIZE_SALT) & MASK64) ^ (epoch & MASK64)) ^ block)
+        return self.sizes[draw % len(self.sizes)]
+
+    def to_state(self) -> dict[str, Any]:
+        return {"sizes": [[h, w] for h, w in self.sizes], "every": self.every}
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, MultiScale):
+            return NotImplemented
+        return (self.sizes, self.every) == (other.sizes, other.every)
+
+    def __hash__(self) -> int:
+        return hash((self.sizes, self.every))
+
+    def __repr__(self) -> str:
+        return f"MultiScale({[list(s) for s in self.sizes]}, every={self.every})"
+
+
+SizeSchedule = FixedSize | MultiScale
+
+
+def schedule_of(value: Any, what: str = "image_size") -> SizeSchedule:
+    """A size schedule from what a user gives: (h, w), a ``MultiScale``, or one of their
+    ``to_state()`` forms (a loaded state); ValueError naming ``what`` otherwise."""
+    if isinstance(value, FixedSize | MultiScale):
+        return value
+    if isinstance(value, dict):
+        if set(value) != {"sizes", "every"}:
+            raise ValueError(f"{what} must be (h, w) or a MultiScale state, got {value!r}")
+        return MultiScale(value["sizes"], value["every"])
+    if isinstance(value, int) and not isinstance(value, bool):
+        raise ValueError(f"{what} must be (h, w) or a MultiScale, got {value!r}")
+    return FixedSize(_pair(value, what))

@@ -1,0 +1,193 @@
+"""YOLO-style mosaic: four sources around a random centre, cropped to the output. Pure.
+
+The geometry is Ultralytics' ``Mosaic._mosaic4`` (``ultralytics/data/augment.py``) followed
+by the crop its ``RandomPerspective`` makes at ``border = -s/2`` when rotation, shear,
+perspective and translate are 0: ``_mosaic4`` draws the centre ``int(random.uniform(s/2,
+3s/2))`` on a 2s x 2s canvas and puts the four images around it (top-left, top-right,
+bottom-left, bottom-right, touching the centre with their bottom-right, bottom-left,
+top-right and top-left corners); the perspective step then keeps the central s x s window.
+So in output pixels the centre is uniform over the output, and this module works there
+directly: no 2H x 2W canvas is ever allocated, each scaled source is written only where it
+overlaps the output. YOLOX's ``MosaicDetection`` (``yolox/data/datasets/mosaicdetection.py``)
+uses the same centre range (``random.uniform(0.5 * input_h, 1.5 * input_h)``) and
+``mosaic_scale=(0.5, 1.5)``, which is also Ultralytics' default (``scale=0.5``, a factor in
+[1 - 0.5, 1 + 0.5]). Two differences, on purpose: the scale is drawn per source instead of
+once for the whole mosaic, and the padding stays 0 (the caller's zeroed canvas; not 114).
+
+Boxes are scaled by the exact per-axis factors of the rounded sizes, mirrored with their
+source, offset, clipped to the output, and filtered with Ultralytics' ``box_candidates`` rule
+(box1 before clipping, box2 after; ``wh_thr=2, ar_thr=100, area_thr=0.1, eps=1e-16``).
+
+Randomness comes only from the ``np.random.Generator`` passed in, made by ``mosaic_rng`` from
+(seed, epoch, indices), so that a task rerun anywhere gives the same bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import cv2
+import numpy as np
+
+from dataserver.hashing import MASK64
+
+if TYPE_CHECKING:  # only for annotations: pipeline.py may import this module
+    from dataserver.data.pipeline import Source
+
+MOSAIC_SCALE = (0.5, 1.5)
+CELLS = 4
+_TAG = 0x4D05  # separates the mosaic's stream from any other seeded by (seed, epoch, ...)
+
+# Ultralytics' box_candidates thresholds (RandomPerspective's defaults).
+_WH_THR = 2.0
+_AR_THR = 100.0
+_AREA_THR = 0.1
+_EPS = 1e-16
+
+
+def mosaic_rng(seed: int, epoch: int, indices: Sequence[int]) -> np.random.Generator:
+    """The mosaic's randomness: a function of (seed, epoch, the image's source indices) only.
+
+    Each integer is taken modulo 2^64 (``SeedSequence`` wants them non-negative; values
+    already in [0, 2^64) are used as they are)."""
+    entropy = [seed & MASK64, epoch & MASK64, _TAG, *(int(i) & MASK64 for i in indices)]
+    return np.random.default_rng(np.random.SeedSequence(entropy))
+
+
+@dataclass(frozen=True, slots=True)
+class MosaicGeometry:
+    """``centre`` (cy, cx) in output pixels; ``sizes[t]`` the (h, w) source t is scaled to,
+    (0, 0) for a missing source."""
+
+    centre: tuple[int, int]
+    sizes: tuple[tuple[int, int], ...]
+
+
+def _scaled_size(hw: tuple[int, int] | None, ratio: float) -> tuple[int, int]:
+    if hw is None:
+        return (0, 0)
+    return (max(1, round(hw[0] * ratio)), max(1, round(hw[1] * ratio)))
+
+
+def mosaic_geometry(
+    rng: np.random.Generator, out_hw: tuple[int, int], source_hws: Sequence[tuple[int, int] | None]
+) -> MosaicGeometry:
+    """Draws, in this fixed order whatever sources are missing: cy ~ U[0, H), cx ~ U[0, W)
+    (integers), then 4 scales r_t ~ U[MOSAIC_SCALE) (``rng.uniform(lo, hi, size=4)``); cell
+    t's size is (max(1, round(h_t * r_t)), max(1, round(w_t * r_t))), (0, 0) for a missing
+    source (None). The draws never depend on which sources are missing, so leaving one out
+    changes nothing for the others. At most 4 sources; H, W >= 1."""
+    if len(source_hws) > CELLS:
+        raise ValueError(f"a mosaic has at most {CELLS} sources, got {len(source_hws)}")
+    out_h, out_w = int(out_hw[0]), int(out_hw[1])
+    if out_h < 1 or out_w < 1:
+        raise ValueError(f"mosaic output size must be positive, got {out_hw}")
+    cy = int(rng.integers(out_h))
+    cx = int(rng.integers(out_w))
+    ratios = rng.uniform(MOSAIC_SCALE[0], MOSAIC_SCALE[1], size=CELLS)
+    sizes = tuple(_scaled_size(hw, float(ratios[t])) for t, hw in enumerate(source_hws))
+    return MosaicGeometry((cy, cx), sizes)
+
+
+def cell_origin(centre: tuple[int, int], t: int, size: tuple[int, int]) -> tuple[int, int]:
+    """(y0, x0) of cell t's scaled source in output pixels (may be negative): cell 0 has its
+    bottom-right corner at the centre, cell 1 its bottom-left, cell 2 its top-right, cell 3
+    its top-left."""
+    cy, cx = centre
+    h, w = size
+    return (cy - h if t < 2 else cy, cx - w if t % 2 == 0 else cx)
+
+
+def box_candidates(before: np.ndarray, after: np.ndarray) -> np.ndarray:
+    """Ultralytics' ``box_candidates`` on (N, 4) xyxy rows: keep a box whose ``after`` is
+    wider and taller than 2 px, keeps more than 10% of its ``before`` area and has an aspect
+    ratio under 100. NaN boxes are never kept."""
+    w1, h1 = before[:, 2] - before[:, 0], before[:, 3] - before[:, 1]
+    w2, h2 = after[:, 2] - after[:, 0], after[:, 3] - after[:, 1]
+    ratio = np.maximum(w2 / (h2 + _EPS), h2 / (w2 + _EPS))
+    keep: np.ndarray = (
+        (w2 > _WH_THR) & (h2 > _WH_THR) & (w2 * h2 / (w1 * h1 + _EPS) > _AREA_THR)
+    ) & (ratio < _AR_THR)
+    return keep
+
+
+def _draw_cropped(
+    canvas: np.ndarray,
+    origin: tuple[int, int],
+    size: tuple[int, int],
+    image: np.ndarray,
+    flip: bool,
+) -> None:
+    """Write the CHW ``image`` resized to ``size`` (h, w), mirrored when ``flip``, with its
+    top-left at ``origin`` of ``canvas``: only the part inside the canvas."""
+    (y0, x0), (h, w) = origin, size
+    _, out_h, out_w = canvas.shape
+    ya, yb = max(y0, 0), min(y0 + h, out_h)
+    xa, xb = max(x0, 0), min(x0 + w, out_w)
+    if ya >= yb or xa >= xb:
+        return
+    resize = size != image.shape[1:]
+    for c in range(3):
+        plane = image[c]
+        if resize:
+            plane = cv2.resize(plane, (w, h), interpolation=cv2.INTER_LINEAR)
+        if flip:  # mirror then place: the view reads the mirrored columns, no copy
+            plane = plane[:, ::-1]
+        canvas[c, ya:yb, xa:xb] = plane[ya - y0 : yb - y0, xa - x0 : xb - x0]
+
+
+def _cell_boxes(
+    source: Source,
+    origin: tuple[int, int],
+    size: tuple[int, int],
+    flip: bool,
+    out_hw: tuple[int, int],
+) -> tuple[np.ndarray, np.ndarray]:
+    """``source``'s boxes in output pixels (scaled, mirrored, offset, clipped, filtered)."""
+    if not len(source.boxes):
+        return np.zeros((0, 4), np.float32), np.zeros((0,), np.int64)
+    (y0, x0), (new_h, new_w) = origin, size
+    height, width = source.image.shape[1:]
+    sx, sy = new_w / width, new_h / height
+    boxes = np.asarray(source.boxes, np.float32) * np.array([sx, sy, sx, sy], dtype=np.float32)
+    if flip:  # mirrored within the scaled width, before the offset
+        x1 = new_w - boxes[:, 2]
+        boxes[:, 2] = new_w - boxes[:, 0]
+        boxes[:, 0] = x1
+    boxes += np.array([x0, y0, x0, y0], dtype=np.float32)
+    out_h, out_w = out_hw
+    clipped = np.clip(boxes, 0.0, np.array([out_w, out_h, out_w, out_h], dtype=np.float32))
+    keep = box_candidates(boxes, clipped)
+    return clipped[keep], np.asarray(source.labels, np.int64)[keep]
+
+
+def compose_mosaic(
+    canvas: np.ndarray,
+    sources: Sequence[Source | None],
+    flips: Sequence[bool],
+    rng: np.random.Generator,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Compose a mosaic of up to 4 ``sources`` (cell order; None: left out, its quadrant
+    stays as the canvas was) into the zeroed uint8 (3, H, W) ``canvas``, in place, source t
+    mirrored left-right when ``flips[t]``. Draws its geometry from ``rng`` with
+    ``mosaic_geometry``. Returns boxes float32 (M, 4) xyxy in canvas pixels, all finite and
+    within [0, W] x [0, H], wider and taller than 2 px, and their labels int64 (M,)."""
+    if len(flips) != len(sources):
+        raise ValueError(f"{len(sources)} sources but {len(flips)} flips")
+    _, out_h, out_w = canvas.shape
+    hws = [None if s is None else (int(s.image.shape[1]), int(s.image.shape[2])) for s in sources]
+    geometry = mosaic_geometry(rng, (out_h, out_w), hws)
+    all_boxes = [np.zeros((0, 4), dtype=np.float32)]
+    all_labels = [np.zeros((0,), dtype=np.int64)]
+    for t, source in enumerate(sources):
+        if source is None:
+            continue
+        size = geometry.sizes[t]
+        origin = cell_origin(geometry.centre, t, size)
+        _draw_cropped(canvas, origin, size, source.image, bool(flips[t]))
+        boxes, labels = _cell_boxes(source, origin, size, bool(flips[t]), (out_h, out_w))
+        all_boxes.append(boxes)
+        all_labels.append(labels)
+    return np.concatenate(all_boxes), np.concatenate(all_labels)
