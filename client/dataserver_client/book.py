@@ -580,7 +580,9 @@ class PlanBook:
             self.control = {**self.control, **control}
             self.control_seq += 1
         if sizes is not None:
-            self.sizes = sizes
+            # Sources stay stored at the size the schedule so far stored them at (or
+            # larger): a new size is composed from what the stores hold, not decoded anew.
+            self.sizes = sizes.stored_at(self.sizes.stored_hw)
         if self.cursor is not None:
             taken = self._handoff.taken()
             self._handoff.drop_from(taken, self.plan_version)

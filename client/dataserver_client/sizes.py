@@ -40,11 +40,18 @@ def _pair(value: Any, what: str) -> tuple[int, int]:
     return int(pair[0]), int(pair[1])
 
 
+def _widest(a: tuple[int, int], b: tuple[int, int] | None) -> tuple[int, int]:
+    return a if b is None else (max(a[0], b[0]), max(a[1], b[1]))
+
+
 @dataclass(frozen=True)
 class FixedSize:
-    """One size for every batch."""
+    """One size for every batch. ``store_at``: a larger size its sources are stored at (a
+    size set by ``set_image_size`` keeps the stored size of the client's schedule, so its
+    first batches are composed from sources the stores hold already)."""
 
     hw: tuple[int, int]
+    store_at: tuple[int, int] | None = None
 
     @property
     def sizes(self) -> tuple[tuple[int, int], ...]:
@@ -52,13 +59,18 @@ class FixedSize:
 
     @property
     def stored_hw(self) -> tuple[int, int]:
-        return self.hw
+        return _widest(self.hw, self.store_at)
 
     def size_at(self, seed: int, epoch: int, step: int) -> tuple[int, int]:
         return self.hw
 
-    def to_state(self) -> list[int]:
-        return [self.hw[0], self.hw[1]]
+    def stored_at(self, hw: tuple[int, int]) -> FixedSize:
+        return FixedSize(self.hw, _widest(hw, self.store_at))
+
+    def to_state(self) -> list[int] | dict[str, Any]:
+        if self.stored_hw == self.hw:
+            return [self.hw[0], self.hw[1]]
+        return {"size": list(self.hw), "stored": list(self.stored_hw)}
 
 
 class MultiScale:
@@ -79,11 +91,19 @@ class MultiScale:
             raise ValueError(f"MultiScale: every must be an int >= 1, got {every!r}")
         self.sizes = pairs
         self.every = every
+        self.store_at: tuple[int, int] | None = None
 
     @property
     def stored_hw(self) -> tuple[int, int]:
         """The size sources are fitted to and stored at: the largest height and width."""
-        return max(h for h, _ in self.sizes), max(w for _, w in self.sizes)
+        widest = max(h for h, _ in self.sizes), max(w for _, w in self.sizes)
+        return _widest(widest, self.store_at)
+
+    def stored_at(self, hw: tuple[int, int]) -> MultiScale:
+        """The same schedule, its sources stored at least at ``hw``."""
+        out = MultiScale(self.sizes, self.every)
+        out.store_at = _widest(hw, self.store_at)
+        return out
 
     def size_at(self, seed: int, epoch: int, step: int) -> tuple[int, int]:
         """The size of batch ``step`` of ``epoch``."""
@@ -94,12 +114,19 @@ class MultiScale:
         return self.sizes[draw % len(self.sizes)]
 
     def to_state(self) -> dict[str, Any]:
-        return {"sizes": [[h, w] for h, w in self.sizes], "every": self.every}
+        state: dict[str, Any] = {"sizes": [[h, w] for h, w in self.sizes], "every": self.every}
+        if self.store_at is not None:
+            state["stored"] = list(self.stored_hw)
+        return state
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, MultiScale):
             return NotImplemented
-        return (self.sizes, self.every) == (other.sizes, other.every)
+        return (self.sizes, self.every, self.stored_hw) == (
+            other.sizes,
+            other.every,
+            other.stored_hw,
+        )
 
     def __hash__(self) -> int:
         return hash((self.sizes, self.every))
@@ -117,9 +144,13 @@ def schedule_of(value: Any, what: str = "image_size") -> SizeSchedule:
     if isinstance(value, FixedSize | MultiScale):
         return value
     if isinstance(value, dict):
-        if set(value) != {"sizes", "every"}:
-            raise ValueError(f"{what} must be (h, w) or a MultiScale state, got {value!r}")
-        return MultiScale(value["sizes"], value["every"])
+        stored = value.get("stored")
+        if set(value) - {"stored"} == {"sizes", "every"}:
+            multi = MultiScale(value["sizes"], value["every"])
+            return multi if stored is None else multi.stored_at(_pair(stored, what))
+        if set(value) == {"size", "stored"}:
+            return FixedSize(_pair(value["size"], what)).stored_at(_pair(stored, what))
+        raise ValueError(f"{what} must be (h, w) or a MultiScale state, got {value!r}")
     if isinstance(value, int) and not isinstance(value, bool):
         raise ValueError(f"{what} must be (h, w) or a MultiScale, got {value!r}")
     return FixedSize(_pair(value, what))

@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from dataserver.admin import child_pids, fetch_stats
+from dataserver.bench.multiscale import fig_multiscale
 from dataserver.demo import start_server, stop_server
 
 Progress = Callable[[str], None]
@@ -422,4 +423,5 @@ FIGURES: dict[str, Callable[[argparse.Namespace, str, Progress], dict[str, Any]]
     "first_batch": fig_first_batch,
     "coordination": fig_coordination,
     "transport": fig_transport,
+    "multiscale": fig_multiscale,
 }

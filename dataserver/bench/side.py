@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from dataserver.bench.cpu import CpuWindow, cpu_seconds
+from dataserver.bench.multiscale import multiscale_side
 
 WARMUP = 3
 
@@ -264,6 +265,7 @@ SIDES = {
     "feedback": feedback_side,
     "first_batch": first_batch_side,
     "flip_stall": flip_stall_side,
+    "multiscale": multiscale_side,
 }
 
 
