@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 import cv2
@@ -136,7 +137,7 @@ class Recipe:
             "step": self.step,
             "mode": self.mode,
             "image_size": self.fit_hw,
-            "control": self.control,
+            "control": MappingProxyType(self.control),  # (the worker's own: read-only)
             "index": index,
             "seed": self.seed,
         }
