@@ -4,11 +4,19 @@ Stitcher's feedback steering stitching from one iteration to the next.
     pip install -e ".[mmengine]"
     python examples/mmengine_train.py --iters 40                     # starts its own server
     python examples/mmengine_train.py --servers tcp://127.0.0.1:5555 --iters 200
+    python examples/mmengine_train.py --multiscale                   # sizes 192..320, every 10
+    python examples/mmengine_train.py --epochs 4 --close-mosaic 1    # YOLO mosaic, then regular
 
 The three lines that replace MMEngine's DataLoader by the servers are marked below; the
 rest is an ordinary Runner config. Every iteration prints the batch's mode, the model's
 small-object loss ratio and the decision ``StitcherFeedbackHook`` took from it, which the
 next batch must have; the run ends with the count of batches that did not (0).
+
+``--multiscale`` builds the client with ``image_size=MultiScale(...)`` (0.75x to 1.25x
+``--image-size``, a new size every 10 iterations), passed through ``DataServerLoader`` as it
+is. ``--close-mosaic N`` (with ``--epochs E``) trains YOLO-style instead of with Stitcher's
+feedback: ``stitch_layout="mosaic"`` and ``CloseMosaicHook(E - N, mosaic_from_start=True)``,
+mosaics for epochs 0 .. E - N - 1 and regular batches for the last N.
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ from mmengine.model import BaseModel
 from mmengine.registry import HOOKS, MODELS
 from mmengine.runner import Runner
 
-from dataserver_client import DataServerClient
+from dataserver_client import DataServerClient, MultiScale
 from dataserver_client.integrations.mmengine import DataServerLoader
 from dataserver_client.tinydet import TinyDetector
 
@@ -60,12 +68,15 @@ class PrintFeedbackHook(Hook):
     """Prints each iteration's mode, ratio and decision; counts batches whose mode is not
     the decision taken after the batch before (stale batches: there must be none)."""
 
-    priority = "LOW"  # after StitcherFeedbackHook (NORMAL) took the decision
+    priority = "LOW"  # after StitcherFeedbackHook and CloseMosaicHook (NORMAL) decided
 
     def __init__(self) -> None:
         self.decided: str | None = None
         self.stale = 0
         self.counts = {"regular": 0, "stitch": 0}
+
+    def before_train_epoch(self, runner: Any) -> None:
+        self.decided = runner.train_dataloader.client.mode  # CloseMosaicHook's, if any
 
     def after_train_iter(
         self, runner: Any, batch_idx: int, data_batch: Any = None, outputs: Any = None
@@ -80,8 +91,9 @@ class PrintFeedbackHook(Hook):
         self.decided = decision
         shown = "  n/a" if math.isnan(ratio) else f"{ratio:5.3f}"
         n_samples = sum(len(s.metainfo["indices"]) for s in samples)
+        h, w = samples[0].metainfo["img_shape"]
         print(
-            f"iter {runner.iter + 1:4d}  epoch {samples[0].metainfo['epoch']}  {mode:<8} "
+            f"iter {runner.iter + 1:4d}  epoch {samples[0].metainfo['epoch']}  {mode:<8} {h}x{w} "
             f"{len(samples):3d} imgs {n_samples:4d} samples  loss {float(outputs['loss'].detach()):6.3f}  "
             f"ratio {shown}  -> {decision}",
             flush=True,
@@ -93,6 +105,19 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--iters", type=int, default=40)
+    parser.add_argument(
+        "--epochs", type=int, default=0, help="train E epochs (EpochBasedTrainLoop), not --iters"
+    )
+    parser.add_argument(
+        "--multiscale", action="store_true", help="MultiScale sizes 0.75x..1.25x, every 10 iters"
+    )
+    parser.add_argument(
+        "--close-mosaic",
+        type=int,
+        default=None,
+        metavar="N",
+        help="mosaic (stitch_layout='mosaic') until epoch E - N, then regular (needs --epochs)",
+    )
     parser.add_argument(
         "--servers",
         default=os.environ.get("DATASERVER_ADDRESS"),
@@ -114,6 +139,8 @@ def main() -> int:
         "--resume", action="store_true", help="resume from --work-dir's last checkpoint"
     )
     args = parser.parse_args()
+    if args.close_mosaic is not None and not 0 <= args.close_mosaic <= args.epochs:
+        parser.error("--close-mosaic N needs --epochs E with 0 <= N <= E")
 
     proc = None
     if args.servers:
@@ -138,13 +165,27 @@ def main() -> int:
 
 def train(args: argparse.Namespace, addresses: list[str], work_dir: str) -> int:
     torch.manual_seed(0)
+    size: tuple[int, int] | MultiScale = (args.image_size, args.image_size)
+    if args.multiscale:
+        from train_detector import multiscale_sizes  # (this script's directory)
+
+        size = MultiScale(multiscale_sizes(args.image_size), every=10)
+    mosaic = args.close_mosaic is not None
     client = DataServerClient(
         addresses,
         batch_size=args.batch_size,
-        image_size=(args.image_size, args.image_size),
+        image_size=size,  # a MultiScale goes through DataServerLoader as it is
         device="cpu",
         stitch_threshold=args.threshold,
+        stitch_layout="mosaic" if mosaic else "spatial",
     )
+    # Stitcher's feedback, or YOLO's schedule: mosaics, closed for the last N epochs.
+    steering: list[Any] = [dict(type="StitcherFeedbackHook", ratio_key="small_object_ratio")]
+    if mosaic:
+        close = dict(close_epoch=args.epochs - args.close_mosaic, mosaic_from_start=True)
+        steering = [dict(type="DataServerHook"), dict(type="CloseMosaicHook", **close)]
+    by_epoch = args.epochs > 0
+    length = args.epochs if by_epoch else args.iters
     printer = PrintFeedbackHook()
     cfg = Config(
         dict(
@@ -153,9 +194,11 @@ def train(args: argparse.Namespace, addresses: list[str], work_dir: str) -> int:
             # What swaps MMEngine's DataLoader for the servers (with the import of
             # dataserver_client.integrations.mmengine, which registers the hook):
             train_dataloader=DataServerLoader(client),
-            custom_hooks=[dict(type="StitcherFeedbackHook", ratio_key="small_object_ratio")],
+            custom_hooks=steering,
             # The rest is an ordinary config.
-            train_cfg=dict(by_epoch=False, max_iters=args.iters),
+            train_cfg=dict(by_epoch=True, max_epochs=length)
+            if by_epoch
+            else dict(by_epoch=False, max_iters=length),
             optim_wrapper=dict(optimizer=dict(type="Adam", lr=2e-3)),
             param_scheduler=[
                 dict(type="LinearLR", start_factor=0.1, by_epoch=False, begin=0, end=10)
@@ -163,7 +206,7 @@ def train(args: argparse.Namespace, addresses: list[str], work_dir: str) -> int:
             default_hooks=dict(
                 logger=dict(type="LoggerHook", interval=10),
                 checkpoint=dict(
-                    type="CheckpointHook", by_epoch=False, interval=max(1, args.iters // 2)
+                    type="CheckpointHook", by_epoch=by_epoch, interval=max(1, length // 2)
                 ),
             ),
             randomness=dict(seed=0),
@@ -173,9 +216,19 @@ def train(args: argparse.Namespace, addresses: list[str], work_dir: str) -> int:
     )
     runner = Runner.from_cfg(cfg)
     runner.register_hook(printer)
+    loop = (
+        f"EpochBasedTrainLoop for {length} epochs"
+        if by_epoch
+        else (f"IterBasedTrainLoop for {length} iterations")
+    )
+    steer = (
+        f"mosaic until epoch {args.epochs - args.close_mosaic}"
+        if mosaic
+        else f"tau = {args.threshold}"
+    )
     print(
-        f"training TinyMMDetector with MMEngine's IterBasedTrainLoop for {args.iters} iterations, "
-        f"batch {args.batch_size}, {args.image_size}x{args.image_size}, tau = {args.threshold}"
+        f"training TinyMMDetector with MMEngine's {loop}, batch {args.batch_size}, "
+        f"image_size={size}, {steer}"
     )
     try:
         runner.train()
@@ -188,12 +241,10 @@ def train(args: argparse.Namespace, addresses: list[str], work_dir: str) -> int:
         else "were in a temporary directory (--work-dir keeps them)"
     )
     print(
-        f"\n{sum(counts.values())} iterations: {counts['regular']} regular, {counts['stitch']} stitched "
-        f"batches; checkpoints {where}."
+        f"\n{sum(counts.values())} iterations: {counts['regular']} regular, {counts['stitch']} "
+        f"{'mosaic' if mosaic else 'stitched'} batches; checkpoints {where}."
     )
-    print(
-        f"every batch had the mode decided by the feedback before it: {printer.stale} stale batches."
-    )
+    print(f"every batch had the mode decided before it: {printer.stale} stale batches.")
     return 0 if printer.stale == 0 else 1
 
 

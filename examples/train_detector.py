@@ -4,11 +4,20 @@
     python examples/train_detector.py --servers tcp://127.0.0.1:5555 --epochs 2
 
     torchrun --nproc-per-node 4 examples/train_detector.py --servers tcp://data-0:5555,tcp://data-1:5555
+    python examples/train_detector.py --multiscale --image-size 512   # 384..640, every 10 steps
 
 With torchvision installed it trains Faster R-CNN (MobileNetV3-FPN, from scratch) and takes
 Stitcher's ratio from its ROI head; without it, the small TinyDetector. Either way every
 iteration ends with ``client.feedback(ratio)``, which the very next batch honours; under
 torchrun the ratio is averaged over ranks so all ranks stitch together.
+
+``--multiscale``: the client is built with ``image_size=MultiScale(sizes, every=10)`` (YOLOX's
+multi-scale training: sizes from 0.75x to 1.25x ``--image-size`` in steps of 32, a new one
+drawn every 10 steps, the same on every rank); the servers make each batch at its size, so
+the model gets batches of changing size (both models take any size; Faster R-CNN is told
+not to resize them). The run ends, on rank 0, with ``trained E epochs, N samples on R ranks,
+S stale``: S counts the batches whose mode was not the one decided after the batch before,
+or whose size was not the schedule's for their step (there must be none).
 """
 
 from __future__ import annotations
@@ -22,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from dataserver_client import DataServerClient
+from dataserver_client import DataServerClient, MultiScale
 from dataserver_client.stitcher import small_object_loss_ratio
 from dataserver_client.tinydet import TinyDetector
 
@@ -73,8 +82,19 @@ class TorchvisionStitcherRatio:
         self._labels = []
 
 
-def build_model(kind: str, image_size: tuple[int, int], device: torch.device) -> tuple[Any, Any]:
-    """(model, step function returning (loss, ratio))."""
+def multiscale_sizes(base: int) -> list[int]:
+    """YOLOX-style sizes around ``base``: from 0.75x to 1.25x in steps of 32 (of 8 for a
+    ``base`` under 256, so small test runs still change size), e.g. 384, 416, ..., 640 for 512."""
+    step = 32 if base >= 256 else 8
+    low = max(step, -(-base * 3 // 4 // step) * step)
+    return list(range(low, base * 5 // 4 + 1, step))
+
+
+def build_model(
+    kind: str, image_size: tuple[int, int], device: torch.device, *, any_size: bool = False
+) -> tuple[Any, Any]:
+    """(model, step function returning (loss, ratio)). ``any_size``: batches come at changing
+    sizes (``image_size`` is the largest); Faster R-CNN must then not resize them."""
     if kind in ("auto", "fasterrcnn"):
         try:
             from torchvision.models.detection import fasterrcnn_mobilenet_v3_large_fpn
@@ -88,6 +108,8 @@ def build_model(kind: str, image_size: tuple[int, int], device: torch.device) ->
                 num_classes=91,
                 min_size=min(image_size),  # images arrive at their final size: no resize
                 max_size=max(image_size),
+                # Multi-scale: every size is final (torchvision's own switch for it, in training)
+                **({"_skip_resize": True} if any_size else {}),
             ).to(device)
             probe = TorchvisionStitcherRatio(model.roi_heads)
 
@@ -113,6 +135,11 @@ def main() -> None:
     )
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--image-size", type=int, default=512)
+    parser.add_argument(
+        "--multiscale",
+        action="store_true",
+        help="YOLOX-style sizes 0.75x..1.25x --image-size, a new one every 10 steps",
+    )
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--threshold", type=float, default=0.1, help="Stitcher's tau")
     parser.add_argument("--model", choices=["auto", "fasterrcnn", "tiny"], default="auto")
@@ -133,16 +160,20 @@ def main() -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     size = (args.image_size, args.image_size)
-    model, step_fn = build_model(args.model, size, device)
+    schedule = MultiScale(multiscale_sizes(args.image_size), every=10) if args.multiscale else None
+    largest = schedule.stored_hw if schedule else size
+    model, step_fn = build_model(args.model, largest, device, any_size=schedule is not None)
     if distributed:
         model = torch.nn.parallel.DistributedDataParallel(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     rank = dist.get_rank() if distributed else 0
+    if rank == 0 and schedule is not None:
+        print(f"multi-scale: image_size={schedule}", flush=True)
 
     with DataServerClient(
         args.servers.split(","),
         batch_size=args.batch_size,
-        image_size=size,
+        image_size=schedule or size,
         device=device,
         stitch_threshold=args.threshold,
         metrics_port=None if args.metrics_port is None else args.metrics_port + local_rank,
@@ -158,23 +189,35 @@ def main() -> None:
             loader_state = torch.load(loader_file, weights_only=False)
             client.load_state_dict(loader_state)
             start_epoch = loader_state["epoch"]
-        steps = 0
+        steps = total = stale = epochs = 0
+        decided, sizing = client.mode, client.image_size  # (a loaded state's, if resumed)
         for epoch in range(start_epoch, args.epochs):
             client.set_epoch(epoch)
+            epochs += 1
             t0, samples = time.perf_counter(), 0
             for batch in client:
+                # Stale: not the mode decided after the batch before, or not the scheduled size.
+                planned = (
+                    sizing.size_at(client.config.seed, epoch, batch.step)
+                    if isinstance(sizing, MultiScale)
+                    else sizing
+                )
+                stale += batch.mode != decided or tuple(batch.image_size) != tuple(planned)
                 loss, ratio = step_fn(batch.images, batch.targets)
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 optimizer.step()
-                mode = client.feedback(ratio)  # NaN (no positives) keeps regular mode
+                mode = decided = client.feedback(ratio)  # NaN (no positives) keeps regular mode
                 samples += batch.num_samples
+                total += batch.num_samples
                 steps += 1
                 if rank == 0 and batch.step % 10 == 0:
                     rate = samples / (time.perf_counter() - t0)
+                    h, w = batch.image_size
                     print(
-                        f"epoch {epoch} step {batch.step:5d} {batch.mode:<7} loss {loss.item():.3f} "
-                        f"ratio {ratio:.3f} next {mode:<7} {rate:.0f} samples/s",
+                        f"epoch {epoch} step {batch.step:5d} {batch.mode:<7} {h}x{w} "
+                        f"loss {loss.item():.3f} ratio {ratio:.3f} next {mode:<7} "
+                        f"{rate:.0f} samples/s",
                         flush=True,
                     )
                 if args.checkpoint and batch.step % 100 == 0:
@@ -187,6 +230,13 @@ def main() -> None:
                     break
             if args.steps and steps >= args.steps:
                 break
+    counts = torch.tensor([total, stale], dtype=torch.int64, device=device)
+    world = dist.get_world_size() if distributed else 1
+    if distributed:
+        dist.all_reduce(counts)
+    if rank == 0:
+        n, s = (int(v) for v in counts.tolist())
+        print(f"trained {epochs} epochs, {n} samples on {world} ranks, {s} stale", flush=True)
     if distributed:
         dist.destroy_process_group()
 

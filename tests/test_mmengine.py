@@ -22,9 +22,11 @@ pytest.importorskip("mmengine")
 from conftest import PLUGINS, server_env, wait_until
 
 from dataserver_client.integrations.mmengine import (
+    CloseMosaicHook,
     DataServerHook,
     DataServerLoader,
     StitcherFeedbackHook,
+    as_data_batch,
 )
 
 pytestmark = pytest.mark.timeout(300)
@@ -381,3 +383,153 @@ def test_the_example_trains_with_zero_stale_batches(start_server: Any) -> None:
     lines = [line for line in proc.stdout.splitlines() if line.startswith("iter ")]
     assert len(lines) == 12 and "-> " in lines[0]
     assert "0 stale batches" in proc.stdout
+
+
+def shape_hook() -> Any:
+    """A hook keeping, per iteration, the batch's epoch, step, mode, input shapes, the data
+    samples' shape metainfo and the images' sample counts."""
+    from mmengine.hooks import Hook
+
+    class Shapes(Hook):
+        priority = "LOW"
+
+        def __init__(self) -> None:
+            self.records: list[dict[str, Any]] = []
+
+        def after_train_iter(
+            self, runner: Any, batch_idx: int, data_batch: Any = None, outputs: Any = None
+        ) -> None:
+            samples = data_batch["data_samples"]
+            meta = samples[0].metainfo
+            self.records.append(
+                {
+                    "epoch": meta["epoch"],
+                    "step": meta["step"],
+                    "mode": meta["mode"],
+                    "inputs": {tuple(t.shape[-2:]) for t in data_batch["inputs"]},
+                    "shapes": {
+                        (s.img_shape, s.pad_shape, s.batch_input_shape, s.image_size)
+                        for s in samples
+                    },
+                    "per_image": [len(s.metainfo["indices"]) for s in samples],
+                    "indices": [list(s.metainfo["indices"]) for s in samples],
+                }
+            )
+
+    return Shapes()
+
+
+def test_a_multiscale_client_trains_and_img_shape_follows_each_batch(
+    tmp_path: Path, start_server: Any
+) -> None:
+    """``MultiScale`` goes through ``DataServerLoader`` unchanged: the Runner trains on
+    batches of changing size (stitched ones too) and every data sample's ``img_shape``,
+    ``pad_shape`` and ``batch_input_shape`` are its batch's ``image_size``, the schedule's."""
+    from mmengine_job import THRESHOLD, make_runner
+
+    from dataserver_client import DataServerClient, MultiScale
+
+    server = start_server("--dataset", f"synthetic:images={N_IMAGES},seed=2", workers=2)
+    schedule = MultiScale([48, 64, (80, 64)], every=2)
+    record = shape_hook()
+    with DataServerClient(
+        server.address,
+        batch_size=4,
+        image_size=schedule,
+        device="cpu",
+        seed=5,
+        stitch_threshold=THRESHOLD,
+    ) as client:
+        runner = make_runner(client, str(tmp_path), "epoch", 2, [record], name="multiscale")
+        assert client.config.sizes == schedule and "MultiScale" in repr(runner.train_dataloader)
+        runner.train()
+        # Straight from the client: as_data_batch's shapes are batch.image_size.
+        client.set_epoch(2)
+        for batch, _ in zip(client, range(3), strict=False):
+            meta = as_data_batch(batch)["data_samples"][0].metainfo
+            assert meta["img_shape"] == meta["batch_input_shape"] == batch.image_size
+            assert batch.image_size == schedule.size_at(5, 2, batch.step)
+    records = record.records
+    assert {r["mode"] for r in records} == {"regular", "stitch"}
+    for r in records:
+        size = schedule.size_at(5, r["epoch"], r["step"])
+        assert r["inputs"] == {size} and r["shapes"] == {(size, size, size, size)}, r
+    assert len({next(iter(r["inputs"])) for r in records}) > 1  # the size did change
+    assert_whole_epochs(by_epoch(records), N_IMAGES)
+
+
+def mosaic_runner(
+    client: Any, work_dir: Path, loop: str, length: int, hooks: list[Any], name: str
+) -> Any:
+    """``make_runner``'s Runner with ``DataServerHook`` in place of the feedback hook."""
+    from mmengine.runner import Runner
+    from mmengine_job import ScriptedModel
+
+    train_cfg = (
+        dict(by_epoch=True, max_epochs=length)
+        if loop == "epoch"
+        else dict(by_epoch=False, max_iters=length)
+    )
+    return Runner(
+        model=ScriptedModel(),
+        work_dir=str(work_dir),
+        train_dataloader=DataServerLoader(client),
+        train_cfg=train_cfg,
+        optim_wrapper=dict(optimizer=dict(type="SGD", lr=0.1)),
+        default_hooks=dict(checkpoint=None, logger=dict(type="LoggerHook", interval=100)),
+        custom_hooks=[DataServerHook(), *hooks],
+        randomness=dict(seed=0),
+        log_level="WARNING",
+        experiment_name=f"{name}-{time.monotonic_ns()}",
+    )
+
+
+@pytest.mark.parametrize("loop,length", [("epoch", 3), ("iter", 12)])
+def test_close_mosaic_hook_switches_to_regular_at_its_epoch(
+    tmp_path: Path, start_server: Any, loop: str, length: int
+) -> None:
+    """``CloseMosaicHook(close_epoch, mosaic_from_start=True)``: every batch of an epoch
+    before ``close_epoch`` is a mosaic of 4 samples an image, every batch from it on is
+    regular, under both loops (IterBasedTrainLoop: by the epoch the loader serves)."""
+    from dataserver_client import DataServerClient
+
+    server = start_server("--dataset", f"synthetic:images={N_IMAGES},seed=2", workers=2)
+    close_epoch = 2 if loop == "epoch" else 1
+    record = shape_hook()
+
+    def client() -> DataServerClient:
+        return DataServerClient(
+            server.address, batch_size=4, image_size=(64, 64), device="cpu", seed=5,
+            stitch_layout="mosaic",
+        )  # fmt: skip
+
+    with client() as c:
+        hook = CloseMosaicHook(close_epoch, mosaic_from_start=True)
+        runner = mosaic_runner(c, tmp_path / "a", loop, length, [hook, record], "close-mosaic")
+        runner.train()
+    records = record.records
+    # epoch loop: 2 mosaic epochs of 2 batches, then 8 regular; iter loop: 2 + 8 + 2.
+    assert len(records) == (12 if loop == "epoch" else length)
+    for r in records:
+        mosaic = r["epoch"] < close_epoch
+        assert r["mode"] == ("stitch" if mosaic else "regular"), r
+        assert r["per_image"] == [4 if mosaic else 1] * 4 and r["inputs"] == {(64, 64)}
+    epochs = by_epoch(records)
+    assert sorted(epochs)[-1] > close_epoch - 1 >= 0
+    for epoch in sorted(epochs)[: close_epoch + 1]:  # whole epochs, each sample once
+        assert sorted(epochs[epoch]) == list(range(N_IMAGES)), epoch
+    # Without mosaic_from_start the epochs before close_epoch keep the client's mode.
+    assert CloseMosaicHook(3).mode_of(2) is None and CloseMosaicHook(3).mode_of(3) == "regular"
+    with pytest.raises(ValueError, match="close_epoch"):
+        CloseMosaicHook(-1)
+    # It refuses a client without mosaic, and StitcherFeedbackHook beside it.
+    with client() as c:
+        both = mosaic_runner(c, tmp_path / "b", "epoch", 1, [StitcherFeedbackHook(), hook], "x")
+        with pytest.raises(ValueError, match="StitcherFeedbackHook"):
+            both.train()
+    from mmengine_job import make_client
+
+    with make_client(server.address) as c:
+        spatial = mosaic_runner(c, tmp_path / "c", "epoch", 1, [CloseMosaicHook(1)], "y")
+        with pytest.raises(ValueError, match="stitch_layout='mosaic'"):
+            spatial.train()

@@ -43,6 +43,19 @@ the next epoch. Here the flag travels to the servers, and the next batch honours
               self.generation = values.get("regenerate")
               self.regenerate()
 
+- Multi-scale: a client built with ``image_size=MultiScale(sizes, every=n)`` is passed
+  through as it is; each batch arrives at its scheduled size and its data samples'
+  ``img_shape``, ``pad_shape`` and ``batch_input_shape`` are that size (``batch.image_size``),
+  so no ``BatchSyncRandomResize`` is needed (and none should resize them again).
+- Mosaic and close-mosaic: with ``stitch_layout="mosaic"``, ``CloseMosaicHook(close_epoch,
+  mosaic_from_start=True)`` trains on mosaics until ``close_epoch`` and on regular batches
+  from it on (Ultralytics' ``close_mosaic``; YOLOX's ``no_aug_epochs``)::
+
+      client = DataServerClient(..., stitch_layout="mosaic")
+      cfg.custom_hooks = [dict(type="DataServerHook"),
+                          dict(type="CloseMosaicHook", close_epoch=max_epochs - 15,
+                               mosaic_from_start=True)]
+
 - Checkpoints: ``DataServerHook`` (and so ``StitcherFeedbackHook``) writes the loader's
   state into every MMEngine checkpoint (``checkpoint["dataserver"]``) and, under
   ``resume=True``, restores it, so a resumed run goes on mid-epoch with exactly the
@@ -60,7 +73,7 @@ from __future__ import annotations
 import builtins
 import importlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -71,6 +84,7 @@ from mmengine.structures import BaseDataElement, InstanceData
 from dataserver_client.batch import Batch
 from dataserver_client.client import DataServerClient
 from dataserver_client.resume import RANK_KEYS
+from dataserver_client.sizes import MultiScale
 
 log = logging.getLogger("dataserver_client")
 
@@ -86,22 +100,26 @@ def as_data_batch(batch: Batch, sample_type: type = BaseDataElement) -> DataBatc
 
     Each data sample carries ``gt_instances`` (``InstanceData``: ``bboxes`` float32 (M, 4)
     xyxy in the image's pixels, ``labels`` int64 (M,)) and the metainfo an mmdet model
-    reads: ``img_shape``, ``ori_shape``, ``pad_shape`` (all (H, W) of this image: boxes are
-    already in its pixels, so nothing is to be rescaled), ``scale_factor`` (1.0, 1.0) and
-    ``flip`` False (augmentation is baked into pixels and boxes on the servers), plus this
-    project's ``mode``, ``indices`` (the dataset indices the image was made from),
-    ``epoch``, ``step`` and ``feedback_seq``. The tensors are views of the batch's, on the
-    client's device.
+    reads: ``img_shape``, ``ori_shape``, ``pad_shape`` and ``batch_input_shape`` (all (H, W)
+    of this image, which every image of the batch has: boxes are already in its pixels, so
+    nothing is to be rescaled or padded), ``scale_factor`` (1.0, 1.0) and ``flip`` False
+    (augmentation is baked into pixels and boxes on the servers), plus this project's
+    ``mode``, ``indices`` (the dataset indices the image was made from), ``epoch``, ``step``,
+    ``feedback_seq`` and ``image_size`` (``batch.image_size``). The shapes follow each batch:
+    under a ``MultiScale`` schedule they are ``batch.image_size``, the size of that batch
+    (with ``stitch_layout="batch"`` in stitch mode, the size of its cut images). The tensors
+    are views of the batch's, on the client's device.
     """
     inputs = list(batch.images.unbind(0))
+    shape = (int(batch.images.shape[-2]), int(batch.images.shape[-1]))
     samples = []
-    for image, target, indices in zip(inputs, batch.targets, batch.indices, strict=True):
-        shape = (int(image.shape[-2]), int(image.shape[-1]))
+    for target, indices in zip(batch.targets, batch.indices, strict=True):
         sample = sample_type(
             metainfo={
                 "img_shape": shape,
                 "ori_shape": shape,
                 "pad_shape": shape,
+                "batch_input_shape": shape,
                 "scale_factor": (1.0, 1.0),
                 "flip": False,
                 "flip_direction": None,
@@ -110,6 +128,7 @@ def as_data_batch(batch: Batch, sample_type: type = BaseDataElement) -> DataBatc
                 "epoch": batch.epoch,
                 "step": batch.step,
                 "feedback_seq": batch.feedback_seq,
+                "image_size": (int(batch.image_size[0]), int(batch.image_size[1])),
             }
         )
         sample.gt_instances = InstanceData(bboxes=target["boxes"], labels=target["labels"])
@@ -173,8 +192,15 @@ class DataServerLoader:
     batches of the epoch if the mode does not change again. ``metainfo`` becomes
     ``loader.dataset.metainfo`` (an mmdet model wants ``classes`` there).
 
-    Pass the client you built; the loader does not close it. With ``DataServerHook`` (or
-    ``StitcherFeedbackHook``) registered, its state rides in MMEngine's checkpoints.
+    Pass the client you built; the loader does not close it. A client built with
+    ``image_size=MultiScale(...)`` (or ``stitch_layout="mosaic"``) is used as it is: every
+    batch comes at its scheduled size, and the data samples' shapes say it (see
+    ``as_data_batch``). With ``DataServerHook`` (or ``StitcherFeedbackHook``) registered,
+    its state rides in MMEngine's checkpoints.
+
+    ``epoch_callbacks``: functions called with the epoch number just before the loader
+    starts serving that epoch (before its first batch is planned), what
+    ``CloseMosaicHook`` uses under ``IterBasedTrainLoop``.
     """
 
     def __init__(
@@ -192,6 +218,7 @@ class DataServerLoader:
         self.batch_size = client.config.batch_size
         self.sample_type = sample_type or default_sample_type()
         self.endless = False  # set by DataServerHook under IterBasedTrainLoop
+        self.epoch_callbacks: list[Callable[[int], None]] = []
 
     def __len__(self) -> int:
         return len(self.client)
@@ -202,6 +229,8 @@ class DataServerLoader:
         return self._epoch()
 
     def _epoch(self) -> Iterator[DataBatch]:
+        for callback in self.epoch_callbacks:
+            callback(self.client.epoch)
         for batch in self.client:
             yield as_data_batch(batch, self.sample_type)
         self.client.set_epoch(self.client.epoch + 1)
@@ -253,9 +282,11 @@ class DataServerLoader:
     def __repr__(self) -> str:
         # A Python expression, so a Runner can dump a config that holds the loader.
         cfg = self.client.config
+        sizes = cfg.sizes
+        size = sizes if isinstance(sizes, MultiScale) else sizes.hw
         return (
             f"DataServerLoader(DataServerClient({list(cfg.addresses)!r}, "
-            f"batch_size={cfg.batch_size}, image_size={cfg.image_size!r}))"
+            f"batch_size={cfg.batch_size}, image_size={size!r}))"
         )
 
 
@@ -371,6 +402,75 @@ class StitcherFeedbackHook(DataServerHook):
         ratio = to_float(outputs[self.ratio_key])
         mode = self.loader(runner).client.feedback(ratio)
         runner.message_hub.update_scalar("train/next_stitch", float(mode == "stitch"))
+
+
+@HOOKS.register_module(force=True)
+class CloseMosaicHook(Hook):
+    """Close-mosaic (Ultralytics' ``close_mosaic``, YOLOX's ``no_aug_epochs``): mosaics
+    until epoch ``close_epoch``, regular batches from it on, for a loader whose client has
+    ``stitch_layout="mosaic"``.
+
+    Guarantee (no other hook setting the mode): every batch of an epoch >= ``close_epoch``
+    is regular; with ``mosaic_from_start=True`` every batch of an earlier epoch is a mosaic
+    (otherwise the mode of earlier epochs is left to whatever else sets it). The
+    switch is ``loader.client.set_mode(...)`` before the epoch's first batch is planned, so
+    that batch honours it; no loader is rebuilt and no worker is restarted.
+
+    Under ``EpochBasedTrainLoop`` the mode is set in ``before_train_epoch`` from
+    ``runner.epoch``; under ``IterBasedTrainLoop`` (where ``runner.epoch`` stays 0 and the
+    loader moves from epoch to epoch itself) at the start of every epoch the loader serves,
+    from that epoch's number. A resumed run gets the mode of the epoch it resumes in.
+    Register it with ``DataServerHook`` for checkpoints; not with ``StitcherFeedbackHook``,
+    whose feedback would set the mode again after every iteration (refused in
+    ``before_train``).
+    """
+
+    priority = "NORMAL"
+
+    def __init__(self, close_epoch: int, mosaic_from_start: bool = False) -> None:
+        if isinstance(close_epoch, bool) or not isinstance(close_epoch, int) or close_epoch < 0:
+            raise ValueError(
+                f"CloseMosaicHook: close_epoch must be an int >= 0, got {close_epoch!r}"
+            )
+        self.close_epoch = close_epoch
+        self.mosaic_from_start = bool(mosaic_from_start)
+        self._by_loader = False  # IterBasedTrainLoop: the loader's epoch callback sets the mode
+        self._client: DataServerClient | None = None
+
+    def mode_of(self, epoch: int) -> str | None:
+        """The mode this hook gives ``epoch`` (None: it leaves that epoch's mode alone)."""
+        if epoch >= self.close_epoch:
+            return "regular"
+        return "stitch" if self.mosaic_from_start else None
+
+    def before_train(self, runner: Any) -> None:
+        from mmengine.runner import IterBasedTrainLoop
+
+        loader = DataServerHook.loader(runner)
+        layout = loader.client.config.stitch_layout
+        if layout != "mosaic":
+            raise ValueError(
+                f"CloseMosaicHook needs a client built with stitch_layout='mosaic', not {layout!r}"
+            )
+        if any(isinstance(hook, StitcherFeedbackHook) for hook in runner.hooks):
+            raise ValueError(
+                "CloseMosaicHook and StitcherFeedbackHook both set the mode: register "
+                "DataServerHook (checkpoints) with CloseMosaicHook instead"
+            )
+        self._by_loader = isinstance(runner.train_loop, IterBasedTrainLoop)
+        if self._by_loader and self._on_epoch not in loader.epoch_callbacks:
+            loader.epoch_callbacks.append(self._on_epoch)
+        self._client = loader.client
+
+    def _on_epoch(self, epoch: int) -> None:
+        mode = self.mode_of(epoch)
+        if mode is not None and self._client is not None:
+            self._client.set_mode(mode)
+
+    def before_train_epoch(self, runner: Any) -> None:
+        if not self._by_loader:
+            self._client = DataServerHook.loader(runner).client
+            self._on_epoch(runner.epoch)
 
 
 def mmengine_checkpoint_globals() -> list[Any]:
