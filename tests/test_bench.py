@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -33,6 +34,24 @@ def test_bench_reports_every_figure(tmp_path: Path) -> None:
     stall = results["flip_stall"]["step_150ms_lookahead_on"]
     assert stall["flips"] >= 0 and stall["wait_after_no_flip_ms"]["median"] is not None
     assert "vs_dataloader" in proc.stdout and "round 1/1: dataloader" in proc.stdout
+
+
+@pytest.mark.timeout(180)
+def test_bench_augment_figure(tmp_path: Path) -> None:
+    """The Albumentations figure, on its own (it starts two servers): both rates, or the
+    reason it was skipped when albumentations is not installed."""
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "dataserver.cli", "bench", "--images", "24", "--batches", "3"]
+    cmd += ["--image-size", "64", "--batch-size", "4", "--workers", "1", "--json", str(out)]
+    cmd += ["--rounds", "1", "--only", "augment"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=170)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    figure = json.loads(out.read_text())["augment"]
+    if importlib.util.find_spec("albumentations") is None:
+        assert "albumentations is not installed" in figure["skipped"]
+        return
+    assert figure["vs_dataloader"] > 0 and figure["stored_vs_dataloader"] > 0
+    assert "round 1/1: dataloader" in proc.stdout
 
 
 def test_unknown_figure_is_refused() -> None:

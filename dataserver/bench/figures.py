@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from dataserver.admin import child_pids, fetch_stats
+from dataserver.bench.augment import fig_augment
 from dataserver.bench.multiscale import fig_multiscale
 from dataserver.demo import start_server, stop_server
 
@@ -424,4 +425,5 @@ FIGURES: dict[str, Callable[[argparse.Namespace, str, Progress], dict[str, Any]]
     "coordination": fig_coordination,
     "transport": fig_transport,
     "multiscale": fig_multiscale,
+    "augment": fig_augment,
 }
