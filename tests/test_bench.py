@@ -61,3 +61,20 @@ def test_unknown_figure_is_refused() -> None:
         text=True,
     )
     assert proc.returncode == 2 and "unknown figure" in proc.stdout
+
+
+@pytest.mark.timeout(180)
+def test_bench_multiscale_figure(tmp_path: Path) -> None:
+    """The size-change figure on a tiny configuration: both cases report their waits."""
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "dataserver.cli", "bench", "--images", "24", "--batches", "6"]
+    cmd += ["--image-size", "64", "--batch-size", "4", "--workers", "1", "--json", str(out)]
+    cmd += ["--rounds", "1", "--only", "multiscale"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=170)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    figure = json.loads(out.read_text())["multiscale"]
+    assert len(figure["sizes"]) >= 2
+    for case in ("scheduled", "unscheduled"):
+        assert figure[case]["wait_after_no_change_ms"]["median"] is not None
+    # (the schedule is a pure function of seed 0: its draws over these steps change size)
+    assert figure["scheduled"]["changes"] >= 1
