@@ -28,6 +28,7 @@ from dataserver_client.engine import Engine
 from dataserver_client.epoch import MODES, REGULAR, STITCH, shard_size
 from dataserver_client.errors import DataServerError
 from dataserver_client.handoff import Handoff, Stuck
+from dataserver_client.links import LinkState
 from dataserver_client.metrics import ClientMetrics
 from dataserver_client.rebuild import plan_of
 from dataserver_client.resume import (
@@ -305,8 +306,30 @@ class DataServerClient:
         if problem is not None:
             raise ValueError(f"set_image_size: {problem}")
         self._check_open()
+        problem = self._side_problem([*sizes.sizes, sizes.stored_hw])
+        if problem is not None:  # what the servers would refuse, refused here, at the call
+            raise ValueError(f"set_image_size: {problem}")
         self._feedback_seq += 1
         self._engine.call(self._engine.resize, sizes)
+
+    def _side_problem(self, sizes: Sequence[tuple[int, int]]) -> str | None:
+        """A size of ``sizes`` the servers in use would refuse: a side above the smallest of
+        their ``--max-image-side`` (as their WELCOMEs announced it)."""
+
+        def smallest() -> int | None:
+            sides = [
+                link.welcome_msg.max_image_side
+                for link in self._engine.links.met()
+                if link.welcome_msg is not None
+                and link.state not in (LinkState.DRAINING, LinkState.BANNED)
+            ]
+            return min(sides) if sides else None
+
+        side: int | None = self._engine.call(smallest)
+        for hw in sizes:
+            if side is not None and max(hw) > side:
+                return f"image size {tuple(hw)} exceeds the servers' --max-image-side {side}"
+        return None
 
     @property
     def image_size(self) -> tuple[int, int] | MultiScale:
@@ -331,6 +354,10 @@ class DataServerClient:
                 f"{self.fingerprint!r}"
             )
         plan, values, on_error = plan_of(manifest, self.dataset_len)
+        for key, hw in (("image_size", plan.fit_hw), ("source_size", plan.stored_hw)):
+            problem = self._side_problem([hw])
+            if problem is not None:
+                raise ValueError(f"manifest {key!r}: {problem}")
         future = self._engine.call(self._engine.rebuild, plan, values, on_error)
         deadline = time.monotonic() + self.config.timeout + 10.0
         while True:
@@ -347,6 +374,9 @@ class DataServerClient:
                         f"{self.config.timeout + 10.0:g} s"
                     ) from None
         batch: Batch = self._engine.mover.hand_over(delivery)
+        # Named as the manifest names it: its layout and control_seq, not this client's.
+        for key in ("stitch_layout", "stitch_k", "control_seq"):
+            batch.manifest[key] = manifest[key]
         batch.manifest["fingerprint"] = self.fingerprint
         return batch
 

@@ -13,6 +13,7 @@ the session's own values are untouched) and never enters the trainer's stream of
 
 from __future__ import annotations
 
+import copy
 import math
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
@@ -44,7 +45,9 @@ def manifest_of(batch: InflightBatch, layout: Layout, on_error: str) -> dict[str
         "source_size": list(plan.stored_hw),
         "indices": [list(image.indices) for image in plan.images],
         "control_seq": batch.control_seq,
-        "control": batch.control,
+        # (a copy: the batch's values are the plan book's own, which a caller's edit of
+        # the manifest must not change)
+        "control": copy.deepcopy(batch.control) if batch.control else {},
         "seed": plan.seed,
         "on_error": batch.on_error or on_error,
     }
@@ -62,6 +65,17 @@ def _size(manifest: dict[str, Any], key: str) -> tuple[int, int]:
     if hw.to_state() != list(hw.sizes[0]) or max(hw.sizes[0]) > MAX_IMAGE_SIDE:
         raise ValueError(f"manifest {key!r} must be [h, w] of at most {MAX_IMAGE_SIDE}")
     return hw.sizes[0]
+
+
+def _sizes(manifest: dict[str, Any], grid: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The manifest's image size and source size (what sources are stored at: never
+    smaller), checked."""
+    fit_hw, stored_hw = _size(manifest, "image_size"), _size(manifest, "source_size")
+    if min(fit_hw) < grid:
+        raise ValueError(f"manifest 'image_size' {fit_hw} is too small for its grid")
+    if stored_hw[0] < fit_hw[0] or stored_hw[1] < fit_hw[1]:
+        raise ValueError(f"manifest 'source_size' {stored_hw} is smaller than 'image_size'")
+    return fit_hw, stored_hw
 
 
 def _images(manifest: dict[str, Any], k: int, per_image: int) -> list[tuple[int, ...]]:
@@ -93,12 +107,16 @@ def plan_of(manifest: Any, dataset_len: int) -> tuple[BatchPlan, dict[str, Any],
         raise ValueError(f"manifest 'mode' must be one of {MODES}, got {mode!r}")
     if layout not in ("spatial", "batch", "mosaic"):
         raise ValueError(f"manifest 'stitch_layout' is not a layout: {layout!r}")
-    if k not in (1, 4, 9, 16) or (layout == "mosaic" and k != 4):
+    if (
+        not isinstance(k, int)
+        or isinstance(k, bool)
+        or k not in (1, 4, 9, 16)
+        or (layout == "mosaic" and k != 4)
+    ):
         raise ValueError(f"manifest 'stitch_k' {k!r} does not fit stitch_layout {layout!r}")
     grid = 1 if mode == REGULAR or layout == "batch" else math.isqrt(k)
-    fit_hw, stored_hw = _size(manifest, "image_size"), _size(manifest, "source_size")
-    if min(fit_hw) < grid:
-        raise ValueError(f"manifest 'image_size' {fit_hw} is too small for its grid")
+    fit_hw, stored_hw = _sizes(manifest, grid)
+    _count(manifest, "control_seq")
     images = _images(manifest, k, grid * grid)
     if max(max(image) for image in images) >= dataset_len:
         raise ValueError(f"manifest 'indices' name samples beyond this dataset ({dataset_len})")
