@@ -19,7 +19,9 @@ Every WELCOME is checked once, by ``welcome_problem``, against the first one acc
 dataset the session serves) and this client's settings, at the handshake and after it.
 
 ``Discovery`` re-resolves DNS names among the addresses in a thread of its own (a lookup
-may block for seconds); the engine adds and removes links from what it finds.
+may block for seconds); the engine adds and removes links from what it finds. A Ray data
+tier's address, ``ray://NAME``, is a name too: resolving it asks the tier's named actor
+(``dataserver.raytier.tier_addresses``, ray imported only then) for its servers now.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from dataserver.landing import Handover, LandingArea, landing_socket
 from dataserver.protocol import Bye, Heartbeat, Hello, Welcome
 from dataserver.security import new_secret, reply_id, session_id
 from dataserver_client.config import ClientConfig
+from dataserver_client.errors import DataServerError
 
 log = logging.getLogger("dataserver_client")
 
@@ -58,6 +61,7 @@ MONITORED = (
     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 )
 _TCP = re.compile(r"^tcp://(?P<host>\[[^\]]+\]|[^:/]+):(?P<port>\d+)$")
+RAY = "ray://"  # a Ray data tier's name (dataserver_client.integrations.ray)
 
 
 class LinkState(enum.IntEnum):
@@ -122,7 +126,7 @@ def welcome_problem(
         return WelcomeProblem(
             Problem.IMAGE_SIDE,
             f"{address} serves images of at most {msg.max_image_side} pixels a side "
-            f"(its --max-image-side); this client asks for {config.image_size}",
+            f"(its --max-image-side); this client asks for {config.sizes.stored_hw}",
         )
     return None
 
@@ -154,19 +158,42 @@ def expand_addresses(addresses: str | Sequence[str]) -> list[str]:
     items = [addresses] if isinstance(addresses, str) else list(addresses)
     out: list[str] = []
     for addr in items:
-        out.extend(resolve(addr) or [addr])
+        out.extend(first_answer(addr))
     return list(dict.fromkeys(out))
 
 
+def first_answer(addr: str) -> list[str]:
+    """What ``addr`` stands for when the client starts: ``resolve``'s answer, or ``addr``
+    itself when a DNS lookup fails; a Ray data tier that cannot be asked is an error (it
+    has no address ZeroMQ could keep trying), one with no server up yet stands for none."""
+    found = resolve(addr)
+    if found is None and addr.startswith(RAY):
+        raise DataServerError(
+            f"{addr}: no such Ray data tier reachable from this process (start it with "
+            "dataserver_client.integrations.ray.DataTier.start, inside this Ray cluster)"
+        )
+    return [addr] if found is None else found
+
+
 def is_name(addr: str) -> bool:
-    """Whether ``addr`` names its host by a DNS name (which discovery re-resolves)."""
+    """Whether ``addr`` names its host by a DNS name, or is a Ray data tier (``ray://NAME``):
+    what discovery re-resolves."""
+    if addr.startswith(RAY):
+        return True
     m = _TCP.match(addr)
     return m is not None and not _is_ip(m["host"].strip("[]")) and m["host"] != "localhost"
 
 
 def resolve(addr: str) -> list[str] | None:
     """The addresses ``addr`` stands for now: itself unless its host is a DNS name, else
-    one per host the name resolves to; None when the lookup fails."""
+    one per host the name resolves to (a Ray tier: its servers that are up); None when the
+    lookup fails."""
+    if addr.startswith(RAY):
+        try:
+            from dataserver.raytier import tier_addresses
+        except ImportError as exc:
+            raise DataServerError(f"{addr} needs ray: pip install 'dataserver[ray]'") from exc
+        return tier_addresses(addr[len(RAY) :])
     m = _TCP.match(addr)
     if m is None or not is_name(addr):
         return [addr]
@@ -191,7 +218,7 @@ class Discovery:
         self.specs = list(specs)
         self.interval = interval
         self._wake = wake
-        self._answers: dict[str, list[str]] = {a: resolve(a) or [a] for a in self.specs}
+        self._answers: dict[str, list[str]] = {a: first_answer(a) for a in self.specs}
         self.current = self._flatten()
         self._found: list[str] | None = None
         self._lock = threading.Lock()

@@ -16,28 +16,42 @@ interpolations for the smaller sizes.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from dataserver.hashing import MASK64, mix64
 
 SIZE_SALT = 0x51_2E5  # keeps the size draw apart from every other use of (seed, epoch, n)
 
 
+def _integer(value: Any) -> int | None:
+    """``value`` as an int when it is an integer (numpy's too), not a bool; else None."""
+    if isinstance(value, bool | np.bool_):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
 def _pair(value: Any, what: str) -> tuple[int, int]:
     """(h, w) from an int (a square) or a pair of positive ints; ValueError naming ``what``."""
-    if isinstance(value, bool):
-        raise ValueError(f"{what} must be an int or (h, w), got {value!r}")
-    if isinstance(value, int):
-        pair: tuple[Any, ...] = (value, value)
-    elif isinstance(value, Sequence) and not isinstance(value, str) and len(value) == 2:
-        pair = tuple(value)
+    single = _integer(value)
+    if single is not None:
+        pair: list[int | None] = [single, single]
+    elif (
+        isinstance(value, Sequence | np.ndarray) and not isinstance(value, str) and len(value) == 2
+    ):
+        pair = [_integer(v) for v in value]
     else:
         raise ValueError(f"{what} must be an int or (h, w), got {value!r}")
-    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in pair):
+    if not all(v is not None and v >= 1 for v in pair):
         raise ValueError(f"{what} must be positive integers, got {value!r}")
-    return int(pair[0]), int(pair[1])
+    return int(pair[0] or 0), int(pair[1] or 0)
 
 
 def _widest(a: tuple[int, int], b: tuple[int, int] | None) -> tuple[int, int]:
@@ -82,15 +96,16 @@ class MultiScale:
     every=10)``."""
 
     def __init__(self, sizes: Sequence[int | Sequence[int]], every: int = 1) -> None:
-        if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Sequence | range):
+        if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Sequence | np.ndarray):
             raise ValueError(f"MultiScale: sizes must be a sequence of sizes, got {sizes!r}")
         pairs = tuple(_pair(s, f"MultiScale: size {j}") for j, s in enumerate(sizes))
         if not pairs:
             raise ValueError("MultiScale: give at least one size")
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        steps = _integer(every)
+        if steps is None or steps < 1:
             raise ValueError(f"MultiScale: every must be an int >= 1, got {every!r}")
         self.sizes = pairs
-        self.every = every
+        self.every = steps
         self.store_at: tuple[int, int] | None = None
 
     @property
@@ -151,6 +166,6 @@ def schedule_of(value: Any, what: str = "image_size") -> SizeSchedule:
         if set(value) == {"size", "stored"}:
             return FixedSize(_pair(value["size"], what)).stored_at(_pair(stored, what))
         raise ValueError(f"{what} must be (h, w) or a MultiScale state, got {value!r}")
-    if isinstance(value, int) and not isinstance(value, bool):
+    if _integer(value) is not None:
         raise ValueError(f"{what} must be (h, w) or a MultiScale, got {value!r}")
     return FixedSize(_pair(value, what))
