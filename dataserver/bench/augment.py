@@ -23,7 +23,7 @@ DATASET = "dataserver.data.albu:augmented"
 def fig_augment(args: argparse.Namespace, spec: str, progress: Any) -> dict[str, Any]:
     """images/s and CPU per image of the Albumentations pipeline: dataserver (store off,
     and store on from epoch 2) vs the tuned DataLoader(num_workers=W)."""
-    from dataserver.bench.figures import _per_image_ms, med, rounds, run_side, served, server
+    from dataserver.bench.common import _per_image_ms, med, rounds, run_side, served, server
 
     if importlib.util.find_spec("albumentations") is None:
         return {"skipped": 'albumentations is not installed (pip install "dataserver[augment]")'}

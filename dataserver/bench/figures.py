@@ -6,80 +6,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import subprocess
-import sys
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
-from dataserver.admin import child_pids, fetch_stats
+from dataserver.admin import fetch_stats
 from dataserver.bench.augment import fig_augment
+from dataserver.bench.common import (
+    Progress,
+    _per_image_ms,
+    med,
+    rounds,
+    run_side,
+    served,
+    server,
+)
 from dataserver.bench.multiscale import fig_multiscale
 from dataserver.demo import start_server, stop_server
-
-Progress = Callable[[str], None]
-
-
-def run_side(side: str, args: argparse.Namespace, **opts: Any) -> dict[str, Any]:
-    """Run one side of a comparison in a fresh process; return what it printed."""
-    cmd = [sys.executable, "-m", "dataserver.bench.side", side]
-    base = {
-        "workers": args.workers,
-        "batch_size": args.batch_size,
-        "image_size": args.image_size,
-        "batches": args.batches,
-    }
-    for key, value in {**base, **opts}.items():
-        cmd += [f"--{key.replace('_', '-')}", str(value)]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
-    lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
-    if out.returncode != 0 or not lines:
-        raise RuntimeError(f"bench side {side} failed:\n{out.stderr[-3000:]}")
-    return dict(json.loads(lines[-1]))
-
-
-def served(args: argparse.Namespace, address: str, pids: list[int], **opts: Any) -> dict[str, Any]:
-    """The dataserver side against the server at ``address``, whose processes are ``pids``
-    (their CPU time is counted with the client's)."""
-    return run_side(
-        "dataserver", args, address=address, server_pids=",".join(map(str, pids)), **opts
-    )
-
-
-@contextmanager
-def server(flags: list[str], timeout: float = 60.0) -> Iterator[tuple[str, list[int]]]:
-    """A ``dataserver serve`` for the figure: (address, [front pid, worker pids...])."""
-    proc, address = start_server(flags, timeout=timeout)
-    try:
-        pids = [proc.pid, *child_pids(proc.pid)]
-        yield address, pids
-    finally:
-        stop_server(proc)
-
-
-def med(values: list[float]) -> float:
-    return statistics.median(values)
-
-
-def rounds(
-    args: argparse.Namespace, progress: Progress, sides: dict[str, Callable[[], dict[str, Any]]]
-) -> dict[str, list[dict[str, Any]]]:
-    """Each side ``args.rounds`` times, alternating; progress after each run."""
-    out: dict[str, list[dict[str, Any]]] = {name: [] for name in sides}
-    for r in range(args.rounds):
-        for name, run in sides.items():
-            result = run()
-            out[name].append(result)
-            rate = result.get("images_per_s")
-            shown = f"{rate:,.0f} images/s" if isinstance(rate, (int, float)) else ""
-            progress(f"round {r + 1}/{args.rounds}: {name} {shown}")
-    return out
-
-
-def _per_image_ms(run: dict[str, Any]) -> float:
-    return 1000 * (run["cpu_self_s"] + sum(run["cpu_others_s"])) / run["images"]
 
 
 def fig_dataloader(args: argparse.Namespace, spec: str, progress: Progress) -> dict[str, Any]:
@@ -377,6 +320,14 @@ def fig_coordination(args: argparse.Namespace, spec: str, progress: Progress) ->
         "vs_ideal": round(rate / ideal, 3),
         "rounds": [round(r["images_per_s"], 1) for r in runs["dataserver"]],
     }
+
+
+def fig_scale(args: argparse.Namespace, spec: str, progress: Progress) -> dict[str, Any]:
+    """What bounds a large job: ``dataserver/bench/scale.py`` (imported here, when run:
+    its roles run as ``python -m dataserver.bench.scale``)."""
+    from dataserver.bench import scale
+
+    return scale.fig_scale(args, spec, progress)
 
 
 def fig_transport(args: argparse.Namespace, spec: str, progress: Progress) -> dict[str, Any]:

@@ -74,7 +74,7 @@ def fig_multiscale(args: argparse.Namespace, spec: str, progress: Any) -> dict[s
     """Scheduled (``MultiScale(sizes, every=2)``) and unscheduled (``set_image_size`` on
     ~20% of steps) size changes, step 150 ms, on one server with its store; rounds
     alternate the two."""
-    from dataserver.bench.figures import run_side, server
+    from dataserver.bench.common import run_side, server
 
     sizes = _sizes(args.image_size)
     cases = {
