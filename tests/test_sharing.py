@@ -239,9 +239,12 @@ def test_knowing_a_session_id_is_not_enough_to_act_for_it(start_server: Any) -> 
         while attacker.poll(500):
             answers.append(protocol.decode(attacker.recv_multipart()))
         # The attacker hears refusals (and heartbeat replies, which any peer gets), never
-        # the victim's results or cancellations.
+        # the victim's results or cancellations. (A WELCOME it may get: on a loaded host the
+        # victim's link can be declared lost and come back under a new session id; a HELLO
+        # for the id nobody holds any more opens the attacker's own, empty session.)
         errors = [m for m in answers if isinstance(m, protocol.ErrorMsg)]
-        others = [m for m in answers if not isinstance(m, (protocol.ErrorMsg, protocol.Heartbeat))]
+        heard = (protocol.ErrorMsg, protocol.Heartbeat, protocol.Welcome)
+        others = [m for m in answers if not isinstance(m, heard)]
         assert errors and not others, others[:3]
         # (unknown_session: forgeries that came after the victim had closed its session)
         assert {m.kind for m in errors} <= {"bad_secret", "not_owner", "unknown_session"}
