@@ -347,10 +347,11 @@ def test_dockerfile_pins_torch_before_the_project_and_serves_by_default() -> Non
 
 needs_bash = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 
-# One fake for scontrol, srun and dataserver (it looks at its own name). `scontrol show
-# hostnames` expands "cpu[01-02],gpu7"; srun and dataserver log their argv as JSON lines; a
-# fake `srun ... dataserver serve` runs until SIGTERM (logged: the drain at the end), and a
-# fake `dataserver stats` answers once that server has started.
+# One fake for scontrol, srun, squeue, scancel and dataserver (it looks at its own name).
+# `scontrol show hostnames` expands "cpu[01-02],gpu7"; srun, scancel and dataserver log their
+# argv as JSON lines; a fake `srun ... dataserver serve` runs until SIGTERM (logged: the drain
+# at the end), which `scancel --signal=TERM` of its step (step 0, as `squeue --steps` says)
+# sends it; a fake `dataserver stats` answers once that server has started.
 FAKE = r"""
 import json, os, re, signal, sys, time
 
@@ -378,8 +379,17 @@ if name == "scontrol":
                 print(f"{m.group(1)}{i:0{len(lo)}d}")
 elif name == "srun" and "serve" in args:
     signal.signal(signal.SIGTERM, lambda *_: (record(signal="TERM"), sys.exit(0)))
+    with open(log + ".serve-pid", "w") as f:
+        f.write(str(os.getpid()))
     record(started=True)
     time.sleep(60)
+elif name == "squeue":
+    step = next(a.split("=", 1)[1] for a in args if a.startswith("--jobs="))
+    print(f"{step}.batch batch\n{step}.0 dataserver-serve")
+elif name == "scancel":
+    record()
+    if "--signal=TERM" in args and os.path.exists(log + ".serve-pid"):
+        os.kill(int(open(log + ".serve-pid").read()), signal.SIGTERM)
 else:
     if name == "dataserver" and args[:1] == ["stats"]:
         deadline = time.time() + 20
@@ -392,7 +402,7 @@ else:
 def fake_slurm(tmp_path: Path, **env: str) -> tuple[dict[str, str], Path]:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for name in ("scontrol", "srun", "dataserver"):
+    for name in ("scontrol", "srun", "squeue", "scancel", "dataserver"):
         fake = bin_dir / name
         fake.write_text(f"#!{sys.executable}\n{FAKE}")
         fake.chmod(0o755)
@@ -475,7 +485,8 @@ def test_hetjob_serves_on_cpu_nodes_waits_then_trains_on_gpu_nodes(tmp_path: Pat
     servers = ["tcp://cpu01:5555", "tcp://cpu02:5555"]
     made = calls(log)
     serve = next(c["argv"] for c in made if c["prog"] == "srun" and "serve" in c["argv"])
-    assert serve[:3] == ["--het-group=0", "--ntasks-per-node=1", "--cpus-per-task=64"]
+    assert flag(serve, "--job-name") == "dataserver-serve"
+    assert serve[1:4] == ["--het-group=0", "--ntasks-per-node=1", "--cpus-per-task=64"]
     parsed = serve_args(after(serve, "dataserver"))
     assert parsed.bind == "tcp://0.0.0.0:5555" and parsed.drain_seconds < 30  # Slurm's KillWait
     assert parsed.metrics_port == 9555
@@ -490,7 +501,9 @@ def test_hetjob_serves_on_cpu_nodes_waits_then_trains_on_gpu_nodes(tmp_path: Pat
     assert flag(torchrun, "--nnodes") == "3" and flag(torchrun, "--nproc-per-node") == "4"
     assert flag(torchrun, "--rdzv-endpoint") == "gpu1:29500"
     assert flag(torchrun, "--servers") == ",".join(servers)
-    assert made[-1].get("signal") == "TERM", "SIGTERM (drain) for the servers at the end"
+    # SIGTERM (drain) for the servers at the end, to their step: srun would SIGKILL them.
+    assert made[-2] == {"prog": "scancel", "argv": ["--signal=TERM", "42.0"]}
+    assert made[-1].get("signal") == "TERM"
 
 
 @needs_bash
@@ -510,4 +523,6 @@ def test_single_partition_script_serves_on_the_first_nodes_then_trains(tmp_path:
     torchrun = after(train_argv, "torchrun")
     assert flag(torchrun, "--nnodes") == "4" and flag(torchrun, "--rdzv-endpoint") == "node3:29500"
     assert flag(torchrun, "--servers") == "tcp://node1:5555,tcp://node2:5555"
+    assert flag(serve, "--ntasks") == "2" and flag(train_argv, "--ntasks") == "4"
+    assert made[-2] == {"prog": "scancel", "argv": ["--signal=TERM", "42.0"]}
     assert made[-1].get("signal") == "TERM"

@@ -3,7 +3,7 @@
 Workers are fresh interpreters (``subprocess``, not fork or multiprocessing's pickling
 spawn), in their own process group so that a terminal's Ctrl-C reaches only the front,
 with ``CUDA_VISIBLE_DEVICES=""``. Each has a pidfd (Linux) the front polls, so a death
-is noticed at once. Shutdown escalates BYE -> SIGTERM -> SIGKILL and logs each step. The
+is noticed at once. Shutdown escalates BYE -> SIGKILL (workers ignore SIGTERM) and logs it. The
 store's memfds are passed down (``pass_fds``): the only descriptors a worker inherits
 besides its standard streams.
 """
@@ -268,7 +268,7 @@ class WorkerPool:
         return sum(1 for w in self.workers.values() if w.proc.poll() is None)
 
     def stop(self, timeout: float = 3.0) -> None:
-        """Wait for workers that were told BYE, then SIGTERM, then SIGKILL the rest."""
+        """Wait for workers that were told BYE, then SIGKILL the rest (they ignore SIGTERM)."""
         procs = [w.proc for w in self.workers.values()]
         deadline = time.monotonic() + timeout
         for p in procs:
@@ -278,16 +278,11 @@ class WorkerPool:
                 pass
         left = [p for p in procs if p.poll() is None]
         if left:
-            log.info("terminating %d worker(s) that did not exit", len(left))
+            log.info("killing %d worker(s) that did not exit", len(left))
             for p in left:
-                p.terminate()
+                p.kill()
             for p in left:
-                try:
-                    p.wait(1.0)
-                except subprocess.TimeoutExpired:
-                    log.warning("killing worker pid %d", p.pid)
-                    p.kill()
-                    p.wait()
+                p.wait()
         for w in self.workers.values():
             if w.pidfd is not None:
                 os.close(w.pidfd)

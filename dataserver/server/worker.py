@@ -2,8 +2,10 @@
 
 Started by the front as ``python -m dataserver.server.worker`` (a fresh interpreter:
 never forked from a process that may hold CUDA, never handed a pickle), with
-``CUDA_VISIBLE_DEVICES=""``, SIGINT ignored (the front decides when workers stop) and a
-parent-death signal so that it never outlives its front.
+``CUDA_VISIBLE_DEVICES=""``, SIGINT and SIGTERM ignored (the front decides when workers
+stop: Slurm, systemd and ``kill -- -PGID`` signal a server's whole process tree, and a
+draining server must still finish what its workers run) and a parent-death signal so that
+it never outlives its front.
 
 A TASK is a run of output images of one batch. Each source comes from the server's store
 (decoded and fitted once, shared by every worker, epoch and job) or is made and stored;
@@ -458,6 +460,7 @@ def main(argv: list[str] | None = None) -> int:
     (what the front's pool writes), or its fields as flags (``WorkerConfig.from_argv``)."""
     config = WorkerConfig.from_argv(sys.argv[1:] if argv is None else argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the front drains; see the docstring
     _die_with_parent(config.parent_pid)
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     keep_large_blocks()
