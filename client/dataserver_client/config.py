@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -66,8 +67,11 @@ class ClientConfig:
         if not self.addresses:
             return "give at least one server address"
         for addr in self.addresses:
-            if not (addr.startswith(("tcp://", "ipc://")) and len(addr) > 6):
-                return f"server address {addr!r} is not tcp://HOST:PORT or ipc://PATH"
+            if addr.startswith("ray://"):  # a Ray data tier: dataserver_client.integrations.ray
+                if not re.fullmatch(r"ray://[A-Za-z0-9_.\-]+", addr):
+                    return f"server address {addr!r}: a Ray data tier is ray://NAME"
+            elif not (addr.startswith(("tcp://", "ipc://")) and len(addr) > 6):
+                return f"server address {addr!r} is not tcp://HOST:PORT, ipc://PATH or ray://NAME"
         return None
 
     def _image_problem(self) -> str | None:
