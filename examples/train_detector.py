@@ -93,7 +93,8 @@ def multiscale_sizes(base: int) -> list[int]:
 def build_model(
     kind: str, image_size: tuple[int, int], device: torch.device, *, any_size: bool = False
 ) -> tuple[Any, Any]:
-    """(model, step function returning (loss, ratio)). ``any_size``: batches come at changing
+    """(model, step function ``step(net, images, targets) -> (loss, ratio)``, ``net`` the
+    model or its DDP wrapper). ``any_size``: batches come at changing
     sizes (``image_size`` is the largest); Faster R-CNN must then not resize them."""
     if kind in ("auto", "fasterrcnn"):
         try:
@@ -113,13 +114,13 @@ def build_model(
             ).to(device)
             probe = TorchvisionStitcherRatio(model.roi_heads)
 
-            def step_tv(images: torch.Tensor, targets: list[dict[str, torch.Tensor]]) -> Any:
-                losses = model(list(images.float().div_(255.0)), targets)
+            def step_tv(net: Any, images: torch.Tensor, targets: list[dict[str, Any]]) -> Any:
+                losses = net(list(images.float().div_(255.0)), targets)
                 return sum(losses.values()), probe.ratio
 
             return model, step_tv
     tiny = TinyDetector().to(device)
-    return tiny, tiny.loss
+    return tiny, lambda net, images, targets: TinyDetector.loss_of(net(images), targets)
 
 
 def main() -> None:
@@ -203,7 +204,8 @@ def main() -> None:
                     else sizing
                 )
                 stale += batch.mode != decided or tuple(batch.image_size) != tuple(planned)
-                loss, ratio = step_fn(batch.images, batch.targets)
+                # (through ``model``: under DDP its forward is what averages the gradients)
+                loss, ratio = step_fn(model, batch.images, batch.targets)
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 optimizer.step()

@@ -90,11 +90,11 @@ def test_torchvision_faster_rcnn_probe_reports_a_ratio(start_server: Any) -> Non
     from dataserver_client import DataServerClient
 
     server = start_server("--dataset", "synthetic:images=16,seed=0", workers=1)
-    _model, step = build_model("fasterrcnn", (384, 384), torch.device("cpu"))
+    model, step = build_model("fasterrcnn", (384, 384), torch.device("cpu"))
     with DataServerClient(server.address, batch_size=2, image_size=(384, 384), device="cpu") as c:
         c.set_epoch(0)
         batch = next(iter(c))
-        loss, ratio = step(batch.images, batch.targets)
+        loss, ratio = step(model, batch.images, batch.targets)
         loss.backward()
         assert loss.item() > 0 and (math.isnan(ratio) or 0.0 <= ratio <= 1.0)
         assert c.feedback(ratio) in ("regular", "stitch")

@@ -41,7 +41,16 @@ class TinyDetector(nn.Module):
     def loss(
         self, images: torch.Tensor, targets: list[dict[str, torch.Tensor]]
     ) -> tuple[torch.Tensor, float]:
-        out = self(images)
+        """(loss, Stitcher's small-object ratio) of ``images`` against ``targets``."""
+        return self.loss_of(self(images), targets)
+
+    @staticmethod
+    def loss_of(
+        out: torch.Tensor, targets: list[dict[str, torch.Tensor]]
+    ) -> tuple[torch.Tensor, float]:
+        """``loss`` from the model's output ``out``: what a step computes when the forward
+        ran through a wrapper (``DistributedDataParallel``, whose forward is what makes the
+        backward pass average the gradients over ranks)."""
         n, _, fh, fw = out.shape
         obj_target = torch.zeros((n, fh, fw), device=out.device)
         reg_losses, areas = [], []
