@@ -365,6 +365,14 @@ def _add_bench(sub: Any) -> None:
         default=1024,
         help="flip_stall: images of its own data set (it times whole epochs of them)",
     )
+    p.add_argument(
+        "--scale-sessions", type=int, default=1000, help="scale (c): sessions held on one server"
+    )
+    p.add_argument("--scale-servers", default="1,4,16,64", help="scale (b): fake server counts")
+    p.add_argument("--scale-clients", type=int, default=64, help="scale (a): task sessions")
+    p.add_argument("--scale-workers", type=int, default=2, help="scale (a): the server's workers")
+    p.add_argument("--scale-seconds", type=float, default=5.0, help="scale: each timed window")
+    p.add_argument("--scale-batches", type=int, default=300, help="scale (b): timed batches")
     p.add_argument("--only", default=None, help="comma-separated figures to run")
     p.add_argument("--json", default=None, help="also write the results here")
     p.set_defaults(func=cmd_bench)

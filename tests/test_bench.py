@@ -78,3 +78,28 @@ def test_bench_multiscale_figure(tmp_path: Path) -> None:
         assert figure[case]["wait_after_no_change_ms"]["median"] is not None
     # (the schedule is a pure function of seed 0: its draws over these steps change size)
     assert figure["scheduled"]["changes"] >= 1
+
+
+@pytest.mark.timeout(150)
+def test_bench_scale_figure(tmp_path: Path) -> None:
+    """The scale figure on a tiny configuration: (a) a front's CPU per task, (b) the real
+    client's CPU per task against fake servers, (c) fds and memory per session."""
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "dataserver.cli", "bench", "--only", "scale", "--json", str(out)]
+    cmd += ["--images", "8", "--scale-sessions", "40", "--scale-servers", "1,4"]
+    cmd += ["--scale-clients", "8"]
+    cmd += ["--scale-workers", "1", "--scale-seconds", "1", "--scale-batches", "20"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=140)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    figure = json.loads(out.read_text())["scale"]
+    assert figure["a_direct_tasks_per_s"] > 0 and figure["a_forwarded_tasks_per_s"] > 0
+    assert figure["a_direct_results_sent_direct"] > 0.5  # the swarm reaches the worker
+    assert figure["a_forwarded_results_sent_direct"] == 0
+    assert set(figure["b_client_us_per_task"]) == {"1", "4"}
+    assert all(v > 0 for v in figure["b_client_us_per_task"].values())
+    assert figure["b_check_client_us_per_task_real"] > 0
+    assert figure["c_sessions"] == 40 == figure["c_sessions_on_server"]
+    # Each session holds a data and a control connection on the front, one on each worker.
+    assert figure["c_front_fds_per_session"] >= 1.5 and figure["c_worker_fds_per_session"] >= 0.9
+    assert figure["c_heartbeats_handled_per_s"] > 0
+    assert "c_front_us_per_heartbeat" in proc.stdout and "b_client_us_per_task" in proc.stdout

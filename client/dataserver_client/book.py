@@ -227,10 +227,13 @@ class PlanBook:
         return batch.array[first : first + len(rec.slots)]
 
     def tasks_per_batch(self, images: int) -> int:
-        """Tasks to cut a batch of ``images`` output images into: enough that every worker
-        of every server has its pipeline full with ``prefetch`` batches in flight, and no
-        more (each task costs a message each way and some Python on every side)."""
-        want = -(-self._parallelism // self.config.prefetch)
+        """Tasks to cut a batch of ``images`` output images into: enough that this rank's
+        share of every server's worker slots (the ranks of a job share them: 1 / world_size
+        each) is full with ``prefetch`` batches in flight, and no more (each task costs a
+        message each way and some Python on every side: cut by every slot, a job of 1,000
+        ranks made every image a task and its servers' fronts the bottleneck)."""
+        share = max(1, self._parallelism // self.config.world_size)
+        want = -(-share // self.config.prefetch)
         return max(1, min(images, max(want, -(-images // MAX_TASK_IMAGES))))
 
     # ------------------------------------------------------------ answers

@@ -210,6 +210,7 @@ class Clients:
     def _on_heartbeat(self, identity: bytes, msg: Heartbeat) -> None:
         """A beat: the session (if it names one) is alive; the answer lists where the
         workers' direct results are now."""
+        self.counters["heartbeats"] += 1
         if msg.session is not None:
             self._authentic(identity, msg, quiet=True)
         results, local = self.workers.result_endpoints()

@@ -14,6 +14,9 @@ dead worker) gets ``EMFILE``. This module keeps that bounded:
   (``fd_budget``: the fd limit less a reserve for the workers, at most a few per session)
   the idlest connection, or the new one when none is idle, is shut down at once.
 
+A control connection (a client's PUB: silent until it steers) counts as active on any
+bytes, its libzmq's PONGs included; a data connection needs more than a PONG's.
+
 Why bytes and not ``tcpi_last_data_recv``: the front sends ZMTP PINGs (``HEARTBEAT_IVL``)
 to drop dead peers, and a live libzmq peer answers each with a PONG of a few bytes by
 itself, so its connection never looks silent; an honest client sends a HEARTBEAT message
@@ -233,7 +236,7 @@ class ConnTracker:
             if received is None:  # an old kernel: any data counts, PONGs too
                 if last_recv_ms < CHECK_S * 1000:
                     conn.active = now
-            elif conn.received is None or received - conn.received > ACTIVE_BYTES:
+            elif conn.received is None or received - conn.received > _active_bytes(conn):
                 conn.active = now
             conn.received = received
             if (now - conn.active) * 1000 > idle_ms:
@@ -243,6 +246,15 @@ class ConnTracker:
             self._next_trim = now + TRIM_S
             if malloc_trim():
                 self.trims += 1
+
+
+def _active_bytes(conn: Conn) -> int:
+    """Bytes a connection must have sent since the last check to count as active. A
+    client's control connection carries nothing until it steers (it publishes, never
+    beats), so there the PONGs its libzmq answers the front's PINGs with are enough: it is
+    dropped only when its peer is gone. Silent but live control peers are bounded by the
+    connection cap (the idlest goes first)."""
+    return 0 if conn.socket == "control" else ACTIVE_BYTES
 
 
 def is_emfile(exc: BaseException) -> bool:

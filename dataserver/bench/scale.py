@@ -1,0 +1,888 @@
+"""``dataserver bench --only scale``: what bounds a job of many ranks, measured on one host.
+
+Three measurements, each of one part alone, for the paper model of a large job
+(docs/DESIGN-NOTES.md, "Scale model: 1,000 ranks"). One real ``dataserver serve`` serves
+all three: ``simulated`` samples that cost nothing (ms=0, 8x8), ``--workers
+--scale-workers``, ``--cache-gb 0`` (the workers do less; they are not what is measured)
+and ``--no-local-results`` (results over TCP, as to another host and from the fakes).
+
+(a) ``front``: the server's front under ``--scale-clients`` lightweight sessions
+    (``swarm``: raw pyzmq DEALERs speaking HELLO / TASK / HEARTBEAT with
+    ``dataserver.protocol``'s messages and a secret from ``dataserver.security``), each
+    keeping 4 one-image tasks outstanding: the front's CPU per task from ``/proc`` (less its
+    CPU with the same sessions only beating), results sent straight to the clients (the
+    front sees a DONE) and through the front (it forwards the RESULT). Tasks per core =
+    1 / (front CPU per task). On 2 cores the workers, not the front, bound the rate: the
+    cost per task is measured below saturation (each message a turn of the loop), an upper
+    bound of what a saturated front pays.
+(b) ``client``: the real ``DataServerClient``'s CPU per task (its process's CPU / tasks)
+    against ``--scale-servers`` fake servers (``fakes``: one process, three sockets a
+    server, answering HELLO, HEARTBEAT and TASK with a tiny RESULT sent straight to the
+    client's result connection, as a worker does; 16 workers announced, so every batch of
+    16 is cut into 16 one-image tasks at any count), and its CPU per second while idle
+    (heartbeats, timers). The real server beside a fake with as many workers checks the
+    fake.
+(c) ``sessions``: the server holding ``--scale-sessions`` sessions, each as a real client
+    holds one (a data connection beating every 0.5 s, a control connection, a result
+    connection to each worker), opened 100 at a time from two processes: file descriptors
+    and RSS of the front and a worker before and after, and the front's CPU per second
+    with none, with the sessions silent, and beating (per heartbeat it handled).
+
+Roles run in their own processes: ``python -m dataserver.bench.scale swarm|fakes|client``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections import Counter, deque
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import numpy as np
+import zmq
+
+from dataserver.bench.cpu import CpuWindow, cpu_seconds
+from dataserver.protocol import (
+    Bye,
+    Heartbeat,
+    Hello,
+    MsgType,
+    ProtocolError,
+    Result,
+    Task,
+    Welcome,
+    decode,
+)
+from dataserver.security import new_secret, reply_id, session_id
+
+Progress = Callable[[str], None]
+ZERO = "dataserver.data.simulated:simulated"
+ZERO_ARGS = json.dumps({"n": 4096, "ms": 0, "size": 8})
+BEAT_S = 0.5  # what a real client beats at (ClientConfig.heartbeat_interval)
+HELLO_BATCH = 100  # sessions opened at once (a listen backlog is ~100)
+SIDE = 8  # output images of the swarm's tasks: 8 x 8
+
+
+def _raise_fd_limit() -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def _kind(frames: list[Any], at: int = 1) -> int:
+    """The message type byte of a message whose frame ``at`` is the type frame (0: none)."""
+    if len(frames) <= at:
+        return 0
+    raw = frames[at].bytes if hasattr(frames[at], "bytes") else bytes(frames[at])
+    return raw[0] if len(raw) == 1 else 0
+
+
+# ============================================================================ (a), (c): swarm
+
+
+@dataclass(eq=False)
+class _Session:
+    """One lightweight session: what a real client holds on one server."""
+
+    sid: bytes
+    secret: bytes
+    data: zmq.Socket[Any]
+    results: zmq.Socket[Any] | None = None
+    pub: zmq.Socket[Any] | None = None
+    welcomed: bool = False
+    credit: int = 0
+    outstanding: int = 0
+
+
+@dataclass
+class _SwarmConfig:
+    address: str
+    sessions: int
+    depth: int  # tasks each session keeps outstanding (0: it only beats)
+    direct: bool  # results straight from the workers (a result connection to each)
+    control: bool  # a control connection (PUB) per session, as a real client has
+
+
+@dataclass
+class _Swarm:
+    """``sessions`` sessions on one server, polled in one loop."""
+
+    cfg: _SwarmConfig
+    ctx: zmq.Context[Any]
+    sessions: list[_Session] = field(default_factory=list)
+    by_sock: dict[Any, _Session] = field(default_factory=dict)
+    beats: deque[tuple[float, _Session]] = field(default_factory=deque)
+    counts: Counter[str] = field(default_factory=Counter)
+    poller: zmq.Poller = field(default_factory=zmq.Poller)
+    next_id: int = 0
+    beating: bool = True
+    tasking: bool = True
+    template: Task | None = None
+
+    def open(self, n: int) -> None:
+        for _ in range(n):
+            sock = self.ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(self.cfg.address)
+            s = _Session(session_id(), new_secret(), sock)
+            self.sessions.append(s)
+            self.by_sock[sock] = s
+            self.poller.register(sock, zmq.POLLIN)
+            sock.send_multipart(Hello(session=s.sid, auth=s.secret).encode())
+
+    def welcome(self, s: _Session, msg: Welcome) -> None:
+        if s.welcomed:
+            return
+        s.welcomed, s.credit = True, msg.credit
+        self.counts["welcomed"] += 1
+        if self.cfg.direct and msg.results:
+            s.results = self.ctx.socket(zmq.DEALER)
+            s.results.setsockopt(zmq.LINGER, 0)
+            s.results.setsockopt(zmq.ROUTING_ID, reply_id(s.secret))
+            for endpoint in msg.results:
+                s.results.connect(endpoint)
+            if self.cfg.depth:  # (no tasks: nothing ever comes on it)
+                self.by_sock[s.results] = s
+                self.poller.register(s.results, zmq.POLLIN)
+        if self.cfg.control:
+            s.pub = self.ctx.socket(zmq.PUB)
+            s.pub.setsockopt(zmq.LINGER, 0)
+            s.pub.connect(msg.control)
+        self.beats.append((time.monotonic() + BEAT_S, s))
+
+    def task(self, s: _Session) -> None:
+        assert self.template is not None
+        self.next_id += 1
+        t = msgspec.structs.replace(
+            self.template,
+            session=s.sid,
+            auth=s.secret,
+            task_id=self.next_id,
+            images=((self.next_id % 4096,),),
+        )
+        s.data.send_multipart(t.encode(), copy=False)
+        s.outstanding += 1
+
+    def fill(self, s: _Session) -> None:
+        want = min(self.cfg.depth, s.credit) if self.tasking else 0
+        while s.welcomed and s.outstanding < want:
+            self.task(s)
+
+    def on_message(self, s: _Session, frames: list[Any]) -> None:
+        kind = _kind(frames, 1)
+        if kind == MsgType.RESULT:
+            self.counts["results"] += 1
+            s.outstanding -= 1
+            self.fill(s)
+        elif kind == MsgType.HEARTBEAT:
+            self.counts["beats_answered"] += 1
+        elif kind == MsgType.WELCOME:
+            try:
+                msg = decode(frames)
+            except ProtocolError:
+                self.counts["malformed"] += 1
+                return
+            if isinstance(msg, Welcome):
+                self.welcome(s, msg)
+                self.fill(s)
+        else:
+            self.on_other(s, frames, kind)
+
+    def on_other(self, s: _Session, frames: list[Any], kind: int) -> None:
+        """ERROR (a refused HELLO or task), CANCELLED, BYE: counted; a task's credit back."""
+        try:
+            name = MsgType(kind).name.lower()
+        except ValueError:
+            name = "unknown"
+        self.counts[name] += 1
+        if kind in (MsgType.ERROR, MsgType.CANCELLED) and s.welcomed and s.outstanding:
+            s.outstanding -= 1
+            self.fill(s)
+
+    def beat(self, now: float) -> None:
+        while self.beats and self.beats[0][0] <= now:
+            _, s = self.beats.popleft()
+            if self.beating:
+                hb = Heartbeat(session=s.sid, auth=s.secret).encode()
+                s.data.send_multipart(hb)
+                self.counts["beats"] += 1
+            self.beats.append((now + BEAT_S, s))
+
+    def turn(self, timeout_ms: int) -> None:
+        for sock, _ in self.poller.poll(timeout_ms):
+            s = self.by_sock[sock]
+            for _ in range(256):
+                try:
+                    frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                self.on_message(s, frames)
+        self.beat(time.monotonic())
+
+    def open_all(self, deadline: float) -> None:
+        """Open the sessions ``HELLO_BATCH`` at a time, each batch once the last is welcomed
+        (HELLOs are sent again every second until a WELCOME comes)."""
+        while len(self.sessions) < self.cfg.sessions and time.monotonic() < deadline:
+            self.open(min(HELLO_BATCH, self.cfg.sessions - len(self.sessions)))
+            asked = time.monotonic()
+            while self.counts["welcomed"] < len(self.sessions) and time.monotonic() < deadline:
+                self.turn(20)
+                if time.monotonic() - asked > 1.0:
+                    asked = time.monotonic()
+                    for s in self.sessions:
+                        if not s.welcomed:
+                            s.data.send_multipart(Hello(session=s.sid, auth=s.secret).encode())
+
+    def close(self) -> None:
+        """BYE on every session (as a real client's close), then the sockets."""
+        for s in self.sessions:
+            if s.welcomed:
+                s.data.send_multipart(Bye(session=s.sid, auth=s.secret).encode())
+            s.data.close(linger=500)
+            for sock in (s.results, s.pub):
+                if sock is not None:
+                    sock.close(linger=0)
+
+
+def _task_template() -> Task:
+    return Task(
+        session=b"x",
+        task_id=0,
+        plan_version=0,
+        epoch=0,
+        seed=0,
+        images=((0,),),
+        grid=1,
+        out_hw=(SIDE, SIDE),
+        fit_hw=(SIDE, SIDE),
+        on_error="skip",
+        control_seq=0,
+    )
+
+
+def swarm_main(argv: list[str]) -> int:
+    """Open the sessions, print ``{"ready": ...}``, then run until SIGTERM: SIGUSR1 stops or
+    starts the heartbeats, SIGUSR2 the tasks, SIGHUP prints the counts (one JSON line)."""
+    p = argparse.ArgumentParser(prog="scale swarm")
+    p.add_argument("--address", required=True)
+    p.add_argument("--sessions", type=int, default=64)
+    p.add_argument("--depth", type=int, default=0)
+    p.add_argument("--direct", type=int, default=1)
+    p.add_argument("--control", type=int, default=1)
+    a = p.parse_args(argv)
+    _raise_fd_limit()
+    ctx: zmq.Context[Any] = zmq.Context()
+    ctx.set(zmq.MAX_SOCKETS, 4 * a.sessions + 256)
+    cfg = _SwarmConfig(a.address, a.sessions, a.depth, bool(a.direct), bool(a.control))
+    swarm = _Swarm(cfg, ctx, template=_task_template())
+    flags = {"stop": False, "report": False}
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        if signum == signal.SIGHUP:
+            flags["report"] = True
+        elif signum == signal.SIGUSR1:
+            swarm.beating = not swarm.beating
+        elif signum == signal.SIGUSR2:
+            swarm.tasking = not swarm.tasking
+            for s in swarm.sessions:
+                swarm.fill(s)
+        else:
+            flags["stop"] = True
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP):
+        signal.signal(sig, on_signal)
+    swarm.open_all(time.monotonic() + 120)
+    print(json.dumps({"ready": swarm.counts["welcomed"], "counts": swarm.counts}), flush=True)
+    while not flags["stop"]:
+        swarm.turn(10)
+        if flags["report"]:
+            flags["report"] = False
+            print(json.dumps({"counts": swarm.counts}), flush=True)
+    print(json.dumps({"done": True, "counts": swarm.counts}), flush=True)
+    swarm.close()
+    ctx.term()
+    return 0
+
+
+# ============================================================================ (b): fakes
+
+
+@dataclass(eq=False)
+class _Fake:
+    """One fake server: a front ROUTER (HELLO, HEARTBEAT, TASK), a result ROUTER that the
+    client's result connection reaches (named by ``reply_id`` of the session's secret, as
+    a worker's), a control SUB. A TASK is answered at once with zero pixels, no boxes."""
+
+    front: zmq.Socket[Any]
+    results: zmq.Socket[Any]
+    control: zmq.Socket[Any]
+    workers: int
+    server_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    counts: Counter[str] = field(default_factory=Counter)
+
+    @classmethod
+    def bind(cls, ctx: zmq.Context[Any], workers: int) -> _Fake:
+        front, results, control = (ctx.socket(t) for t in (zmq.ROUTER, zmq.ROUTER, zmq.SUB))
+        for sock in (front, results, control):
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.bind("tcp://127.0.0.1:*")
+        results.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        control.setsockopt(zmq.SUBSCRIBE, b"")
+        return cls(front, results, control, workers)
+
+    @property
+    def address(self) -> str:
+        return str(self.front.getsockopt_string(zmq.LAST_ENDPOINT))
+
+    def welcome(self, sid: bytes) -> Welcome:
+        return Welcome(
+            session=sid,
+            server_id=self.server_id,
+            dataset_len=4096,
+            fingerprint="scale-fake",
+            workers=self.workers,
+            credit=4 * self.workers,  # as a real front: PIPELINE x 2 per worker
+            control=self.control.getsockopt_string(zmq.LAST_ENDPOINT),
+            results=(self.results.getsockopt_string(zmq.LAST_ENDPOINT),),
+        )
+
+    def on_front(self, frames: list[Any]) -> None:
+        ident = frames[0].bytes
+        try:
+            msg = decode(frames[1:])
+        except ProtocolError:
+            self.counts["malformed"] += 1
+            return
+        if isinstance(msg, Task):
+            self.answer(ident, msg)
+        elif isinstance(msg, Hello):
+            self.front.send_multipart([ident, *self.welcome(msg.session).encode()])
+        elif isinstance(msg, Heartbeat):
+            beat = Heartbeat(server_id=self.server_id, results=self.welcome(b"x").results)
+            self.front.send_multipart([ident, *beat.encode()])
+        self.counts[type(msg).__name__.lower()] += 1
+
+    def answer(self, ident: bytes, task: Task) -> None:
+        n = len(task.images)
+        out = Result(
+            session=task.session,
+            task_id=task.task_id,
+            plan_version=task.plan_version,
+            images=task.images,
+            box_counts=(1,) * n,  # one box an image, as ``simulated`` has
+            pixels=_zeros((n, 3, *task.out_hw)),
+            boxes=_boxes(n, task.out_hw),
+            labels=np.ones(n, np.int64),
+        )
+        frames = out.encode()
+        try:
+            route = reply_id(task.auth or b"")
+            self.results.send_multipart([route, *frames], zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError:  # not connected there (yet): through the front, as a worker does
+            self.front.send_multipart([ident, *frames], copy=False)
+            self.counts["through_front"] += 1
+
+
+_ZEROS: dict[tuple[int, ...], np.ndarray] = {}
+
+
+def _boxes(n: int, hw: tuple[int, int]) -> np.ndarray:
+    return np.tile(np.array([[1, 1, hw[1] - 1, hw[0] - 1]], np.float32), (n, 1))
+
+
+def _zeros(shape: tuple[int, ...]) -> np.ndarray:
+    if shape not in _ZEROS:
+        _ZEROS[shape] = np.zeros(shape, np.uint8)
+    return _ZEROS[shape]
+
+
+def fakes_main(argv: list[str]) -> int:
+    """Bind ``--count`` fake servers, print their addresses, answer until SIGTERM."""
+    p = argparse.ArgumentParser(prog="scale fakes")
+    p.add_argument("--count", type=int, default=1)
+    p.add_argument("--workers", type=int, default=16)
+    a = p.parse_args(argv)
+    _raise_fd_limit()
+    ctx: zmq.Context[Any] = zmq.Context()
+    ctx.set(zmq.MAX_SOCKETS, 3 * a.count + 64)
+    fakes = [_Fake.bind(ctx, a.workers) for _ in range(a.count)]
+    poller = zmq.Poller()
+    handlers: dict[Any, Callable[[list[Any]], None]] = {}
+    for f in fakes:
+        handlers[f.front] = f.on_front
+        handlers[f.control] = lambda frames: None  # (published CONTROLs: nothing to do)
+        handlers[f.results] = lambda frames: None  # (claims: only with CURVE)
+    for sock in handlers:
+        poller.register(sock, zmq.POLLIN)
+    stop = {"now": False}
+    signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
+    print(json.dumps({"addresses": [f.address for f in fakes]}), flush=True)
+    while not stop["now"]:
+        for sock, _ in poller.poll(50):
+            for _ in range(256):
+                try:
+                    frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                handlers[sock](frames)
+    ctx.destroy(linger=0)
+    return 0
+
+
+# ============================================================================ (b): the client
+
+
+def client_main(argv: list[str]) -> int:
+    """The real client against ``--addresses``: its CPU per second idle (connected, no
+    epoch), then per task over ``--batches`` batches; one JSON line."""
+    from dataserver_client import DataServerClient, iterate_epochs
+
+    p = argparse.ArgumentParser(prog="scale client")
+    p.add_argument("--addresses", required=True)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--image-size", type=int, default=32)
+    p.add_argument("--batches", type=int, default=200)
+    p.add_argument("--idle-seconds", type=float, default=2.0)
+    p.add_argument("--others", default="", help="pids whose CPU is reported beside")
+    a = p.parse_args(argv)
+    _raise_fd_limit()
+    others = [int(x) for x in a.others.split(",") if x]
+    me = os.getpid()
+    size = (a.image_size, a.image_size)
+    with DataServerClient(
+        a.addresses.split(","),
+        batch_size=a.batch_size,
+        image_size=size,
+        device="cpu",
+        timeout=60.0,
+    ) as client:
+        idle = CpuWindow([me])
+        idle.start()
+        time.sleep(a.idle_seconds)
+        idle_per_s = idle.stop()[0] / a.idle_seconds
+        batches = iterate_epochs(client)
+        for _ in range(10):  # warm up: every link has answered, buffers exist
+            next(batches)
+        window = CpuWindow([me, *others])
+        before = client.stats()["results"]
+        window.start()
+        start = time.perf_counter()
+        images = sum(len(next(batches)) for _ in range(a.batches))
+        seconds = time.perf_counter() - start
+        spent = window.stop()
+        tasks = client.stats()["results"] - before
+    out = {
+        "servers": len(a.addresses.split(",")),
+        "tasks": tasks,
+        "images": images,
+        "seconds": seconds,
+        "cpu_self_s": spent[0],
+        "cpu_others_s": spent[1:],
+        "idle_cpu_per_s": idle_per_s,
+    }
+    print(json.dumps(out), flush=True)
+    os._exit(0)
+
+
+# ============================================================================ the figure
+
+
+def _proc_fds(pid: int) -> int:
+    try:
+        return len(os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        return 0
+
+
+def _proc_rss_kib(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def _fd_soft_limit(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/limits") as f:
+            for line in f:
+                if line.startswith("Max open files"):
+                    return int(line.split()[3])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+class _Child:
+    """A role's process and the JSON lines it prints, read by a thread of their own."""
+
+    def __init__(self, cmd: list[str]) -> None:
+        import queue
+        import threading
+
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+        self.pid = self.proc.pid
+        self.role = cmd[3]
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith("{"):
+                self._lines.put(line)
+        self._lines.put(None)
+
+    def send_signal(self, signum: int) -> None:
+        self.proc.send_signal(signum)
+
+    def next_json(self, timeout: float) -> dict[str, Any]:
+        """The next JSON line it prints (within ``timeout``)."""
+        import queue
+
+        try:
+            line = self._lines.get(timeout=timeout)
+        except queue.Empty:
+            line = None
+        if line is None:
+            raise RuntimeError(f"bench scale: {self.role} printed nothing within {timeout:g} s")
+        return dict(json.loads(line))
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@contextmanager
+def _role(
+    role: str, *flags: str, timeout: float = 180.0
+) -> Iterator[tuple[_Child, dict[str, Any]]]:
+    """A role of this module in its own process: (the process, its first JSON line)."""
+    child = _Child([sys.executable, "-m", "dataserver.bench.scale", role, *flags])
+    try:
+        yield child, child.next_json(timeout)
+    finally:
+        child.stop()
+
+
+def _fetch_counters(address: str) -> dict[str, Any]:
+    from dataserver.admin import fetch_stats
+
+    return dict(fetch_stats(address, 20))
+
+
+def _front_run(
+    args: argparse.Namespace, address: str, pids: list[int], direct: bool, progress: Progress
+) -> dict[str, Any]:
+    """One measurement of (a): the swarm's sessions keep tasks outstanding through a window
+    of ``--scale-seconds`` (the front's finished tasks and every process's CPU counted),
+    then only beat through a second window (the front's CPU without tasks): the front's
+    CPU per task is the difference over the tasks."""
+    flags = ["--address", address, "--sessions", str(args.scale_clients), "--depth", "4"]
+    flags += ["--direct", str(int(direct)), "--control", "0"]
+    with _role("swarm", *flags) as (swarm, ready):
+        time.sleep(1.0)  # queues fill, every worker busy
+        window = CpuWindow([*pids, swarm.pid])
+        before = _fetch_counters(address)["counters"]
+        window.start()
+        start = time.perf_counter()
+        time.sleep(args.scale_seconds)
+        spent = window.stop()
+        seconds = time.perf_counter() - start
+        after = _fetch_counters(address)["counters"]
+        swarm.send_signal(signal.SIGUSR2)  # no more tasks: the sessions only beat
+        time.sleep(1.0)
+        beating = _cpu_per_s(pids, args.scale_seconds)
+    done = after.get("tasks_done", 0) - before.get("tasks_done", 0)
+    direct_n = after.get("results_direct", 0) - before.get("results_direct", 0)
+    path = "direct" if direct else "forwarded"
+    progress(f"(a) {path}: {done / seconds:,.0f} tasks/s, {ready['ready']} sessions")
+    n = max(1, done)
+    return {
+        "tasks_per_s": round(done / seconds, 1),
+        "front_us_per_task": round(1e6 * (spent[0] - beating * seconds) / n, 1),
+        "front_us_per_task_gross": round(1e6 * spent[0] / n, 1),
+        "front_cpu_share": round(spent[0] / seconds, 3),
+        "front_cpu_ms_per_s_beats_only": round(1e3 * beating, 1),
+        "workers_us_per_task": round(1e6 * sum(spent[1 : len(pids)]) / n, 1),
+        "swarm_us_per_task": round(1e6 * spent[-1] / n, 1),
+        "results_sent_direct": round(direct_n / n, 3),
+    }
+
+
+def fig_front(
+    args: argparse.Namespace, address: str, pids: list[int], progress: Progress
+) -> dict[str, Any]:
+    """(a) One front's CPU per task, results direct and through the front."""
+    out: dict[str, Any] = {"a_sessions": args.scale_clients, "a_workers": len(pids) - 1}
+    for direct in (True, False):
+        r = _front_run(args, address, pids, direct, progress)
+        key = "direct" if direct else "forwarded"
+        us = r.pop("front_us_per_task")
+        out[f"a_{key}_front_us_per_task"] = us
+        out[f"a_{key}_tasks_per_front_core_s"] = round(1e6 / us) if us > 0 else None
+        out.update({f"a_{key}_{k}": v for k, v in r.items()})
+    return out
+
+
+def _client_run(
+    args: argparse.Namespace, addresses: list[str], others: list[int]
+) -> dict[str, Any]:
+    flags = ["--addresses", ",".join(addresses), "--batches", str(args.scale_batches)]
+    flags += ["--idle-seconds", str(min(2.0, args.scale_seconds))]
+    flags += ["--others", ",".join(map(str, others))]
+    with _role("client", *flags, timeout=300) as (_, out):
+        return out
+
+
+def _per_task(r: dict[str, Any]) -> float:
+    return round(1e6 * r["cpu_self_s"] / max(1, r["tasks"]), 1)
+
+
+def fig_client(
+    args: argparse.Namespace, address: str, pids: list[int], progress: Progress
+) -> dict[str, Any]:
+    """(b) The real client's CPU per task and idle CPU against S fake servers."""
+    counts = [int(c) for c in str(args.scale_servers).split(",") if c]
+    per_task: dict[int, float] = {}
+    idle: dict[int, float] = {}
+    rate: dict[int, float] = {}
+    fakes_us: dict[int, float] = {}
+    for s in counts:
+        with _role("fakes", "--count", str(s), "--workers", "16") as (proc, first):
+            r = _client_run(args, first["addresses"], [proc.pid])
+        per_task[s] = _per_task(r)
+        idle[s] = round(1e3 * r["idle_cpu_per_s"], 2)
+        rate[s] = round(r["tasks"] / r["seconds"], 1)
+        fakes_us[s] = round(1e6 * r["cpu_others_s"][0] / max(1, r["tasks"]), 1)
+        progress(f"(b) {s} servers: client {per_task[s]} us/task, {rate[s]:,.0f} tasks/s")
+    out: dict[str, Any] = {
+        "b_client_us_per_task": per_task,
+        "b_client_idle_cpu_ms_per_s": idle,
+        "b_tasks_per_s": rate,
+        "b_fakes_us_per_task": fakes_us,
+        "b_images_per_task": 1,
+    }
+    if len(counts) >= 2:
+        xs, ys = np.array(counts, float), np.array([per_task[c] for c in counts])
+        slope, base = np.polyfit(xs, ys, 1)
+        out["b_fit_us_per_task"] = f"{base:.1f} + {slope:.3f} x servers"
+    out.update(_fake_check(args, address, pids, progress))
+    return out
+
+
+def _fake_check(
+    args: argparse.Namespace, address: str, pids: list[int], progress: Progress
+) -> dict[str, Any]:
+    """A fake with as many workers as the real server (``--no-local-results``: results
+    over TCP, as from a fake): the client's CPU per task on each, tasks of the same shape
+    (the client cuts batches by the servers' workers)."""
+    workers = len(pids) - 1
+    with _role("fakes", "--count", "1", "--workers", str(workers)) as (proc, first):
+        fake = _client_run(args, first["addresses"], [proc.pid])
+    real = _client_run(args, [address], pids)
+    progress(
+        f"(b) check, {workers} worker(s): client {_per_task(fake)} us/task on the fake, "
+        f"{_per_task(real)} on the real server"
+    )
+    return {
+        "b_check_client_us_per_task_fake": _per_task(fake),
+        "b_check_client_us_per_task_real": _per_task(real),
+        "b_check_images_per_task": round(real["images"] / max(1, real["tasks"]), 2),
+        "b_check_tasks_per_s_fake": round(fake["tasks"] / fake["seconds"], 1),
+        "b_check_tasks_per_s_real": round(real["tasks"] / real["seconds"], 1),
+    }
+
+
+@dataclass
+class _Snapshot:
+    fds: list[int]
+    rss_kib: list[int]
+
+    @classmethod
+    def of(cls, pids: list[int]) -> _Snapshot:
+        return cls([_proc_fds(p) for p in pids], [_proc_rss_kib(p) for p in pids])
+
+
+def _cpu_per_s(pids: list[int], seconds: float) -> float:
+    """CPU seconds per second the first of ``pids`` spends over ``seconds``."""
+    start = cpu_seconds(pids[0])
+    time.sleep(seconds)
+    return (cpu_seconds(pids[0]) - start) / seconds
+
+
+class _Swarms:
+    """Swarm processes, signalled together; their counts summed."""
+
+    def __init__(self, procs: list[_Child]) -> None:
+        self.procs = procs
+
+    def signal(self, signum: int) -> None:
+        for p in self.procs:
+            p.send_signal(signum)
+
+    def counts(self) -> Counter[str]:
+        total: Counter[str] = Counter()
+        for p in self.procs:
+            p.send_signal(signal.SIGHUP)
+            total.update(p.next_json(30)["counts"])
+        return total
+
+    def settle(self, key: str, limit: float = 20.0) -> None:
+        """Wait until ``key`` stops growing (what the server still had queued is answered)."""
+        last, deadline = self.counts()[key], time.monotonic() + limit
+        while time.monotonic() < deadline:
+            time.sleep(0.5)
+            now = self.counts()[key]
+            if now == last:
+                return
+            last = now
+
+
+@dataclass
+class _Beats:
+    """The front's CPU with the sessions beating, per second; the beats sent and answered."""
+
+    cpu_per_s: float
+    sent_per_s: float
+    handled_per_s: float  # by the front (its ``heartbeats`` counter)
+
+
+def _beating(address: str, pids: list[int], swarms: _Swarms, seconds: float) -> _Beats:
+    """Each figure over its own span (a STATS answer waits behind the heartbeats queued)."""
+
+    def handled() -> float:
+        return float(_fetch_counters(address)["counters"].get("heartbeats", 0))
+
+    def sent() -> float:
+        return float(swarms.counts()["beats"])
+
+    probes = {"sent": sent, "handled": handled, "cpu": lambda: cpu_seconds(pids[0])}
+    first = {k: (f(), time.perf_counter()) for k, f in probes.items()}
+    time.sleep(seconds)
+    rate = {}
+    for k, f in probes.items():
+        v0, t0 = first[k]
+        rate[k] = (f() - v0) / (time.perf_counter() - t0)
+    return _Beats(rate["cpu"], rate["sent"], rate["handled"])
+
+
+def fig_sessions(
+    args: argparse.Namespace, address: str, pids: list[int], progress: Progress
+) -> dict[str, Any]:
+    """(c) fds, memory and CPU of one server holding ``--scale-sessions`` sessions: the
+    front's CPU with none, with the sessions open and silent, then beating (per beat it
+    handled: a front short of CPU handles fewer than are sent)."""
+    n = args.scale_sessions
+    t = args.scale_seconds
+    time.sleep(1.0)
+    idle_cpu = _cpu_per_s(pids, t)
+    before = _Snapshot.of(pids)
+    limit = _fd_soft_limit(pids[0])
+    half = ["--address", address, "--depth", "0", "--direct", "1", "--control", "1"]
+    with (
+        _role("swarm", *half, "--sessions", str(n - n // 2)) as (p1, r1),
+        _role("swarm", *half, "--sessions", str(n // 2)) as (p2, r2),
+    ):
+        swarms = _Swarms([p1, p2])
+        opened = r1["ready"] + r2["ready"]
+        progress(f"(c) {opened} sessions open")
+        swarms.signal(signal.SIGUSR1)  # silent
+        swarms.settle("beats_answered")
+        loaded = _Snapshot.of(pids)
+        silent_cpu = _cpu_per_s(pids, t)
+        swarms.signal(signal.SIGUSR1)  # beating again
+        time.sleep(1.0)
+        beats = _beating(address, pids, swarms, t)
+        stats = _fetch_counters(address)
+    report = _sessions_report(opened, before, loaded, stats, (idle_cpu, beats, silent_cpu))
+    report["c_front_fd_limit"] = limit
+    return report
+
+
+def _sessions_report(
+    opened: int,
+    before: _Snapshot,
+    loaded: _Snapshot,
+    stats: dict[str, Any],
+    cpu: tuple[float, _Beats, float],
+) -> dict[str, Any]:
+    idle_cpu, beats, silent_cpu = cpu
+    per = max(1, opened)
+    limits = stats.get("limits", {})
+    per_beat = (beats.cpu_per_s - silent_cpu) / max(1.0, beats.handled_per_s)
+    return {
+        "c_sessions": opened,
+        "c_sessions_on_server": stats.get("sessions"),
+        "c_connections_on_front": stats.get("connections"),
+        "c_front_fds_before": before.fds[0],
+        "c_front_fds_after": loaded.fds[0],
+        "c_front_fds_per_session": round((loaded.fds[0] - before.fds[0]) / per, 2),
+        "c_worker_fds_per_session": round((loaded.fds[1] - before.fds[1]) / per, 2),
+        "c_front_rss_mib_before": round(before.rss_kib[0] / 1024, 1),
+        "c_front_rss_mib_after": round(loaded.rss_kib[0] / 1024, 1),
+        "c_front_kib_per_session": round((loaded.rss_kib[0] - before.rss_kib[0]) / per, 1),
+        "c_worker_kib_per_session": round((loaded.rss_kib[1] - before.rss_kib[1]) / per, 1),
+        "c_heartbeats_due_per_s": round(opened / BEAT_S, 1),
+        "c_heartbeats_sent_per_s": round(beats.sent_per_s, 1),
+        "c_heartbeats_handled_per_s": round(beats.handled_per_s, 1),
+        "c_front_cpu_ms_per_s_no_sessions": round(1e3 * idle_cpu, 2),
+        "c_front_cpu_ms_per_s_sessions_beating": round(1e3 * beats.cpu_per_s, 2),
+        "c_front_cpu_ms_per_s_sessions_silent": round(1e3 * silent_cpu, 2),
+        "c_front_us_per_heartbeat": round(1e6 * per_beat, 1),
+        "c_front_cpu_ms_per_s_at_full_beat_rate": round(
+            1e3 * (silent_cpu + per_beat * opened / BEAT_S), 1
+        ),
+        "c_max_sessions": limits.get("max_sessions"),
+        "c_max_connections": limits.get("max_connections"),
+        "c_rejected": stats.get("rejected", {}),
+    }
+
+
+def fig_scale(args: argparse.Namespace, spec: str, progress: Progress) -> dict[str, Any]:
+    """(a) a front's capacity, (b) a client's cost per server count, (c) a server's cost
+    per session; the paper model built from them is in docs/DESIGN-NOTES.md."""
+    from dataserver.bench.common import server
+
+    # One server for all three: zero-cost samples, no store (its workers do less; the front
+    # and the sessions are what is measured), results over TCP to clients on this host too
+    # (as to the fakes, and to clients on other hosts).
+    flags = ["--dataset", ZERO, "--dataset-args", ZERO_ARGS, "--workers", str(args.scale_workers)]
+    flags += ["--cache-gb", "0", "--no-local-results"]
+    raised = args.scale_sessions > 1024 - 16  # the default --max-sessions (1024) leaves room
+    if raised:
+        flags += ["--max-sessions", str(args.scale_sessions + 64)]
+    out: dict[str, Any] = {"max_sessions_raised_by_bench": raised}
+    with server(flags) as (address, pids):
+        out.update(fig_front(args, address, pids, progress))
+        out.update(fig_client(args, address, pids, progress))
+        out.update(fig_sessions(args, address, pids, progress))
+    with open("/proc/loadavg") as f:
+        out["load_average"] = " ".join(f.read().split()[:3])
+    return out
+
+
+ROLES = {"swarm": swarm_main, "fakes": fakes_main, "client": client_main}
+
+
+if __name__ == "__main__":
+    sys.exit(ROLES[sys.argv[1]](sys.argv[2:]))
