@@ -23,11 +23,14 @@ class Deadlines:
         self.initial = initial
         self.factor = factor
         self._seen: deque[float] = deque(maxlen=256)
+        self._count = 0  # latencies observed (the deque stops growing at 256)
         self._value = initial
 
     def observe(self, latency: float) -> None:
+        """One answer's latency; every 16th recomputes the deadline from the last 256."""
         self._seen.append(latency)
-        if len(self._seen) >= 16 and len(self._seen) % 16 == 0:
+        self._count += 1
+        if self._count % 16 == 0:
             ordered = sorted(self._seen)
             p90 = ordered[int(0.9 * (len(ordered) - 1))]
             self._value = max(self.floor, self.factor * p90)
@@ -46,15 +49,23 @@ def file_of(index: int, reason: str) -> str | None:
     return reason[len(head) : reason.index("): ")]
 
 
+def _other_images(rec: TaskRecord, msg: Result) -> bool:
+    """Whether ``msg`` names other images than ``rec`` asked (less the samples it says
+    failed, which must be ones asked)."""
+    if not msg.failed and msg.images == rec.images:  # (the common answer: just what was asked)
+        return False
+    failed = {i for i, _ in msg.failed}
+    wanted = [tuple(i for i in image if i not in failed) for image in rec.images]
+    return list(msg.images) != wanted or not failed <= set(rec.indices)
+
+
 def result_problem(
     rec: TaskRecord, msg: Result, sealed: Callable[[], bool]
 ) -> tuple[str, str] | None:
     """What is wrong with ``msg`` as the answer to ``rec``: (the ``rejected`` counter, why),
     or None. ``sealed()``: whether the seal records of a landed answer are in our buffer."""
-    failed = {i for i, _ in msg.failed}
-    wanted = [tuple(i for i in image if i not in failed) for image in rec.images]
     no_pixels = rec.land_gen is None if msg.landed else msg.pixels is None
-    if no_pixels or list(msg.images) != wanted or not failed <= set(rec.indices):
+    if no_pixels or _other_images(rec, msg):
         shown = [list(i) for i in msg.images][:4]
         return "wrong_answer", f"answered task {msg.task_id} with images {shown}, not those asked"
     if msg.landed and not sealed():
