@@ -57,6 +57,11 @@ class Affinity(Generic[S]):
         """The servers routed over (empty: one server, route nothing)."""
         return list(self._ready)
 
+    def routes(self) -> bool:
+        """Whether any key goes to a server in particular (``server_for`` is never None
+        without: fewer than two servers ready, and no owners left)."""
+        return bool(self._ready or self._owner)
+
     def route(self, key: int) -> S | None:
         """The ready server ``key`` hashes to (None with fewer than two)."""
         return rendezvous(self._ready, key) if self._ready else None

@@ -169,6 +169,10 @@ def _unregister(landing: LandingArea) -> None:
         pass
 
 
+_NO_BOXES = np.zeros((0, 4), np.float32)
+_NO_LABELS = np.zeros((0,), np.int64)
+
+
 class InflightBatch:
     """A planned batch whose tasks are being answered, slot by slot. ``control_seq`` and
     ``control``: the control values it is planned under; ``inline``: its tasks carry those
@@ -210,21 +214,29 @@ class InflightBatch:
             plan, host, control_seq, self.control, inline=self.inline, on_error=self.on_error
         )
 
-    def fill(
+    def answer(
         self,
-        slot: int,
+        slots: tuple[int, ...],
+        images: tuple[tuple[int, ...], ...],
+        counts: tuple[int, ...],
         boxes: np.ndarray,
         labels: np.ndarray,
-        indices: list[int],
-        failed: list[int],
     ) -> None:
-        """Slot ``slot`` is answered: its pixels are already in place (received straight
-        into the buffer); these are its boxes, labels, indices and left-out samples."""
-        self.boxes[slot] = np.array(boxes, dtype=np.float32)
-        self.labels[slot] = np.array(labels, dtype=np.int64)
-        self.indices[slot] = indices
-        self.skipped.extend(failed)
-        self.pending -= 1
+        """The slots of one answer are in: their pixels already in place (received straight
+        into the buffer); ``images`` their indices, ``boxes`` and ``labels`` theirs in slot
+        order, ``counts`` of them a slot (kept as views: ``deliver`` copies them all once).
+        A slot with no indices (every source failed, on_error="skip") is left out."""
+        start = 0
+        for slot, kept, count in zip(slots, images, counts, strict=True):
+            stop = start + count
+            if kept:
+                self.boxes[slot] = boxes[start:stop]
+                self.labels[slot] = labels[start:stop]
+                self.indices[slot] = list(kept)
+            else:
+                self.dropped.add(slot)
+            start = stop
+        self.pending -= len(slots)
 
     def drop(self, slot: int, indices: list[int]) -> None:
         """Leave slot out (on_error="skip"): its samples are counted as skipped."""
@@ -261,11 +273,11 @@ class DeviceMover:
         images = inflight.host
         if inflight.dropped:
             images = images[keep] if keep else images[:0]
-        boxes = [inflight.boxes[s] for s in keep]
-        labels = [inflight.labels[s] for s in keep]
-        counts = [len(b) for b in boxes if b is not None]
-        all_boxes = torch.from_numpy(np.concatenate([np.zeros((0, 4), np.float32), *boxes]))
-        all_labels = torch.from_numpy(np.concatenate([np.zeros((0,), np.int64), *labels]))
+        boxes = [b for s in keep if (b := inflight.boxes[s]) is not None]
+        labels = [lb for s in keep if (lb := inflight.labels[s]) is not None]
+        counts = [len(b) for b in boxes]
+        all_boxes = torch.from_numpy(np.concatenate([_NO_BOXES, *boxes], dtype=np.float32))
+        all_labels = torch.from_numpy(np.concatenate([_NO_LABELS, *labels], dtype=np.int64))
         event = None
         if not self.cuda:
             if inflight.dropped:

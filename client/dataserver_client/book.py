@@ -253,16 +253,7 @@ class PlanBook:
         if pixels is not None and not np.shares_memory(pixels, batch.array):
             for j, slot in enumerate(rec.slots):  # received apart: slots not consecutive
                 batch.array[slot] = pixels[j]
-        start = 0
-        for slot, kept, count in zip(rec.slots, result.images, result.box_counts, strict=True):
-            stop = start + count
-            if kept:
-                batch.fill(
-                    slot, result.boxes[start:stop], result.labels[start:stop], list(kept), []
-                )
-            else:  # every source of this image failed (on_error="skip")
-                batch.drop(slot, [])
-            start = stop
+        batch.answer(rec.slots, result.images, result.box_counts, result.boxes, result.labels)
         batch.skipped.extend(i for i, _ in result.failed)
         self._maybe_finish(batch)
 
@@ -404,8 +395,11 @@ class PlanBook:
             batch = InflightBatch(plan, host, self.control_seq, self.control)
         images = plan.images
         n = len(images)
-        keys = [self._affinity(plan, j) for j in range(n)]
-        servers = [self.affinity.server_for(key) for key in keys]
+        if self.affinity.routes():
+            keys = [self._affinity(plan, j) for j in range(n)]
+            servers = [self.affinity.server_for(key) for key in keys]
+        else:  # one server: no key goes anywhere in particular
+            keys, servers = [], [None] * n
         segments: list[tuple[int, int]] = []  # [start, stop) of one preferred server
         for j in range(n):
             if j and servers[j] is servers[j - 1]:
