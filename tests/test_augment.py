@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 from aug_plugins import Jitter, untold
+from conftest import wait_until
 
 from dataserver.data.pipeline import augment_rng, compose_one
 from dataserver.server import parse_ready_line
@@ -64,6 +65,8 @@ def test_a_deterministic_dataset_is_stored_and_says_so(start_server: Any) -> Non
     with DataServerClient(server.address, **KW) as client:
         first = epoch_by_index(client, 0)
         second = epoch_by_index(client, 1)
+    # (a worker's DONE reaches the front after its result reached us: wait for the last)
+    wait_until(lambda: server.stats()["counters"].get("sources_reused", 0) >= 32, 10)
     counters = server.stats()["counters"]
     assert counters["sources_decoded"] == 32  # each source read once, for both epochs
     assert counters["sources_reused"] >= 32
