@@ -25,6 +25,14 @@ def test_bench_reports_every_figure(tmp_path: Path) -> None:
     assert results["dataloader"]["vs_dataloader"] > 0
     assert results["dataloader"]["vs_physical_limit"] > 0
     assert results["dataloader"]["client_cpu_us_per_image"] >= 0  # (10 ms CPU clock ticks)
+    peers = results["dataloader"]
+    assert peers["physical_limit_images_per_s"] > 0 and peers["dataloader_vs_physical_limit"] > 0
+    assert peers["cpu_ms_per_image_single_process"] > 0  # (its own CPU clock: no ticks)
+    assert isinstance(peers["sanity"], (str, list)) and "limit" in peers["others_cpu_share"]
+    if importlib.util.find_spec("spdl") is None:
+        assert "spdl is not installed" in peers["spdl_skipped"]
+    else:  # the first batch of every run checked against compose_one, pixel for pixel
+        assert peers["spdl_images_per_s"] > 0 and peers["spdl_pixels_checked"] == 4
     assert results["overhead"]["front_us_per_sample"] >= 0
     assert results["overhead"]["dataloader_us_per_sample"] > 0
     assert results["cache"]["cached_vs_dataloader"] > 0
@@ -103,3 +111,21 @@ def test_bench_scale_figure(tmp_path: Path) -> None:
     assert figure["c_front_fds_per_session"] >= 1.5 and figure["c_worker_fds_per_session"] >= 0.9
     assert figure["c_heartbeats_handled_per_s"] > 0
     assert "c_front_us_per_heartbeat" in proc.stdout and "b_client_us_per_task" in proc.stdout
+
+
+def test_sanity_flags_what_cannot_be() -> None:
+    """A system above the physical limit is a broken reference (or, with other processes
+    busy, a noisy run); one spending less CPU per image than a single process misses one of
+    its processes in the count."""
+    from dataserver.bench.peers import sanity
+
+    rates = {"limit": 900.0, "dataserver": 850.0, "dataloader": 700.0}
+    cpu = {"dataserver": 2.3, "dataloader": 3.0}
+    quiet = {"limit": 0.01, "dataserver": 0.02, "dataloader": 0.0}
+    assert sanity(rates, cpu, 2.1, quiet) == []
+    [above] = sanity({**rates, "dataserver": 1000.0}, cpu, 2.1, quiet)
+    assert above.startswith("dataserver at 1.111 of the physical limit") and "broken" in above
+    [noisy] = sanity({**rates, "dataserver": 1000.0}, cpu, 2.1, {**quiet, "limit": 0.5})
+    assert "limit 50%" in noisy and "quiet machine" in noisy
+    [cheap] = sanity(rates, {**cpu, "dataloader": 1.5}, 2.1, quiet)
+    assert cheap.startswith("dataloader spends 1.50 CPU ms") and "not counted" in cheap

@@ -37,3 +37,22 @@ class CpuWindow:
     def stop(self) -> list[float]:
         self.spent = [b - a for a, b in zip(self._start, cpu_of(self.pids), strict=True)]
         return self.spent
+
+
+def machine_cpu() -> tuple[float, float]:
+    """(busy, total) CPU seconds of the whole machine so far, every core, from /proc/stat
+    (total includes idle; (0, 0) where there is none)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return 0.0, 0.0
+    total = sum(fields[:8])  # user nice system idle iowait irq softirq steal (guest: in user)
+    return (total - fields[3] - fields[4]) / _TICK, total / _TICK
+
+
+def others_share(before: tuple[float, float], after: tuple[float, float], ours: float) -> float:
+    """The share of the machine's CPU that processes other than ``ours`` (CPU seconds) took
+    between two ``machine_cpu()`` readings: what a noisy neighbour took from a measurement."""
+    total = after[1] - before[1]
+    return max(0.0, (after[0] - before[0] - ours) / total) if total > 0 else 0.0

@@ -22,50 +22,8 @@ from dataserver.bench.common import (
     server,
 )
 from dataserver.bench.multiscale import fig_multiscale
+from dataserver.bench.peers import fig_dataloader
 from dataserver.demo import start_server, stop_server
-
-
-def fig_dataloader(args: argparse.Namespace, spec: str, progress: Progress) -> dict[str, Any]:
-    """images/s vs the tuned DataLoader(num_workers=W), and vs W x the single-process rate;
-    CPU per delivered image (every process), and the client's own CPU per image. The
-    server runs without its store, so that it decodes every image as DataLoader does (the
-    store's own figure is ``cache``)."""
-    flags = ["--dataset", spec, "--workers", str(args.workers), "--cache-gb", "0"]
-    with server(flags) as (address, pids):
-        runs = rounds(
-            args,
-            progress,
-            {
-                "dataserver": lambda: served(args, address, pids),
-                "dataloader": lambda: run_side("dataloader", args, spec=spec),
-                "single": lambda: run_side("single", args, spec=spec),
-            },
-        )
-    ds = med([r["images_per_s"] for r in runs["dataserver"]])
-    dl = med([r["images_per_s"] for r in runs["dataloader"]])
-    single = med([r["images_per_s"] for r in runs["single"]])
-    return {
-        "dataserver_images_per_s": round(ds, 1),
-        "dataloader_images_per_s": round(dl, 1),
-        "single_process_images_per_s": round(single, 1),
-        "vs_dataloader": round(ds / dl, 3),
-        "vs_physical_limit": round(ds / (args.workers * single), 3),
-        "cpu_ms_per_image_dataserver": round(
-            med([_per_image_ms(r) for r in runs["dataserver"]]), 2
-        ),
-        "cpu_ms_per_image_dataloader": round(
-            med([_per_image_ms(r) for r in runs["dataloader"]]), 2
-        ),
-        "cpu_ms_per_image_single_process": round(
-            med([1000 / r["images_per_s"] for r in runs["single"]]), 2
-        ),
-        "client_cpu_us_per_image": round(
-            med([1e6 * r["cpu_self_s"] / r["images"] for r in runs["dataserver"]]), 1
-        ),
-        "rounds_images_per_s": {
-            k: [round(r["images_per_s"], 1) for r in v] for k, v in runs.items()
-        },
-    }
 
 
 def fig_overhead(args: argparse.Namespace, spec: str, progress: Progress) -> dict[str, Any]:

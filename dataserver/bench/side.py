@@ -3,10 +3,13 @@ interpreter state (threads, OpenCV pools, allocators) with the other.
 
     python -m dataserver.bench.side dataloader --spec coco:... --workers 2 --batches 30
     python -m dataserver.bench.side dataserver --address tcp://... --server-pids 1,2,3
-    python -m dataserver.bench.side single --spec coco:...    (one process, one thread)
+    python -m dataserver.bench.side spdl --spec coco:... --workers 2 --batches 30
+    python -m dataserver.bench.side single --spec coco:... --rank 0 --workers 2
+        (one of the physical limit's W pipelines: prints ``ready``, then waits on stdin
+        for the instant to start; ``baselines.physical_limit`` runs them)
 
 Prints one JSON line: images/s, and the CPU seconds each process spent in the timed window
-(this process; the server's front and workers, or the DataLoader's workers).
+(this process; the server's front and workers, the DataLoader's workers or SPDL's pool).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from dataserver.bench.cpu import CpuWindow, cpu_seconds
+from dataserver.bench.cpu import CpuWindow, machine_cpu, others_share
 from dataserver.bench.multiscale import multiscale_side
 
 WARMUP = 3
@@ -29,11 +32,13 @@ def timed(
     batches: Iterator[int], count: int, others: list[int], warmup: int = WARMUP
 ) -> dict[str, Any]:
     """Images/s over ``count`` batches after ``warmup`` untimed ones, with the CPU seconds
-    this process and ``others`` spent meanwhile."""
+    this process and ``others`` spent meanwhile, and the share of the machine's CPU that
+    went to other processes (a noisy neighbour)."""
     for _ in range(warmup):
         next(batches)
     window = CpuWindow([os.getpid(), *others])
     window.start()
+    machine = machine_cpu()
     start = time.perf_counter()
     images = sum(next(batches) for _ in range(count))
     elapsed = time.perf_counter() - start
@@ -44,6 +49,7 @@ def timed(
         "seconds": elapsed,
         "cpu_self_s": spent[0],
         "cpu_others_s": spent[1:],
+        "others_cpu_share": others_share(machine, machine_cpu(), sum(spent)),
     }
 
 
@@ -57,14 +63,16 @@ def endless_loader(loader: Any) -> Iterator[int]:
 
 
 def dataloader_side(args: argparse.Namespace) -> dict[str, Any]:
-    from dataserver.bench.baselines import make_dataloader
+    from dataserver.bench.baselines import PREFETCH_FACTOR, make_dataloader
 
     size = (args.image_size, args.image_size)
     loader = make_dataloader(args.spec, size, args.batch_size, args.workers, args.spec_args)
     batches = endless_loader(loader)
     next(batches)  # the workers exist from here on
     pids = [w.pid for w in loader._iterator._workers]  # type: ignore[union-attr]
-    return timed(batches, args.batches, pids)
+    # The workers hold up to PREFETCH_FACTOR batches each, made before the clock starts:
+    # taken in the warm-up, so that the timed batches are made in the window.
+    return timed(batches, args.batches, pids, warmup=WARMUP + PREFETCH_FACTOR * args.workers)
 
 
 def _client(args: argparse.Namespace) -> Any:
@@ -250,17 +258,25 @@ def rawzmq_side(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def single_side(args: argparse.Namespace) -> dict[str, Any]:
-    from dataserver.bench.baselines import single_process_rate
+    """One of the W single-process pipelines of the physical limit (``physical_limit``
+    starts them and tells them when to begin, on stdin)."""
+    from dataserver.bench.baselines import single_run
 
-    start = cpu_seconds(os.getpid())
-    rate = single_process_rate(args.spec, (args.image_size, args.image_size), args.spec_args)
-    return {"images_per_s": rate, "cpu_self_s": cpu_seconds(os.getpid()) - start}
+    size = (args.image_size, args.image_size)
+    return single_run(args.spec, size, args.spec_args, args.seconds, args.rank, args.workers)
+
+
+def spdl_side(args: argparse.Namespace) -> dict[str, Any]:
+    from dataserver.bench.spdl_side import spdl_side as side
+
+    return side(args)
 
 
 SIDES = {
     "dataloader": dataloader_side,
     "dataserver": dataserver_side,
     "single": single_side,
+    "spdl": spdl_side,
     "rawzmq": rawzmq_side,
     "feedback": feedback_side,
     "first_batch": first_batch_side,
@@ -287,6 +303,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--transport", default="tcp", choices=["tcp", "ipc"])
     parser.add_argument("--step-ms", type=float, default=150.0)
+    parser.add_argument("--seconds", type=float, default=3.0)
+    parser.add_argument("--rank", type=int, default=0)
+    parser.add_argument("--spdl-executor", default="thread", choices=["thread", "process"])
     args = parser.parse_args(argv)
     print(json.dumps(SIDES[args.side](args)), flush=True)
     os._exit(0)  # skip interpreter teardown: worker pools are not what is measured
