@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import wait_until
 
 pytest.importorskip("albumentations")
 
@@ -109,6 +110,8 @@ def test_the_store_keeps_sources_and_augments_them_anew(start_server: Any) -> No
     with DataServerClient(server.address, **KW) as client:
         first = epoch_by_index(client, 0)
         second = epoch_by_index(client, 1)
+    # (a worker's DONE reaches the front after its result reached us: wait for the last)
+    wait_until(lambda: server.stats()["counters"].get("sources_reused", 0) >= N, 10)
     counters = server.stats()["counters"]
     assert counters["sources_decoded"] == N, counters  # each source read once, both epochs
     assert counters["sources_reused"] >= N, counters

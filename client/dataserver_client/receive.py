@@ -53,7 +53,7 @@ _MARGINS = np.array(
 def _sides(h: int, w: int) -> np.ndarray:
     """(0, 0, 0, 0, W, H): what turns ``boxes @ _MARGINS`` into the margins."""
     sides = np.array([0, 0, 0, 0, w, h], np.float32)
-    sides.flags.writeable = False
+    sides.setflags(write=False)  # (shared by every call: cached)
     return sides
 
 

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Iterator
+from typing import Any
 
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
@@ -56,3 +59,31 @@ def others_share(before: tuple[float, float], after: tuple[float, float], ours: 
     between two ``machine_cpu()`` readings: what a noisy neighbour took from a measurement."""
     total = after[1] - before[1]
     return max(0.0, (after[0] - before[0] - ours) / total) if total > 0 else 0.0
+
+
+WARMUP = 3
+
+
+def timed(
+    batches: Iterator[int], count: int, others: list[int], warmup: int = WARMUP
+) -> dict[str, Any]:
+    """Images/s over ``count`` batches after ``warmup`` untimed ones, with the CPU seconds
+    this process and ``others`` spent meanwhile, and the share of the machine's CPU that
+    went to other processes (a noisy neighbour)."""
+    for _ in range(warmup):
+        next(batches)
+    window = CpuWindow([os.getpid(), *others])
+    window.start()
+    machine = machine_cpu()
+    start = time.perf_counter()
+    images = sum(next(batches) for _ in range(count))
+    elapsed = time.perf_counter() - start
+    spent = window.stop()
+    return {
+        "images_per_s": images / elapsed,
+        "images": images,
+        "seconds": elapsed,
+        "cpu_self_s": spent[0],
+        "cpu_others_s": spent[1:],
+        "others_cpu_share": others_share(machine, machine_cpu(), sum(spent)),
+    }

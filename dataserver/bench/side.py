@@ -22,35 +22,8 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from dataserver.bench.cpu import CpuWindow, machine_cpu, others_share
+from dataserver.bench.cpu import WARMUP, timed
 from dataserver.bench.multiscale import multiscale_side
-
-WARMUP = 3
-
-
-def timed(
-    batches: Iterator[int], count: int, others: list[int], warmup: int = WARMUP
-) -> dict[str, Any]:
-    """Images/s over ``count`` batches after ``warmup`` untimed ones, with the CPU seconds
-    this process and ``others`` spent meanwhile, and the share of the machine's CPU that
-    went to other processes (a noisy neighbour)."""
-    for _ in range(warmup):
-        next(batches)
-    window = CpuWindow([os.getpid(), *others])
-    window.start()
-    machine = machine_cpu()
-    start = time.perf_counter()
-    images = sum(next(batches) for _ in range(count))
-    elapsed = time.perf_counter() - start
-    spent = window.stop()
-    return {
-        "images_per_s": images / elapsed,
-        "images": images,
-        "seconds": elapsed,
-        "cpu_self_s": spent[0],
-        "cpu_others_s": spent[1:],
-        "others_cpu_share": others_share(machine, machine_cpu(), sum(spent)),
-    }
 
 
 def endless_loader(loader: Any) -> Iterator[int]:

@@ -106,7 +106,7 @@ def _batches(it: Iterator[Any]) -> Iterator[int]:
 def spdl_side(args: argparse.Namespace) -> dict[str, Any]:
     from spdl.pipeline import PipelineBuilder
 
-    from dataserver.bench.side import WARMUP, timed
+    from dataserver.bench.cpu import WARMUP, timed
 
     size = (args.image_size, args.image_size)
     _init(args.spec, args.spec_args, size)
