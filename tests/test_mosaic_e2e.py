@@ -6,12 +6,12 @@ covering the flips, and every index of the epoch is delivered exactly once throu
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
+from batches import flat_servers, snap
 from conftest import Server
 from ds_plugins import FlatDataset
 
@@ -29,24 +29,7 @@ KW: dict[str, Any] = {"device": "cpu", "timeout": 20.0, "stitch_layout": "mosaic
 @pytest.fixture(scope="module")
 def servers() -> Iterator[dict[int, Server]]:
     """The same dataset behind a 1-worker and a 2-worker server (both keep a store)."""
-    args = ("--dataset", "ds_plugins:flat", "--dataset-args", json.dumps({"n": N}))
-    started = {w: Server(*args, workers=w) for w in (1, 2)}
-    yield started
-    for server in started.values():
-        server.stop()
-
-
-def snap(batch: Batch) -> dict[str, Any]:
-    return {
-        "images": batch.images.numpy().tobytes(),
-        "shape": tuple(batch.images.shape),
-        "boxes": [t["boxes"].numpy().tobytes() for t in batch.targets],
-        "labels": [t["labels"].tolist() for t in batch.targets],
-        "indices": [list(i) for i in batch.indices],
-        "mode": batch.mode,
-        "image_size": tuple(batch.image_size),
-        "step": batch.step,
-    }
+    yield from flat_servers(N)
 
 
 def check_batch(batch: Batch, size: tuple[int, int], seed: int, mode: str) -> None:

@@ -18,6 +18,7 @@ import msgpack
 import numpy as np
 import pytest
 import torch
+from batches import flat_servers, snap
 from conftest import Server, wait_until
 from ds_plugins import FlatDataset, colour_of
 
@@ -38,26 +39,7 @@ KW: dict[str, Any] = {"device": "cpu", "timeout": 20.0}
 @pytest.fixture(scope="module")
 def servers() -> Iterator[dict[int, Server]]:
     """The same dataset behind a 1-worker and a 2-worker server."""
-    args = ("--dataset", "ds_plugins:flat", "--dataset-args", json.dumps({"n": N}))
-    started = {w: Server(*args, workers=w) for w in (1, 2)}
-    yield started
-    for server in started.values():
-        server.stop()
-
-
-def snap(batch: Batch) -> dict[str, Any]:
-    """Everything a batch is, as plain bytes and lists (its buffers may be reused later)."""
-    return {
-        "images": batch.images.numpy().tobytes(),
-        "shape": tuple(batch.images.shape),
-        "boxes": [t["boxes"].numpy().tobytes() for t in batch.targets],
-        "labels": [t["labels"].tolist() for t in batch.targets],
-        "indices": [list(i) for i in batch.indices],
-        "mode": batch.mode,
-        "image_size": tuple(batch.image_size),
-        "step": batch.step,
-        "epoch": batch.epoch,
-    }
+    yield from flat_servers(N)
 
 
 def check_batch(

@@ -16,6 +16,7 @@ from typing import Any
 
 import msgpack
 import pytest
+from batches import snap
 from conftest import Server
 from ds_plugins import colour_of
 
@@ -41,22 +42,6 @@ def servers() -> Iterator[dict[Any, Server]]:
     yield started
     for server in started.values():
         server.stop()
-
-
-def snap(batch: Batch) -> dict[str, Any]:
-    """What a batch is, as bytes and lists (its buffers may be reused later)."""
-    return {
-        "images": batch.images.numpy().tobytes(),
-        "shape": tuple(batch.images.shape),
-        "boxes": [t["boxes"].numpy().tobytes() for t in batch.targets],
-        "labels": [t["labels"].tolist() for t in batch.targets],
-        "indices": [list(i) for i in batch.indices],
-        "mode": batch.mode,
-        "image_size": tuple(batch.image_size),
-        "epoch": batch.epoch,
-        "step": batch.step,
-        "skipped": batch.skipped,
-    }
 
 
 def indices_of(batches: list[Batch] | list[dict[str, Any]]) -> list[int]:
