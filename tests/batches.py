@@ -6,9 +6,12 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 from conftest import Server
 
-from dataserver_client import Batch
+from dataserver_client import Batch, DataServerClient
+
+Epoch = dict[int, tuple[bytes, np.ndarray, np.ndarray]]
 
 
 def snap(batch: Batch) -> dict[str, Any]:
@@ -37,3 +40,20 @@ def flat_servers(n: int, workers: tuple[int, ...] = (1, 2)) -> Iterator[dict[int
     finally:
         for server in started.values():
             server.stop()
+
+
+def epoch_by_index(client: DataServerClient, epoch: int) -> Epoch:
+    """Each index's (pixels, boxes, labels) in ``epoch`` (regular mode: one per image)."""
+    client.set_epoch(epoch)
+    out: Epoch = {}
+    for batch in client:
+        for j, indices in enumerate(batch.indices):
+            (index,) = indices
+            assert index not in out, f"index {index} delivered twice"
+            target = batch.targets[j]
+            out[index] = (
+                batch.images[j].numpy().tobytes(),
+                target["boxes"].numpy().copy(),
+                target["labels"].numpy().copy(),
+            )
+    return out

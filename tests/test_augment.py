@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 from aug_plugins import Jitter, untold
+from batches import epoch_by_index
 from conftest import wait_until
 
 from dataserver.data.pipeline import augment_rng, compose_one
@@ -18,23 +19,6 @@ from dataserver_client import DataServerClient, DataServerError
 pytestmark = pytest.mark.timeout(180)
 
 KW: dict[str, Any] = {"batch_size": 4, "image_size": (40, 56), "device": "cpu", "seed": 5}
-
-
-def epoch_by_index(client: DataServerClient, epoch: int) -> dict[int, tuple[bytes, Any, Any]]:
-    """Each index's (pixels, boxes, labels) in ``epoch`` (regular mode: one per image)."""
-    client.set_epoch(epoch)
-    out: dict[int, tuple[bytes, Any, Any]] = {}
-    for batch in client:
-        for j, indices in enumerate(batch.indices):
-            (index,) = indices
-            assert index not in out, f"index {index} delivered twice"
-            target = batch.targets[j]
-            out[index] = (
-                batch.images[j].numpy().tobytes(),
-                target["boxes"].numpy().copy(),
-                target["labels"].numpy().copy(),
-            )
-    return out
 
 
 def ready_fields(server: Any) -> dict[str, str]:

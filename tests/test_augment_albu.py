@@ -11,6 +11,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from batches import Epoch
+from batches import epoch_by_index as each_index
 from conftest import wait_until
 
 pytest.importorskip("albumentations")
@@ -30,23 +32,10 @@ ARGS = json.dumps({"base": BASE})
 DATASET = ("--dataset", "dataserver.data.albu:augmented", "--dataset-args", ARGS)
 KW: dict[str, Any] = {"batch_size": 4, "image_size": SIZE, "device": "cpu", "seed": SEED}
 
-Epoch = dict[int, tuple[bytes, np.ndarray, np.ndarray]]
-
 
 def epoch_by_index(client: DataServerClient, epoch: int) -> Epoch:
-    """Each index's (pixels, boxes, labels) in ``epoch`` (regular mode: one per image)."""
-    client.set_epoch(epoch)
-    out: Epoch = {}
-    for batch in client:
-        for j, indices in enumerate(batch.indices):
-            (index,) = indices
-            assert index not in out, f"index {index} delivered twice"
-            target = batch.targets[j]
-            out[index] = (
-                batch.images[j].numpy().tobytes(),
-                target["boxes"].numpy().copy(),
-                target["labels"].numpy().copy(),
-            )
+    """``batches.epoch_by_index``, every index of the set delivered."""
+    out = each_index(client, epoch)
     assert sorted(out) == list(range(N))
     return out
 
