@@ -366,6 +366,12 @@ def _add_bench(sub: Any) -> None:
         help="flip_stall: images of its own data set (it times whole epochs of them)",
     )
     p.add_argument(
+        "--first-epoch-images",
+        type=int,
+        default=3072,
+        help="dataloader: images of the data set its first-epoch runs time whole",
+    )
+    p.add_argument(
         "--scale-sessions", type=int, default=1000, help="scale (c): sessions held on one server"
     )
     p.add_argument("--scale-servers", default="1,4,16,64", help="scale (b): fake server counts")

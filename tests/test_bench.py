@@ -17,7 +17,7 @@ def test_bench_reports_every_figure(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     cmd = [sys.executable, "-m", "dataserver.cli", "bench", "--images", "24", "--batches", "3"]
     cmd += ["--image-size", "64", "--batch-size", "4", "--workers", "1", "--json", str(out)]
-    cmd += ["--rounds", "1", "--flip-images", "64"]
+    cmd += ["--rounds", "1", "--flip-images", "64", "--first-epoch-images", "64"]
     cmd += ["--only", "dataloader,overhead,cache,feedback,flip_stall,first_batch"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -29,6 +29,11 @@ def test_bench_reports_every_figure(tmp_path: Path) -> None:
     assert peers["physical_limit_images_per_s"] > 0 and peers["dataloader_vs_physical_limit"] > 0
     assert peers["cpu_ms_per_image_single_process"] > 0  # (its own CPU clock: no ticks)
     assert isinstance(peers["sanity"], (str, list)) and "limit" in peers["others_cpu_share"]
+    # A fresh server with default flags, all of its epoch 0 (64 images, 4 a batch, less
+    # the warm-up), and the store's first-lap cost against the same without a store.
+    assert peers["default_first_epoch_vs_physical_limit"] > 0
+    assert peers["first_epoch_timed_images"] == 64 - 3 * 4
+    assert "store_first_lap_cpu_ms_per_image" in peers
     if importlib.util.find_spec("spdl") is None:
         assert "spdl is not installed" in peers["spdl_skipped"]
     else:  # the first batch of every run checked against compose_one, pixel for pixel

@@ -202,27 +202,30 @@ def _answer_all(book: PlanBook) -> None:
 
 
 def test_book_plans_prefetch_batches_and_delivers_in_order() -> None:
-    book, handoff = _book(prefetch=2, shuffle=False)
-    assert book.start_epoch(0, 12) == 12
-    book.fill()
-    assert {r.step for r in book.ledger} == {0, 1}
+    """The first batch is cut for every worker slot; the batches behind it take the room
+    left (one task each), up to ``prefetch`` ahead of the trainer."""
+    book, handoff = _book(prefetch=4, shuffle=False)
+    assert book.start_epoch(0, 40) == 40
+    book.fill()  # (2 slots, the share before any WELCOME: 4 tasks at most in flight)
+    assert Counter(r.step for r in book.ledger) == {0: 2, 1: 1, 2: 1}
     _answer_all(book)
     first = handoff.take(1.0, lambda: True)
     assert not isinstance(first, DataServerError)
     assert first.batch.step == 0 and first.batch.indices == [[0], [1], [2], [3]]
-    book.fill()  # one taken: one more planned
-    assert {r.step for r in book.ledger} == {2}
+    book.fill()  # one taken, two more ready: planned up to 4 beyond the trainer
+    assert Counter(r.step for r in book.ledger) == {3: 2, 4: 1}
+    assert book.fill(deeper=0) is False  # (nothing left to plan: 4 ahead)
 
 
 def test_book_steer_replans_from_the_first_batch_not_taken() -> None:
-    book, _ = _book(prefetch=2, shuffle=False)
+    book, _ = _book(prefetch=4, shuffle=False)
     book.start_epoch(0, 40)
     book.fill()
     version = book.steer(STITCH, None)
     assert book.mode == STITCH and version == book.plan_version and len(book.ledger) == 0
     book.fill()
     steps = sorted({r.step for r in book.ledger})
-    assert steps == [0, 1] and all(len(r.images[0]) == 4 for r in book.ledger)
+    assert steps == [0, 1, 2] and all(len(r.images[0]) == 4 for r in book.ledger)
     assert book.position().step == 0 and book.position().mode == STITCH
 
 

@@ -229,12 +229,21 @@ class PlanBook:
     def tasks_per_batch(self, images: int) -> int:
         """Tasks to cut a batch of ``images`` output images into: enough that this rank's
         share of every server's worker slots (the ranks of a job share them: 1 / world_size
-        each) is full with ``prefetch`` batches in flight, and no more (each task costs a
-        message each way and some Python on every side: cut by every slot, a job of 1,000
-        ranks made every image a task and its servers' fronts the bottleneck)."""
-        share = max(1, self._parallelism // self.config.world_size)
-        want = -(-share // self.config.prefetch)
+        each) is full with ``prefetch`` batches in flight, and no more. Each task costs a
+        message each way and wakes the client, the front and a worker, whose caches the
+        others then refill (2 cores, 512x512, batch 16: two tasks a batch instead of one
+        cost the client ~180 us an image instead of ~120 and the front ~95 instead of ~55;
+        cut by every slot, a job of 1,000 ranks made every image a task and its servers'
+        fronts the bottleneck). With nothing in flight (an epoch's first batch, a trainer
+        that let every batch finish), the batch is cut for the whole share: every worker
+        works on it, and the batches behind it wait for room (``fill``)."""
+        share = self.share()
+        want = share if not len(self.ledger) else -(-share // self.config.prefetch)
         return max(1, min(images, max(want, -(-images // MAX_TASK_IMAGES))))
+
+    def share(self) -> int:
+        """This rank's share of the ready servers' worker slots."""
+        return max(1, self._parallelism // self.config.world_size)
 
     # ------------------------------------------------------------ answers
 
@@ -357,12 +366,16 @@ class PlanBook:
         self._inflight.pop(step, None)
         self._handoff.put(step, batch.plan.plan_version, error)
 
-    def fill(self) -> None:
+    def fill(self, deeper: int | None = None) -> bool:
         """Plan batches until ``prefetch`` are planned beyond what the trainer has taken;
-        with lookahead, the next batch in the other mode right after the next batch."""
+        with lookahead, the next batch in the other mode right after the next batch.
+        ``deeper``: plan at most that many batches beyond the next one, and say whether
+        more are due (the engine sends each batch's tasks before it plans the next: a new
+        batch's buffer may take milliseconds to reserve, which the first batch of an epoch
+        should not wait for)."""
         cursor = self.cursor
         if cursor is None:
-            return
+            return False
         taken = self._handoff.taken()
         ended = self._handoff.ended()
         for step in [s for s in self._plans if s < taken]:
@@ -374,8 +387,19 @@ class PlanBook:
             ended = not self._plan_next(cursor)
         if self.lookahead.active and self.lookahead.plan is None:
             self._plan_alt(cursor, taken)
+        # Deeper batches while their tasks would find a slot: the first batch of an epoch
+        # is cut for every slot, and the next ones' buffers (fresh memory: milliseconds to
+        # reserve) are not made while it is composed.
+        budget = -1 if deeper is None else deeper
+        slots = max(self.share(), self.config.prefetch)
         while not ended and cursor.step - taken < self.config.prefetch:
+            if len(self.ledger) >= slots:
+                return False
+            if budget == 0:
+                return True
             ended = not self._plan_next(cursor)
+            budget -= 1
+        return False
 
     def _plan_next(self, cursor: Cursor) -> bool:
         plan = cursor.next_plan()

@@ -69,7 +69,9 @@ class DataServerClient:
     ``addresses``: one ``tcp://host:port`` or a list (a DNS name with several addresses
     counts as several servers). ``rank``/``world_size`` default to torch.distributed, then
     env RANK/WORLD_SIZE, then 0/1; ``device`` to "cuda" when available. ``prefetch`` is
-    how many batches are prepared ahead of the trainer. CURVE: ``curve_server_key`` (the
+    how many batches are prepared ahead of the trainer (default 4: with a batch a task,
+    enough to keep two tasks at each worker; each task costs a message each way and a
+    wake-up of the client, the front and a worker). CURVE: ``curve_server_key`` (the
     server's public key) and ``curve_secret_key`` (this client's secret key), as paths to
     ``dataserver keygen`` files or as bytes. ``shared_memory``: let workers on this host
     write batches straight into this process's memory (a sealed memfd, handed only to
@@ -112,7 +114,7 @@ class DataServerClient:
         on_error: str = "raise",
         timeout: float = 30.0,
         *,
-        prefetch: int = 2,
+        prefetch: int = 4,
         curve_server_key: str | bytes | None = None,
         curve_secret_key: str | bytes | None = None,
         shared_memory: bool = True,

@@ -39,7 +39,7 @@ class ClientConfig:
     stitch_threshold: float = 0.1
     on_error: str = "raise"
     timeout: float = 30.0
-    prefetch: int = 2
+    prefetch: int = 4
     heartbeat_interval: float = 0.5
     heartbeat_timeout: float = 3.0
     shared_memory: bool = True  # workers on this host may write batches straight into memory

@@ -264,8 +264,9 @@ class Engine(threading.Thread):
         started = time.monotonic()
         next_tick = 0.0
         self.phase = Phase.HANDSHAKE
+        more = False  # batches left to plan: poll without waiting
         while not self._halt.is_set():
-            events = dict(self._poller.poll(POLL_MS))
+            events = dict(self._poller.poll(0 if more else POLL_MS))
             if self._wake_r in events:
                 self._drain_pipe()
             self._run_commands()
@@ -279,7 +280,7 @@ class Engine(threading.Thread):
             if self.phase is Phase.HANDSHAKE:
                 self._check_handshake(started)
                 continue
-            self._turn()
+            more = self._turn()
             now = time.monotonic()
             if now >= next_tick:
                 next_tick = now + TICK_S
@@ -294,13 +295,16 @@ class Engine(threading.Thread):
         except BlockingIOError:
             pass
 
-    def _turn(self) -> None:
-        """What every pass of the loop does once running: deliver, plan, send."""
+    def _turn(self) -> bool:
+        """What every pass of the loop does once running: deliver, plan (one batch beyond
+        the next a pass, its tasks sent before the next is planned), send. True: more
+        batches are due."""
         self.book.retry_seals()
-        self.book.fill()
+        more = self.book.fill(deeper=1)
         if self.ledger.cancels:
             self.sender.cancel()
         self.sender.dispatch()
+        return more
 
     def _run_commands(self) -> None:
         while True:

@@ -4,6 +4,12 @@ parallelism, in alternating rounds:
 
 - ``dataserver``: ``serve --workers W --cache-gb 0`` (no store: every image decoded, as
   the peers do; the store's own figure is ``cache``) and a client with ``device="cpu"``;
+- ``default``: ``serve --workers W`` with default flags, started afresh for each round and
+  timed over all of epoch 0 (its store fills as it goes: what a newcomer trying it once
+  sees), on a data set of its own (``--first-epoch-images``, so that the window is
+  seconds long, not the first second of a new server); ``first_nostore``: the same with
+  ``--cache-gb 0``, on the same data, whose difference is what the store's first lap
+  costs;
 - ``dataloader``: the tuned ``DataLoader(num_workers=W)`` SPEC describes
   (``dataserver.bench.baselines``);
 - ``spdl``: SPDL's pipeline, ``concurrency=W`` (``dataserver.bench.spdl_side``), when the
@@ -86,18 +92,32 @@ def quiet(run: Run, tries: int = QUIET_TRIES) -> Run:
     return again
 
 
+def fresh_first_epoch(args: argparse.Namespace, spec: str, flags: list[str]) -> dict[str, Any]:
+    """One run on a fresh ``serve --workers W`` (plus ``flags``), timed over epoch 0."""
+    base = ["--dataset", spec, "--workers", str(args.workers)]
+    with server(base + flags) as (address, pids):
+        return served(args, address, pids, first_epoch=1)
+
+
 def fig_dataloader(args: argparse.Namespace, spec: str, progress: Progress) -> dict[str, Any]:
     """images/s and CPU per image of dataserver, the tuned DataLoader(num_workers=W) and
     SPDL, each against the physical limit (W concurrent single-process pipelines); the
     client's own CPU per image."""
+    import tempfile
+
     from dataserver.bench.baselines import physical_limit  # (torch: not in the bench's process)
+    from dataserver.data.coco import write_synthetic_coco
 
     size = (args.image_size, args.image_size)
     has_spdl = importlib.util.find_spec("spdl") is not None
     flags = ["--dataset", spec, "--workers", str(args.workers), "--cache-gb", "0"]
-    with server(flags) as (address, pids):
+    with tempfile.TemporaryDirectory(prefix="ds-first-") as tmp, server(flags) as (address, pids):
+        progress(f"writing {args.first_epoch_images} synthetic JPEGs for the first-epoch runs")
+        first = f"coco:{write_synthetic_coco(tmp, args.first_epoch_images, seed=2)}"
         sides = {
             "dataserver": quiet(lambda: served(args, address, pids), 1),
+            "default": quiet(lambda: fresh_first_epoch(args, first, []), 1),
+            "first_nostore": quiet(lambda: fresh_first_epoch(args, first, ["--cache-gb", "0"]), 1),
             "dataloader": quiet(lambda: run_side("dataloader", args, spec=spec), 1),
             "spdl": quiet(lambda: run_side("spdl", args, spec=spec), 1),
             # (the reference: a few seconds a try, and what every ratio divides by)
@@ -141,6 +161,18 @@ def fig_dataloader(args: argparse.Namespace, spec: str, progress: Progress) -> d
         }
     else:
         out["spdl_skipped"] = 'spdl is not installed (pip install "dataserver[spdl]")'
+    out |= {
+        "default_first_epoch_images_per_s": round(rate["default"], 1),
+        "default_first_epoch_vs_dataloader": round(rate["default"] / rate["dataloader"], 3),
+        "default_first_epoch_vs_physical_limit": round(rate["default"] / limit, 3),
+        "cpu_ms_per_image_default_first_epoch": round(cpu["default"], 2),
+        "first_epoch_no_store_images_per_s": round(rate["first_nostore"], 1),
+        "cpu_ms_per_image_first_epoch_no_store": round(cpu["first_nostore"], 2),
+        # What filling the store costs a first epoch, CPU per image (same data, same
+        # rounds, fresh servers): its pages are fresh memory.
+        "store_first_lap_cpu_ms_per_image": round(cpu["default"] - cpu["first_nostore"], 2),
+        "first_epoch_timed_images": runs["default"][0]["images"],
+    }
     busy = {name: med([r["others_cpu_share"] for r in outs]) for name, outs in runs.items()}
     out["sanity"] = sanity(rate, cpu, single_cpu, busy) or "ok"
     out["others_cpu_share"] = {name: round(share, 3) for name, share in busy.items()}

@@ -71,8 +71,16 @@ def dataserver_side(args: argparse.Namespace) -> dict[str, Any]:
                 client.set_epoch(epoch)
                 for _ in client:
                     pass
-        batches = (len(b) for b in iterate_epochs(client, args.warm_epochs))
-        out = timed(batches, args.batches, _server_pids(args))
+        count = args.batches
+        if args.first_epoch:  # all of epoch 0 after the warm-up (a fresh server's first lap)
+            client.set_epoch(0)
+            count = len(client) - WARMUP
+            if count < 1:
+                raise SystemExit(f"epoch 0 has {len(client)} batches: too few to time")
+            batches: Iterator[int] = (len(b) for b in client)
+        else:
+            batches = (len(b) for b in iterate_epochs(client, args.warm_epochs))
+        out = timed(batches, count, _server_pids(args))
         out["client_stats"] = {
             k: v for k, v in client.stats().items() if isinstance(v, (int, float))
         }
@@ -270,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--image-size", type=int, default=512)
     parser.add_argument("--batches", type=int, default=30)
     parser.add_argument("--warm-epochs", type=int, default=0)
+    parser.add_argument("--first-epoch", type=int, default=0)
     parser.add_argument("--client-args", default="{}")
     parser.add_argument("--flip-rate", type=float, default=0.0)
     parser.add_argument("--mode", default="regular")
