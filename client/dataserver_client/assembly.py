@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -269,12 +269,17 @@ class DeviceMover:
         manifest: dict[str, Any] | None = None,
     ) -> Delivery:
         plan = inflight.plan
-        keep = [s for s in range(len(plan.images)) if s not in inflight.dropped]
         images = inflight.host
         if inflight.dropped:
+            keep = [s for s in range(len(plan.images)) if s not in inflight.dropped]
             images = images[keep] if keep else images[:0]
-        boxes = [b for s in keep if (b := inflight.boxes[s]) is not None]
-        labels = [lb for s in keep if (lb := inflight.labels[s]) is not None]
+            boxes = [b for s in keep if (b := inflight.boxes[s]) is not None]
+            labels = [lb for s in keep if (lb := inflight.labels[s]) is not None]
+            indices = [list(inflight.indices[s] or []) for s in keep]
+        else:  # (every slot answered: its lists as they are, each made for this batch)
+            boxes = cast("list[np.ndarray]", inflight.boxes)
+            labels = cast("list[np.ndarray]", inflight.labels)
+            indices = cast("list[list[int]]", inflight.indices)
         counts = [len(b) for b in boxes]
         all_boxes = torch.from_numpy(np.concatenate([_NO_BOXES, *boxes], dtype=np.float32))
         all_labels = torch.from_numpy(np.concatenate([_NO_LABELS, *labels], dtype=np.int64))
@@ -295,12 +300,16 @@ class DeviceMover:
             buffers.give(inflight.host, event)
         targets = [
             {"boxes": b, "labels": lb}
-            for b, lb in zip(all_boxes.split(counts), all_labels.split(counts), strict=True)
+            for b, lb in zip(
+                torch.split_with_sizes(all_boxes, counts),
+                torch.split_with_sizes(all_labels, counts),
+                strict=True,
+            )
         ]
         batch = Batch(
             images=images,
             targets=targets,
-            indices=[list(inflight.indices[s] or []) for s in keep],
+            indices=indices,
             mode=plan.mode,
             epoch=epoch,
             step=plan.step,
