@@ -167,10 +167,11 @@ class LandingArea:
     def take(self) -> int | None:
         """A free region, its pages reserved (so a write to it can never fail for want of
         memory); None when none is free, or there is no room for one (the socket it is)."""
+        for j, region in enumerate(self.free):  # a reserved one first
+            if region in self._reserved:
+                return self.free.pop(j)
         while self.free:
             region = self.free.pop()
-            if region in self._reserved:
-                return region
             try:
                 os.posix_fallocate(self.fd, self.offset(region), self.region_bytes)
             except OSError:
@@ -178,6 +179,10 @@ class LandingArea:
             self._reserved.add(region)
             return region
         return None
+
+    def reserved_free(self) -> bool:
+        """Whether a free region has its pages reserved already (``take`` is then cheap)."""
+        return any(region in self._reserved for region in self.free)
 
     def buffer(self, region: int) -> np.ndarray:
         """Region ``region`` as a flat uint8 array over the shared memory."""

@@ -202,18 +202,18 @@ def _answer_all(book: PlanBook) -> None:
 
 
 def test_book_plans_prefetch_batches_and_delivers_in_order() -> None:
-    """The first batch is cut for every worker slot; the batches behind it take the room
-    left (one task each), up to ``prefetch`` ahead of the trainer."""
+    """The first batch is cut for every worker slot, the batches behind it one task each,
+    up to ``prefetch`` ahead of the trainer."""
     book, handoff = _book(prefetch=4, shuffle=False)
     assert book.start_epoch(0, 40) == 40
-    book.fill()  # (2 slots, the share before any WELCOME: 4 tasks at most in flight)
-    assert Counter(r.step for r in book.ledger) == {0: 2, 1: 1, 2: 1}
+    book.fill()  # (2 slots, the share before any WELCOME)
+    assert Counter(r.step for r in book.ledger) == {0: 2, 1: 1, 2: 1, 3: 1}
     _answer_all(book)
     first = handoff.take(1.0, lambda: True)
     assert not isinstance(first, DataServerError)
     assert first.batch.step == 0 and first.batch.indices == [[0], [1], [2], [3]]
-    book.fill()  # one taken, two more ready: planned up to 4 beyond the trainer
-    assert Counter(r.step for r in book.ledger) == {3: 2, 4: 1}
+    book.fill()  # one taken, three more ready: planned up to 4 beyond the trainer
+    assert Counter(r.step for r in book.ledger) == {4: 2}
     assert book.fill(deeper=0) is False  # (nothing left to plan: 4 ahead)
 
 

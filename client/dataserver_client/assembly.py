@@ -76,6 +76,13 @@ class HostBuffers:
             self._alone[tensor.untyped_storage().data_ptr()] = self._count(tensor)
         return tensor
 
+    def fresh(self) -> bool:
+        """Whether the next landing buffer would be fresh memory (no reserved region is
+        free): ``take`` would reserve one first (``fallocate``, ~5 ms for 12 MB here)."""
+        if self.landing is None or any(self._free.values()):
+            return False
+        return not self.landing.reserved_free()
+
     def landing_of(self, tensor: torch.Tensor) -> tuple[int, int, int] | None:
         """(region, generation, file offset of the tensor's first byte) for a buffer that
         is a landing region; None for one that is not."""

@@ -236,10 +236,20 @@ class PlanBook:
         cut by every slot, a job of 1,000 ranks made every image a task and its servers'
         fronts the bottleneck). With nothing in flight (an epoch's first batch, a trainer
         that let every batch finish), the batch is cut for the whole share: every worker
-        works on it, and the batches behind it wait for room (``fill``)."""
+        works on it."""
         share = self.share()
-        want = share if not len(self.ledger) else -(-share // self.config.prefetch)
+        want = share if not len(self.ledger) else -(-share // self.depth())
         return max(1, min(images, max(want, -(-images // MAX_TASK_IMAGES))))
+
+    def depth(self) -> int:
+        """Batches planned beyond the trainer: ``prefetch``, but at most 2 once the trainer
+        steers the mode where a flip plans everything again (no store, so no lookahead):
+        every batch prepared ahead is thrown away at each flip, and what the workers hold
+        is wasted (``--only feedback`` without a store, 20% of steps flipped: 30-45 extra
+        decodes a flip at depth 4 and one task a batch, 24-25 at depth 2 and two)."""
+        if self.lookahead.armed and not self.lookahead.enabled:
+            return min(self.config.prefetch, 2)
+        return self.config.prefetch
 
     def share(self) -> int:
         """This rank's share of the ready servers' worker slots."""
@@ -387,13 +397,14 @@ class PlanBook:
             ended = not self._plan_next(cursor)
         if self.lookahead.active and self.lookahead.plan is None:
             self._plan_alt(cursor, taken)
-        # Deeper batches while their tasks would find a slot: the first batch of an epoch
-        # is cut for every slot, and the next ones' buffers (fresh memory: milliseconds to
-        # reserve) are not made while it is composed.
+        # While the landing buffers are still fresh memory (a client's first batches), a
+        # deeper batch waits until its tasks would find a slot: reserving its 12 MB buffer
+        # takes milliseconds of CPU that the first batch, cut for every slot, needs.
         budget = -1 if deeper is None else deeper
-        slots = max(self.share(), self.config.prefetch)
-        while not ended and cursor.step - taken < self.config.prefetch:
-            if len(self.ledger) >= slots:
+        depth = self.depth()
+        slots = max(self.share(), depth)
+        while not ended and cursor.step - taken < depth:
+            if len(self.ledger) >= slots and self._buffers.fresh():
                 return False
             if budget == 0:
                 return True

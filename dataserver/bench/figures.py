@@ -86,7 +86,10 @@ def fig_cache(args: argparse.Namespace, spec: str, progress: Progress) -> dict[s
     ds = med([r["images_per_s"] for r in runs["dataserver_cached"]])
     dl = med([r["images_per_s"] for r in runs["dataloader"]])
     store = stats.get("store") or {}
+    put, hit = store_costs(args.image_size)
     return {
+        "store_first_lap_put_us_per_source": put,
+        "store_hit_us_per_source": hit,
         "cached_images_per_s": round(ds, 1),
         "dataloader_images_per_s": round(dl, 1),
         "cached_vs_dataloader": round(ds / dl, 3),
@@ -96,6 +99,34 @@ def fig_cache(args: argparse.Namespace, spec: str, progress: Progress) -> dict[s
             med([_per_image_ms(r) for r in runs["dataserver_cached"]]), 2
         ),
     }
+
+
+def store_costs(side: int, n: int = 400) -> tuple[float, float]:
+    """Microseconds of CPU to put one source into a fresh store (its first lap: fresh
+    memory) and to find it there again, one process, a letterboxed 4:3 source of the
+    bench's size (512x384 for 512): means over ``n`` (the pages are reserved 64 MiB at a
+    time, by one put in ~110: a median would leave that out)."""
+    import numpy as np
+
+    from dataserver.data.pipeline import Source
+    from dataserver.server.store import Store
+
+    image = np.random.default_rng(0).integers(0, 255, (3, side * 3 // 4, side), np.uint8)
+    source = Source(image, np.zeros((3, 4), np.float32), np.zeros(3, np.int64))
+    store = Store.create(max(64 << 20, 2 * n * image.nbytes))
+    try:
+        start = time.thread_time()
+        for i in range(n):
+            store.get((i, 1), lambda: source)
+        put = time.thread_time() - start
+        start = time.thread_time()
+        for i in range(n):
+            found, _ = store.get((i, 1), lambda: source)
+        hit = time.thread_time() - start
+        assert found.image.shape == image.shape
+    finally:
+        store.close()
+    return round(1e6 * put / n, 1), round(1e6 * hit / n, 1)
 
 
 def fig_feedback(args: argparse.Namespace, spec: str, progress: Progress) -> dict[str, Any]:
