@@ -371,7 +371,11 @@ class Clients:
         one is a no-op): new control values, older plans' queued tasks cancelled, and the
         tasks it lists cancelled if still queued."""
         if msg.plan_version < session.version or msg.control_seq < session.control_seq:
-            self.rejected["control_stale"] += 1  # replayed or overtaken: nothing to do
+            # Overtaken (a TASK of a newer plan came first on the data socket: the client's
+            # own sockets do not keep order between them; a task that needs its values is
+            # answered control_missing and the client sends them again) or replayed:
+            # nothing to do, and nothing wrong with the client, so not a rejection.
+            self.counters["controls_overtaken"] += 1
             return
         if not (session.reachable(msg.plan_version) and session.reachable(msg.control_seq)):
             self.rejected["sequence"] += 1  # would cancel everything the session sends after
