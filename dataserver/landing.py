@@ -167,9 +167,9 @@ class LandingArea:
     def take(self) -> int | None:
         """A free region, its pages reserved (so a write to it can never fail for want of
         memory); None when none is free, or there is no room for one (the socket it is)."""
-        for j, region in enumerate(self.free):  # a reserved one first
-            if region in self._reserved:
-                return self.free.pop(j)
+        j = self._reserved_free_at()
+        if j is not None:  # a reserved one first
+            return self.free.pop(j)
         while self.free:
             region = self.free.pop()
             try:
@@ -182,7 +182,11 @@ class LandingArea:
 
     def reserved_free(self) -> bool:
         """Whether a free region has its pages reserved already (``take`` is then cheap)."""
-        return any(region in self._reserved for region in self.free)
+        return self._reserved_free_at() is not None
+
+    def _reserved_free_at(self) -> int | None:
+        """Where in ``free`` the first region with its pages reserved is, if any."""
+        return next((j for j, r in enumerate(self.free) if r in self._reserved), None)
 
     def buffer(self, region: int) -> np.ndarray:
         """Region ``region`` as a flat uint8 array over the shared memory."""

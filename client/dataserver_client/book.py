@@ -229,7 +229,7 @@ class PlanBook:
     def tasks_per_batch(self, images: int) -> int:
         """Tasks to cut a batch of ``images`` output images into: enough that this rank's
         share of every server's worker slots (the ranks of a job share them: 1 / world_size
-        each) is full with ``prefetch`` batches in flight, and no more. Each task costs a
+        each) is full with ``depth()`` batches in flight, and no more. Each task costs a
         message each way and wakes the client, the front and a worker, whose caches the
         others then refill (2 cores, 512x512, batch 16: two tasks a batch instead of one
         cost the client ~180 us an image instead of ~120 and the front ~95 instead of ~55;
