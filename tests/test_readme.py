@@ -25,7 +25,8 @@ def test_readme_opens_with_the_demo_and_the_test_commands() -> None:
     assert tests.endswith("pytest") and 'pip install -e ".[test]"' in tests
     ci = (ROOT / ".ci" / "run").read_text()
     # CI installs the same way (torch pinned first), then runs the README's test command.
-    assert "torch==2.13.0" in ci and 'pip install --quiet -e ".[test]"' in ci
+    assert "torch==2.14.1 torchvision==0.29.1" in tests
+    assert "torch==2.14.1 torchvision==0.29.1" in ci and 'pip install --quiet -e ".[test]"' in ci
     assert ci.strip().endswith("pytest")
 
 
