@@ -1,6 +1,8 @@
-"""Zero-stall mode flips: the client prepares the next batch in the other mode too, from the
-same samples, so a flip is served by a batch that was ready before it; no source is decoded
-twice for it, and the batches are bit-identical to those of a client without lookahead."""
+"""Zero-stall mode flips: a client whose trainer steers the mode often prepares the next
+batch in the other mode too, from the same samples, so a flip is served by a batch that was
+ready before it; no source is decoded twice for it, and the batches are bit-identical to
+those of a client without lookahead. A trainer that steers once or twice (close-mosaic)
+composes no such twins and keeps its depth."""
 
 from __future__ import annotations
 
@@ -49,7 +51,8 @@ def run_flipping(client: DataServerClient, epoch: int, wait_ready: bool) -> list
     client.set_epoch(epoch)
     batches = []
     mode = client.mode
-    client.set_mode(mode)  # no change, but a trainer that steers: the lookahead starts
+    client.set_mode(mode)  # no change, but two steers close together: a trainer that
+    client.set_mode(mode)  # steers often, so the lookahead starts
     for batch in client:
         assert batch.mode == mode, f"batch {batch.step} is stale"
         batches.append(batch)
@@ -120,7 +123,8 @@ def test_lookahead_follows_the_steps_without_flips_and_control_replans(start_ser
 
     server = start_server("--dataset", f"synthetic:images={N},seed=5", workers=2)
     with client_for(server, True) as c:
-        c.set_mode("regular")  # a trainer that steers (though not yet flipping)
+        c.set_mode("regular")  # a trainer that steers often (though not yet flipping)
+        c.set_mode("regular")
         c.set_epoch(0)
         it = iter(c)
         for step in range(3):
@@ -164,3 +168,84 @@ def test_two_servers_flip_exactly_and_keep_each_sample_in_one_store(start_server
     decoded = [s.stats()["counters"]["sources_decoded"] for s in (a, b)]
     assert min(decoded) > N // 5, decoded  # both did a real share
     assert sum(decoded) <= N + 8, decoded  # (one server's worth each, give or take a group)
+
+
+def composed(server: Any) -> int:
+    """Images the server has composed so far (every task answered, cancelled or not)."""
+    return int(server.stats()["counters"].get("images_done", 0))
+
+
+def settled(server: Any) -> int:
+    """``composed`` once it stops moving (a worker's DONE reaches the front after its
+    result reached the client)."""
+    import time
+
+    last, same = -1, 0
+    deadline = time.monotonic() + 30
+    while same < 3 and time.monotonic() < deadline:
+        now = composed(server)
+        same = same + 1 if now == last else 0
+        last = now
+        time.sleep(0.1)
+    return last
+
+
+def test_a_one_time_set_mode_composes_no_twins_and_keeps_the_depth(start_server: Any) -> None:
+    """Mosaic from the start, close-mosaic after 20 batches: two steers far apart. No
+    lookahead batch is ever planned, both steers plan again (zero stale), and from the
+    second batch after the close every image composed is one delivered."""
+    n = 400
+    server = start_server("--dataset", f"synthetic:images={n},seed=5", workers=2)
+    with DataServerClient(
+        server.address,
+        batch_size=4,
+        image_size=(64, 64),
+        stitch_k=4,
+        stitch_layout="mosaic",
+        seed=3,
+        device="cpu",
+    ) as c:
+        assert c.config.prefetch == 4
+        c.set_mode("stitch")
+        c.set_epoch(0)
+        it = iter(c)
+        batches = [next(it) for _ in range(20)]
+        assert all(b.mode == "stitch" for b in batches)
+        c.set_mode("regular")  # close-mosaic, 20 batches after the first steer
+        batches += [next(it), next(it)]
+        assert batches[-1].mode == batches[-2].mode == "regular"
+        before = settled(server)
+        later = list(it)
+        after = settled(server)
+        stats = c.stats()
+        assert stats["lookahead"] is None
+        assert stats["flips"] == {"promoted": 0, "promoted_ready": 0, "replanned": 2}
+    assert all(b.mode == "regular" for b in later)
+    delivered_later = sum(len(b) for b in later)
+    # (the batches composed ahead at ``before`` were counted then, delivered later)
+    assert after - before <= 1.02 * delivered_later, (after - before, delivered_later)
+    got = delivered(batches + later)
+    assert sorted(got) == list(range(n)), "not exactly once"
+
+
+def test_a_trainer_that_stops_steering_goes_back_to_no_lookahead(start_server: Any) -> None:
+    """Steered at every step (armed), then not at all: 64 batches later the lookahead is
+    dropped and the depth is ``prefetch`` again; the epoch stays exactly once."""
+    from conftest import wait_until
+
+    server = start_server("--dataset", f"synthetic:images={N},seed=5", workers=2)
+    with DataServerClient(
+        server.address, batch_size=2, image_size=(32, 32), stitch_k=4, seed=1, device="cpu"
+    ) as c:
+        c.set_epoch(0)
+        it = iter(c)
+        batches = []
+        for _ in range(3):
+            c.set_mode("regular")
+            batches.append(next(it))
+        assert wait_until(lambda: c.stats()["lookahead"] is not None, 30)
+        while batches[-1].step < 3 + 64:
+            batches.append(next(it))
+        assert wait_until(lambda: c.stats()["lookahead"] is None, 30)
+        batches += list(it)
+    assert sorted(delivered(batches)) == list(range(N))

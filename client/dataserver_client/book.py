@@ -11,9 +11,9 @@ Zero-stale steering lives in ``steer``: it bumps ``plan_version``, clears every 
 trainer has not taken, and rewinds the cursor to the first of them.
 
 Zero-stall mode flips live in ``flip``: beside the batches planned in the current mode, the
-book plans the *next* batch in the other mode too (the ``Lookahead``: the same samples
-from the same shard position, so its sources are the ones the servers' stores hold or are
-decoding anyway). A mode flip promotes it to be the next batch (ready at once when it is
+book plans the *next* batch in the other mode too, for a trainer that steers the mode often
+(the ``Lookahead`` and its arming rule, lookahead.py: the same samples from the same shard
+position, so its sources are the ones the servers' stores hold or are decoding anyway). A mode flip promotes it to be the next batch (ready at once when it is
 complete), keeps the batch it replaces as the new lookahead (a flip back promotes it
 again), and drops the deeper batches of the old mode, cancelling their tasks by id.
 """
@@ -43,14 +43,13 @@ from dataserver_client.epoch import (
 from dataserver_client.errors import DataServerError
 from dataserver_client.handoff import Handoff
 from dataserver_client.ledger import TaskLedger, TaskRecord
+from dataserver_client.lookahead import Lookahead
 from dataserver_client.rebuild import Rebuilds, manifest_of
 from dataserver_client.sizes import SizeSchedule
 
 if TYPE_CHECKING:
     from dataserver_client.links import ServerLink
     from dataserver_client.resume import Deal
-
-Finished = Delivery | DataServerError
 
 
 def epoch_shard(
@@ -87,79 +86,6 @@ class Position:
     image_size: list[int] | dict[str, Any]  # the size schedule, as a state holds it
 
 
-@dataclass(frozen=True)
-class LookaheadState:
-    """The lookahead batch: its step, its mode and whether it is finished."""
-
-    step: int
-    mode: str
-    ready: bool
-
-
-class Lookahead:
-    """Batch ``taken`` planned in the other mode (see the module's doc): its plan, its batch
-    while being answered or sealed, its result once finished. Off until ``enabled`` (the
-    config asks for it and servers keep stores) and ``armed`` (the trainer steers the
-    mode)."""
-
-    def __init__(self, enabled: bool) -> None:
-        self.enabled = enabled
-        self.armed = False
-        self._plan: BatchPlan | None = None
-        self._batch: InflightBatch | None = None
-        self._ready: Finished | None = None
-        self._tried: tuple[int, int, str] | None = None
-
-    @property
-    def active(self) -> bool:
-        return self.enabled and self.armed
-
-    @property
-    def plan(self) -> BatchPlan | None:
-        return self._plan
-
-    @property
-    def batch(self) -> InflightBatch | None:
-        return self._batch
-
-    @property
-    def ready(self) -> Finished | None:
-        return self._ready
-
-    def arm(self) -> None:
-        self.armed = True
-
-    def enable(self, on: bool) -> None:
-        self.enabled = on
-
-    def first_try(self, key: tuple[int, int, str]) -> bool:
-        """False when ``key`` (step, start, mode) was tried already: the shard has too few
-        samples left for it."""
-        if self._tried == key:
-            return False
-        self._tried = key
-        return True
-
-    def hold(
-        self, plan: BatchPlan | None, batch: InflightBatch | None, ready: Finished | None
-    ) -> None:
-        self._plan, self._batch, self._ready = plan, batch, ready
-
-    def finished(self, item: Finished) -> None:
-        """Its batch is done (delivered or failed): kept until a flip promotes it."""
-        self._batch, self._ready = None, item
-
-    def reset(self) -> None:
-        """Nothing planned, nothing tried (a new plan)."""
-        self.hold(None, None, None)
-        self._tried = None
-
-    def state(self) -> LookaheadState | None:
-        if self._plan is None:
-            return None
-        return LookaheadState(self._plan.step, self._plan.mode, self._ready is not None)
-
-
 class PlanBook:
     """Planned batches, the batches being answered, and the commands that change the plan."""
 
@@ -193,7 +119,11 @@ class PlanBook:
         self._sealing_rebuilds: list[InflightBatch] = []  # the same, of rebuilt batches
         self._parallelism = 2  # worker slots over every ready server
         self.lookahead = Lookahead(config.lookahead and self.layout.stitch_k > 1)
-        self.flips = {"promoted": 0, "promoted_ready": 0, "replanned": 0}
+        self.flips = self.lookahead.flips  # (what the flips did: the lookahead counts them)
+        # Batches taken in the epochs before this one, and the step this one began at: the
+        # lookahead's clock (batches taken over the client's life) is their sum with taken.
+        self._clock = 0
+        self._began_at = 0
         # The epoch's deal (an elastic resume) as plain data for snapshots, or None.
         self._deal_state: dict[str, Any] | None = None
 
@@ -242,8 +172,8 @@ class PlanBook:
         return max(1, min(images, max(want, -(-images // MAX_TASK_IMAGES))))
 
     def depth(self) -> int:
-        """Batches planned beyond the trainer: ``prefetch``, but at most 2 once the trainer
-        steers the mode. A flip throws away every batch prepared in the old mode (and,
+        """Batches planned beyond the trainer: ``prefetch``, but at most 2 while the trainer
+        steers the mode often (the lookahead is armed: lookahead.py). A flip throws away every batch prepared in the old mode (and,
         without a store, what the workers hold: ``--only feedback``, 20% of steps flipped,
         30-45 extra decodes a flip at depth 4, 24-25 at depth 2), and the batch prepared in
         the other mode (the lookahead, planned again at every step) queues behind those
@@ -391,9 +321,10 @@ class PlanBook:
         ended = self._handoff.ended()
         for step in [s for s in self._plans if s < taken]:
             del self._plans[step]
+        idle = self.lookahead.rate.idle(self._clock + taken)  # it stopped steering: full depth
         alt = self.lookahead.plan
-        if alt is not None and alt.step != taken:
-            self._drop_alt()  # the trainer took that step in the current mode
+        if alt is not None and (idle or alt.step != taken):  # (or took that step as it was)
+            self._drop_alt()
         while not ended and cursor.step <= taken:  # the next batch first
             ended = not self._plan_next(cursor)
         if self.lookahead.active and self.lookahead.plan is None:
@@ -504,10 +435,11 @@ class PlanBook:
         if not on and self.lookahead.plan is not None:
             self._drop_alt()
 
-    def arm_lookahead(self) -> None:
-        """The trainer steers the mode: from now on keep the next batch ready in the other
-        mode too (one that never does pays nothing for it)."""
-        self.lookahead.arm()
+    def mode_steered(self) -> bool:
+        """The trainer steers the mode (``feedback``/``set_mode``, a change or not), before
+        the next batch it takes: whether the lookahead is armed now (it steers often:
+        lookahead.py). One that steers once or twice pays nothing for the lookahead."""
+        return self.lookahead.rate.steered(self._clock + self._handoff.taken())
 
     # ------------------------------------------------------------ commands
 
@@ -525,6 +457,8 @@ class PlanBook:
         ``planned``: ``epoch_shard``'s answer for the same arguments, computed beforehand
         (by the client, in the trainer's thread); None: computed here."""
         self.epoch = epoch
+        self._clock += max(0, self._handoff.taken() - self._began_at)
+        self._began_at = step
         self.plan_version += 1
         self._drop_plans()
         self.affinity.clear()

@@ -76,11 +76,13 @@ class DataServerClient:
     ``dataserver keygen`` files or as bytes. ``shared_memory``: let workers on this host
     write batches straight into this process's memory (a sealed memfd, handed only to
     workers proven to be on this host and of this user; default on; results
-    from other hosts come over the network either way). ``lookahead``: once the trainer
-    steers the mode (``feedback``/``set_mode``), also prepare the next batch in the other
-    mode, from the same samples, so the batch after a flip is ready when asked (default
-    on; composition is done twice, never a decode, where the servers keep a store of
-    sources: ``serve --cache-gb``; without one it stays off). ``discovery_interval``:
+    from other hosts come over the network either way). ``lookahead``: while the trainer
+    steers the mode often (``feedback``/``set_mode`` twice within 16 batches; off again
+    after 64 batches without), also prepare the next batch in the other mode, from the
+    same samples, so the batch after a flip is ready when asked (a trainer that steers once
+    or twice, such as close-mosaic, pays nothing for it; default on; composition is done
+    twice, never a decode, where the servers keep a store of sources: ``serve
+    --cache-gb``; without one it stays off). ``discovery_interval``:
     seconds between re-resolutions of the DNS names among ``addresses`` (a Kubernetes
     headless Service): servers that appear join the running epoch, servers that disappear
     have their tasks moved at once (``0``: resolve once). ``metrics_port``: serve this
@@ -394,8 +396,8 @@ class DataServerClient:
     def _steer(self, mode: str, control: dict[str, Any] | None) -> None:
         self._check_open()
         self._feedback_seq += 1
-        # (A mode steer also arms the lookahead: from now on the next batch is kept ready
-        # in the other mode too; a trainer that never steers pays nothing for it.)
+        # (Mode steers that come often also arm the lookahead: the next batch is kept ready
+        # in the other mode too; a trainer that steers rarely pays nothing for it.)
         self._engine.call(self._engine.steer, mode, control)
 
     # ------------------------------------------------------------ state

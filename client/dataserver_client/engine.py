@@ -386,10 +386,11 @@ class Engine(threading.Thread):
         return n
 
     def steer(self, mode: str, control: dict[str, Any] | None) -> int:
-        """The trainer steers: a mode (``control`` None) or control values. A mode steer
-        arms the lookahead; the same mode again changes nothing."""
+        """The trainer steers: a mode (``control`` None) or control values. Mode steers
+        that come often arm the lookahead (lookahead.py); the same mode again changes
+        nothing else."""
         if control is None:
-            self.book.arm_lookahead()
+            self.book.mode_steered()
             if mode == self.book.mode:
                 return self.book.plan_version
             if self.book.flip(mode):
