@@ -134,3 +134,19 @@ def test_sanity_flags_what_cannot_be() -> None:
     assert "limit 50%" in noisy and "quiet machine" in noisy
     [cheap] = sanity(rates, {**cpu, "dataloader": 1.5}, 2.1, quiet)
     assert cheap.startswith("dataloader spends 1.50 CPU ms") and "not counted" in cheap
+
+
+@pytest.mark.timeout(180)
+def test_bench_close_mosaic_figure(tmp_path: Path) -> None:
+    """A trainer that steered the mode once against one that never did: both rates, and
+    the images composed per image delivered for each."""
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "dataserver.cli", "bench", "--images", "48", "--batches", "3"]
+    cmd += ["--image-size", "64", "--batch-size", "4", "--workers", "1", "--json", str(out)]
+    cmd += ["--rounds", "1", "--only", "close_mosaic"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=170)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    figure = json.loads(out.read_text())["close_mosaic"]
+    assert figure["steered_once_vs_never"] > 0
+    assert figure["composed_per_delivered_steered_once"] > 0
+    assert figure["composed_per_delivered_never_steered"] > 0

@@ -129,6 +129,41 @@ def store_costs(side: int, n: int = 400) -> tuple[float, float]:
     return round(1e6 * put / n, 1), round(1e6 * hit / n, 1)
 
 
+def fig_close_mosaic(args: argparse.Namespace, spec: str, progress: Progress) -> dict[str, Any]:
+    """A trainer that steers the mode once (mosaic for the warm-up epoch, then close-mosaic:
+    ``set_mode("regular")``) against one that never steered, in the epochs after, on one
+    server with a warm store, interleaved rounds: images/s and the images the server
+    composed per image delivered (1.0: no lookahead twins)."""
+    flags = ["--dataset", spec, "--workers", str(args.workers), "--cache-gb", "2"]
+    client = json.dumps({"stitch_layout": "mosaic", "stitch_k": 4})
+    with server(flags) as (address, pids):
+        runs = rounds(
+            args,
+            progress,
+            {
+                "steered_once": lambda: served(
+                    args, address, pids, warm_epochs=1, steer="close", client_args=client
+                ),
+                "never_steered": lambda: served(
+                    args, address, pids, warm_epochs=1, steer="count", client_args=client
+                ),
+            },
+        )
+    once = med([r["images_per_s"] for r in runs["steered_once"]])
+    never = med([r["images_per_s"] for r in runs["never_steered"]])
+    return {
+        "steered_once_images_per_s": round(once, 1),
+        "never_steered_images_per_s": round(never, 1),
+        "steered_once_vs_never": round(once / never, 3),
+        "composed_per_delivered_steered_once": round(
+            med([r["composed_per_delivered"] for r in runs["steered_once"]]), 3
+        ),
+        "composed_per_delivered_never_steered": round(
+            med([r["composed_per_delivered"] for r in runs["never_steered"]]), 3
+        ),
+    }
+
+
 def fig_feedback(args: argparse.Namespace, spec: str, progress: Progress) -> dict[str, Any]:
     """samples/s with the mode flipping on ~20% of steps vs one constant mode, same server,
     and the source decodes the flips cost (decoded by the server minus samples delivered)."""
@@ -360,6 +395,7 @@ FIGURES: dict[str, Callable[[argparse.Namespace, str, Progress], dict[str, Any]]
     "overhead": fig_overhead,
     "cache": fig_cache,
     "feedback": fig_feedback,
+    "close_mosaic": fig_close_mosaic,
     "flip_stall": fig_flip_stall,
     "first_batch": fig_first_batch,
     "coordination": fig_coordination,

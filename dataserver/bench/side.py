@@ -66,11 +66,16 @@ def dataserver_side(args: argparse.Namespace) -> dict[str, Any]:
     from dataserver_client import iterate_epochs
 
     with _client(args) as client:
+        if args.steer == "close":  # mosaic from the start, closed after the warm-up epochs
+            client.set_mode("stitch")
         if args.warm_epochs:  # epochs untimed first (to fill the server's store)
             for epoch in range(args.warm_epochs):
                 client.set_epoch(epoch)
                 for _ in client:
                     pass
+        if args.steer == "close":
+            client.set_mode("regular")
+        composed_before = _images_composed(args.address) if args.steer != "none" else 0
         count = args.batches
         if args.first_epoch:  # all of epoch 0 after the warm-up (a fresh server's first lap)
             client.set_epoch(0)
@@ -80,11 +85,39 @@ def dataserver_side(args: argparse.Namespace) -> dict[str, Any]:
             batches: Iterator[int] = (len(b) for b in client)
         else:
             batches = (len(b) for b in iterate_epochs(client, args.warm_epochs))
+        delivered = [0]
+        batches = _counted(batches, delivered)
         out = timed(batches, count, _server_pids(args))
+        if args.steer != "none":  # images the server composed per image delivered
+            composed = _images_composed(args.address) - composed_before
+            out["composed_per_delivered"] = composed / max(1, delivered[0])
         out["client_stats"] = {
             k: v for k, v in client.stats().items() if isinstance(v, (int, float))
         }
         return out
+
+
+def _counted(batches: Iterator[int], total: list[int]) -> Iterator[int]:
+    for n in batches:
+        total[0] += n
+        yield n
+
+
+def _images_composed(address: str) -> int:
+    """The server's count of images composed (every task answered), once it stops moving:
+    a worker's DONE reaches the front after its result reached the client."""
+    from dataserver.admin import fetch_stats
+
+    last = -1
+    for _ in range(50):
+        now = int(
+            fetch_stats(address.split(",", maxsplit=1)[0], 10)["counters"].get("images_done", 0)
+        )
+        if now == last:
+            return now
+        last = now
+        time.sleep(0.05)
+    return last
 
 
 def feedback_side(args: argparse.Namespace) -> dict[str, float]:
@@ -279,6 +312,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", type=int, default=30)
     parser.add_argument("--warm-epochs", type=int, default=0)
     parser.add_argument("--first-epoch", type=int, default=0)
+    # "close": set_mode("stitch") before the warm-up epochs, set_mode("regular") after them
+    # (mosaic, then close-mosaic); "count": no steer, the composed images counted the same.
+    parser.add_argument("--steer", default="none", choices=["none", "close", "count"])
     parser.add_argument("--client-args", default="{}")
     parser.add_argument("--flip-rate", type=float, default=0.0)
     parser.add_argument("--mode", default="regular")
