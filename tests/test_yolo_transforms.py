@@ -75,22 +75,20 @@ def boxes_in(rng: np.random.Generator, n: int, y0: int, x0: int, y1: int, x1: in
 
 
 def mosaic_canvas(rng: np.random.Generator, h: int, w: int) -> Result:
-    """A 2h x 2w canvas as ``Mosaic._mosaic4`` leaves it: 114 padding, four pictures around a
-    centre in [h/2, 3h/2) x [w/2, 3w/2), boxes clipped to the canvas, zero-area ones out."""
+    """A 2h x 2w canvas as ``Mosaic._mosaic4`` leaves it: 114 padding, four pictures touching
+    a centre in [h/2, 3h/2) x [w/2, 3w/2) with their bottom-right, bottom-left, top-right and
+    top-left corners, boxes clipped to the canvas, zero-area ones out."""
     canvas = np.full((2 * h, 2 * w, 3), 114, np.uint8)
     yc, xc = int(rng.uniform(h / 2, 3 * h / 2)), int(rng.uniform(w / 2, 3 * w / 2))
-    cells = [(0, 0, yc, xc), (0, xc, yc, 2 * w), (yc, 0, 2 * h, xc), (yc, xc, 2 * h, 2 * w)]
-    all_boxes = []
-    for y0, x0, y1, x1 in cells:
+    parts = []
+    for cell in range(4):
         ph, pw = int(rng.integers(h // 3, h + 1)), int(rng.integers(w // 3, w + 1))
-        cy0, cx0 = (y1 - ph, x1 - pw) if y0 == 0 else (y0, x0)  # touching the centre
-        cy0, cx0 = (cy0, x1 - pw) if x0 == 0 and y0 != 0 else (cy0, cx0)
-        cy0 = max(cy0, 0)
-        cx0 = max(cx0, 0)
-        cy1, cx1 = min(cy0 + ph, 2 * h), min(cx0 + pw, 2 * w)
-        paint(rng, canvas, cy0, cx0, cy1, cx1)
-        all_boxes.append(boxes_in(rng, int(rng.integers(0, 6)), cy0 - 5, cx0 - 5, cy1, cx1))
-    boxes = np.concatenate(all_boxes).reshape(-1, 4)
+        y0 = yc - ph if cell < 2 else yc
+        x0 = xc - pw if cell % 2 == 0 else xc
+        y0, x0, y1, x1 = max(y0, 0), max(x0, 0), min(y0 + ph, 2 * h), min(x0 + pw, 2 * w)
+        paint(rng, canvas, y0, x0, y1, x1)
+        parts.append(boxes_in(rng, int(rng.integers(0, 6)), y0 - 5, x0 - 5, y1 + 5, x1 + 5))
+    boxes = np.concatenate(parts).reshape(-1, 4)
     boxes[:, [0, 2]] = boxes[:, [0, 2]].clip(0, 2 * w)
     boxes[:, [1, 3]] = boxes[:, [1, 3]].clip(0, 2 * h)
     good = (boxes[:, 2] - boxes[:, 0]) * (boxes[:, 3] - boxes[:, 1]) > 0

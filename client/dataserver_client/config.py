@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dataserver.protocol import MAX_IMAGE_SIDE, MAX_INT
-from dataserver_client.epoch import LAYOUTS, Layout
+from dataserver_client.epoch import LAYOUTS, LETTERBOXES, Layout
 from dataserver_client.sizes import SizeSchedule, schedule_of
 
 # The most samples a server may announce (WELCOME's dataset_len) before the client refuses
@@ -47,6 +47,8 @@ class ClientConfig:
     discovery_interval: float = 5.0  # seconds between re-resolutions of DNS names (0: once)
     metrics_port: int | None = None  # serve the client's metrics (Prometheus) on this port
     max_dataset_len: int = MAX_DATASET_LEN  # refuse servers announcing more samples
+    pad_value: int = 0  # every pixel no sample covers (114 for YOLO)
+    letterbox: str = "top-left"  # where a regular image sits in its canvas: or "center"
 
     def __post_init__(self) -> None:
         # (h, w) given as a pair becomes a FixedSize: every reader sees one schedule type
@@ -59,7 +61,12 @@ class ClientConfig:
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first setting that is out of range."""
-        problem = self._address_problem() or self._image_problem() or self._run_problem()
+        problem = (
+            self._address_problem()
+            or self._image_problem()
+            or self._run_problem()
+            or self._compose_problem()
+        )
         if problem is not None:
             raise ValueError(f"DataServerClient: {problem}")
 
@@ -107,9 +114,23 @@ class ClientConfig:
             return f"metrics_port must be a TCP port (0..65535), got {self.metrics_port}"
         return None
 
+    def _compose_problem(self) -> str | None:
+        pad = self.pad_value
+        if isinstance(pad, bool) or not isinstance(pad, int) or not 0 <= pad <= 255:
+            return f"pad_value must be an integer in 0..255, got {pad!r}"
+        if self.letterbox not in LETTERBOXES:
+            return f"letterbox must be one of {', '.join(LETTERBOXES)}, got {self.letterbox!r}"
+        return None
+
     def layout(self) -> Layout:
         return Layout(
-            self.batch_size, self.image_size, self.stitch_k, self.stitch_layout, self.drop_last
+            self.batch_size,
+            self.image_size,
+            self.stitch_k,
+            self.stitch_layout,
+            self.drop_last,
+            pad_value=self.pad_value,
+            letterbox=self.letterbox,
         )
 
 

@@ -97,6 +97,8 @@ class Sender:
             mode=plan.mode,
             # (a probe composes one source alone, whatever its batch's layout)
             layout=plan.layout if rec.probe_of is None else "grid",
+            pad_value=plan.pad_value,
+            letterbox=plan.letterbox,
             **land,
         )
         return task, where[1] if where is not None else None

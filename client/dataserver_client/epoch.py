@@ -22,6 +22,7 @@ REGULAR = "regular"
 STITCH = "stitch"
 MODES = (REGULAR, STITCH)
 LAYOUTS = ("spatial", "batch", "mosaic")
+LETTERBOXES = ("top-left", "center")
 
 
 def index_dtype(n: int) -> type[np.signedinteger]:
@@ -85,6 +86,8 @@ class Layout:
     stitch_k: int
     stitch_layout: str
     drop_last: bool
+    pad_value: int = 0  # what the servers pad with
+    letterbox: str = "top-left"  # where a regular image sits: or "center"
 
     @property
     def grid(self) -> int:
@@ -127,6 +130,8 @@ class BatchPlan:
     image_size: tuple[int, int] | None = None
     source_hw: tuple[int, int] | None = None
     layout: str = "grid"
+    pad_value: int = 0  # (the layout's; a rebuilt batch: its manifest's)
+    letterbox: str = "top-left"
 
     @property
     def fit_hw(self) -> tuple[int, int]:
@@ -228,6 +233,8 @@ class Cursor:
             image_size=size,
             source_hw=self.sizes.stored_hw,
             layout="mosaic" if mosaic else "grid",
+            pad_value=self.layout.pad_value,
+            letterbox=self.layout.letterbox,
         )
 
     def next_plan(self) -> BatchPlan | None:

@@ -2,8 +2,8 @@
 being rebuilt from one (``client.rebuild``).
 
 A batch is a pure function of its recipe: the servers' dataset, the planned indices of each
-image, the epoch, step, mode, layout, image size, stored size, seed, control values and
-``on_error`` (the augmentation's randomness comes from (seed, epoch, index), a mosaic's from
+image, the epoch, step, mode, layout, image size, stored size, seed, control values,
+``on_error``, padding value and letterbox (the augmentation's randomness comes from (seed, epoch, index), a mosaic's from
 (seed, epoch, indices)). The manifest holds exactly that as plain data (msgpack- and
 JSON-able: lists, ints, strings), so any client connected to servers of the same dataset
 composes the same bytes again: the way to look at the batch behind a loss spike. A rebuilt
@@ -19,7 +19,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from dataserver.protocol import MAX_IMAGE_SIDE, MAX_INT, control_problem
-from dataserver_client.epoch import MODES, REGULAR, BatchPlan, ImagePlan, Layout
+from dataserver_client.epoch import LETTERBOXES, MODES, REGULAR, BatchPlan, ImagePlan, Layout
 from dataserver_client.sizes import schedule_of
 
 if TYPE_CHECKING:
@@ -50,6 +50,8 @@ def manifest_of(batch: InflightBatch, layout: Layout, on_error: str) -> dict[str
         "control": copy.deepcopy(batch.control) if batch.control else {},
         "seed": plan.seed,
         "on_error": batch.on_error or on_error,
+        "pad_value": plan.pad_value,
+        "letterbox": plan.letterbox,
     }
 
 
@@ -127,6 +129,13 @@ def plan_of(manifest: Any, dataset_len: int) -> tuple[BatchPlan, dict[str, Any],
     on_error = manifest.get("on_error")
     if on_error not in ("raise", "skip"):
         raise ValueError(f"manifest 'on_error' must be 'raise' or 'skip', got {on_error!r}")
+    # (absent: a manifest of a client before these existed, which padded 0 at the top-left)
+    pad_value = manifest.get("pad_value", 0)
+    if isinstance(pad_value, bool) or not isinstance(pad_value, int) or not 0 <= pad_value <= 255:
+        raise ValueError(f"manifest 'pad_value' must be an integer in 0..255, got {pad_value!r}")
+    letterbox = manifest.get("letterbox", "top-left")
+    if letterbox not in LETTERBOXES:
+        raise ValueError(f"manifest 'letterbox' must be one of {LETTERBOXES}, got {letterbox!r}")
     out_hw = fit_hw
     if mode != REGULAR and layout == "batch":
         side = math.isqrt(k)
@@ -145,6 +154,8 @@ def plan_of(manifest: Any, dataset_len: int) -> tuple[BatchPlan, dict[str, Any],
         image_size=fit_hw,
         source_hw=stored_hw,
         layout="mosaic" if layout == "mosaic" and mode != REGULAR else "grid",
+        pad_value=pad_value,
+        letterbox=str(letterbox),
     )
     return plan, dict(control), str(on_error)
 

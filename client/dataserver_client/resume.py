@@ -43,7 +43,21 @@ STATE_VERSION = 1  # a state of a normal epoch: what clients without elastic res
 DEALT_VERSION = 2  # a state of a dealt epoch: older clients must refuse it, not misread it
 VERSIONS = (STATE_VERSION, DEALT_VERSION)
 # Must be equal between the saving and the loading client (rank and world_size may differ).
-CONFIG_KEYS = ("seed", "shuffle", "batch_size", "stitch_k", "stitch_layout", "drop_last")
+CONFIG_KEYS = (
+    "seed",
+    "shuffle",
+    "batch_size",
+    "stitch_k",
+    "stitch_layout",
+    "drop_last",
+    "pad_value",
+    "letterbox",
+)
+# What a state saved before a key of CONFIG_KEYS existed meant by its absence.
+CONFIG_DEFAULTS: dict[str, Any] = {
+    "pad_value": 0,
+    "letterbox": "top-left",
+}
 # What each rank contributes to a job-wide state ("ranks": one of these per rank).
 RANK_KEYS = ("position", "step", "mode", "control", "control_seq", "feedback_seq")
 # The most an epoch number or a sequence number of a loaded state may be: far beyond any
@@ -147,7 +161,7 @@ def check_state(state: Any, expected: dict[str, Any]) -> None:
         raise ValueError(
             f"not a DataServerClient state of version {' or '.join(map(str, VERSIONS))}"
         )
-    mismatched = [k for k in CONFIG_KEYS if state.get(k) != expected[k]]
+    mismatched = [k for k in CONFIG_KEYS if config_value(state, k) != expected[k]]
     if state.get("fingerprint") != expected["fingerprint"]:
         mismatched.append("fingerprint (dataset)")
     if state.get("dataset_len") != expected["dataset_len"]:
@@ -170,6 +184,12 @@ def check_state(state: Any, expected: dict[str, Any]) -> None:
         check_entry("state", state)
     for r, entry in enumerate(ranks or ()):
         check_entry(f"state 'ranks'[{r}]", entry)
+
+
+def config_value(state: dict[str, Any], key: str) -> Any:
+    """The value of ``key`` (of ``CONFIG_KEYS``) a state was saved with: its own, or, for a
+    state saved before the key existed, what its absence meant (``CONFIG_DEFAULTS``)."""
+    return state.get(key, CONFIG_DEFAULTS.get(key))
 
 
 def check_count(where: str, key: str, value: Any, hi: int) -> None:
@@ -215,7 +235,7 @@ def merge_states(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
         if rank in by_rank:
             raise ValueError(f"two states of rank {rank}")
         for key in ("version", "epoch", "fingerprint", "deal", "dataset_len", *CONFIG_KEYS):
-            if state.get(key) != first.get(key):
+            if config_value(state, key) != config_value(first, key):
                 raise ValueError(f"states differ in {key!r}: not one job's")
         by_rank[rank] = state
     if not isinstance(world, int) or sorted(by_rank) != list(range(world)):
