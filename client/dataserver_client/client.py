@@ -96,7 +96,10 @@ class DataServerClient:
     ``set_image_size`` changes it from the next batch on. ``stitch_layout``: "spatial"
     (a sqrt(k) x sqrt(k) grid), "batch" (k smaller images) or "mosaic" (YOLO's mosaic of 4
     around a random centre, ``dataserver/data/mosaic.py``); ``set_mode`` turns any of them
-    on and off (close-mosaic is ``set_mode("regular")``).
+    on and off (close-mosaic is ``set_mode("regular")``). ``pad_value`` (0..255; 114 for
+    YOLO): every pixel no sample covers (letterbox padding, mosaic gaps, empty cells);
+    ``letterbox``: "top-left" (default) or "center" (Ultralytics' ``LetterBox``: a regular
+    image, and each cell of a grid, centred, its boxes shifted with it).
     """
 
     def __init__(
@@ -124,6 +127,8 @@ class DataServerClient:
         discovery_interval: float = 5.0,
         metrics_port: int | None = None,
         max_dataset_len: int = MAX_DATASET_LEN,
+        pad_value: int = 0,
+        letterbox: str = "top-left",
     ) -> None:
         if rank is None or world_size is None:
             auto_rank, auto_world = default_rank_world()
@@ -154,6 +159,8 @@ class DataServerClient:
             discovery_interval=float(discovery_interval),
             metrics_port=None if metrics_port is None else int(metrics_port),
             max_dataset_len=int(max_dataset_len),
+            pad_value=pad_value,  # (checked as given: a bool or 114.5 is refused, not cast)
+            letterbox=letterbox,
         )
         self.config.validate()
         curve = _load_curve(curve_server_key, curve_secret_key)

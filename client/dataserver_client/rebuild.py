@@ -3,12 +3,13 @@ being rebuilt from one (``client.rebuild``).
 
 A batch is a pure function of its recipe: the servers' dataset, the planned indices of each
 image, the epoch, step, mode, layout, image size, stored size, seed, control values,
-``on_error``, padding value and letterbox (the augmentation's randomness comes from (seed, epoch, index), a mosaic's from
-(seed, epoch, indices)). The manifest holds exactly that as plain data (msgpack- and
-JSON-able: lists, ints, strings), so any client connected to servers of the same dataset
-composes the same bytes again: the way to look at the batch behind a loss spike. A rebuilt
-batch is composed with the manifest's control values (sent with its tasks, for them alone:
-the session's own values are untouched) and never enters the trainer's stream of batches.
+``on_error``, padding value and letterbox (the augmentation's randomness comes from (seed,
+epoch, index), a mosaic's from (seed, epoch, indices)). The manifest holds exactly that as
+plain data (msgpack- and JSON-able: lists, ints, strings), so any client connected to
+servers of the same dataset composes the same bytes again: the way to look at the batch
+behind a loss spike. A rebuilt batch is composed with the manifest's control values (sent
+with its tasks, for them alone: the session's own values are untouched) and never enters
+the trainer's stream of batches.
 """
 
 from __future__ import annotations

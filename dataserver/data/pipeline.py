@@ -16,7 +16,8 @@ epoch, index) and the batch's parameters, and never stored.
 4. ``augmented``: the dataset's own ``augment(sample, rng, params)``, if it has one, with
    ``rng`` from (seed, epoch, index) only (``augment_rng``); its answer checked.
 5. ``flip_of`` and composition: ``compose_into`` places each source at the top-left of its
-   cell (fitted into the cell when the cell is smaller), mirrored when its flip says so,
+   cell, or centred in it (the task's ``letterbox``), on the task's ``pad_value`` (fitted
+   into the cell when the cell is smaller), mirrored when its flip says so,
    written plane by plane straight into the output canvas (the wire layout; no
    whole-image transpose); ``dataserver.data.mosaic`` composes a mosaic.
 
@@ -129,6 +130,8 @@ class Recipe:
     fit_hw: tuple[int, int]  # the batch's image size
     stored_hw: tuple[int, int]  # the size sources are fitted to first (what the store keeps)
     control: dict[str, Any]  # the session's control values (``augment``'s params)
+    pad_value: int = 0  # every pixel no source covers
+    letterbox: str = "top-left"  # where a source smaller than its cell sits: or "center"
 
     def params(self, index: int) -> dict[str, Any]:
         """``augment``'s ``params`` for sample ``index`` (a fresh dict: it may keep it)."""
@@ -210,14 +213,32 @@ def _draw(
                 cv2.flip(dst, 1, dst=dst)
 
 
+def letterbox_offset(cell_h: int, cell_w: int, new_h: int, new_w: int) -> tuple[int, int]:
+    """(top, left) of an image of (new_h, new_w) centred in a cell of (cell_h, cell_w), as
+    Ultralytics' ``LetterBox(center=True)`` rounds it: ``int(round(d / 2 - 0.1))``."""
+    dh, dw = (cell_h - new_h) / 2, (cell_w - new_w) / 2
+    return int(round(dh - 0.1)), int(round(dw - 0.1))
+
+
 def place(
-    canvas: np.ndarray, y0: int, x0: int, cell_h: int, cell_w: int, source: Source, flip: bool
+    canvas: np.ndarray,
+    y0: int,
+    x0: int,
+    cell_h: int,
+    cell_w: int,
+    source: Source,
+    flip: bool,
+    center: bool = False,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Write ``source`` at the top-left of the cell (y0, x0, cell_h, cell_w) of a CHW
-    ``canvas``, fitted into the cell when it is larger, mirrored when ``flip``. Returns its
-    boxes in canvas pixels and their labels (clipped; degenerate ones dropped)."""
+    ``canvas`` (``center``: centred in it, ``letterbox_offset``), fitted into the cell when
+    it is larger, mirrored when ``flip``. Returns its boxes in canvas pixels and their
+    labels (clipped; degenerate ones dropped)."""
     _, height, width = source.image.shape
     new_h, new_w = fit_size(height, width, cell_h, cell_w)
+    if center:
+        top, left = letterbox_offset(cell_h, cell_w, new_h, new_w)
+        y0, x0 = y0 + top, x0 + left
     _draw(canvas, y0, x0, (new_h, new_w), source.image, flip)
     if not len(source.boxes):
         return source.boxes, source.labels
@@ -256,10 +277,12 @@ def compose_into(
     grid: int,
     flips: Sequence[bool],
     skip_errors: bool,
+    center: bool = False,
 ) -> Composed:
-    """Compose one output image into the zeroed CHW ``canvas`` from ``indices`` (cell t
-    = (t // grid, t % grid)). With ``skip_errors`` a failing source leaves its cell empty
-    and is reported; without, its ``SampleError`` propagates."""
+    """Compose one output image into the CHW ``canvas`` (filled with the padding value)
+    from ``indices`` (cell t = (t // grid, t % grid); ``center``: each source centred in
+    its cell). With ``skip_errors`` a failing source leaves its cell empty and is reported;
+    without, its ``SampleError`` propagates."""
     _, out_h, out_w = canvas.shape
     cell_h, cell_w = out_h // grid, out_w // grid
     all_boxes = [np.zeros((0, 4), dtype=np.float32)]
@@ -275,7 +298,9 @@ def compose_into(
             failed.append((index, str(exc)))
             continue
         row, col = divmod(t, grid)
-        boxes, labels = place(canvas, row * cell_h, col * cell_w, cell_h, cell_w, source, flips[t])
+        boxes, labels = place(
+            canvas, row * cell_h, col * cell_w, cell_h, cell_w, source, flips[t], center
+        )
         all_boxes.append(boxes)
         all_labels.append(labels)
         kept.append(index)
@@ -300,12 +325,14 @@ def compose_image(
     recipe: Recipe,
     skip_errors: bool,
 ) -> Composed:
-    """One output image into the zeroed CHW ``canvas``: ``layout`` "grid" (``compose_into``)
+    """One output image into the CHW ``canvas``, filled with ``recipe.pad_value``:
+    ``layout`` "grid" (``compose_into``, each source placed as ``recipe.letterbox`` says)
     or "mosaic" (``dataserver.data.mosaic``, its randomness from (seed, epoch, indices)).
     ``get_source`` gives a ``finished`` source."""
     flips = [flip_of(recipe.seed, recipe.epoch, i) for i in indices]
     if layout != "mosaic":
-        return compose_into(canvas, get_source, indices, grid, flips, skip_errors)
+        center = recipe.letterbox == "center"
+        return compose_into(canvas, get_source, indices, grid, flips, skip_errors, center)
     from dataserver.data.mosaic import compose_mosaic, mosaic_rng
 
     sources: list[Source | None] = []
@@ -339,13 +366,25 @@ def compose_one(
     layout: str = "grid",
     stored_hw: Sequence[int] | None = None,
     control: dict[str, Any] | None = None,
+    pad_value: int = 0,
+    letterbox: str = "top-left",
 ) -> tuple[np.ndarray, Composed]:
     """One output image straight from the dataset (no store): what the DataLoader baseline
     and the tests run. Bit-identical to what a worker sends for the same task."""
-    canvas = np.zeros((3, int(out_hw[0]), int(out_hw[1])), dtype=np.uint8)
+    canvas = np.full((3, int(out_hw[0]), int(out_hw[1])), pad_value, dtype=np.uint8)
     fit_size_hw = (int(fit_hw[0]), int(fit_hw[1]))
     stored = fit_size_hw if stored_hw is None else (int(stored_hw[0]), int(stored_hw[1]))
-    recipe = Recipe(seed, epoch, step, mode, fit_size_hw, stored, dict(control or {}))
+    recipe = Recipe(
+        seed,
+        epoch,
+        step,
+        mode,
+        fit_size_hw,
+        stored,
+        dict(control or {}),
+        pad_value,
+        letterbox,
+    )
 
     def source(i: int) -> Source:
         return finished(dataset, i, prepare(dataset, i, stored), recipe)

@@ -37,6 +37,7 @@ import numpy as np
 from msgspec import Meta, Struct
 
 from dataserver.protocol.fields import (
+    MAX_LABEL,
     T32,
     T64,
     T128,
@@ -69,6 +70,10 @@ MAX_SEQ = 1 << 53  # plan versions and control sequence numbers
 TAG_BYTES = 32  # one server's entry in a published CONTROL: its handle (16), its tag (16)
 MAX_TAGS = 1024  # servers one published CONTROL speaks to
 MAX_SOURCES = MAX_TASK_IMAGES * MAX_TILES
+MAX_CATEGORIES = 4096  # (label, name) pairs a WELCOME may announce
+MAX_CATEGORY_NAME = 256  # characters of one category's name
+MAX_FILE = 1024  # characters of a sample's file name in a RESULT
+MAX_ORIG_SIDE = 1 << 20  # a sample's original side, as it says (0: unknown)
 
 # A session's secret (16..32 random bytes): chosen by the client, bound by its HELLO, and
 # named by every message that acts for the session (TASK, CONTROL, HEARTBEAT, BYE). The
@@ -85,6 +90,10 @@ DecodeUs = Annotated[tuple[Us, ...], Len(0, MAX_SOURCES)]  # one timing per sour
 Tiles = Annotated[tuple[U63, ...], Len(1, MAX_TILES)]
 Tiles0 = Annotated[tuple[U63, ...], Len(0, MAX_TILES)]
 Tag = Annotated[bytes, Len(TAG_BYTES, TAG_BYTES)]
+Category = tuple[Annotated[int, In(0, MAX_LABEL)], Annotated[str, Len(0, MAX_CATEGORY_NAME)]]
+Categories = Annotated[tuple[Category, ...], Len(0, MAX_CATEGORIES)]
+FileName = Annotated[str, Len(0, MAX_FILE)]
+OrigSide = Annotated[int, In(0, MAX_ORIG_SIDE)]
 
 
 def pub_handle(secret: bytes) -> bytes:
@@ -228,6 +237,14 @@ class Welcome(Message, kw_only=True):
     local_token: T64 = ""
     # Bytes of its store of prepared sources (0: none; every task decodes its sources).
     store_bytes: Annotated[int, In(0, 1 << 50)] = 0
+    # The dataset's categories, its (label, name) pairs (none: it announces none).
+    categories: Categories = ()
+
+    def _check(self, arrays: list[np.ndarray] | None) -> None:
+        Message._check(self, arrays)
+        labels = {label for label, _ in self.categories}
+        if len(labels) != len(self.categories):
+            raise ProtocolError("field 'categories': a label is named twice")
 
 
 # ---------------------------------------------------------------------------- work
@@ -275,6 +292,10 @@ class Task(Message, kw_only=True):
     # 1: the landing bytes were never written (fresh shared memory, all zero): the worker
     # need not clear them before composing (the letterbox padding is already zero).
     land_zero: Flag01 = 0
+    # The value of every pixel no source covers (letterbox padding, mosaic gaps, empty
+    # cells), and where a source smaller than its cell sits in it.
+    pad_value: Annotated[int, In(0, 255)] = 0
+    letterbox: Annotated[str, Meta(pattern=r"\A(top-left|center)\Z")] = "top-left"
 
     def _check(self, arrays: list[np.ndarray] | None) -> None:
         Message._check(self, arrays)
@@ -328,6 +349,12 @@ class Result(Message, kw_only=True):
     # source it decoded and fitted (store misses). 0 / absent: a worker that does not say.
     task_us: Us = 0
     decode_us: DecodeUs | None = None
+    # Per image: its anchor's (first source's) file name ("" unknown) and original (h, w)
+    # as read, before any resize ((0, 0) unknown). Absent: a worker that does not say.
+    files: Annotated[tuple[FileName, ...], Len(0, MAX_TASK_IMAGES)] | None = None
+    orig_sizes: Annotated[tuple[tuple[OrigSide, OrigSide], ...], Len(0, MAX_TASK_IMAGES)] | None = (
+        None
+    )
     pixels: Any = None  # np.ndarray | None (msgspec cannot type an array field)
     boxes: Any = None
     labels: Any = None
@@ -352,6 +379,10 @@ class Result(Message, kw_only=True):
         self.pixels = self.boxes = self.labels = None
         if len(self.box_counts) != len(self.images):
             raise ProtocolError(f"{len(self.box_counts)} box counts for {len(self.images)} images")
+        for name in ("files", "orig_sizes"):
+            each = getattr(self, name)
+            if each is not None and len(each) != len(self.images):
+                raise ProtocolError(f"{len(each)} {name} for {len(self.images)} images")
         if arrays is None:  # the front forwards it unread
             return
         want = 2 if self.landed else 3

@@ -25,7 +25,9 @@ from typing import Any
 import msgpack
 import numpy as np
 
-PROTOCOL_VERSION = 5  # 4: session secrets (auth, tags); 5: per-task sizes, augment, mosaic
+# 4: session secrets (auth, tags); 5: per-task sizes, augment, mosaic; 6: pad_value and
+# letterbox in TASK, categories in WELCOME, files and orig_sizes in RESULT
+PROTOCOL_VERSION = 6
 MAGIC = b"DS" + str(PROTOCOL_VERSION).encode()
 
 MAX_FRAMES = 16

@@ -297,7 +297,17 @@ class Worker:
             msg = f"dataset.set_control raised {type(exc).__name__}: {exc}"
             return ErrorMsg(message=msg[:4000], kind="control", **ids)
         fit_hw = (task.fit_hw[0], task.fit_hw[1])
-        recipe = Recipe(task.seed, task.epoch, task.step, task.mode, fit_hw, task.stored_hw, values)
+        recipe = Recipe(
+            task.seed,
+            task.epoch,
+            task.step,
+            task.mode,
+            fit_hw,
+            task.stored_hw,
+            values,
+            task.pad_value,
+            task.letterbox,
+        )
         shape = (len(task.images), 3, task.out_hw[0], task.out_hw[1])
         try:
             with self.landings.target(
@@ -390,12 +400,14 @@ class Worker:
         dest: np.ndarray | None,
     ) -> Result:
         out_h, out_w = task.out_hw
+        pad = task.pad_value
         if dest is None:
-            canvas = np.zeros((len(task.images), 3, out_h, out_w), dtype=np.uint8)
+            shape = (len(task.images), 3, out_h, out_w)
+            canvas = np.zeros(shape, np.uint8) if pad == 0 else np.full(shape, pad, np.uint8)
         else:
             canvas = dest
-            if not task.land_zero:  # (a fresh landing region is all zero already)
-                canvas.fill(0)
+            if pad or not task.land_zero:  # (a fresh landing region is all zero already)
+                canvas.fill(pad)
         skip = task.on_error == "skip"
         kept: list[tuple[int, ...]] = []
         failed: list[tuple[int, str]] = []
