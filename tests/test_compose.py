@@ -60,7 +60,7 @@ def test_centre_letterbox_places_as_ultralytics_rounds() -> None:
     canvas, out = compose_one(
         DATASET, [1], 1, (64, 64), (64, 64), 0, 0, pad_value=114, letterbox="center"
     )
-    top = int(round((64 - 45) / 2 - 0.1))
+    top = round((64 - 45) / 2 - 0.1)
     assert top == 9
     assert (canvas[:, :top] == 114).all() and (canvas[:, top + 45 :] == 114).all()
     assert (canvas[:, top : top + 45].transpose(1, 2, 0) == colour_of(1)).all()

@@ -100,6 +100,18 @@ def _images(manifest: dict[str, Any], k: int, per_image: int) -> list[tuple[int,
     return out
 
 
+def _padding(manifest: dict[str, Any]) -> tuple[int, str]:
+    """The manifest's ``pad_value`` and ``letterbox``, checked (absent: a manifest of a
+    client before they existed, which padded 0 at the top-left)."""
+    pad_value = manifest.get("pad_value", 0)
+    if isinstance(pad_value, bool) or not isinstance(pad_value, int) or not 0 <= pad_value <= 255:
+        raise ValueError(f"manifest 'pad_value' must be an integer in 0..255, got {pad_value!r}")
+    letterbox = manifest.get("letterbox", "top-left")
+    if letterbox not in LETTERBOXES:
+        raise ValueError(f"manifest 'letterbox' must be one of {LETTERBOXES}, got {letterbox!r}")
+    return pad_value, str(letterbox)
+
+
 def plan_of(manifest: Any, dataset_len: int) -> tuple[BatchPlan, dict[str, Any], str]:
     """The batch plan a manifest names, its control values and ``on_error``: every field
     checked (ValueError naming it)."""
@@ -130,13 +142,7 @@ def plan_of(manifest: Any, dataset_len: int) -> tuple[BatchPlan, dict[str, Any],
     on_error = manifest.get("on_error")
     if on_error not in ("raise", "skip"):
         raise ValueError(f"manifest 'on_error' must be 'raise' or 'skip', got {on_error!r}")
-    # (absent: a manifest of a client before these existed, which padded 0 at the top-left)
-    pad_value = manifest.get("pad_value", 0)
-    if isinstance(pad_value, bool) or not isinstance(pad_value, int) or not 0 <= pad_value <= 255:
-        raise ValueError(f"manifest 'pad_value' must be an integer in 0..255, got {pad_value!r}")
-    letterbox = manifest.get("letterbox", "top-left")
-    if letterbox not in LETTERBOXES:
-        raise ValueError(f"manifest 'letterbox' must be one of {LETTERBOXES}, got {letterbox!r}")
+    pad_value, letterbox = _padding(manifest)
     out_hw = fit_hw
     if mode != REGULAR and layout == "batch":
         side = math.isqrt(k)
@@ -156,7 +162,7 @@ def plan_of(manifest: Any, dataset_len: int) -> tuple[BatchPlan, dict[str, Any],
         source_hw=stored_hw,
         layout="mosaic" if layout == "mosaic" and mode != REGULAR else "grid",
         pad_value=pad_value,
-        letterbox=str(letterbox),
+        letterbox=letterbox,
     )
     return plan, dict(control), str(on_error)
 

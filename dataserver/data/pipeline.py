@@ -215,9 +215,9 @@ def _draw(
 
 def letterbox_offset(cell_h: int, cell_w: int, new_h: int, new_w: int) -> tuple[int, int]:
     """(top, left) of an image of (new_h, new_w) centred in a cell of (cell_h, cell_w), as
-    Ultralytics' ``LetterBox(center=True)`` rounds it: ``int(round(d / 2 - 0.1))``."""
+    Ultralytics' ``LetterBox(center=True)`` rounds it: ``round(d / 2 - 0.1)``."""
     dh, dw = (cell_h - new_h) / 2, (cell_w - new_w) / 2
-    return int(round(dh - 0.1)), int(round(dw - 0.1))
+    return round(dh - 0.1), round(dw - 0.1)
 
 
 def place(

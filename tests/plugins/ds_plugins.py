@@ -245,3 +245,46 @@ class Merge:
 
 def merge(n: int = 64) -> Merge:
     return Merge(n)
+
+
+class YoloSynthetic:
+    """The synthetic set (labels 1..80) as a YOLO training set: samples carry ``file`` and
+    ``orig_size``, the dataset announces its categories (``categories=False``: none), and
+    ``augment_composed`` runs ``dataserver.data.yolo.YoloAugment`` with the hyperparameters
+    the trainer sent (``DataServerTrainer``: ``params["control"]``); without them (a
+    validation client sends none) composed outputs are left as they are."""
+
+    deterministic = True  # __getitem__ is a pure function of the index
+
+    def __init__(self, images: int = 64, seed: int = 0, categories: bool = True) -> None:
+        self.images, self.seed = images, seed
+        if categories:
+            self.categories = [(label, f"class{label}") for label in range(1, 81)]
+
+    def __len__(self) -> int:
+        return self.images
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        s = generate(self.seed, index)
+        h, w = s.image.shape[:2]
+        return {
+            "image": s.image,
+            "boxes": s.boxes,
+            "labels": s.labels,
+            "file": f"synthetic/{index:06d}.jpg",
+            "orig_size": (h, w),
+        }
+
+    def augment_composed(
+        self, sample: dict[str, Any], rng: np.random.Generator, params: dict[str, Any]
+    ) -> dict[str, Any]:
+        from dataserver.data.yolo import HYPERPARAMETERS, yolo_hyp
+
+        control = params.get("control") or {}
+        if not any(key in control for key in HYPERPARAMETERS):
+            return sample
+        return yolo_hyp(control)(sample, rng, params)
+
+
+def yolo_synthetic(images: int = 64, seed: int = 0, categories: bool = True) -> YoloSynthetic:
+    return YoloSynthetic(images, seed, categories)
