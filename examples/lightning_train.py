@@ -145,6 +145,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2, help="workers of the local server")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--feedback", action="store_true", help="Stitcher's feedback each step")
+    parser.add_argument("--threshold", type=float, default=0.1, help="Stitcher's tau")
     parser.add_argument("--ckpt", help="resume from this checkpoint")
     parser.add_argument("--ckpt-dir", help="save checkpoints here (with --save-every)")
     parser.add_argument("--save-every", type=int, default=0, help="checkpoint every K steps")
@@ -174,7 +175,11 @@ def run(args: argparse.Namespace, train: list[str], val: list[str] | None) -> No
     torch.manual_seed(0)
     # The DataModule in place of DataLoaders: each rank's client is built in setup().
     dm = DataServerDataModule(
-        train, val=val, batch_size=args.batch_size, image_size=(args.image_size,) * 2
+        train,
+        val=val,
+        batch_size=args.batch_size,
+        image_size=(args.image_size,) * 2,
+        stitch_threshold=args.threshold,
     )
     model = TinyLightningDetector(args.lr, args.feedback, args.record)
     callbacks: list[pl.Callback] = []

@@ -68,9 +68,9 @@ class ServedLoader:
     iteration runs, counted as if each batch not yet handed out were regular (the most a
     mode change can leave), including those a resumed state had already delivered (as
     Lightning counts them); it stays fixed while the epoch runs. Stitched batches (which
-    consume k samples an image) end the epoch sooner, which Lightning sees as the loader
-    running out. After an epoch's last batch, the client is moved to the next epoch, so a
-    checkpoint taken at an epoch's end resumes at the start of the next one.
+    consume k samples an image) end the epoch sooner; the items left are then ``None``
+    (see ``ServedEpoch``). After an epoch's last batch, the client is moved to the next
+    epoch, so a checkpoint taken at an epoch's end resumes at the start of the next one.
 
     Validation (``train=False``): every iteration is a whole pass of epoch 0 from its
     start (Lightning's sanity check and a validation run stopped by ``limit_val_batches``
@@ -136,7 +136,6 @@ class ServedLoader:
 
     def finished(self) -> None:
         """The epoch's batches are all handed out: the next iteration is the next epoch."""
-        self._length = None
         if self.train:
             self._epoch = self.client.epoch + 1
             self.client.set_epoch(self._epoch)
@@ -153,32 +152,55 @@ class ServedLoader:
 
 
 class ServedEpoch:
-    """One iteration of a ``ServedLoader``. The client's epoch starts at the first
-    ``next()``; after the epoch's last batch (``len(loader)`` of them) the client's epoch is
-    finished at once, without waiting for Lightning to ask for one more."""
+    """One iteration of a ``ServedLoader``: ``len(loader)`` items. The client's epoch
+    starts at the first ``next()``. After the epoch's last batch the client's epoch is
+    finished at once, without waiting for Lightning to ask for one more.
+
+    Training, when stitched batches ended the epoch before ``len(loader)``: the items left
+    are ``None``, which Lightning skips (no ``training_step``, no optimizer step; it warns
+    once that the loader yielded None), so that it still sees the epoch's last batch and
+    runs what it runs at an epoch's end (validation, epoch-interval LR schedulers).
+    """
 
     def __init__(self, loader: ServedLoader, generation: int) -> None:
         self._loader = loader
         self._generation = generation
         self._batches: EpochIterator | None = None
-        self._taken = 0
+        self._length = 0
+        self._given = 0  # items handed to Lightning: batches, then any padding
         self._done = False
 
     def __iter__(self) -> ServedEpoch:
         return self
 
-    def __next__(self) -> Batch:
-        if self._done:
-            raise StopIteration
+    def __next__(self) -> Batch | None:
         if self._batches is None:
             self._batches = self._loader.start(self._generation)
+            self._length = len(self._loader)
+        if self._given >= self._length:
+            self._finish()
+            raise StopIteration
+        if self._done:  # the epoch ran out early: pad it to its announced length
+            self._given += 1
+            return None
         try:
             batch = next(self._batches)
         except StopIteration:
             self._finish()
-            raise
-        self._taken += 1
-        if self._taken >= len(self._loader):
+            if not self._loader.train or self._given == 0:
+                raise
+            log.info(
+                "dataserver: epoch %d ended after %d of %d batches (stitched batches hold "
+                "more samples); Lightning skips the %d left (None)",
+                self._loader.client.epoch - 1,
+                self._given,
+                self._length,
+                self._length - self._given,
+            )
+            self._given += 1
+            return None
+        self._given += 1
+        if self._given >= self._length:
             # Every batch was regular: nothing of the epoch is left (a stitched batch
             # would have ended it sooner), so the client's next() ends the epoch at once.
             try:
@@ -187,7 +209,7 @@ class ServedEpoch:
                 pass
             else:  # cannot happen while len() is an upper bound; never drop it silently
                 raise DataServerError(
-                    f"epoch {extra.epoch}: batch {extra.step} exceeds the {self._taken} "
+                    f"epoch {extra.epoch}: batch {extra.step} exceeds the {self._length} "
                     "batches the loader announced"
                 )
             self._finish()
@@ -219,9 +241,7 @@ class DataServerDataModule(pl.LightningDataModule):
     very next training batch.
     """
 
-    def __init__(
-        self, train: Address, val: Address | None = None, **client_kwargs: Any
-    ) -> None:
+    def __init__(self, train: Address, val: Address | None = None, **client_kwargs: Any) -> None:
         super().__init__()
         self.train_address = train
         self.val_address = val
@@ -255,8 +275,10 @@ class DataServerDataModule(pl.LightningDataModule):
             if self._pending is not None:
                 state, self._pending = self._pending, None
                 self.load_state_dict(state)
-        if stage in ("fit", "validate") and self.val_address is not None and (
-            self.val_client is None
+        if (
+            stage in ("fit", "validate")
+            and self.val_address is not None
+            and (self.val_client is None)
         ):
             self.val_client = DataServerClient(self.val_address, **self._kwargs(val=True))
             self._val_loader = ServedLoader(self.val_client, train=False)
