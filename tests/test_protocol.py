@@ -226,6 +226,8 @@ def test_rejects_missing_and_extra_buffers() -> None:
         ({"control_seq": -1}, "control_seq"),
         ({"exclude": [-1]}, "exclude"),
         ({"exclude": "all"}, "exclude"),
+        ({"partners": 2}, "partners"),
+        ({"partners": 1}, "field 'partners': only with layout 'mosaic'"),
     ],
 )
 def test_rejects_bad_task_fields(change: dict[str, Any], match: str) -> None:

@@ -287,6 +287,8 @@ def test_a_manifest_is_plain_data(servers: dict[Any, Server]) -> None:
         "fingerprint",
         "pad_value",
         "letterbox",
+        "mosaic_partners",
+        "mosaic_p",
     }
     assert manifest["mode"] == "stitch" and manifest["step"] == 1 and manifest["epoch"] == 1
     assert manifest["image_size"] == list(ms.size_at(4, 1, 1))

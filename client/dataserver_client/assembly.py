@@ -11,6 +11,7 @@ faults on fresh memory, and a batch the trainer keeps is never overwritten.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -228,14 +229,26 @@ class InflightBatch:
         counts: tuple[int, ...],
         boxes: np.ndarray,
         labels: np.ndarray,
+        failed: Sequence[tuple[int, str]] = (),
     ) -> None:
         """The slots of one answer are in: their pixels already in place (received straight
         into the buffer); ``images`` their indices, ``boxes`` and ``labels`` theirs in slot
         order, ``counts`` of them a slot (kept as views: ``deliver`` copies them all once).
-        A slot with no indices (every source failed, on_error="skip") is left out."""
+        ``failed``: the sources the answer left out (on_error="skip"), counted as skipped.
+        A slot with no indices (every source failed) is left out. In a window mosaic
+        (``plan.partners``) only anchors count: a slot whose anchor failed is left out and
+        its anchor skipped; a partner that failed leaves its mosaic a tile short, and is
+        not skipped (it was not consumed: it fails again where it is an anchor)."""
+        window = self.plan.partners
+        if not window:
+            self.skipped.extend(i for i, _ in failed)
         start = 0
-        for slot, kept, count in zip(slots, images, counts, strict=True):
+        for slot, got, count in zip(slots, images, counts, strict=True):
             stop = start + count
+            kept = got
+            if window and tuple(got[:1]) != self.plan.images[slot].indices[:1]:
+                kept = ()  # cell 0, the anchor, failed
+                self.skipped.append(self.plan.images[slot].indices[0])
             if kept:
                 self.boxes[slot] = boxes[start:stop]
                 self.labels[slot] = labels[start:stop]
@@ -246,9 +259,10 @@ class InflightBatch:
         self.pending -= len(slots)
 
     def drop(self, slot: int, indices: list[int]) -> None:
-        """Leave slot out (on_error="skip"): its samples are counted as skipped."""
+        """Leave slot out (on_error="skip"): its samples are counted as skipped (in a window
+        mosaic its anchor alone: the partners were not consumed)."""
         self.dropped.add(slot)
-        self.skipped.extend(indices)
+        self.skipped.extend(indices[:1] if self.plan.partners else indices)
         self.pending -= 1
 
 
@@ -324,6 +338,7 @@ class DeviceMover:
             skipped=len(inflight.skipped),
             skipped_indices=list(inflight.skipped),
             image_size=plan.fit_hw,
+            partners=plan.partners,
             manifest=manifest if manifest is not None else {},
         )
         return Delivery(batch, event)

@@ -26,6 +26,10 @@ class Batch:
     - ``manifest``: plain data naming the batch completely (epoch, step, mode, image size,
       indices, control values, seed, ...): ``client.rebuild(manifest)`` makes it again,
       bit-identical, from any client of servers with the same dataset.
+    - ``partners``: True for a window mosaic batch (``mosaic_partners="window"``, stitched):
+      ``indices[i][0]`` is image i's anchor, the one sample it consumes, and the rest its
+      partners (drawn from the samples before it; not consumed); an image of one index
+      is its anchor alone (``mosaic_p``), a regular image. ``skipped`` then counts anchors.
     """
 
     images: torch.Tensor
@@ -39,11 +43,15 @@ class Batch:
     skipped_indices: list[int] = field(default_factory=list)
     image_size: tuple[int, int] = (0, 0)
     manifest: dict[str, Any] = field(default_factory=dict)
+    partners: bool = False
 
     def __len__(self) -> int:
         return int(self.images.shape[0])
 
     @property
     def num_samples(self) -> int:
-        """Dataset samples this batch holds (a stitched image holds up to k)."""
+        """Dataset samples this batch consumes: its images' indices (a stitched image holds
+        up to k), or, with ``partners``, its anchors (one an image)."""
+        if self.partners:
+            return len(self.indices)
         return sum(len(i) for i in self.indices)

@@ -203,8 +203,14 @@ class PlanBook:
         if pixels is not None and not np.shares_memory(pixels, batch.array):
             for j, slot in enumerate(rec.slots):  # received apart: slots not consecutive
                 batch.array[slot] = pixels[j]
-        batch.answer(rec.slots, result.images, result.box_counts, result.boxes, result.labels)
-        batch.skipped.extend(i for i, _ in result.failed)
+        batch.answer(
+            rec.slots,
+            result.images,
+            result.box_counts,
+            result.boxes,
+            result.labels,
+            result.failed,
+        )
         self._maybe_finish(batch)
 
     def on_failure(
@@ -399,8 +405,7 @@ class PlanBook:
         if not self.lookahead.active or self.cursor is None:
             return first
         k = self.layout.stitch_k
-        per_image = k if plan.mode == STITCH and self.layout.k_per_image else 1
-        position = plan.start + j * per_image
+        position = plan.start + j * self.layout.samples_per_image(plan.mode)
         return int(self.cursor.shard[position - position % k])
 
     def _plan_alt(self, cursor: Cursor, taken: int) -> None:

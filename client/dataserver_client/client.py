@@ -100,6 +100,16 @@ class DataServerClient:
     YOLO): every pixel no sample covers (letterbox padding, mosaic gaps, empty cells);
     ``letterbox``: "top-left" (default) or "center" (Ultralytics' ``LetterBox``: a regular
     image, and each cell of a grid, centred, its boxes shifted with it).
+
+    ``mosaic_partners`` (with ``stitch_layout="mosaic"``): "consume" (default: a mosaic
+    consumes its 4 samples, Stitcher's semantics) or "window" (YOLO's: every sample of the
+    rank's epoch anchors one output, its 3 partners drawn by (seed, epoch, position) from
+    the rank's previous min(N, 8 x batch_size, 1000) positions, wrapping at the epoch's
+    start, ``partners.py``; an epoch is N outputs in either mode, ``batch.indices[i][0]``
+    the anchor, ``batch.num_samples`` counting anchors; a partner that fails under
+    ``on_error="skip"`` leaves a 3-tile mosaic). ``mosaic_p`` (with "window" only): the
+    probability, per output, of a mosaic, drawn by (seed, epoch, position); an output that
+    is not one is its anchor alone, as a regular image, in the same batch.
     """
 
     def __init__(
@@ -129,6 +139,8 @@ class DataServerClient:
         max_dataset_len: int = MAX_DATASET_LEN,
         pad_value: int = 0,
         letterbox: str = "top-left",
+        mosaic_partners: str = "consume",
+        mosaic_p: float = 1.0,
     ) -> None:
         if rank is None or world_size is None:
             auto_rank, auto_world = default_rank_world()
@@ -161,6 +173,8 @@ class DataServerClient:
             max_dataset_len=int(max_dataset_len),
             pad_value=pad_value,  # (checked as given: a bool or 114.5 is refused, not cast)
             letterbox=letterbox,
+            mosaic_partners=mosaic_partners,
+            mosaic_p=mosaic_p,  # (checked as given, as pad_value)
         )
         self.config.validate()
         curve = _load_curve(curve_server_key, curve_secret_key)
@@ -213,7 +227,7 @@ class DataServerClient:
         # This rank's share of the epoch: a dealt epoch (elastic resume) has its own size;
         # a spare sample rides in the last batch, so batches are counted without it.
         left = max(0, (self.num_samples if share is None else share) - position)
-        per = self.config.batch_size * (self.config.stitch_k if mode == STITCH else 1)
+        per = self.config.layout().samples_per_batch(mode)
         return step + (left // per if self.config.drop_last else -(-left // per))
 
     @property
@@ -388,6 +402,8 @@ class DataServerClient:
         # Named as the manifest names it: its layout and control_seq, not this client's.
         for key in ("stitch_layout", "stitch_k", "control_seq"):
             batch.manifest[key] = manifest[key]
+        for key, absent in (("mosaic_partners", "consume"), ("mosaic_p", 1.0)):
+            batch.manifest[key] = manifest.get(key, absent)
         batch.manifest["fingerprint"] = self.fingerprint
         return batch
 

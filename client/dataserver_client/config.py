@@ -11,6 +11,7 @@ import torch
 
 from dataserver.protocol import MAX_IMAGE_SIDE, MAX_INT
 from dataserver_client.epoch import LAYOUTS, LETTERBOXES, Layout
+from dataserver_client.partners import PARTNER_MODES, WINDOW
 from dataserver_client.sizes import SizeSchedule, schedule_of
 
 # The most samples a server may announce (WELCOME's dataset_len) before the client refuses
@@ -49,6 +50,8 @@ class ClientConfig:
     max_dataset_len: int = MAX_DATASET_LEN  # refuse servers announcing more samples
     pad_value: int = 0  # every pixel no sample covers (114 for YOLO)
     letterbox: str = "top-left"  # where a regular image sits in its canvas: or "center"
+    mosaic_partners: str = "consume"  # "window": YOLO's mosaic, each sample an anchor
+    mosaic_p: float = 1.0  # with "window": the probability, per output, of a mosaic
 
     def __post_init__(self) -> None:
         # (h, w) given as a pair becomes a FixedSize: every reader sees one schedule type
@@ -93,6 +96,9 @@ class ClientConfig:
             return (
                 f"stitch_layout='mosaic' takes 4 samples an image: stitch_k=4, got {self.stitch_k}"
             )
+        problem = self._partners_problem()
+        if problem is not None:
+            return problem
         return size_problem(self.sizes, side)
 
     def _run_problem(self) -> str | None:
@@ -122,6 +128,19 @@ class ClientConfig:
             return f"letterbox must be one of {', '.join(LETTERBOXES)}, got {self.letterbox!r}"
         return None
 
+    def _partners_problem(self) -> str | None:
+        partners, p = self.mosaic_partners, self.mosaic_p
+        if partners not in PARTNER_MODES:
+            return f"mosaic_partners must be 'consume' or 'window', got {partners!r}"
+        if partners == WINDOW and self.stitch_layout != "mosaic":
+            layout = self.stitch_layout
+            return f"mosaic_partners='window' needs stitch_layout='mosaic', got {layout!r}"
+        if isinstance(p, bool) or not isinstance(p, int | float) or not 0.0 <= p <= 1.0:
+            return f"mosaic_p must be a probability in [0, 1], got {p!r}"
+        if p != 1.0 and partners != WINDOW:
+            return f"mosaic_p={p!r} needs mosaic_partners='window' (a per-output probability)"
+        return None
+
     def layout(self) -> Layout:
         return Layout(
             self.batch_size,
@@ -131,6 +150,8 @@ class ClientConfig:
             self.drop_last,
             pad_value=self.pad_value,
             letterbox=self.letterbox,
+            mosaic_partners=self.mosaic_partners,
+            mosaic_p=float(self.mosaic_p),
         )
 
 

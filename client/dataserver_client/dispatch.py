@@ -97,6 +97,7 @@ class Sender:
             mode=plan.mode,
             # (a probe composes one source alone, whatever its batch's layout)
             layout=plan.layout if rec.probe_of is None else "grid",
+            partners=int(plan.partners and rec.probe_of is None),
             pad_value=plan.pad_value,
             letterbox=plan.letterbox,
             **land,

@@ -2,7 +2,9 @@
 
 The client owns the epoch. For (seed, epoch) it computes one permutation of the dataset,
 takes this rank's shard (DistributedSampler semantics) and keeps a cursor into it. A batch
-is a contiguous run of the shard: B samples in regular mode, k x B when stitched. Planning
+is a contiguous run of the shard: B samples in regular mode, k x B when stitched (B anchors
+in a window mosaic, ``mosaic_partners="window"``: each position anchors an output whose
+partners are drawn from the positions before it, ``partners.py``). Planning
 ahead is speculative: when the mode changes, every batch not yet handed to the trainer is
 dropped and the cursor rewinds to the first of them, so the same samples are planned
 again, in the same order, under the new mode. That is what makes exactly-once and zero
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dataserver_client.partners import WINDOW, is_mosaic, partner_positions, window_size
 from dataserver_client.sizes import SizeSchedule, schedule_of
 
 REGULAR = "regular"
@@ -86,6 +89,8 @@ class Layout:
     stitch_k: int
     stitch_layout: str
     drop_last: bool
+    mosaic_partners: str = "consume"  # "window": YOLO's mosaic (``partners.py``)
+    mosaic_p: float = 1.0  # a window mosaic's probability, per output
     pad_value: int = 0  # what the servers pad with
     letterbox: str = "top-left"  # where a regular image sits: or "center"
 
@@ -98,8 +103,21 @@ class Layout:
         """Whether a stitched image holds k samples (spatial, mosaic), not one (batch)."""
         return self.stitch_layout != "batch"
 
+    @property
+    def window(self) -> bool:
+        """Whether a stitched image is a window mosaic: one anchor consumed, its partners
+        drawn from the positions before it (not consumed)."""
+        return self.stitch_layout == "mosaic" and self.mosaic_partners == WINDOW
+
+    def samples_per_image(self, mode: str) -> int:
+        """Shard positions one output image of ``mode`` consumes (k for a stitched image of
+        a "consume" layout, else 1)."""
+        return self.stitch_k if mode == STITCH and self.k_per_image and not self.window else 1
+
     def samples_per_batch(self, mode: str) -> int:
-        return self.batch_size if mode == REGULAR else self.batch_size * self.stitch_k
+        if mode == REGULAR or self.window:
+            return self.batch_size
+        return self.batch_size * self.stitch_k
 
 
 @dataclass(frozen=True)
@@ -116,7 +134,9 @@ class BatchPlan:
     """Batch ``step`` of the epoch under ``plan_version``: shard positions [start, stop).
     ``image_size``: the batch's size (none: ``out_hw``); ``source_hw``: what sources are
     fitted to first, as the servers' stores keep them (none: ``image_size``);
-    ``layout``: "grid" or "mosaic" (how the servers compose an image of several)."""
+    ``layout``: "grid" or "mosaic" (how the servers compose an image of several);
+    ``partners``: a window mosaic (each image's first index its anchor, the one shard
+    position it consumes; the rest its partners; an image of one index a regular image)."""
 
     step: int
     plan_version: int
@@ -130,6 +150,7 @@ class BatchPlan:
     image_size: tuple[int, int] | None = None
     source_hw: tuple[int, int] | None = None
     layout: str = "grid"
+    partners: bool = False  # a window mosaic: each image's indices[0] its anchor (consumed)
     pad_value: int = 0  # (the layout's; a rebuilt batch: its manifest's)
     letterbox: str = "top-left"
 
@@ -169,6 +190,31 @@ def cut_images(
     k = layout.stitch_k
     groups = [tuple(int(i) for i in indices[j : j + k]) for j in range(0, len(indices), k)]
     return tuple(ImagePlan(grp, g, (h, w)) for grp in groups), (h, w)
+
+
+def window_images(
+    shard: np.ndarray,
+    start: int,
+    stop: int,
+    layout: Layout,
+    image_size: tuple[int, int],
+    seed: int,
+    epoch: int,
+) -> tuple[ImagePlan, ...]:
+    """The window mosaics anchored at shard positions [start, stop): each the anchor and 3
+    partners drawn from the positions before it (``partners.partner_positions``), or, where
+    the ``mosaic_p`` draw says no mosaic, the anchor alone (a regular image)."""
+    n = len(shard)
+    window = window_size(n, layout.batch_size)
+    out = []
+    for position in range(start, stop):
+        anchor = int(shard[position])
+        if not is_mosaic(seed, epoch, position, layout.mosaic_p):
+            out.append(ImagePlan((anchor,), layout.grid, image_size))
+            continue
+        others = partner_positions(seed, epoch, position, n, window)
+        out.append(ImagePlan((anchor, *(int(shard[q]) for q in others)), layout.grid, image_size))
+    return tuple(out)
 
 
 class Cursor:
@@ -218,8 +264,15 @@ class Cursor:
             return None
         stop = start + (left if self.spare and short == want else min(want, left))
         size = self.sizes.size_at(self.seed, self.epoch, step)
-        images, out_hw = cut_images(self.shard[start:stop], self.layout, mode, size)
         mosaic = mode == STITCH and self.layout.stitch_layout == "mosaic"
+        partners = mosaic and self.layout.window
+        if partners:
+            images = window_images(
+                self.shard, start, stop, self.layout, size, self.seed, self.epoch
+            )
+            out_hw = size
+        else:
+            images, out_hw = cut_images(self.shard[start:stop], self.layout, mode, size)
         return BatchPlan(
             step,
             self.plan_version,
@@ -233,6 +286,7 @@ class Cursor:
             image_size=size,
             source_hw=self.sizes.stored_hw,
             layout="mosaic" if mosaic else "grid",
+            partners=partners,
             pad_value=self.layout.pad_value,
             letterbox=self.layout.letterbox,
         )

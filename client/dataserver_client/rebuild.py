@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from dataserver.protocol import MAX_IMAGE_SIDE, MAX_INT, control_problem
 from dataserver_client.epoch import LETTERBOXES, MODES, REGULAR, BatchPlan, ImagePlan, Layout
+from dataserver_client.partners import CONSUME, PARTNER_MODES, WINDOW
 from dataserver_client.sizes import schedule_of
 
 if TYPE_CHECKING:
@@ -53,7 +54,24 @@ def manifest_of(batch: InflightBatch, layout: Layout, on_error: str) -> dict[str
         "on_error": batch.on_error or on_error,
         "pad_value": plan.pad_value,
         "letterbox": plan.letterbox,
+        "mosaic_partners": layout.mosaic_partners,
+        "mosaic_p": layout.mosaic_p,
     }
+
+
+def _partners(manifest: dict[str, Any], layout: Any, mode: Any) -> bool:
+    """Whether the manifest's images are window mosaics (``mosaic_partners``, checked with
+    ``mosaic_p``; absent: a manifest of a client before they existed, "consume")."""
+    partners = manifest.get("mosaic_partners", CONSUME)
+    if partners not in PARTNER_MODES or (partners == WINDOW and layout != "mosaic"):
+        raise ValueError(
+            f"manifest 'mosaic_partners' must be one of {PARTNER_MODES} ('window' with "
+            f"stitch_layout 'mosaic'), got {partners!r}"
+        )
+    p = manifest.get("mosaic_p", 1.0)
+    if isinstance(p, bool) or not isinstance(p, int | float) or not 0.0 <= p <= 1.0:
+        raise ValueError(f"manifest 'mosaic_p' must be a probability in [0, 1], got {p!r}")
+    return partners == WINDOW and mode != REGULAR
 
 
 def _count(manifest: dict[str, Any], key: str, hi: int = MAX_INT) -> int:
@@ -161,6 +179,7 @@ def plan_of(manifest: Any, dataset_len: int) -> tuple[BatchPlan, dict[str, Any],
         image_size=fit_hw,
         source_hw=stored_hw,
         layout="mosaic" if layout == "mosaic" and mode != REGULAR else "grid",
+        partners=_partners(manifest, layout, mode),
         pad_value=pad_value,
         letterbox=letterbox,
     )

@@ -52,11 +52,15 @@ CONFIG_KEYS = (
     "drop_last",
     "pad_value",
     "letterbox",
+    "mosaic_partners",
+    "mosaic_p",
 )
 # What a state saved before a key of CONFIG_KEYS existed meant by its absence.
 CONFIG_DEFAULTS: dict[str, Any] = {
     "pad_value": 0,
     "letterbox": "top-left",
+    "mosaic_partners": "consume",
+    "mosaic_p": 1.0,
 }
 # What each rank contributes to a job-wide state ("ranks": one of these per rank).
 RANK_KEYS = ("position", "step", "mode", "control", "control_seq", "feedback_seq")

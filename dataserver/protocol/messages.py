@@ -280,6 +280,11 @@ class Task(Message, kw_only=True):
     step: U63 = 0
     mode: Annotated[str, Meta(pattern=r"\A(regular|stitch)\Z")] = "regular"
     layout: Annotated[str, Meta(pattern=r"\A(grid|mosaic)\Z")] = "grid"
+    # 1 (layout "mosaic" only): window mosaics (``mosaic_partners="window"``): images[i][0]
+    # is an anchor and the rest its partners, each partner's flip and ``augment`` drawn
+    # for its (anchor, cell) instead of its own index; an image of one index is a regular
+    # image (the anchor alone, letterboxed as in regular mode).
+    partners: Flag01 = 0
     source_hw: tuple[Side, Side] | None = None
     control: dict[str, Any] | None = None
     # Landing (same host): write the images into the client's shared-memory buffer
@@ -308,6 +313,8 @@ class Task(Message, kw_only=True):
             raise ProtocolError(f"out_hw {self.out_hw} is smaller than the grid {self.grid}")
         if self.layout == "mosaic" and self.grid != 2:
             raise ProtocolError(f"a mosaic has 4 cells (grid 2), not grid {self.grid}")
+        if self.partners and self.layout != "mosaic":
+            raise ProtocolError("field 'partners': only with layout 'mosaic'")
         if self.control is not None:
             problem = control_problem(self.control)
             if problem:
