@@ -54,7 +54,7 @@ class TinyLightningDetector(pl.LightningModule):
         self.summary: list[int] = []
 
     def datamodule(self) -> DataServerDataModule:
-        dm = self.trainer.datamodule
+        dm = getattr(self.trainer, "datamodule", None)  # (set by Lightning at fit)
         if not isinstance(dm, DataServerDataModule):
             raise TypeError("train with datamodule=DataServerDataModule(...)")
         return dm
