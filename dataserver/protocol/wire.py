@@ -26,7 +26,7 @@ import msgpack
 import numpy as np
 
 # 4: session secrets (auth, tags); 5: per-task sizes, augment, mosaic; 6: pad_value and
-# letterbox in TASK, categories in WELCOME, files and orig_sizes in RESULT
+# letterbox in TASK, categories in WELCOME, files and orig_sizes in RESULT; partners in TASK
 PROTOCOL_VERSION = 6
 MAGIC = b"DS" + str(PROTOCOL_VERSION).encode()
 
