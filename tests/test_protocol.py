@@ -330,3 +330,41 @@ def test_fuzz_mutated_real_messages(data: st.DataObject) -> None:
 def test_every_type_has_a_codec_and_an_example() -> None:
     assert set(MESSAGES) == set(MsgType) == set(VALID)
     assert protocol.PROTOCOL_VERSION == 6
+
+
+@pytest.mark.parametrize(
+    ("mtype", "change", "match"),
+    [
+        (MsgType.TASK, {"pad_value": 256}, "pad_value"),
+        (MsgType.TASK, {"pad_value": -1}, "pad_value"),
+        (MsgType.TASK, {"pad_value": True}, "pad_value"),
+        (MsgType.TASK, {"letterbox": "middle"}, "letterbox"),
+        (MsgType.WELCOME, {"categories": [[1, "a"], [1, "b"]]}, "a label is named twice"),
+        (MsgType.WELCOME, {"categories": [[-1, "a"]]}, "categories"),
+        (MsgType.WELCOME, {"categories": [[1, "a" * 257]]}, "categories"),
+        (MsgType.WELCOME, {"categories": [[1, "a"]] * 4097}, "categories"),
+        (MsgType.WELCOME, {"categories": [[1]]}, "categories"),
+        (MsgType.RESULT, {"files": ["a.jpg"]}, "1 files for 2 images"),
+        (MsgType.RESULT, {"files": ["a" * 1025, ""]}, "files"),
+        (MsgType.RESULT, {"orig_sizes": [[1, 2]]}, "1 orig_sizes for 2 images"),
+        (MsgType.RESULT, {"orig_sizes": [[1, 2], [-1, 2]]}, "orig_sizes"),
+        (MsgType.RESULT, {"orig_sizes": [[1, 2], [1, 2, 3]]}, "orig_sizes"),
+    ],
+)
+def test_rejects_bad_composition_fields(mtype: MsgType, change: dict[str, Any], match: str) -> None:
+    """Issue 24's fields: padding and letterbox of a TASK, a WELCOME's categories, a
+    RESULT's files and original sizes (one per image)."""
+    arrays = result_arrays() if mtype is MsgType.RESULT else []
+    with pytest.raises(ProtocolError, match=match):
+        decode([bytes(memoryview(f)) for f in pack(mtype, {**VALID[mtype], **change}, arrays)])
+
+
+def test_composition_fields_round_trip() -> None:
+    task = decode(_with_header(MsgType.TASK, {**VALID[MsgType.TASK], "pad_value": 114}))
+    assert isinstance(task, Task) and (task.pad_value, task.letterbox) == (114, "top-left")
+    welcome = {**VALID[MsgType.WELCOME], "categories": [[0, "bg"], [7, "cat"]]}
+    assert decode(_with_header(MsgType.WELCOME, welcome)).categories == ((0, "bg"), (7, "cat"))
+    header = {**VALID[MsgType.RESULT], "files": ["a.jpg", ""], "orig_sizes": [[480, 640], [0, 0]]}
+    res = decode([bytes(memoryview(f)) for f in pack(MsgType.RESULT, header, result_arrays())])
+    assert isinstance(res, Result)
+    assert res.files == ("a.jpg", "") and res.orig_sizes == ((480, 640), (0, 0))

@@ -193,6 +193,7 @@ class DataServerClient:
             raise
         self.dataset_len: int = info.dataset_len
         self.fingerprint: str = info.fingerprint
+        self._categories: tuple[tuple[int, str], ...] = info.categories
         self._epoch = 0
         self._feedback_seq = 0
         self._active = False
@@ -355,6 +356,14 @@ class DataServerClient:
             if side is not None and max(hw) > side:
                 return f"image size {tuple(hw)} exceeds the servers' --max-image-side {side}"
         return None
+
+    @property
+    def categories(self) -> list[tuple[int, str]]:
+        """The dataset's categories as its servers announce them: (label, name) pairs, the
+        labels as they are on the wire (COCO keeps its category ids); [] when the dataset
+        announces none. Servers of one job announcing different ones are refused as
+        servers of another dataset are."""
+        return list(self._categories)
 
     @property
     def image_size(self) -> tuple[int, int] | MultiScale:

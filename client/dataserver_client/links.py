@@ -93,6 +93,7 @@ class DatasetInfo:
     dataset_len: int
     fingerprint: str
     address: str  # the server that announced it
+    categories: tuple[tuple[int, str], ...] = ()  # its (label, name) pairs
 
 
 @dataclass(frozen=True)
@@ -122,6 +123,13 @@ def welcome_problem(
             f"{dataset.fingerprint} ({dataset.dataset_len} samples), {address} "
             f"serves {msg.fingerprint} ({msg.dataset_len} samples)",
         )
+    if dataset is not None and tuple(msg.categories) != dataset.categories:
+        return WelcomeProblem(
+            Problem.OTHER_DATASET,
+            f"servers disagree on the dataset's categories: {dataset.address} announces "
+            f"{len(dataset.categories)}, {address} {len(msg.categories)} "
+            f"(first difference: {_first_difference(dataset.categories, msg.categories)})",
+        )
     if max(config.sizes.stored_hw) > msg.max_image_side:
         return WelcomeProblem(
             Problem.IMAGE_SIDE,
@@ -129,6 +137,13 @@ def welcome_problem(
             f"(its --max-image-side); this client asks for {config.sizes.stored_hw}",
         )
     return None
+
+
+def _first_difference(ours: Sequence[tuple[int, str]], theirs: Sequence[tuple[int, str]]) -> str:
+    for a, b in zip(ours, theirs, strict=False):
+        if tuple(a) != tuple(b):
+            return f"{tuple(a)!r} against {tuple(b)!r}"
+    return f"entry {min(len(ours), len(theirs))}"
 
 
 @dataclass(frozen=True)
@@ -703,7 +718,8 @@ class Links:
         dataset the session serves."""
         problem = welcome_problem(link.address, msg, self.dataset, self.config)
         if problem is None and self.dataset is None:
-            self.dataset = DatasetInfo(msg.dataset_len, msg.fingerprint, link.address)
+            categories = tuple((int(label), str(name)) for label, name in msg.categories)
+            self.dataset = DatasetInfo(msg.dataset_len, msg.fingerprint, link.address, categories)
         return problem
 
     def joined(self, link: ServerLink) -> None:

@@ -24,6 +24,8 @@ class CocoDataset:
     ``bbox`` (xywh) becomes xyxy; crowd annotations (``iscrowd``) and boxes without area are
     dropped; labels are the raw ``category_id``. Images without annotations are kept (they
     are valid negatives). ``image_dir`` defaults to the annotation file's folder.
+    ``categories``: the file's ``categories`` as (id, name) pairs, in its order, ids
+    unchanged.
     """
 
     deterministic = True  # __getitem__ is a pure function of the index
@@ -54,6 +56,7 @@ class CocoDataset:
                 continue
             boxes[slot].append([x, y, x + w, y + h])
             labels[slot].append(int(ann["category_id"]))
+        self.categories = _categories(path, doc.get("categories", []))
         self.boxes = [np.asarray(b, dtype=np.float32).reshape(-1, 4) for b in boxes]
         self.labels = [np.asarray(lb, dtype=np.int64) for lb in labels]
 
@@ -73,6 +76,20 @@ class CocoDataset:
         if image is None:
             raise SampleError(index, "not a decodable image (corrupt or truncated)", str(path))
         return Sample(image, self.boxes[index], self.labels[index])
+
+
+def _categories(path: Path, raw: Any) -> tuple[tuple[int, str], ...]:
+    """A COCO file's ``categories`` list as (id, name) pairs; ValueError naming the file."""
+    if not isinstance(raw, list):
+        raise ValueError(f"{path}: 'categories' is not a list")
+    out = []
+    for entry in raw:
+        cid = entry.get("id") if isinstance(entry, dict) else None
+        name = entry.get("name", "") if isinstance(entry, dict) else None
+        if not isinstance(cid, int) or isinstance(cid, bool) or not isinstance(name, str):
+            raise ValueError(f"{path}: category {entry!r} has no integer 'id' and string 'name'")
+        out.append((cid, name))
+    return tuple(out)
 
 
 def write_synthetic_coco(

@@ -22,6 +22,8 @@ from typing import Any
 
 from dataserver.data.coco import CocoDataset
 from dataserver.data.synthetic import SyntheticDataset
+from dataserver.protocol.fields import MAX_LABEL
+from dataserver.protocol.messages import MAX_CATEGORIES, MAX_CATEGORY_NAME
 
 DEFAULT_SPEC = "synthetic"
 _PLUGIN = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
@@ -137,3 +139,34 @@ def dataset_fingerprint(spec: DatasetSpec, dataset: Any) -> str:
         return f"{spec.kind}-{own}"
     digest = hashlib.sha1(f"{spec.text}|{spec.args_json}|{len(dataset)}".encode()).hexdigest()
     return f"{spec.kind}-{digest[:16]}"
+
+
+def dataset_categories(dataset: Any) -> tuple[tuple[int, str], ...]:
+    """The dataset's ``categories`` (attribute or property: a sequence of (label, name)
+    pairs, labels distinct class ids, names strings), checked, as a WELCOME announces them;
+    () when it has none. ``SpecError`` says what is wrong."""
+    raw = getattr(dataset, "categories", None)
+    if raw is None:
+        return ()
+    if isinstance(raw, (str, bytes, dict)) or not hasattr(raw, "__iter__"):
+        raise SpecError(f"dataset categories must be (label, name) pairs, got {type(raw).__name__}")
+    out: list[tuple[int, str]] = []
+    for pair in raw:
+        try:
+            label, name = pair
+        except (TypeError, ValueError):
+            raise SpecError(f"dataset category {pair!r} is not a (label, name) pair") from None
+        ok_label = isinstance(label, int) and not isinstance(label, bool)
+        if not ok_label or not 0 <= label <= MAX_LABEL:
+            raise SpecError(f"dataset category label {label!r} is not a class id 0..{MAX_LABEL}")
+        if not isinstance(name, str) or len(name) > MAX_CATEGORY_NAME:
+            raise SpecError(
+                f"dataset category {label} name must be a string of at most "
+                f"{MAX_CATEGORY_NAME} characters"
+            )
+        out.append((int(label), name))
+        if len(out) > MAX_CATEGORIES:
+            raise SpecError(f"a dataset announces at most {MAX_CATEGORIES} categories")
+    if len({label for label, _ in out}) != len(out):
+        raise SpecError("dataset categories name a label twice")
+    return tuple(out)

@@ -60,9 +60,12 @@ def generate(seed: int, index: int) -> Sample:
 
 
 class SyntheticDataset:
-    """``synthetic:images=N,seed=S``: N generated images, deterministic in (S, index)."""
+    """``synthetic:images=N,seed=S``: N generated images, deterministic in (S, index).
+    Its labels are 1..80 (``categories``: (c, "class{c}"), as ``dataserver synth`` writes
+    them)."""
 
     deterministic = True  # __getitem__ is a pure function of the index
+    categories = tuple((c, f"class{c}") for c in range(1, NUM_CLASSES + 1))
 
     def __init__(self, images: int = 2048, seed: int = 0) -> None:
         if images < 1:

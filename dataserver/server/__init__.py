@@ -8,7 +8,12 @@ import signal
 from collections.abc import Callable
 from typing import Any
 
-from dataserver.data.spec import build_dataset, dataset_fingerprint, parse_spec
+from dataserver.data.spec import (
+    build_dataset,
+    dataset_categories,
+    dataset_fingerprint,
+    parse_spec,
+)
 from dataserver.server.config import ConfigError, ServerConfig
 from dataserver.server.conns import raise_fd_limit
 from dataserver.server.front import Front, WorkerStartError
@@ -57,8 +62,9 @@ def serve(config: ServerConfig, on_ready: Callable[[Front], Any]) -> None:
         raise ConfigError(f"--dataset {config.dataset}: the dataset is empty")
     fingerprint = dataset_fingerprint(spec, dataset)
     deterministic = getattr(dataset, "deterministic", False) is True
+    categories = dataset_categories(dataset)
     del dataset
-    front = Front(config, size, fingerprint, deterministic)
+    front = Front(config, size, fingerprint, deterministic, categories)
     previous = {
         signal.SIGINT: signal.signal(signal.SIGINT, lambda *_: front.stop()),
         # SIGTERM (a scale-down, a rolling update): drain first; a second one stops at once.

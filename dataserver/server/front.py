@@ -109,14 +109,21 @@ class Front:
     """Routes tasks from client sessions to worker processes and results back."""
 
     def __init__(
-        self, config: ServerConfig, dataset_len: int, fingerprint: str, deterministic: bool = True
+        self,
+        config: ServerConfig,
+        dataset_len: int,
+        fingerprint: str,
+        deterministic: bool = True,
+        categories: tuple[tuple[int, str], ...] = (),
     ) -> None:
         """``deterministic``: the dataset says its ``__getitem__`` is a pure function of
-        the index (``deterministic = True``); only then may the store keep its output."""
+        the index (``deterministic = True``); only then may the store keep its output.
+        ``categories``: the dataset's (label, name) pairs, checked (announced in WELCOME)."""
         self.config = config
         self.dataset_len = dataset_len
         self.fingerprint = fingerprint
         self.deterministic = deterministic
+        self.categories = categories
         self.server_id = uuid.uuid4().hex[:12]
         self.n_workers = config.worker_count()
         # Credit per client: PIPELINE tasks at each worker plus as many again queued here,
@@ -429,6 +436,7 @@ class Front:
             local=local,
             local_token=self.local_token,
             store_bytes=self.store.capacity if self.store is not None else 0,
+            categories=self.categories,
         )
 
     def _housekeeping(self) -> None:
