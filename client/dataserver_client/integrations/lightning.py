@@ -26,6 +26,16 @@ resume mid-epoch exactly.
   Lightning checkpoint (``checkpoint["DataServerDataModule"]``); ``Trainer.fit(ckpt_path=...)``
   continues the interrupted epoch with exactly the samples it had not trained on, on every
   rank, in the same mode with the same control values.
+- Lightning issue #20550 (a stateful loader's state is dropped when
+  ``trainer.estimated_stepping_batches`` is read in ``configure_optimizers``: Lightning
+  builds the loader before it restores the loops) does not reach this state: Lightning
+  restores a DataModule before ``configure_optimizers``, and the loader iterators made
+  early start their epoch only at their first ``next()``, after the restore. (The loaders
+  have an empty ``state_dict`` of their own, only so that Lightning knows them resumable.)
+- Lengths: ``len(train_dataloader())`` counts the epoch as if every batch were regular;
+  stitched batches (``stitch_layout`` with k samples an output) end it sooner and the rest
+  of it is ``None`` (see ``ServedEpoch``), so ``estimated_stepping_batches`` is an upper
+  bound then. ``mosaic_partners="window"`` epochs are as long in either mode.
 """
 
 from __future__ import annotations
