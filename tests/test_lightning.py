@@ -91,7 +91,8 @@ def ddp_runs(
     synthetic_server: Server, val_server: Server, tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, Any]:
     """Run A: 2 epochs on 2 ranks, stopped after step 9 (epoch 1, batch 3 of 6) with a
-    checkpoint there; run B: the same command resumed from that checkpoint."""
+    checkpoint there; run B: the same command resumed from that checkpoint, saving a
+    checkpoint every 3 steps (one: step 12, the last batch of epoch 1)."""
     tmp = tmp_path_factory.mktemp("lightning-ddp")
     servers = ["--servers", synthetic_server.address, "--val", val_server.address]
     common = [*servers, "--devices", "2", "--epochs", "2"]
@@ -101,13 +102,17 @@ def ddp_runs(
     )  # fmt: skip
     ckpt = tmp / "ckpt" / "epoch=1-step=9.ckpt"
     assert ckpt.exists(), sorted(p.name for p in (tmp / "ckpt").iterdir())
-    out_b = run_example(*common, "--record", str(tmp / "b"), "--ckpt", str(ckpt))
+    out_b = run_example(
+        *common, "--record", str(tmp / "b"), "--ckpt", str(ckpt),
+        "--ckpt-dir", str(tmp / "ckpt_b"), "--save-every", "3",
+    )  # fmt: skip
     return {
         "a": records(tmp / "a"),
         "b": records(tmp / "b"),
         "out_a": out_a,
         "out_b": out_b,
         "ckpt": ckpt,
+        "ckpt_end": tmp / "ckpt_b" / "epoch=1-step=12.ckpt",
     }
 
 
@@ -146,6 +151,11 @@ def test_checkpoint_holds_every_ranks_position(ddp_runs: dict[str, Any]) -> None
     assert client["epoch"] == 1 and client["world_size"] == 2
     assert [r["position"] for r in client["ranks"]] == [3 * BATCH, 3 * BATCH]
     assert [r["step"] for r in client["ranks"]] == [3, 3]
+    # Run B's checkpoint on the last batch of the resumed epoch: the next epoch's start.
+    ckpt = torch.load(ddp_runs["ckpt_end"], map_location="cpu", weights_only=False)
+    client = ckpt["DataServerDataModule"]["client"]
+    assert client["epoch"] == 2
+    assert [(r["position"], r["step"]) for r in client["ranks"]] == [(0, 0), (0, 0)]
 
 
 def test_validation_passes_are_whole_and_leave_training_alone(ddp_runs: dict[str, Any]) -> None:

@@ -99,19 +99,21 @@ class ServedLoader:
         self._generation = 0
 
     def __len__(self) -> int:
-        return self._length if self._length is not None else self.planned_length()
+        return self._length if self._length is not None else self.planned()[0]
 
-    def planned_length(self) -> int:
-        """Batches of the epoch the next iteration runs, if every batch left is regular."""
+    def planned(self) -> tuple[int, int]:
+        """(batches of the epoch the next iteration runs if every batch left is regular,
+        batches of it already delivered: a loaded state's step, else 0)."""
         cfg = self.client.config
         share, position, step = self.client.num_samples, 0, 0
         if self._resumed:
             state = self.client.state_dict(gather=False)  # not active: the loaded position
             if state["deal"] is not None:  # an elastic resume: the client counts its deal
-                return len(self.client)
+                return len(self.client), int(state["step"])
             position, step = int(state["position"]), int(state["step"])
         left = max(0, share - position)
-        return step + (left // cfg.batch_size if cfg.drop_last else -(-left // cfg.batch_size))
+        per = cfg.batch_size
+        return step + (left // per if cfg.drop_last else -(-left // per)), step
 
     def set_epoch(self, epoch: int) -> None:
         if not self.train:
@@ -132,17 +134,18 @@ class ServedLoader:
         self._generation += 1
         return ServedEpoch(self, self._generation)
 
-    def start(self, generation: int) -> EpochIterator:
+    def start(self, generation: int) -> tuple[EpochIterator, int, int]:
+        """Start the client's epoch: (its iterator, ``len()``, batches already delivered)."""
         if generation != self._generation:
             raise DataServerError("this loader iterator was superseded by a later iter(loader)")
         if self.train:
-            self._length = self.planned_length()
+            self._length, first = self.planned()
             self._resumed = False
             self.client.set_epoch(self._epoch)
         else:
-            self._length = len(self.client)
+            self._length, first = len(self.client), 0
             self.client.set_epoch(0)
-        return iter(self.client)
+        return iter(self.client), self._length, first
 
     def finished(self) -> None:
         """The epoch's batches are all handed out: the next iteration is the next epoch."""
@@ -162,8 +165,8 @@ class ServedLoader:
 
 
 class ServedEpoch:
-    """One iteration of a ``ServedLoader``: ``len(loader)`` items. The client's epoch
-    starts at the first ``next()``. After the epoch's last batch the client's epoch is
+    """One iteration of a ``ServedLoader``: ``len(loader)`` items (a resumed epoch: those
+    after its step, as Lightning counts). The client's epoch starts at the first ``next()``. After the epoch's last batch the client's epoch is
     finished at once, without waiting for Lightning to ask for one more.
 
     Training, when stitched batches ended the epoch before ``len(loader)``: the items left
@@ -177,7 +180,8 @@ class ServedEpoch:
         self._generation = generation
         self._batches: EpochIterator | None = None
         self._length = 0
-        self._given = 0  # items handed to Lightning: batches, then any padding
+        self._given = 0  # the epoch's items handed out: batches, then any padding
+        self._first = 0  # those a resumed epoch had handed out before
         self._done = False
 
     def __iter__(self) -> ServedEpoch:
@@ -185,8 +189,9 @@ class ServedEpoch:
 
     def __next__(self) -> Batch | None:
         if self._batches is None:
-            self._batches = self._loader.start(self._generation)
-            self._length = len(self._loader)
+            # Counted from a resumed epoch's step, as Lightning counts the batches it restored.
+            self._batches, self._length, self._given = self._loader.start(self._generation)
+            self._first = self._given
         if self._given >= self._length:
             self._finish()
             raise StopIteration
@@ -197,7 +202,7 @@ class ServedEpoch:
             batch = next(self._batches)
         except StopIteration:
             self._finish()
-            if not self._loader.train or self._given == 0:
+            if not self._loader.train or self._given == self._first:
                 raise
             log.info(
                 "dataserver: epoch %d ended after %d of %d batches (stitched batches hold "
