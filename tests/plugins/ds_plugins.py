@@ -247,12 +247,9 @@ def merge(n: int = 64) -> Merge:
     return Merge(n)
 
 
-class YoloSynthetic:
-    """The synthetic set (labels 1..80) as a YOLO training set: samples carry ``file`` and
-    ``orig_size``, the dataset announces its categories (``categories=False``: none), and
-    ``augment_composed`` runs ``dataserver.data.yolo.YoloAugment`` with the hyperparameters
-    the trainer sent (``DataServerTrainer``: ``params["control"]``); without them (a
-    validation client sends none) composed outputs are left as they are."""
+class SyntheticFiles:
+    """The synthetic set (labels 1..80) with what a YOLO set's samples carry: ``file`` and
+    ``orig_size``; announcing its categories (``categories=False``: none)."""
 
     deterministic = True  # __getitem__ is a pure function of the index
 
@@ -275,16 +272,68 @@ class YoloSynthetic:
             "orig_size": (h, w),
         }
 
-    def augment_composed(
-        self, sample: dict[str, Any], rng: np.random.Generator, params: dict[str, Any]
-    ) -> dict[str, Any]:
-        from dataserver.data.yolo import HYPERPARAMETERS, yolo_hyp
 
-        control = params.get("control") or {}
-        if not any(key in control for key in HYPERPARAMETERS):
-            return sample
-        return yolo_hyp(control)(sample, rng, params)
+def yolo_synthetic(images: int = 64, seed: int = 0, categories: bool = True) -> Any:
+    """``SyntheticFiles`` served with YOLO's augmentation after composition
+    (``dataserver.data.yolo_set.YoloSet``: the hyperparameters the trainer sends under
+    ``"yolo"``; a client that sends none gets Ultralytics' defaults: serve validation from
+    ``synthetic_files``, unaugmented, as Ultralytics validates)."""
+    from dataserver.data.yolo_set import YoloSet
+
+    return YoloSet(SyntheticFiles(images, seed, categories))
 
 
-def yolo_synthetic(images: int = 64, seed: int = 0, categories: bool = True) -> YoloSynthetic:
-    return YoloSynthetic(images, seed, categories)
+def synthetic_files(images: int = 16, seed: int = 0, categories: bool = True) -> SyntheticFiles:
+    return SyntheticFiles(images, seed, categories)
+
+
+BLOCK_COLOURS = ((230, 40, 40), (40, 200, 40), (40, 60, 230), (230, 210, 40))
+
+
+class Blocks:
+    """Large flat blocks, 1 to 3 an image, label 1..4 by colour, on a dark noisy ground, of
+    COCO-like sizes: a detection task a detector learns within a few dozen steps at tiny
+    image sizes. Samples carry ``file`` and ``orig_size``; the dataset announces its four
+    categories (``categories=False``: none)."""
+
+    deterministic = True  # __getitem__ is a pure function of the index
+
+    def __init__(self, images: int = 64, seed: int = 0, categories: bool = True) -> None:
+        self.images, self.seed = images, seed
+        if categories:
+            names = ("red", "green", "blue", "yellow")
+            self.categories = [(i + 1, name) for i, name in enumerate(names)]
+
+    def __len__(self) -> int:
+        return self.images
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        rng = np.random.default_rng([self.seed, index, 0xB10C])
+        h, w = ((480, 640), (640, 480), (512, 512), (360, 640))[int(rng.integers(4))]
+        image = rng.integers(0, 60, size=(h, w, 3), dtype=np.uint8)
+        boxes, labels = [], []
+        for _ in range(int(rng.integers(1, 4))):
+            bw, bh = int(rng.integers(w // 4, w // 2)), int(rng.integers(h // 4, h // 2))
+            x1, y1 = int(rng.integers(0, w - bw)), int(rng.integers(0, h - bh))
+            label = int(rng.integers(1, 5))
+            image[y1 : y1 + bh, x1 : x1 + bw] = BLOCK_COLOURS[label - 1]
+            boxes.append([x1, y1, x1 + bw, y1 + bh])
+            labels.append(label)
+        return {
+            "image": image,
+            "boxes": np.asarray(boxes, np.float32),
+            "labels": np.asarray(labels, np.int64),
+            "file": f"blocks/{index:06d}.jpg",
+            "orig_size": (h, w),
+        }
+
+
+def blocks(images: int = 64, seed: int = 0, categories: bool = True) -> Blocks:
+    return Blocks(images, seed, categories)
+
+
+def yolo_blocks(images: int = 64, seed: int = 0, categories: bool = True) -> Any:
+    """``Blocks`` with YOLO's augmentation after composition (as ``yolo_synthetic``)."""
+    from dataserver.data.yolo_set import YoloSet
+
+    return YoloSet(Blocks(images, seed, categories))

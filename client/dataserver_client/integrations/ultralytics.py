@@ -64,7 +64,9 @@ log = logging.getLogger("dataserver_client")
 CHECKPOINT_KEY = "dataserver"
 LOADER_STATE_VERSION = 1
 PAD_VALUE = 114  # Ultralytics' letterbox and mosaic fill
-# What the servers' dataset reads from params["control"] (dataserver.data.yolo's names).
+# The servers' dataset reads the hyperparameters from params["control"]["yolo"]
+# (dataserver.data.yolo_set's CONTROL_KEY), by dataserver.data.yolo's names.
+CONTROL_KEY = "yolo"
 HYPERPARAMETERS = (
     "degrees",
     "translate",
@@ -661,7 +663,7 @@ class DataServerTrainer(DetectionTrainer):
             value = getattr(args, key, None)
             if value is not None:
                 hyp[key] = list(value) if isinstance(value, list | tuple) else float(value)
-        client.control(**hyp)
+        client.control(**{CONTROL_KEY: hyp})
         if mosaic > 0:
             client.set_mode("stitch")
         fraction = get_split_fraction(args.fraction, "train")
