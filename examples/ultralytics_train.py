@@ -75,14 +75,15 @@ def main() -> None:
             servers.append(proc)
         data = {"train": train, "val": val, "names": [f"class{i}" for i in range(1, 81)]}
 
-        counts = {"samples": 0, "stale": 0, "epochs": set()}
+        counts = {"samples": 0, "stale": 0}
+        epochs: set[int] = set()
 
         def on_batch_end(trainer: Any) -> None:
             batch = trainer.train_loader.last_batch
             closed = trainer.epoch >= trainer.epochs - trainer.args.close_mosaic
             counts["samples"] += batch.num_samples
             counts["stale"] += batch.mode != ("regular" if closed else "stitch")
-            counts["epochs"].add(trainer.epoch)
+            epochs.add(trainer.epoch)
 
         model = YOLO(args.model)
         model.add_callback("on_train_batch_end", on_batch_end)
@@ -102,7 +103,7 @@ def main() -> None:
         )
         world = int(os.environ.get("WORLD_SIZE", "1"))
         print(
-            f"trained {len(counts['epochs'])} epochs, {counts['samples']} samples on {world} "
+            f"trained {len(epochs)} epochs, {counts['samples']} samples on {world} "
             f"ranks, {counts['stale']} stale",
             flush=True,
         )

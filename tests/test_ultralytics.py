@@ -30,6 +30,7 @@ from dataserver_client import DataServerClient
 from dataserver_client.integrations.ultralytics import (
     CHECKPOINT_KEY,
     DataServerTrainer,
+    DataServerValidator,
     LabelMap,
     _probe,
     multi_scale_sizes,
@@ -126,7 +127,7 @@ def test_trains_closes_mosaic_and_resumes(pools: dict[str, Any], tmp_path: Path)
     args = _overrides(pools, tmp_path, epochs=EPOCHS, close_mosaic=3)
     with pytest.raises(Interrupted):
         model.train(trainer=DataServerTrainer, **args)
-    first = model.trainer
+    first: Any = model.trainer
     for loader in (first.train_loader, first.test_loader):
         loader.close()
     last = Path(first.last)
@@ -137,7 +138,7 @@ def test_trains_closes_mosaic_and_resumes(pools: dict[str, Any], tmp_path: Path)
     resumed.add_callback("on_train_batch_end", on_batch_end)
     resumed.add_callback("on_fit_epoch_end", on_epoch_end)
     resumed.train(trainer=DataServerTrainer, resume=True, data=pools)
-    assert resumed.trainer.start_epoch == 4
+    assert getattr(resumed.trainer, "start_epoch", None) == 4
 
     per_epoch = math.ceil(N_TRAIN / BATCH)
     by_epoch = {e: [s for s in steps if s["epoch"] == e] for e in range(EPOCHS)}
@@ -157,6 +158,11 @@ def test_trains_closes_mosaic_and_resumes(pools: dict[str, Any], tmp_path: Path)
     mean = [float(np.mean([r["loss"] for r in by_epoch[e]])) for e in range(EPOCHS)]
     assert mean[-1] < mean[0], mean
     assert len(val_loss) >= EPOCHS and val_loss[EPOCHS - 1] < val_loss[0], val_loss
+    # model.val() on the served val set, outside any trainer.
+    metrics = resumed.val(
+        data=pools, validator=DataServerValidator, imgsz=IMGSZ, batch=BATCH, plots=False
+    )
+    assert metrics.box.map50 >= 0 and int(metrics.nt_per_class.sum()) > N_VAL
 
 
 def test_batches_are_the_datasets_letterboxed_labels(pools: dict[str, Any]) -> None:
@@ -167,7 +173,7 @@ def test_batches_are_the_datasets_letterboxed_labels(pools: dict[str, Any]) -> N
 
     data = served_data(pools)
     args = get_cfg(overrides={"imgsz": IMGSZ, "data": pools})
-    loader = val_loader(pools["val"], data, args, batch_size=BATCH, rank=-1)
+    loader: Any = val_loader(pools["val"], data, args, batch_size=BATCH, rank=-1)
     try:
         assert len(loader) == math.ceil(N_VAL / BATCH) and len(loader.dataset) == N_VAL
         centred = "letterbox" in ACCEPTED
@@ -239,7 +245,7 @@ def test_train_loader_modes_lengths_and_controls(pools: dict[str, Any], tmp_path
     in both modes (window mosaic), close_mosaic makes the next batch regular, the
     hyperparameters reached the client's control values, the surface is there."""
     trainer = DataServerTrainer(overrides=_overrides(pools, tmp_path, degrees=3.0, flipud=0.25))
-    loader = trainer.get_dataloader(pools["train"], batch_size=BATCH, rank=-1, mode="train")
+    loader: Any = trainer.get_dataloader(pools["train"], batch_size=BATCH, rank=-1, mode="train")
     try:
         control = loader.client.state_dict()["control"]["yolo"]
         assert control["degrees"] == 3.0 and control["flipud"] == 0.25 and control["scale"] == 0.5
@@ -264,6 +270,14 @@ def test_train_loader_modes_lengths_and_controls(pools: dict[str, Any], tmp_path
         with pytest.raises(Exception, match="closed"):
             loader.client.mode  # noqa: B018
         again.close()
+        # fraction=0.5: each epoch takes half its epoch order.
+        half = DataServerTrainer(overrides=_overrides(pools, tmp_path, fraction=0.5))
+        part: Any = half.get_dataloader(pools["train"], batch_size=BATCH, rank=-1, mode="train")
+        try:
+            assert len(part) == per_epoch // 2 and len(part.dataset) == N_TRAIN // 2
+            assert sum(1 for _ in part) == per_epoch // 2
+        finally:
+            part.close()
     finally:
         loader.close()
 
@@ -296,3 +310,18 @@ def test_classes_names_and_sizes(pools: dict[str, Any], start_server: Any) -> No
         served_data({"train": plain.address, "val": plain.address})
     with pytest.raises(ValueError, match="'val' server address"):
         served_data({"train": pools["train"], "names": NAMES})
+
+
+def test_example_ends_with_the_summary_line(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    example = Path(__file__).resolve().parent.parent / "examples" / "ultralytics_train.py"
+    args = ["--images", "16", "--epochs", "2", "--close-mosaic", "1", "--imgsz", "64"]
+    args += ["--batch", "8", "--workers", "1", "--project", str(tmp_path)]
+    done = subprocess.run(
+        [sys.executable, str(example), *args], capture_output=True, text=True, timeout=200
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    last = done.stdout.strip().splitlines()[-1]
+    assert last == "trained 2 epochs, 32 samples on 1 ranks, 0 stale", last

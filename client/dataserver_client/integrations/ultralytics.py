@@ -523,10 +523,11 @@ class DataServerValidator(DetectionValidator):
                 self._built.close()
                 self._built = None
 
-    def get_dataloader(self, dataset_path: Any, batch_size: int) -> ServedLoader:
+    def get_dataloader(self, dataset_path: Any, batch_size: int) -> Any:
         if self._built is not None:
             self._built.close()
-        self._built = val_loader(dataset_path, self.data, self.args, batch_size, rank=-1)
+        data = self.data or self.served or {}
+        self._built = val_loader(dataset_path, data, self.args, batch_size, rank=-1)
         return self._built
 
 
@@ -589,9 +590,20 @@ class DataServerTrainer(DetectionTrainer):
                 self._warn(key, f"{key}={value!r} is ignored: {why}")
         if "workers" in self._user:
             self._warn("workers", "workers is ignored: the servers' processes prepare the data")
+        if float(self.args.fliplr) != float(DEFAULT_CFG_DICT["fliplr"]):
+            self._warn(
+                "fliplr",
+                f"fliplr={self.args.fliplr} reaches the servers' dataset, but the service also "
+                "mirrors about half of all images itself (train and val): the share mirrored "
+                "stays 1/2",
+            )
         for key in ("save_json", "save_txt"):
             if getattr(self.args, key, False):
-                self._warn(key, f"{key}: predictions are scaled back with the served sizes")
+                self._warn(
+                    key,
+                    f"{key}: served validation images are mirrored at random by the service, "
+                    "so predictions scaled back to the files are mirrored for those",
+                )
 
     # --------------------------------------------------------- data
 
