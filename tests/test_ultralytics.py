@@ -325,3 +325,82 @@ def test_example_ends_with_the_summary_line(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     last = done.stdout.strip().splitlines()[-1]
     assert last == "trained 2 epochs, 32 samples on 1 ranks, 0 stale", last
+
+
+def _write_yolo_copy(root: Path) -> Path:
+    """The val pool's images as a YOLO dataset on disk (lossless PNGs, label files)."""
+    import cv2
+
+    (root / "images").mkdir(parents=True)
+    (root / "labels").mkdir()
+    blocks = Blocks(N_VAL, VAL_SEED)
+    for i in range(N_VAL):
+        s = blocks[i]
+        h, w = s["image"].shape[:2]
+        cv2.imwrite(str(root / "images" / f"{i:06d}.png"), s["image"][:, :, ::-1])
+        lines = []
+        for (x1, y1, x2, y2), label in zip(s["boxes"], s["labels"], strict=True):
+            cx, cy, bw, bh = (x1 + x2) / 2 / w, (y1 + y2) / 2 / h, (x2 - x1) / w, (y2 - y1) / h
+            lines.append(f"{label - 1} {cx:.8f} {cy:.8f} {bw:.8f} {bh:.8f}")
+        (root / "labels" / f"{i:06d}.txt").write_text("\n".join(lines) + "\n")
+    return root / "images"
+
+
+def test_val_batches_equal_ultralytics_own_square_loader(
+    pools: dict[str, Any], tmp_path: Path
+) -> None:
+    """Against Ultralytics' own val loader on the same images (rect=False: the square
+    letterbox the service makes): the same sizes, ori_shape, ratio_pad, cls and boxes (a
+    mirrored image's boxes mirrored), 114 in the same places, the pixels within
+    interpolation (mean absolute difference <= 1)."""
+    from ultralytics.cfg import get_cfg
+    from ultralytics.data import build_dataloader, build_yolo_dataset
+
+    images = _write_yolo_copy(tmp_path / "copy")
+    args: Any = get_cfg(overrides={"imgsz": IMGSZ, "data": pools, "rect": False})
+    data = served_data(pools)
+    theirs = build_yolo_dataset(args, str(images), BATCH, data, mode="val", stride=32)
+    ours: Any = val_loader(pools["val"], data, args, batch_size=BATCH, rank=-1)
+    try:
+        pairs = zip(build_dataloader(theirs, BATCH, 0, shuffle=False, rank=-1), ours, strict=True)
+        for their, mine in pairs:
+            assert mine["img"].shape == their["img"].shape
+            assert mine["ori_shape"] == their["ori_shape"]
+            assert [Path(f).stem for f in mine["im_file"]] == [
+                Path(f).stem for f in their["im_file"]
+            ]
+            assert mine["resized_shape"] == tuple(tuple(s) for s in their["resized_shape"])
+            for a, b in zip(mine["ratio_pad"], their["ratio_pad"], strict=True):
+                assert a[1] == tuple(b[1]) and np.allclose(a[0], b[0]), (a, b)
+            for i in range(len(mine["im_file"])):
+                _same_image(mine, their, i)
+    finally:
+        ours.close()
+
+
+def _same_image(mine: dict[str, Any], their: dict[str, Any], i: int) -> None:
+    def boxes(batch: dict[str, Any]) -> np.ndarray:
+        at = batch["batch_idx"] == i
+        rows = torch.cat([batch["cls"][at], batch["bboxes"][at]], 1).numpy()
+        return rows[np.lexsort(rows.T[::-1])]
+
+    left, top = mine["ratio_pad"][i][1]
+    shape = mine["ori_shape"][i]
+    gain = mine["ratio_pad"][i][0][0]
+    new_h, new_w = round(shape[0] * gain), round(shape[1] * gain)
+    got, want = boxes(mine), boxes(their)
+    mirrored = want.copy()
+    mirrored[:, 1] = (2 * left + new_w) / IMGSZ - mirrored[:, 1]  # x about the picture's middle
+    mirrored = mirrored[np.lexsort(mirrored.T[::-1])]
+    flipped = not np.allclose(got, want, atol=1e-4)
+    assert np.allclose(got, mirrored if flipped else want, atol=1e-4), (got, want)
+    a = mine["img"][i].to(torch.int16)
+    b = their["img"][i].to(torch.int16)
+    if flipped:
+        b = b.clone()
+        b[:, :, left : left + new_w] = b[:, :, left : left + new_w].flip(-1)
+    outside = torch.ones(IMGSZ, IMGSZ, dtype=torch.bool)
+    outside[top : top + new_h, left : left + new_w] = False
+    assert bool((a[:, outside] == 114).all()) and bool((b[:, outside] == 114).all())
+    difference = float((a - b).abs().float().mean())
+    assert difference <= 1.0, difference  # (0.0 today: the same resize, bit for bit)
