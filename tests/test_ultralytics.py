@@ -26,7 +26,7 @@ os.environ.setdefault("YOLO_OFFLINE", "1")  # never download weights, fonts or d
 from conftest import Server
 from ds_plugins import Blocks
 
-from dataserver_client import DataServerClient
+from dataserver_client import DataServerClient, MultiScale
 from dataserver_client.integrations.ultralytics import (
     CHECKPOINT_KEY,
     DataServerTrainer,
@@ -91,7 +91,9 @@ class Interrupted(Exception):
     run's final evaluation strips the optimizer from last.pt, which then cannot resume)."""
 
 
-def test_trains_closes_mosaic_and_resumes(pools: dict[str, Any], tmp_path: Path) -> None:
+def test_trains_closes_mosaic_and_resumes(
+    pools: dict[str, Any], tmp_path: Path, start_server: Any
+) -> None:
     from ultralytics import YOLO
 
     steps: list[dict[str, Any]] = []
@@ -133,13 +135,20 @@ def test_trains_closes_mosaic_and_resumes(pools: dict[str, Any], tmp_path: Path)
     for loader in (first.train_loader, first.test_loader):
         loader.close()
     last = Path(first.last)
-    assert CHECKPOINT_KEY in torch.load(last, weights_only=False)
+    state = torch.load(last, weights_only=False)[CHECKPOINT_KEY]
+    assert state["epoch"] == 4 and state["client"]["position"] == 0
+    assert state["client"]["mode"] == "regular" and "yolo" in state["client"]["control"]
     assert saved == [0, 1, 2, 3]
 
     resumed = YOLO(str(last))
     resumed.add_callback("on_train_batch_end", on_batch_end)
     resumed.add_callback("on_fit_epoch_end", on_epoch_end)
-    resumed.train(trainer=DataServerTrainer, resume=True, data=pools)
+    # The train pool moved: the same dataset behind another address, given as data=.
+    moved = start_server(
+        "--dataset", "ds_plugins:yolo_blocks", "--dataset-args",
+        json.dumps({"images": N_TRAIN, "seed": TRAIN_SEED}), workers=1,
+    )  # fmt: skip
+    resumed.train(trainer=DataServerTrainer, resume=True, data={**pools, "train": moved.address})
     assert getattr(resumed.trainer, "start_epoch", None) == 4
 
     per_epoch = math.ceil(N_TRAIN / BATCH)
@@ -273,6 +282,26 @@ def test_train_loader_modes_lengths_and_controls(pools: dict[str, Any], tmp_path
         with pytest.raises(Exception, match="closed"):
             loader.client.mode  # noqa: B018
         again.close()
+        # mosaic=0.5: about half the outputs of a mosaic batch are mosaics, the rest regular.
+        if "mosaic_p" in ACCEPTED:
+            some = DataServerTrainer(overrides=_overrides(pools, tmp_path, mosaic=0.5))
+            mixed: Any = some.get_dataloader(pools["train"], BATCH, rank=-1, mode="train")
+            try:
+                cells = [len(i) for _ in mixed for i in mixed.last_batch.indices]
+                assert len(cells) == N_TRAIN and {1, 4} <= set(cells), cells
+            finally:
+                mixed.close()
+        # multi_scale=0.5: the servers make each batch at a size Ultralytics would draw.
+        scaled = DataServerTrainer(overrides=_overrides(pools, tmp_path, multi_scale=0.5))
+        sized: Any = scaled.get_dataloader(pools["train"], BATCH, rank=-1, mode="train")
+        try:
+            assert isinstance(sized.client.image_size, MultiScale)
+            shapes = {tuple(b["img"].shape[2:]) for b in sized}
+            assert shapes <= {(32, 32), (64, 64), (96, 96)} and len(shapes) > 1, shapes
+            one = scaled.preprocess_batch(next(iter(sized)))
+            assert one["img"].dtype == torch.float32 and one["img"].shape[2] in (32, 64, 96)
+        finally:
+            sized.close()
         # fraction=0.5: each epoch takes half its epoch order.
         half = DataServerTrainer(overrides=_overrides(pools, tmp_path, fraction=0.5))
         part: Any = half.get_dataloader(pools["train"], batch_size=BATCH, rank=-1, mode="train")
