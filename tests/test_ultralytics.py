@@ -342,6 +342,16 @@ def test_classes_names_and_sizes(pools: dict[str, Any], start_server: Any) -> No
         served_data({"train": plain.address, "val": plain.address})
     with pytest.raises(ValueError, match="'val' server address"):
         served_data({"train": pools["train"], "names": NAMES})
+    # What Ultralytics' DDP launcher needs: the trainer and its epoch callback pickled by
+    # their module path, DATA written as a plain expression.
+    import ast
+    import pickle
+
+    from dataserver_client.integrations import ultralytics as bridge
+
+    assert pickle.loads(pickle.dumps(DataServerTrainer)) is DataServerTrainer
+    assert pickle.loads(pickle.dumps(bridge._epoch_start)) is bridge._epoch_start
+    assert ast.literal_eval(repr(pools)) == pools
 
 
 def test_example_ends_with_the_summary_line(tmp_path: Path) -> None:

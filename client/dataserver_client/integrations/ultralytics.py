@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import inspect
 import io
-import logging
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from copy import copy
@@ -58,8 +57,6 @@ from dataserver_client.batch import Batch
 from dataserver_client.client import DataServerClient
 from dataserver_client.resume import RANK_KEYS
 from dataserver_client.sizes import MultiScale
-
-log = logging.getLogger("dataserver_client")
 
 CHECKPOINT_KEY = "dataserver"
 LOADER_STATE_VERSION = 1
