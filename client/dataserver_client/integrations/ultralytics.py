@@ -585,7 +585,7 @@ class DataServerTrainer(DetectionTrainer):
             value = getattr(self.args, key, None)
             if value and value != DEFAULT_CFG_DICT.get(key):
                 self._warn(key, f"{key}={value!r} is ignored: {why}")
-        if "workers" in self._user:
+        if self._user.get("workers", DEFAULT_CFG_DICT["workers"]) != DEFAULT_CFG_DICT["workers"]:
             self._warn("workers", "workers is ignored: the servers' processes prepare the data")
         if float(self.args.fliplr) != float(DEFAULT_CFG_DICT["fliplr"]):
             self._warn(
