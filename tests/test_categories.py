@@ -74,6 +74,6 @@ def test_servers_that_disagree_are_refused(start_server: Any) -> None:
 )
 def test_bad_categories_are_a_spec_error(categories: Any, problem: str) -> None:
     dataset = SyntheticDataset(4)
-    dataset.categories = categories  # type: ignore[misc]
+    dataset.categories = categories
     with pytest.raises(SpecError, match=problem):
         dataset_categories(dataset)

@@ -24,6 +24,7 @@ from dataserver.protocol import (
     ProtocolError,
     Result,
     Task,
+    Welcome,
     control_problem,
     decode,
     pack,
@@ -363,7 +364,8 @@ def test_composition_fields_round_trip() -> None:
     task = decode(_with_header(MsgType.TASK, {**VALID[MsgType.TASK], "pad_value": 114}))
     assert isinstance(task, Task) and (task.pad_value, task.letterbox) == (114, "top-left")
     welcome = {**VALID[MsgType.WELCOME], "categories": [[0, "bg"], [7, "cat"]]}
-    assert decode(_with_header(MsgType.WELCOME, welcome)).categories == ((0, "bg"), (7, "cat"))
+    got = decode(_with_header(MsgType.WELCOME, welcome))
+    assert isinstance(got, Welcome) and got.categories == ((0, "bg"), (7, "cat"))
     header = {**VALID[MsgType.RESULT], "files": ["a.jpg", ""], "orig_sizes": [[480, 640], [0, 0]]}
     res = decode([bytes(memoryview(f)) for f in pack(MsgType.RESULT, header, result_arrays())])
     assert isinstance(res, Result)

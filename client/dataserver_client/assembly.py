@@ -207,6 +207,8 @@ class InflightBatch:
         self.boxes: list[np.ndarray | None] = [None] * n
         self.labels: list[np.ndarray | None] = [None] * n
         self.indices: list[list[int] | None] = [None] * n
+        self.files: list[str] = [""] * n  # each image's anchor's file ("" unknown)
+        self.orig_sizes: list[tuple[int, int]] = [(0, 0)] * n  # and its original (h, w)
         self.pending = n
         self.dropped: set[int] = set()
         self.skipped: list[int] = []
@@ -230,11 +232,15 @@ class InflightBatch:
         boxes: np.ndarray,
         labels: np.ndarray,
         failed: Sequence[tuple[int, str]] = (),
+        files: Sequence[str] | None = None,
+        orig_sizes: Sequence[tuple[int, int]] | None = None,
     ) -> None:
         """The slots of one answer are in: their pixels already in place (received straight
         into the buffer); ``images`` their indices, ``boxes`` and ``labels`` theirs in slot
         order, ``counts`` of them a slot (kept as views: ``deliver`` copies them all once).
         ``failed``: the sources the answer left out (on_error="skip"), counted as skipped.
+        ``files``, ``orig_sizes``: each image's anchor's file and original (h, w), when the
+        server said (as the RESULT carries them).
         A slot with no indices (every source failed) is left out. In a window mosaic
         (``plan.partners``) only anchors count: a slot whose anchor failed is left out and
         its anchor skipped; a partner that failed leaves its mosaic a tile short, and is
@@ -256,6 +262,12 @@ class InflightBatch:
             else:
                 self.dropped.add(slot)
             start = stop
+        if files is not None:
+            for slot, file in zip(slots, files, strict=True):
+                self.files[slot] = file
+        if orig_sizes is not None:
+            for slot, (h, w) in zip(slots, orig_sizes, strict=True):
+                self.orig_sizes[slot] = (int(h), int(w))
         self.pending -= len(slots)
 
     def drop(self, slot: int, indices: list[int]) -> None:
@@ -297,10 +309,13 @@ class DeviceMover:
             boxes = [b for s in keep if (b := inflight.boxes[s]) is not None]
             labels = [lb for s in keep if (lb := inflight.labels[s]) is not None]
             indices = [list(inflight.indices[s] or []) for s in keep]
+            files = [inflight.files[s] for s in keep]
+            orig_sizes = [inflight.orig_sizes[s] for s in keep]
         else:  # (every slot answered: its lists as they are, each made for this batch)
             boxes = cast("list[np.ndarray]", inflight.boxes)
             labels = cast("list[np.ndarray]", inflight.labels)
             indices = cast("list[list[int]]", inflight.indices)
+            files, orig_sizes = inflight.files, inflight.orig_sizes
         counts = [len(b) for b in boxes]
         all_boxes = torch.from_numpy(np.concatenate([_NO_BOXES, *boxes], dtype=np.float32))
         all_labels = torch.from_numpy(np.concatenate([_NO_LABELS, *labels], dtype=np.int64))
@@ -340,6 +355,8 @@ class DeviceMover:
             image_size=plan.fit_hw,
             partners=plan.partners,
             manifest=manifest if manifest is not None else {},
+            files=files,
+            orig_sizes=orig_sizes,
         )
         return Delivery(batch, event)
 

@@ -30,6 +30,10 @@ class Batch:
       ``indices[i][0]`` is image i's anchor, the one sample it consumes, and the rest its
       partners (drawn from the samples before it; not consumed); an image of one index
       is its anchor alone (``mosaic_p``), a regular image. ``skipped`` then counts anchors.
+    - ``files``: one per image, the file its anchor (first index) was read from, as the
+      sample named it ("" when it named none); ``orig_sizes``: one (h, w) per image, the
+      anchor's size as read, before any resize (the sample's ``orig_size``, else the
+      decoded image's; (0, 0) when the server did not say).
     """
 
     images: torch.Tensor
@@ -44,6 +48,8 @@ class Batch:
     image_size: tuple[int, int] = (0, 0)
     manifest: dict[str, Any] = field(default_factory=dict)
     partners: bool = False
+    files: list[str] = field(default_factory=list)
+    orig_sizes: list[tuple[int, int]] = field(default_factory=list)
 
     def __len__(self) -> int:
         return int(self.images.shape[0])

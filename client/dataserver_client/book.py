@@ -210,6 +210,8 @@ class PlanBook:
             result.boxes,
             result.labels,
             result.failed,
+            result.files,
+            result.orig_sizes,
         )
         self._maybe_finish(batch)
 

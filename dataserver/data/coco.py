@@ -75,7 +75,7 @@ class CocoDataset:
         image = decode_image(data)
         if image is None:
             raise SampleError(index, "not a decodable image (corrupt or truncated)", str(path))
-        return Sample(image, self.boxes[index], self.labels[index])
+        return Sample(image, self.boxes[index], self.labels[index], str(path))
 
 
 def _categories(path: Path, raw: Any) -> tuple[tuple[int, str], ...]:

@@ -191,3 +191,60 @@ def compose_mosaic(
         all_boxes.append(boxes)
         all_labels.append(labels)
     return np.concatenate(all_boxes), np.concatenate(all_labels)
+
+
+def mosaic4_canvas(
+    sources: Sequence[Source | None],
+    out_hw: tuple[int, int],
+    pad_value: int,
+    rng: np.random.Generator,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The mosaic as Ultralytics' ``Mosaic._mosaic4`` leaves it for its ``RandomPerspective``
+    (what a dataset's ``augment_composed`` is given): a (2H, 2W, 3) uint8 canvas filled with
+    ``pad_value``, the centre (yc, xc) drawn as ``int(uniform(-b, 2s + b))`` with border
+    ``b = (-H // 2, -W // 2)`` (yc first; ``uniform(a, c) = a + (c - a) * rng.random()``,
+    Python's formula), the up to 4 ``sources`` (cell order; None: left out, its quadrant
+    padding) at their own size, no scaling and no mirroring, touching the centre with their
+    bottom-right, bottom-left, top-right and top-left corners and cut at the canvas' edge;
+    their boxes offset, clipped to the canvas and those without area dropped (``_cat_labels``).
+    Returns (canvas, boxes float32 (M, 4) xyxy, labels int64 (M,))."""
+    if len(sources) > CELLS:
+        raise ValueError(f"a mosaic has at most {CELLS} sources, got {len(sources)}")
+    out_h, out_w = int(out_hw[0]), int(out_hw[1])
+    big_h, big_w = 2 * out_h, 2 * out_w
+    by, bx = -out_h // 2, -out_w // 2
+    yc = int(-by + (big_h + by - -by) * rng.random())
+    xc = int(-bx + (big_w + bx - -bx) * rng.random())
+    canvas = np.full((big_h, big_w, 3), pad_value, dtype=np.uint8)
+    all_boxes = [np.zeros((0, 4), dtype=np.float32)]
+    all_labels = [np.zeros((0,), dtype=np.int64)]
+    for t, source in enumerate(sources):
+        if source is None:
+            continue
+        _, h, w = source.image.shape
+        if t == 0:  # top left
+            x1a, y1a, x2a, y2a = max(xc - w, 0), max(yc - h, 0), xc, yc
+            x1b, y1b, x2b, y2b = w - (x2a - x1a), h - (y2a - y1a), w, h
+        elif t == 1:  # top right
+            x1a, y1a, x2a, y2a = xc, max(yc - h, 0), min(xc + w, big_w), yc
+            x1b, y1b, x2b, y2b = 0, h - (y2a - y1a), min(w, x2a - x1a), h
+        elif t == 2:  # bottom left
+            x1a, y1a, x2a, y2a = max(xc - w, 0), yc, xc, min(big_h, yc + h)
+            x1b, y1b, x2b, y2b = w - (x2a - x1a), 0, w, min(y2a - y1a, h)
+        else:  # bottom right
+            x1a, y1a, x2a, y2a = xc, yc, min(xc + w, big_w), min(big_h, yc + h)
+            x1b, y1b, x2b, y2b = 0, 0, min(w, x2a - x1a), min(y2a - y1a, h)
+        for c in range(3):  # (CHW planes into the HWC canvas)
+            canvas[y1a:y2a, x1a:x2a, c] = source.image[c, y1b:y2b, x1b:x2b]
+        if len(source.boxes):
+            padw, padh = x1a - x1b, y1a - y1b
+            boxes = np.asarray(source.boxes, np.float32) + np.array(
+                [padw, padh, padw, padh], dtype=np.float32
+            )
+            all_boxes.append(boxes)
+            all_labels.append(np.asarray(source.labels, np.int64))
+    boxes = np.concatenate(all_boxes)
+    labels = np.concatenate(all_labels)
+    np.clip(boxes, 0.0, np.array([big_w, big_h, big_w, big_h], dtype=np.float32), out=boxes)
+    keep = (boxes[:, 2] - boxes[:, 0]) * (boxes[:, 3] - boxes[:, 1]) > 0
+    return canvas, boxes[keep], labels[keep]

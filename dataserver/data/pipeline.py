@@ -14,7 +14,9 @@ epoch, index) and the batch's parameters, and never stored.
    schedule and every job asking for that size.
 3. ``refit``: fitted again into the batch's image size, when that is smaller.
 4. ``augmented``: the dataset's own ``augment(sample, rng, params)``, if it has one, with
-   ``rng`` from (seed, epoch, index) only (``augment_rng``); its answer checked.
+   ``rng`` from (seed, epoch, index) only (``augment_rng``); its answer checked. A window
+   mosaic's partner (``Task.partners``) is drawn for its (anchor, cell) instead
+   (``partner_rng``, ``partner_flip``): the same source partnering two anchors differs.
 5. ``flip_of`` and composition: ``compose_into`` places each source at the top-left of its
    cell, or centred in it (the task's ``letterbox``), on the task's ``pad_value`` (fitted
    into the cell when the cell is smaller), mirrored when its flip says so,
@@ -30,11 +32,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Protocol
 
 import cv2
 import numpy as np
 
+from dataserver.data.composed import Hook, after_composition, composed_rng, hook_of
 from dataserver.data.sample import Sample, SampleError, as_sample
 from dataserver.data.transforms import fit_size, keep_valid
 from dataserver.hashing import MASK64, mix64
@@ -43,15 +46,31 @@ from dataserver.hashing import MASK64, mix64
 @dataclass(slots=True)
 class Source:
     """A source fitted to an image size: ``image`` uint8 (3, h, w); ``boxes`` float32
-    (M, 4) xyxy in its pixels; ``labels`` int64 (M,)."""
+    (M, 4) xyxy in its pixels; ``labels`` int64 (M,); ``file``: the file its sample names
+    ("" none); ``orig_hw``: the (h, w) its sample says it had as read, else the decoded
+    image's ((0, 0): unknown)."""
 
     image: np.ndarray
     boxes: np.ndarray
     labels: np.ndarray
+    file: str = ""
+    orig_hw: tuple[int, int] = (0, 0)
 
     @property
     def nbytes(self) -> int:
         return int(self.image.nbytes + self.boxes.nbytes + self.labels.nbytes)
+
+
+# (anchor, slot) of a window mosaic's partner, whose augmentation is drawn for it; None:
+# a source drawn for its own index.
+Draw = tuple[int, int] | None
+
+
+class SourceOf(Protocol):
+    """What composition asks for a source: ``finished`` source ``index``, augmented for
+    ``draw`` (see ``augmented``)."""
+
+    def __call__(self, index: int, draw: Draw = None, /) -> Source: ...
 
 
 def read(dataset: Any, index: int) -> Sample:
@@ -79,7 +98,8 @@ def fit(sample: Sample, fit_hw: Sequence[int]) -> Source:
     boxes, labels = _scaled(
         sample.boxes, sample.labels, new_w / width, new_h / height, new_h, new_w
     )
-    return Source(planes, boxes, labels)
+    orig = sample.orig_size if sample.orig_size is not None else (height, width)
+    return Source(planes, boxes, labels, sample.file or "", orig)
 
 
 def _scaled(
@@ -110,13 +130,22 @@ def refit(source: Source, fit_hw: Sequence[int]) -> Source:
     boxes, labels = _scaled(
         source.boxes, source.labels, new_w / width, new_h / height, new_h, new_w
     )
-    return Source(planes, boxes, labels)
+    return Source(planes, boxes, labels, source.file, source.orig_hw)
 
 
 def augment_rng(seed: int, epoch: int, index: int) -> np.random.Generator:
     """The generator ``augment`` is given for sample ``index``: a function of (seed, epoch,
     index) only, so a task rerun on any worker of any server draws the same numbers."""
     return np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, epoch, index, 0xA6])))
+
+
+def partner_rng(seed: int, epoch: int, anchor: int, slot: int) -> np.random.Generator:
+    """The generator ``augment`` is given for the partner in cell ``slot`` (1..3) of the
+    window mosaic anchored at ``anchor`` (``Task.partners``): a function of (seed, epoch,
+    anchor, slot) only, so a source that partners several anchors is augmented anew in
+    each, and a task rerun anywhere draws the same numbers."""
+    entropy = [seed, epoch, anchor, slot, 0xA7]
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence(entropy)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +161,7 @@ class Recipe:
     control: dict[str, Any]  # the session's control values (``augment``'s params)
     pad_value: int = 0  # every pixel no source covers
     letterbox: str = "top-left"  # where a source smaller than its cell sits: or "center"
+    partners: bool = False  # window mosaics: images[i][0] an anchor, the rest its partners
 
     def params(self, index: int) -> dict[str, Any]:
         """``augment``'s ``params`` for sample ``index`` (a fresh dict: it may keep it)."""
@@ -146,11 +176,14 @@ class Recipe:
         }
 
 
-def augmented(dataset: Any, index: int, source: Source, recipe: Recipe) -> Source:
+def augmented(
+    dataset: Any, index: int, source: Source, recipe: Recipe, draw: Draw = None
+) -> Source:
     """``source`` through the dataset's ``augment`` (HWC in and out, as ``__getitem__``
     returns), checked: an image at most the batch's size, boxes clipped to it (degenerate
     ones dropped); anything else is a ``SampleError`` naming the index. Without
-    ``augment``: ``source`` itself."""
+    ``augment``: ``source`` itself. ``draw``: (anchor, slot) for a window mosaic's partner
+    (its ``rng`` is ``partner_rng``'s), else None (``augment_rng``'s, of ``index``)."""
     augment = getattr(dataset, "augment", None)
     if augment is None:
         return source
@@ -159,7 +192,10 @@ def augmented(dataset: Any, index: int, source: Source, recipe: Recipe) -> Sourc
         "boxes": source.boxes.copy(),
         "labels": source.labels.copy(),
     }
-    rng = augment_rng(recipe.seed, recipe.epoch, index)
+    if draw is None:
+        rng = augment_rng(recipe.seed, recipe.epoch, index)
+    else:
+        rng = partner_rng(recipe.seed, recipe.epoch, draw[0], draw[1])
     try:
         raw = augment(sample, rng, recipe.params(index))
     except SampleError:
@@ -177,13 +213,20 @@ def augmented(dataset: Any, index: int, source: Source, recipe: Recipe) -> Sourc
     planes = np.empty((3, height, width), dtype=np.uint8)
     cv2.split(out.image, [planes[0], planes[1], planes[2]])
     boxes, labels = _scaled(out.boxes, out.labels, 1.0, 1.0, height, width)
-    return Source(planes, boxes, labels)
+    return Source(planes, boxes, labels, source.file, source.orig_hw)
 
 
 def flip_of(seed: int, epoch: int, index: int) -> bool:
     """The augmentation: mirror left-right or not, a function of (seed, epoch, index) only
     (so a task rerun anywhere gives the same bytes), true for about half of the indices."""
     return bool(mix64(mix64(mix64(seed & MASK64) ^ (epoch & MASK64)) ^ (index & MASK64)) >> 63)
+
+
+def partner_flip(seed: int, epoch: int, anchor: int, slot: int) -> bool:
+    """``flip_of`` for the partner in cell ``slot`` of the window mosaic anchored at
+    ``anchor``: a function of (seed, epoch, anchor, slot) only."""
+    base = mix64(mix64(mix64(seed & MASK64) ^ (epoch & MASK64)) ^ (anchor & MASK64))
+    return bool(mix64(base ^ (0xF1E9 << 8 | slot)) >> 63)
 
 
 def _mirror(boxes: np.ndarray, width: float) -> None:
@@ -262,12 +305,14 @@ def place(
 @dataclass(slots=True)
 class Composed:
     """One output image's boxes, labels, the indices it holds (cell order) and the
-    sources left out as (index, reason)."""
+    sources left out as (index, reason); ``content``: for an image of one cell, the (top,
+    left, h, w) its picture covers."""
 
     boxes: np.ndarray
     labels: np.ndarray
     indices: list[int]
     failed: list[tuple[int, str]]
+    content: tuple[int, int, int, int] | None = None
 
 
 def compose_into(
@@ -305,42 +350,59 @@ def compose_into(
         all_labels.append(labels)
         kept.append(index)
     if len(all_boxes) == 2:  # one source: no need to join
-        return Composed(all_boxes[1], all_labels[1], kept, failed)
+        content = None
+        if grid == 1:
+            _, height, width = source.image.shape
+            new_h, new_w = fit_size(height, width, out_h, out_w)
+            top, left = letterbox_offset(out_h, out_w, new_h, new_w) if center else (0, 0)
+            content = (top, left, new_h, new_w)
+        return Composed(all_boxes[1], all_labels[1], kept, failed, content)
     return Composed(np.concatenate(all_boxes), np.concatenate(all_labels), kept, failed)
 
 
-def finished(dataset: Any, index: int, stored: Source, recipe: Recipe) -> Source:
+def finished(dataset: Any, index: int, stored: Source, recipe: Recipe, draw: Draw = None) -> Source:
     """A source as stored (fitted to ``recipe.stored_hw``) made ready to compose: fitted
-    into the batch's size, then augmented. Never stored."""
+    into the batch's size, then augmented (``draw``: see ``augmented``). Never stored."""
     source = stored if recipe.stored_hw == recipe.fit_hw else refit(stored, recipe.fit_hw)
-    return augmented(dataset, index, source, recipe)
+    return augmented(dataset, index, source, recipe, draw)
 
 
 def compose_image(
     canvas: np.ndarray,
-    get_source: Callable[[int], Source],
+    get_source: SourceOf,
     indices: Sequence[int],
     grid: int,
     layout: str,
     recipe: Recipe,
     skip_errors: bool,
+    dataset: Any = None,
 ) -> Composed:
-    """One output image into the CHW ``canvas``, filled with ``recipe.pad_value``:
+    """One output image into the CHW ``canvas``, filled with ``recipe.pad_value``, then,
+    when ``dataset`` has ``augment_composed``, through it (``dataserver.data.composed``):
     ``layout`` "grid" (``compose_into``, each source placed as ``recipe.letterbox`` says)
     or "mosaic" (``dataserver.data.mosaic``, its randomness from (seed, epoch, indices)).
-    ``get_source`` gives a ``finished`` source."""
-    flips = [flip_of(recipe.seed, recipe.epoch, i) for i in indices]
+    ``get_source`` gives a ``finished`` source. With ``recipe.partners`` (window mosaics),
+    ``indices[0]`` is the anchor and the source in cell t >= 1 is drawn for (anchor, t)
+    (``partner_flip``, ``partner_rng``); the anchor alone is a regular image."""
+    window = recipe.partners and layout == "mosaic"
+    if window and len(indices) == 1:  # no mosaic drawn for this anchor: a regular image
+        layout, grid = "grid", 1
+    hook = hook_of(dataset)
     if layout != "mosaic":
-        center = recipe.letterbox == "center"
-        return compose_into(canvas, get_source, indices, grid, flips, skip_errors, center)
+        return _compose_grid(canvas, get_source, indices, grid, recipe, skip_errors, hook)
+    flips = [flip_of(recipe.seed, recipe.epoch, i) for i in indices]
     from dataserver.data.mosaic import compose_mosaic, mosaic_rng
 
     sources: list[Source | None] = []
     kept: list[int] = []
     failed: list[tuple[int, str]] = []
-    for index in indices:
+    if window:
+        anchor = indices[0]
+        for t in range(1, len(indices)):
+            flips[t] = partner_flip(recipe.seed, recipe.epoch, anchor, t)
+    for t, index in enumerate(indices):
         try:
-            sources.append(get_source(index))
+            sources.append(get_source(index, (indices[0], t) if window and t else None))
             kept.append(index)
         except SampleError as exc:
             if not skip_errors:
@@ -348,8 +410,69 @@ def compose_image(
             sources.append(None)
             failed.append((index, str(exc)))
     rng = mosaic_rng(recipe.seed, recipe.epoch, indices)
-    boxes, labels = compose_mosaic(canvas, sources, flips, rng)
-    return Composed(boxes, labels, kept, failed)
+    if hook is None:
+        boxes, labels = compose_mosaic(canvas, sources, flips, rng)
+        return Composed(boxes, labels, kept, failed)
+    done = Composed(np.zeros((0, 4), np.float32), np.zeros((0,), np.int64), kept, failed)
+    return _after(hook, canvas, sources, done, indices[0], recipe, skip_errors, rng)
+
+
+def _compose_grid(
+    canvas: np.ndarray,
+    get_source: SourceOf,
+    indices: Sequence[int],
+    grid: int,
+    recipe: Recipe,
+    skip_errors: bool,
+    hook: Hook | None,
+) -> Composed:
+    """``compose_into`` as ``recipe`` says, then ``hook`` (which flips the whole image, as
+    Ultralytics does: its sources are not mirrored)."""
+    center = recipe.letterbox == "center"
+    if hook is None:
+        flips = [flip_of(recipe.seed, recipe.epoch, i) for i in indices]
+        return compose_into(canvas, get_source, indices, grid, flips, skip_errors, center)
+    flat = [False] * len(indices)
+    done = compose_into(canvas, get_source, indices, grid, flat, skip_errors, center)
+    return _after(hook, canvas, None, done, indices[0], recipe, skip_errors)
+
+
+def _after(
+    hook: Hook,
+    canvas: np.ndarray,
+    sources: Sequence[Source | None] | None,
+    done: Composed,
+    anchor: int,
+    recipe: Recipe,
+    skip_errors: bool,
+    rng: np.random.Generator | None = None,
+) -> Composed:
+    """``done`` through the dataset's ``augment_composed`` (``composed.after_composition``):
+    a mosaic (``sources``, its geometry from ``rng``) built on Ultralytics' 2H x 2W canvas
+    first. With ``skip_errors`` a hook that fails leaves the image out (its samples reported
+    failed); without, its ``SampleError`` (naming the anchor) propagates."""
+    if not done.indices:
+        return done
+    params = recipe.params(anchor)
+    try:
+        boxes, labels = after_composition(
+            hook,
+            canvas,
+            sources,
+            done.boxes,
+            done.labels,
+            composed_rng(recipe.seed, recipe.epoch, anchor),
+            params,
+            recipe.pad_value,
+            rng,
+            done.content,
+        )
+    except SampleError as exc:
+        if not skip_errors:
+            raise
+        failed = [*done.failed, *((i, str(exc)) for i in done.indices)]
+        return Composed(np.zeros((0, 4), np.float32), np.zeros((0,), np.int64), [], failed)
+    return Composed(boxes, labels, done.indices, done.failed)
 
 
 def compose_one(
@@ -368,9 +491,11 @@ def compose_one(
     control: dict[str, Any] | None = None,
     pad_value: int = 0,
     letterbox: str = "top-left",
+    partners: bool = False,
 ) -> tuple[np.ndarray, Composed]:
     """One output image straight from the dataset (no store): what the DataLoader baseline
-    and the tests run. Bit-identical to what a worker sends for the same task."""
+    and the tests run. Bit-identical to what a worker sends for the same task
+    (``partners``: the task's flag, a window mosaic)."""
     canvas = np.full((3, int(out_hw[0]), int(out_hw[1])), pad_value, dtype=np.uint8)
     fit_size_hw = (int(fit_hw[0]), int(fit_hw[1]))
     stored = fit_size_hw if stored_hw is None else (int(stored_hw[0]), int(stored_hw[1]))
@@ -384,10 +509,11 @@ def compose_one(
         dict(control or {}),
         pad_value,
         letterbox,
+        partners,
     )
 
-    def source(i: int) -> Source:
-        return finished(dataset, i, prepare(dataset, i, stored), recipe)
+    def source(i: int, draw: Draw = None) -> Source:
+        return finished(dataset, i, prepare(dataset, i, stored), recipe, draw)
 
-    composed = compose_image(canvas, source, indices, grid, layout, recipe, False)
+    composed = compose_image(canvas, source, indices, grid, layout, recipe, False, dataset)
     return canvas, composed

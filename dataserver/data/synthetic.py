@@ -79,7 +79,9 @@ class SyntheticDataset:
     def __getitem__(self, index: int) -> Sample:
         if not 0 <= index < self.images:
             raise IndexError(f"index {index} out of range 0..{self.images - 1}")
-        return generate(self.seed, index)
+        sample = generate(self.seed, index)
+        sample.file = f"{index:012d}.jpg"  # (the name ``dataserver synth`` writes it under)
+        return sample
 
     def __repr__(self) -> str:
         return f"SyntheticDataset(images={self.images}, seed={self.seed})"

@@ -12,9 +12,10 @@ included); they live while a process of the server holds them. Both are sealed a
 shrinking and growing once sized, so no process can truncate them under a mapping (SIGBUS).
 
 - the *arena*, a ring of bytes: each entry's image planes (3, h, w) uint8, then its boxes
-  (M, 4) float32 and labels (M,) int64, contiguous;
+  (M, 4) float32 and labels (M,) int64, then its sample's file name (UTF-8), contiguous;
 - the *index*: a header (magic, capacity, head position, ring size, a dirty flag), an open
-  addressing hash table of 64-byte entries (key, state, owner pid, position, shape), and a
+  addressing hash table of 64-byte entries (key, state, owner pid, position, shape, the
+  sample's original size, the file name's length), and a
   journal of (position, key) in ring order, from which the oldest entries are evicted.
 
 Entries are written at the ring's head; room is made by evicting the oldest entries (an
@@ -64,7 +65,7 @@ from dataserver.landing import pid_alive
 
 log = logging.getLogger("dataserver.store")
 
-MAGIC = 0x44535354_4F524532  # "DSSTORE2"
+MAGIC = 0x44535354_4F524533  # "DSSTORE3"
 EMPTY, PENDING, READY = 0, 1, 2  # an index entry's states
 PENDING_WAIT_S = 30.0  # how long to wait for a source another live worker is making
 ENTRY_BYTES = 8192  # hash table slots: one per this many bytes of ring
@@ -97,7 +98,9 @@ _ENTRY = np.dtype(
         ("h", "<u4"),
         ("w", "<u4"),
         ("nboxes", "<u4"),
-        ("_pad", "<u4", (3,)),
+        ("orig_h", "<u4"),  # the sample's size as read (Source.orig_hw)
+        ("orig_w", "<u4"),
+        ("nfile", "<u4"),  # bytes of its file name, after its labels
     ]
 )
 _JOURNAL = np.dtype([("pos", "<u8"), ("k0", "<u8"), ("k1", "<u8")])
@@ -566,7 +569,8 @@ class Store:
         _, h, w = source.image.shape
         m = len(source.boxes)
         img = 3 * h * w
-        nbytes = img + 24 * m
+        name = source.file.encode()
+        nbytes = img + 24 * m + len(name)
         i = self._find(k0, k1)
         if (
             i < 0
@@ -587,14 +591,17 @@ class Store:
             np.ascontiguousarray(source.image).reshape(-1),
             np.ascontiguousarray(source.boxes, np.float32).reshape(-1).view(np.uint8),
             np.ascontiguousarray(source.labels, np.int64).reshape(-1).view(np.uint8),
+            np.frombuffer(name, np.uint8),
         ]
         if not _write_at(self._arena_fd, parts, off, nbytes):
             arena = self.arena  # (a short write: through the mapping)
             arena[off : off + img] = parts[0]
             arena[off + img : off + img + 16 * m] = parts[1]
-            arena[off + img + 16 * m : off + nbytes] = parts[2]
+            arena[off + img + 16 * m : off + img + 24 * m] = parts[2]
+            arena[off + img + 24 * m : off + nbytes] = parts[3]
         e = self.table[i]
         e["pos"], e["nbytes"], e["h"], e["w"], e["nboxes"] = pos, nbytes, h, w, m
+        e["orig_h"], e["orig_w"], e["nfile"] = source.orig_hw[0], source.orig_hw[1], len(name)
         e["state"], e["pid"] = READY, 0
         self._journal(pos, k0, k1)
         self._dirty(False)
@@ -607,7 +614,10 @@ class Store:
         image = self.arena[off : off + img].reshape(3, h, w)
         boxes = self.arena[off + img : off + img + 16 * m].view(np.float32).reshape(m, 4)
         labels = self.arena[off + img + 16 * m : off + img + 24 * m].view(np.int64)
-        return Source(image, boxes, labels)
+        nfile = int(e["nfile"])
+        name = bytes(self.arena[off + img + 24 * m : off + img + 24 * m + nfile]) if nfile else b""
+        orig = (int(e["orig_h"]), int(e["orig_w"]))
+        return Source(image, boxes, labels, name.decode(errors="replace"), orig)
 
     def _refresh(self, i: int) -> int:
         """An entry in the oldest quarter of the ring is copied to the head (so what is
@@ -618,6 +628,7 @@ class Store:
         if pos >= int(hd["head"]) - ring + ring // 4 or nbytes > ring // 4:
             return pos
         k0, k1, h, w, m = int(e["k0"]), int(e["k1"]), int(e["h"]), int(e["w"]), int(e["nboxes"])
+        meta = (int(e["orig_h"]), int(e["orig_w"]), int(e["nfile"]))
         data = self.arena[pos % ring : pos % ring + nbytes].copy()
         self._dirty(True)
         new = self._alloc(nbytes)
@@ -629,6 +640,7 @@ class Store:
         e = self.table[i]
         e["state"], e["pid"], e["pos"], e["nbytes"] = READY, 0, new, nbytes
         e["h"], e["w"], e["nboxes"] = h, w, m
+        e["orig_h"], e["orig_w"], e["nfile"] = meta
         self.arena[new % ring : new % ring + nbytes] = data
         self._journal(new, k0, k1)
         self._dirty(False)

@@ -40,7 +40,15 @@ import cv2
 import numpy as np
 import zmq
 
-from dataserver.data.pipeline import Recipe, Source, compose_image, finished, prepare
+from dataserver.data.pipeline import (
+    Draw,
+    Recipe,
+    Source,
+    SourceOf,
+    compose_image,
+    finished,
+    prepare,
+)
 from dataserver.data.sample import SampleError
 from dataserver.data.spec import build_dataset, parse_spec
 from dataserver.landing import landing_socket
@@ -307,6 +315,7 @@ class Worker:
             values,
             task.pad_value,
             task.letterbox,
+            bool(task.partners),
         )
         shape = (len(task.images), 3, task.out_hw[0], task.out_hw[1])
         try:
@@ -376,17 +385,17 @@ class Worker:
             sources, oldest = self.store.fetch(keys, lambda k: make(wanted[k]))
             got = dict(zip(wanted, sources, strict=True))
 
-        def source(index: int) -> Source:
+        def source(index: int, draw: Draw = None) -> Source:
             if index in excluded:  # the client found it kills workers: leave its cell empty
                 raise SampleError(index, "killed worker processes when read; left out")
             src = got.get(index)
             stored = src if src is not None else make(index)  # (a failed one raises again)
-            return finished(dataset, index, stored, recipe)
+            return finished(dataset, index, stored, recipe, draw)
 
-        result = self._compose_with(task, source, recipe, ids, dest)
+        result = self._compose_with(task, dataset, source, recipe, ids, dest)
         if self.store is not None and not self.store.intact(oldest):
             got.clear()  # the store wrote over a source as we read it: compose from scratch
-            result = self._compose_with(task, source, recipe, ids, dest)
+            result = self._compose_with(task, dataset, source, recipe, ids, dest)
         result.decoded = decoded  # sources read and fitted for this task (store misses)
         result.decode_us = tuple(timings[: MAX_TASK_IMAGES * MAX_TILES]) or None
         return result
@@ -394,7 +403,8 @@ class Worker:
     def _compose_with(
         self,
         task: Task,
-        source: Callable[[int], Source],
+        dataset: Any,
+        source: SourceOf,
         recipe: Recipe,
         ids: dict[str, Any],
         dest: np.ndarray | None,
@@ -413,15 +423,30 @@ class Worker:
         failed: list[tuple[int, str]] = []
         boxes: list[np.ndarray] = []
         labels: list[np.ndarray] = []
+        meta: dict[int, tuple[str, tuple[int, int]]] = {}  # index -> (file, orig_hw)
+
+        def seen(index: int, draw: Draw = None) -> Source:
+            made = source(index, draw)
+            meta.setdefault(index, (made.file, made.orig_hw))
+            return made
+
+        files: list[str] = []
+        origs: list[tuple[int, int]] = []
         for n, indices in enumerate(task.images):
             if self.running is not None:
                 self.running.image(n)
-            done = compose_image(canvas[n], source, indices, task.grid, task.layout, recipe, skip)
+            done = compose_image(
+                canvas[n], seen, indices, task.grid, task.layout, recipe, skip, dataset
+            )
             # (under on_error="skip" an image whose every source failed holds no index)
             kept.append(tuple(done.indices))
             failed.extend((i, m[:4000]) for i, m in done.failed)
             boxes.append(done.boxes)
             labels.append(done.labels)
+            # its anchor's (first source's) file and original size
+            file, orig = meta.get(done.indices[0], ("", (0, 0))) if done.indices else ("", (0, 0))
+            files.append(file)
+            origs.append(orig)
         return Result(
             images=tuple(kept),
             box_counts=tuple(len(b) for b in boxes),
@@ -430,6 +455,8 @@ class Worker:
             landed=True if dest is not None else None,
             boxes=np.concatenate(boxes),
             labels=np.concatenate(labels),
+            files=tuple(files) if any(files) else None,
+            orig_sizes=tuple(origs),
             **ids,
         )
 

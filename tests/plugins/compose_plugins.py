@@ -59,3 +59,20 @@ class Named(FlatDataset):
 
 def named(n: int = 16, categories: list[list[Any]] | None = None) -> Named:
     return Named(n, categories if categories is not None else [[0, "zero"], [7, "seven"]])
+
+
+class Meta(FlatDataset):
+    """``ds_plugins:flat`` whose samples name a file ("flat/{i}.png") and, for even
+    indices, an original size twice the image's (for odd ones the image's own applies)."""
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        sample = super().__getitem__(index)
+        sample["file"] = f"flat/{index}.png"
+        if index % 2 == 0:
+            h, w = sample["image"].shape[:2]
+            sample["orig_size"] = (2 * h, 2 * w)
+        return sample
+
+
+def meta(n: int = 32) -> Meta:
+    return Meta(n)
