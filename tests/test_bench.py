@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -150,3 +151,28 @@ def test_bench_close_mosaic_figure(tmp_path: Path) -> None:
     assert figure["steered_once_vs_never"] > 0
     assert figure["composed_per_delivered_steered_once"] > 0
     assert figure["composed_per_delivered_never_steered"] > 0
+
+
+@pytest.mark.timeout(420)
+def test_bench_ultralytics_figure(tmp_path: Path) -> None:
+    """Ultralytics' own loader against DataServerTrainer's, mosaic and regular, first epoch
+    and epoch 2: both rates and both CPU costs in each case."""
+    pytest.importorskip("ultralytics")
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "dataserver.cli", "bench", "--images", "48", "--batches", "3"]
+    cmd += ["--image-size", "64", "--batch-size", "4", "--workers", "1", "--json", str(out)]
+    cmd += ["--rounds", "1", "--only", "ultralytics"]
+    env = {**os.environ, "YOLO_OFFLINE": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    figure = json.loads(out.read_text())["ultralytics"]
+    assert set(figure) == {
+        "mosaic_first_epoch",
+        "regular_first_epoch",
+        "mosaic_epoch2",
+        "regular_epoch2",
+    }
+    for case in figure.values():
+        assert case["ultralytics_images_per_s"] > 0 and case["dataserver_images_per_s"] > 0
+        assert case["ultralytics_cpu_ms_per_image"] > 0 and case["dataserver_cpu_ms_per_image"] > 0
+        assert case["vs_ultralytics"] > 0

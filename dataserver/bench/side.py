@@ -280,6 +280,18 @@ def single_side(args: argparse.Namespace) -> dict[str, Any]:
     return single_run(args.spec, size, args.spec_args, args.seconds, args.rank, args.workers)
 
 
+def yolo_ultralytics_side(args: argparse.Namespace) -> dict[str, Any]:
+    from dataserver.bench.ultralytics import ultralytics_side
+
+    return ultralytics_side(args)
+
+
+def yolo_service_side(args: argparse.Namespace) -> dict[str, Any]:
+    from dataserver.bench.ultralytics import service_side
+
+    return service_side(args)
+
+
 def spdl_side(args: argparse.Namespace) -> dict[str, Any]:
     from dataserver.bench.spdl_side import spdl_side as side
 
@@ -296,6 +308,8 @@ SIDES = {
     "first_batch": first_batch_side,
     "flip_stall": flip_stall_side,
     "multiscale": multiscale_side,
+    "ultralytics": yolo_ultralytics_side,
+    "yolo_service": yolo_service_side,
 }
 
 
