@@ -9,9 +9,10 @@ albumentations is installed). The service's side is a ``DataServerClient`` as
 ``DataServerTrainer`` builds it (window mosaic, 114 padding, centred letterbox) against
 ``dataserver.data.yolo_set`` (the same augmentation after composition, ``YoloAugment``),
 each batch converted into the dict Ultralytics' collate makes. Mosaic and regular (close
-mosaic), first epoch (Ultralytics reads every image; the service with no store, so every
-source is decoded) and epoch 2+ (Ultralytics ``cache="ram"``; the service with its store,
-warmed by one untimed epoch). Each run in a fresh process, sides alternating.
+mosaic), first epoch (Ultralytics reads every image; the service a fresh server each round,
+default flags, so every source is decoded once and stored as the user's first epoch does)
+and epoch 2+ (Ultralytics ``cache="ram"``; the service with its store, warmed by one untimed
+epoch). Each run in a fresh process, sides alternating.
 
 Ultralytics is imported only by the side processes of this figure (an optional extra).
 """
@@ -19,6 +20,7 @@ Ultralytics is imported only by the side processes of this figure (an optional e
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import tempfile
@@ -139,49 +141,50 @@ CASES = (
 
 def fig_ultralytics(args: argparse.Namespace, spec: str, progress: Progress) -> dict[str, Any]:
     """Both loaders in each of ``CASES``, rounds alternating: images/s and CPU ms per
-    image (every process of each side)."""
+    image (every process of each side).
+
+    First epoch: a fresh server with default flags each round (its store on, empty), the
+    timed window inside the epoch (``--batches`` capped to what the epoch holds after the
+    warm-up); Ultralytics reads and decodes every image. Epoch 2: one server whose store
+    the side warms with an untimed epoch; Ultralytics ``cache="ram"``."""
     import importlib.util
 
     if importlib.util.find_spec("ultralytics") is None:
         return {"skipped": "ultralytics is not installed (pip install -e '.[ultralytics]')"}
     annotations = Path(spec.split(":")[1])
-    nc = len(json.loads(annotations.read_text())["categories"])
+    doc = json.loads(annotations.read_text())
+    nc, count = len(doc["categories"]), len(doc["images"])
+    first_batches = max(1, min(args.batches, count // args.batch_size - WARMUP - 1))
     result: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="dataserver-yolo-") as tmp:
         images = yolo_layout(annotations, Path(tmp))
-        dataset_args = json.dumps({"annotations": str(annotations)})
+        flags = ["--dataset", "dataserver.data.yolo_set:yolo_set", "--workers", str(args.workers)]
+        flags += ["--dataset-args", json.dumps({"annotations": str(annotations)})]
         for mode, when in CASES:
-            store = ["--cache-gb", "2"] if when == "epoch2" else ["--cache-gb", "0"]
-            warm = 1 if when == "epoch2" else 0
-            flags = ["--dataset", "dataserver.data.yolo_set:yolo_set"]
-            flags += ["--dataset-args", dataset_args, "--workers", str(args.workers), *store]
+            warm = int(when == "epoch2")
+            batches = args.batches if warm else first_batches
             runs: dict[str, list[dict[str, Any]]] = {"ultralytics": [], "dataserver": []}
-            with server(flags) as (address, pids):
+            with contextlib.ExitStack() as stack:
+                shared = stack.enter_context(server([*flags, "--cache-gb", "2"])) if warm else None
                 for r in range(args.rounds):
-                    for name in ("ultralytics", "dataserver"):
-                        if name == "ultralytics":
-                            out = run_side(
-                                "ultralytics",
-                                args,
-                                spec=str(images),
-                                spec_args=str(nc),
-                                mode=mode,
-                                warm_epochs=warm,
-                            )
-                        else:
-                            out = run_side(
-                                "yolo_service",
-                                args,
-                                address=address,
-                                server_pids=",".join(map(str, pids)),
-                                mode=mode,
-                                warm_epochs=warm,
-                            )
-                        runs[name].append(out)
-                        progress(
-                            f"round {r + 1}/{args.rounds}: {mode} {when} {name} "
-                            f"{out['images_per_s']:,.0f} images/s"
-                        )
+                    out = run_side(
+                        "ultralytics", args, spec=str(images), spec_args=str(nc), mode=mode,
+                        warm_epochs=warm, batches=batches,
+                    )  # fmt: skip
+                    runs["ultralytics"].append(out)
+                    progress(
+                        f"round {r + 1}: {mode} {when} ultralytics {out['images_per_s']:,.0f}/s"
+                    )
+                    with contextlib.ExitStack() as fresh:
+                        address, pids = shared or fresh.enter_context(server(flags))
+                        out = run_side(
+                            "yolo_service", args, address=address, mode=mode, warm_epochs=warm,
+                            server_pids=",".join(map(str, pids)), batches=batches,
+                        )  # fmt: skip
+                    runs["dataserver"].append(out)
+                    progress(
+                        f"round {r + 1}: {mode} {when} dataserver {out['images_per_s']:,.0f}/s"
+                    )
             ul = med([o["images_per_s"] for o in runs["ultralytics"]])
             ds = med([o["images_per_s"] for o in runs["dataserver"]])
             result[f"{mode}_{when}"] = {
@@ -192,7 +195,11 @@ def fig_ultralytics(args: argparse.Namespace, spec: str, progress: Progress) -> 
                     med([_ms(o) for o in runs["ultralytics"]]), 2
                 ),
                 "dataserver_cpu_ms_per_image": round(med([_ms(o) for o in runs["dataserver"]]), 2),
-                "others_cpu_share": [o.get("others_cpu_share") for o in runs["dataserver"]],
+                "timed_batches": batches,
+                "others_cpu_share": max(
+                    o.get("others_cpu_share") or 0.0
+                    for o in runs["ultralytics"] + runs["dataserver"]
+                ),
             }
     return result
 
