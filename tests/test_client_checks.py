@@ -81,10 +81,12 @@ class FakeServer:
         answer: Callable[[Task], Answer],
         dataset_len: int = N,
         fingerprint: str = "fake",
+        categories: Any = (),
     ) -> None:
         self.answer = answer
         self.dataset_len = dataset_len
         self.fingerprint = fingerprint
+        self.categories = tuple(categories)
         self.ctx: zmq.Context[Any] = zmq.Context()
         self.data = self.ctx.socket(zmq.ROUTER)
         self.control = self.ctx.socket(zmq.SUB)
@@ -120,6 +122,7 @@ class FakeServer:
                 server_id="fake-server",
                 dataset_len=self.dataset_len,
                 fingerprint=self.fingerprint,
+                categories=self.categories,
                 workers=2,
                 credit=4,
                 control=self.control_endpoint,
@@ -160,7 +163,7 @@ def real() -> Iterator[Server]:
 
 def fake_beside(real: Server, answer: Callable[[Task], Answer]) -> FakeServer:
     w = welcome_of(real.address)
-    return FakeServer(answer, w.dataset_len, w.fingerprint)
+    return FakeServer(answer, w.dataset_len, w.fingerprint, w.categories)
 
 
 def epoch(client: DataServerClient, number: int = 0) -> list[Any]:
