@@ -194,6 +194,7 @@ class DataServerClient:
         self.dataset_len: int = info.dataset_len
         self.fingerprint: str = info.fingerprint
         self._categories: tuple[tuple[int, str], ...] = info.categories
+        self._sizes: tuple[tuple[int, int], ...] = info.sizes
         self._epoch = 0
         self._feedback_seq = 0
         self._active = False
@@ -364,6 +365,13 @@ class DataServerClient:
         announces none. Servers of one job announcing different ones are refused as
         servers of another dataset are."""
         return list(self._categories)
+
+    @property
+    def sizes(self) -> list[tuple[int, int]]:
+        """The dataset's per-sample (h, w), index by index, as its servers announce them
+        (a dataset's optional ``sizes``, at most 65536: what aspect-grouped batches are
+        planned from, e.g. Ultralytics' rect validation); [] when it announces none."""
+        return list(self._sizes)
 
     @property
     def image_size(self) -> tuple[int, int] | MultiScale:

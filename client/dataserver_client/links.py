@@ -94,6 +94,7 @@ class DatasetInfo:
     fingerprint: str
     address: str  # the server that announced it
     categories: tuple[tuple[int, str], ...] = ()  # its (label, name) pairs
+    sizes: tuple[tuple[int, int], ...] = ()  # its per-sample (h, w), when it announces them
 
 
 @dataclass(frozen=True)
@@ -129,6 +130,12 @@ def welcome_problem(
             f"servers disagree on the dataset's categories: {dataset.address} announces "
             f"{len(dataset.categories)}, {address} {len(msg.categories)} "
             f"(first difference: {_first_difference(dataset.categories, msg.categories)})",
+        )
+    if dataset is not None and tuple(tuple(hw) for hw in msg.sizes) != dataset.sizes:
+        return WelcomeProblem(
+            Problem.OTHER_DATASET,
+            f"servers disagree on the dataset's sizes: {dataset.address} announces "
+            f"{len(dataset.sizes)}, {address} {len(msg.sizes)}",
         )
     if max(config.sizes.stored_hw) > msg.max_image_side:
         return WelcomeProblem(
@@ -719,7 +726,10 @@ class Links:
         problem = welcome_problem(link.address, msg, self.dataset, self.config)
         if problem is None and self.dataset is None:
             categories = tuple((int(label), str(name)) for label, name in msg.categories)
-            self.dataset = DatasetInfo(msg.dataset_len, msg.fingerprint, link.address, categories)
+            sizes = tuple((int(h), int(w)) for h, w in msg.sizes)
+            self.dataset = DatasetInfo(
+                msg.dataset_len, msg.fingerprint, link.address, categories, sizes
+            )
         return problem
 
     def joined(self, link: ServerLink) -> None:

@@ -41,10 +41,15 @@ class CocoDataset:
         if not self.image_dir.is_dir():
             raise ValueError(f"image directory {self.image_dir} does not exist")
         self.files: list[str] = []
+        # (height, width) as the file's images list them (None: not given)
+        self.image_hw: list[tuple[int, int] | None] = []
         by_id: dict[Any, int] = {}
         for entry in doc["images"]:
             by_id[entry["id"]] = len(self.files)
             self.files.append(str(entry["file_name"]))
+            h, w = entry.get("height"), entry.get("width")
+            ok = all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (h, w))
+            self.image_hw.append((h, w) if ok else None)
         boxes: list[list[list[float]]] = [[] for _ in self.files]
         labels: list[list[int]] = [[] for _ in self.files]
         for ann in doc.get("annotations", []):

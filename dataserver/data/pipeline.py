@@ -85,11 +85,20 @@ def read(dataset: Any, index: int) -> Sample:
     return as_sample(index, raw)
 
 
-def fit(sample: Sample, fit_hw: Sequence[int]) -> Source:
-    """``sample`` resized to fit (H, W) keeping its aspect ratio, as CHW planes; boxes
-    scaled by the exact per-axis factors, clipped, degenerate ones dropped."""
+def scales_up(dataset: Any) -> bool:
+    """Whether sources of ``dataset`` may be enlarged to fit: unless it says ``scaleup =
+    False`` (Ultralytics' ``LetterBox(scaleup=False)``: a dataset that serves its images at
+    their final size, e.g. ``yolo_set`` in mode "val"; they are only shrunk when they do
+    not fit, and otherwise placed unscaled in a larger canvas)."""
+    return getattr(dataset, "scaleup", True) is not False
+
+
+def fit(sample: Sample, fit_hw: Sequence[int], scaleup: bool = True) -> Source:
+    """``sample`` resized to fit (H, W) keeping its aspect ratio (``scaleup=False``: only
+    shrunk), as CHW planes; boxes scaled by the exact per-axis factors, clipped,
+    degenerate ones dropped."""
     height, width = sample.image.shape[:2]
-    new_h, new_w = fit_size(height, width, int(fit_hw[0]), int(fit_hw[1]))
+    new_h, new_w = fit_size(height, width, int(fit_hw[0]), int(fit_hw[1]), scaleup)
     image = sample.image
     if (new_h, new_w) != (height, width):
         image = cv2.resize(image, (new_w, new_h), interpolation=cv2.INTER_LINEAR)
@@ -114,14 +123,14 @@ def _scaled(
 
 def prepare(dataset: Any, index: int, fit_hw: Sequence[int]) -> Source:
     """``read`` then ``fit``: what a worker does on a store miss."""
-    return fit(read(dataset, index), fit_hw)
+    return fit(read(dataset, index), fit_hw, scales_up(dataset))
 
 
-def refit(source: Source, fit_hw: Sequence[int]) -> Source:
+def refit(source: Source, fit_hw: Sequence[int], scaleup: bool = True) -> Source:
     """``source`` (fitted to the stored size) fitted into ``fit_hw``, keeping its aspect
-    ratio; itself when it fits exactly already."""
+    ratio (``scaleup=False``: only shrunk); itself when it fits exactly already."""
     _, height, width = source.image.shape
-    new_h, new_w = fit_size(height, width, int(fit_hw[0]), int(fit_hw[1]))
+    new_h, new_w = fit_size(height, width, int(fit_hw[0]), int(fit_hw[1]), scaleup)
     if (new_h, new_w) == (height, width):
         return source
     planes = np.empty((3, new_h, new_w), dtype=np.uint8)
@@ -272,13 +281,14 @@ def place(
     source: Source,
     flip: bool,
     center: bool = False,
+    scaleup: bool = True,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Write ``source`` at the top-left of the cell (y0, x0, cell_h, cell_w) of a CHW
-    ``canvas`` (``center``: centred in it, ``letterbox_offset``), fitted into the cell when
-    it is larger, mirrored when ``flip``. Returns its boxes in canvas pixels and their
-    labels (clipped; degenerate ones dropped)."""
+    ``canvas`` (``center``: centred in it, ``letterbox_offset``), fitted into the cell
+    (``scaleup=False``: only when it is larger), mirrored when ``flip``. Returns its boxes
+    in canvas pixels and their labels (clipped; degenerate ones dropped)."""
     _, height, width = source.image.shape
-    new_h, new_w = fit_size(height, width, cell_h, cell_w)
+    new_h, new_w = fit_size(height, width, cell_h, cell_w, scaleup)
     if center:
         top, left = letterbox_offset(cell_h, cell_w, new_h, new_w)
         y0, x0 = y0 + top, x0 + left
@@ -323,6 +333,7 @@ def compose_into(
     flips: Sequence[bool],
     skip_errors: bool,
     center: bool = False,
+    scaleup: bool = True,
 ) -> Composed:
     """Compose one output image into the CHW ``canvas`` (filled with the padding value)
     from ``indices`` (cell t = (t // grid, t % grid); ``center``: each source centred in
@@ -344,7 +355,7 @@ def compose_into(
             continue
         row, col = divmod(t, grid)
         boxes, labels = place(
-            canvas, row * cell_h, col * cell_w, cell_h, cell_w, source, flips[t], center
+            canvas, row * cell_h, col * cell_w, cell_h, cell_w, source, flips[t], center, scaleup
         )
         all_boxes.append(boxes)
         all_labels.append(labels)
@@ -353,7 +364,7 @@ def compose_into(
         content = None
         if grid == 1:
             _, height, width = source.image.shape
-            new_h, new_w = fit_size(height, width, out_h, out_w)
+            new_h, new_w = fit_size(height, width, out_h, out_w, scaleup)
             top, left = letterbox_offset(out_h, out_w, new_h, new_w) if center else (0, 0)
             content = (top, left, new_h, new_w)
         return Composed(all_boxes[1], all_labels[1], kept, failed, content)
@@ -363,7 +374,8 @@ def compose_into(
 def finished(dataset: Any, index: int, stored: Source, recipe: Recipe, draw: Draw = None) -> Source:
     """A source as stored (fitted to ``recipe.stored_hw``) made ready to compose: fitted
     into the batch's size, then augmented (``draw``: see ``augmented``). Never stored."""
-    source = stored if recipe.stored_hw == recipe.fit_hw else refit(stored, recipe.fit_hw)
+    grow = scales_up(dataset)
+    source = stored if recipe.stored_hw == recipe.fit_hw else refit(stored, recipe.fit_hw, grow)
     return augmented(dataset, index, source, recipe, draw)
 
 
@@ -389,7 +401,8 @@ def compose_image(
         layout, grid = "grid", 1
     hook = hook_of(dataset)
     if layout != "mosaic":
-        return _compose_grid(canvas, get_source, indices, grid, recipe, skip_errors, hook)
+        grow = scales_up(dataset)
+        return _compose_grid(canvas, get_source, indices, grid, recipe, skip_errors, hook, grow)
     flips = [flip_of(recipe.seed, recipe.epoch, i) for i in indices]
     from dataserver.data.mosaic import compose_mosaic, mosaic_rng
 
@@ -425,15 +438,16 @@ def _compose_grid(
     recipe: Recipe,
     skip_errors: bool,
     hook: Hook | None,
+    scaleup: bool = True,
 ) -> Composed:
     """``compose_into`` as ``recipe`` says, then ``hook`` (which flips the whole image, as
     Ultralytics does: its sources are not mirrored)."""
     center = recipe.letterbox == "center"
     if hook is None:
         flips = [flip_of(recipe.seed, recipe.epoch, i) for i in indices]
-        return compose_into(canvas, get_source, indices, grid, flips, skip_errors, center)
+        return compose_into(canvas, get_source, indices, grid, flips, skip_errors, center, scaleup)
     flat = [False] * len(indices)
-    done = compose_into(canvas, get_source, indices, grid, flat, skip_errors, center)
+    done = compose_into(canvas, get_source, indices, grid, flat, skip_errors, center, scaleup)
     return _after(hook, canvas, None, done, indices[0], recipe, skip_errors)
 
 

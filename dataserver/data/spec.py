@@ -23,7 +23,12 @@ from typing import Any
 from dataserver.data.coco import CocoDataset
 from dataserver.data.synthetic import SyntheticDataset
 from dataserver.protocol.fields import MAX_LABEL
-from dataserver.protocol.messages import MAX_CATEGORIES, MAX_CATEGORY_NAME
+from dataserver.protocol.messages import (
+    MAX_CATEGORIES,
+    MAX_CATEGORY_NAME,
+    MAX_ORIG_SIDE,
+    MAX_SIZES,
+)
 
 DEFAULT_SPEC = "synthetic"
 _PLUGIN = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
@@ -170,3 +175,28 @@ def dataset_categories(dataset: Any) -> tuple[tuple[int, str], ...]:
     if len({label for label, _ in out}) != len(out):
         raise SpecError("dataset categories name a label twice")
     return tuple(out)
+
+
+def dataset_sizes(dataset: Any, size: int) -> tuple[tuple[int, int], ...]:
+    """The dataset's ``sizes`` (attribute or property: one (h, w) per index, each side a
+    positive int), checked, as a WELCOME announces them; () when it has none. At most
+    ``MAX_SIZES`` (an order sorted by metadata is bounded); ``SpecError`` says what is
+    wrong."""
+    raw = getattr(dataset, "sizes", None)
+    if raw is None:
+        return ()
+    if size > MAX_SIZES:
+        raise SpecError(
+            f"a dataset announces at most {MAX_SIZES} sizes (for aspect-grouped batches); "
+            f"this one has {size} samples"
+        )
+    try:
+        out = tuple((int(h), int(w)) for h, w in raw)
+    except (TypeError, ValueError):
+        raise SpecError("dataset sizes must be (h, w) pairs of ints, one per index") from None
+    if len(out) != size:
+        raise SpecError(f"dataset sizes: {len(out)} sizes for {size} samples")
+    for index, (h, w) in enumerate(out):
+        if not (1 <= h <= MAX_ORIG_SIDE and 1 <= w <= MAX_ORIG_SIDE):
+            raise SpecError(f"dataset size {index} {(h, w)} is not 1..{MAX_ORIG_SIDE} a side")
+    return out

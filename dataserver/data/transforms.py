@@ -38,9 +38,14 @@ def keep_valid(boxes: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.nd
     return boxes[keep], labels[keep]
 
 
-def fit_size(height: int, width: int, out_h: int, out_w: int) -> tuple[int, int]:
-    """Size (h, w) of an image scaled to fit (out_h, out_w) keeping its aspect ratio."""
+def fit_size(
+    height: int, width: int, out_h: int, out_w: int, scaleup: bool = True
+) -> tuple[int, int]:
+    """Size (h, w) of an image scaled to fit (out_h, out_w) keeping its aspect ratio
+    (``scaleup=False``: never enlarged, only shrunk when it does not fit)."""
     scale = min(out_h / height, out_w / width)
+    if not scaleup:
+        scale = min(scale, 1.0)
     new_h = min(out_h, max(1, round(height * scale)))
     new_w = min(out_w, max(1, round(width * scale)))
     return new_h, new_w

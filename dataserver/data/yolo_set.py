@@ -4,6 +4,14 @@ the synthetic one) whose ``augment_composed`` is ``dataserver.data.yolo.YoloAugm
     dataserver serve --dataset dataserver.data.yolo_set:yolo_set \\
         --dataset-args '{"annotations": "train/annotations.json"}'
 
+Validation (``"mode": "val"``): the COCO set served as Ultralytics' val loader reads it
+(``YoloVal``): in aspect order, each image's long side resized to ``imgsz`` (default 640,
+the trainer's ``imgsz``), never mirrored, never enlarged by the pipeline, with its
+per-sample sizes announced for rect batches (``DataServerTrainer`` builds them)::
+
+    dataserver serve --dataset dataserver.data.yolo_set:yolo_set \\
+        --dataset-args '{"annotations": "val/annotations.json", "mode": "val"}'
+
 The hyperparameters are Ultralytics' defaults, then those given in the dataset arguments
 (``{"hyp": {"degrees": 5.0}}``), then those the trainer sends as control values under
 ``"yolo"`` (``client.control(yolo={...})``: what ``DataServerTrainer`` does with its own
@@ -15,13 +23,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Mapping
 from functools import lru_cache
 from typing import Any
 
+import cv2
 import numpy as np
 
 from dataserver.data.coco import CocoDataset
+from dataserver.data.sample import Sample, SampleError
 from dataserver.data.synthetic import SyntheticDataset
 from dataserver.data.yolo import HYPERPARAMETERS, YoloAugment, yolo_hyp
 
@@ -78,16 +89,102 @@ def _key(values: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
     )
 
 
+class YoloVal:
+    """A COCO set served as Ultralytics' val loader (``YOLODataset`` with ``rect``) reads
+    it: index i is the i-th image in aspect order (height / width, ``argsort`` of the
+    file's images, as ``set_rectangle`` sorts them); ``sizes`` announces their (h, w) as
+    the annotation file gives them, in that order, so a trainer plans rect batches (each
+    batch's shape from its images' aspects, Ultralytics' rule); each image is resized as
+    ``load_image`` does (long side to ``imgsz``: ``ceil``, ``INTER_LINEAR``, small images
+    enlarged too) with ``orig_size`` its size as read. ``scaleup = False``: the pipeline
+    never enlarges it (``LetterBox(scaleup=False)``: placed unscaled in a batch shape
+    larger than ``imgsz``); ``augment_composed`` changes nothing (so the servers' own
+    mirror flip is off) and checks the trainer's ``imgsz`` (control ``yolo.imgsz``) is
+    this set's."""
+
+    deterministic = True
+    scaleup = False
+
+    def __init__(self, base: CocoDataset, imgsz: int = 640) -> None:
+        if not isinstance(imgsz, int) or isinstance(imgsz, bool) or imgsz < 1:
+            raise ValueError(f"imgsz must be a positive int, got {imgsz!r}")
+        sizes = getattr(base, "image_hw", None)
+        if sizes is None:
+            raise ValueError("mode 'val' serves a COCO annotation file (give 'annotations')")
+        for i, hw in enumerate(sizes):
+            if hw is None:
+                raise ValueError(
+                    f"mode 'val' needs each image's 'height' and 'width' in the annotation "
+                    f"file; image {i} ({base.files[i]}) has none"
+                )
+        self.base = base
+        self.imgsz = imgsz
+        shapes = np.array(sizes, dtype=np.int64).reshape(-1, 2)
+        self.order = (shapes[:, 0] / shapes[:, 1]).argsort()
+        self.sizes = [(int(h), int(w)) for h, w in shapes[self.order]]
+        own = getattr(base, "fingerprint", repr(base))
+        self.fingerprint = hashlib.sha1(f"{own}|val|{imgsz}".encode()).hexdigest()[:16]
+        categories = getattr(base, "categories", None)
+        if categories is not None:
+            self.categories = categories
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getitem__(self, index: int) -> Sample:
+        j = int(self.order[index])
+        try:
+            sample = self.base[j]
+        except SampleError as exc:
+            raise SampleError(index, str(exc).split(": ", 1)[-1], self.base.files[j]) from None
+        image = sample.image
+        h0, w0 = image.shape[:2]
+        r = self.imgsz / max(h0, w0)
+        boxes = sample.boxes
+        if r != 1:  # Ultralytics' load_image, rect_mode
+            w, h = min(math.ceil(w0 * r), self.imgsz), min(math.ceil(h0 * r), self.imgsz)
+            image = cv2.resize(image, (w, h), interpolation=cv2.INTER_LINEAR)
+            scale = np.array([w / w0, h / h0, w / w0, h / h0], dtype=np.float32)
+            boxes = boxes * scale
+        return Sample(image, boxes, sample.labels, sample.file, (h0, w0))
+
+    def augment_composed(
+        self, sample: dict[str, Any], rng: np.random.Generator, params: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        sent = (params.get("control") or {}).get(CONTROL_KEY) or {}
+        wanted = sent.get("imgsz")
+        if wanted is not None and int(wanted) != self.imgsz:
+            raise ValueError(
+                f"the trainer's imgsz is {wanted}; this val set resizes to imgsz={self.imgsz} "
+                "(its dataset args: serve it with the trainer's imgsz)"
+            )
+        return sample
+
+    def __repr__(self) -> str:
+        return f"YoloVal({self.base!r}, imgsz={self.imgsz})"
+
+
 def yolo_set(
     annotations: str | None = None,
     image_dir: str | None = None,
     images: int = 2048,
     seed: int = 0,
     hyp: Mapping[str, Any] | None = None,
-) -> YoloSet:
+    mode: str = "train",
+    imgsz: int = 640,
+) -> YoloSet | YoloVal:
     """The plugin factory: a COCO set at ``annotations`` (``image_dir`` defaulting to its
     folder), else the synthetic set of ``images`` from ``seed``; ``hyp`` overrides
-    Ultralytics' default hyperparameters."""
+    Ultralytics' default hyperparameters. ``mode="val"``: the COCO set for validation
+    (``YoloVal``, resized to ``imgsz``; no ``hyp``)."""
+    if mode not in ("train", "val"):
+        raise ValueError(f"mode must be 'train' or 'val', got {mode!r}")
+    if mode == "val":
+        if not annotations:
+            raise ValueError("mode 'val' serves a COCO annotation file: give 'annotations'")
+        if hyp:
+            raise ValueError("mode 'val' takes no 'hyp': validation images are not augmented")
+        return YoloVal(CocoDataset(annotations, image_dir), imgsz)
     base = (
         CocoDataset(annotations, image_dir)
         if annotations

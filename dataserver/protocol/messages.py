@@ -74,6 +74,7 @@ MAX_CATEGORIES = 4096  # (label, name) pairs a WELCOME may announce
 MAX_CATEGORY_NAME = 256  # characters of one category's name
 MAX_FILE = 1024  # characters of a sample's file name in a RESULT
 MAX_ORIG_SIDE = 1 << 20  # a sample's original side, as it says (0: unknown)
+MAX_SIZES = 1 << 16  # per-sample (h, w) a WELCOME may announce (aspect-grouped batches)
 
 # A session's secret (16..32 random bytes): chosen by the client, bound by its HELLO, and
 # named by every message that acts for the session (TASK, CONTROL, HEARTBEAT, BYE). The
@@ -92,6 +93,8 @@ Tiles0 = Annotated[tuple[U63, ...], Len(0, MAX_TILES)]
 Tag = Annotated[bytes, Len(TAG_BYTES, TAG_BYTES)]
 Category = tuple[Annotated[int, In(0, MAX_LABEL)], Annotated[str, Len(0, MAX_CATEGORY_NAME)]]
 Categories = Annotated[tuple[Category, ...], Len(0, MAX_CATEGORIES)]
+SizeSide = Annotated[int, In(1, MAX_ORIG_SIDE)]
+Sizes = Annotated[tuple[tuple[SizeSide, SizeSide], ...], Len(0, MAX_SIZES)]
 FileName = Annotated[str, Len(0, MAX_FILE)]
 OrigSide = Annotated[int, In(0, MAX_ORIG_SIDE)]
 
@@ -239,12 +242,19 @@ class Welcome(Message, kw_only=True):
     store_bytes: Annotated[int, In(0, 1 << 50)] = 0
     # The dataset's categories, its (label, name) pairs (none: it announces none).
     categories: Categories = ()
+    # The dataset's per-sample (h, w) as read, index by index (none: it announces none; a
+    # trainer groups batches by aspect with them: Ultralytics' rect validation).
+    sizes: Sizes = ()
 
     def _check(self, arrays: list[np.ndarray] | None) -> None:
         Message._check(self, arrays)
         labels = {label for label, _ in self.categories}
         if len(labels) != len(self.categories):
             raise ProtocolError("field 'categories': a label is named twice")
+        if self.sizes and len(self.sizes) != self.dataset_len:
+            raise ProtocolError(
+                f"field 'sizes': {len(self.sizes)} sizes for {self.dataset_len} samples"
+            )
 
 
 # ---------------------------------------------------------------------------- work

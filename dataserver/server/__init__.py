@@ -12,6 +12,7 @@ from dataserver.data.spec import (
     build_dataset,
     dataset_categories,
     dataset_fingerprint,
+    dataset_sizes,
     parse_spec,
 )
 from dataserver.server.config import ConfigError, ServerConfig
@@ -63,8 +64,9 @@ def serve(config: ServerConfig, on_ready: Callable[[Front], Any]) -> None:
     fingerprint = dataset_fingerprint(spec, dataset)
     deterministic = getattr(dataset, "deterministic", False) is True
     categories = dataset_categories(dataset)
+    sizes = dataset_sizes(dataset, size)
     del dataset
-    front = Front(config, size, fingerprint, deterministic, categories)
+    front = Front(config, size, fingerprint, deterministic, categories, sizes)
     previous = {
         signal.SIGINT: signal.signal(signal.SIGINT, lambda *_: front.stop()),
         # SIGTERM (a scale-down, a rolling update): drain first; a second one stops at once.

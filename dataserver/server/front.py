@@ -115,15 +115,18 @@ class Front:
         fingerprint: str,
         deterministic: bool = True,
         categories: tuple[tuple[int, str], ...] = (),
+        sizes: tuple[tuple[int, int], ...] = (),
     ) -> None:
         """``deterministic``: the dataset says its ``__getitem__`` is a pure function of
         the index (``deterministic = True``); only then may the store keep its output.
-        ``categories``: the dataset's (label, name) pairs, checked (announced in WELCOME)."""
+        ``categories``: the dataset's (label, name) pairs, checked (announced in WELCOME);
+        ``sizes``: its per-sample (h, w), checked (announced in WELCOME)."""
         self.config = config
         self.dataset_len = dataset_len
         self.fingerprint = fingerprint
         self.deterministic = deterministic
         self.categories = categories
+        self.sizes = sizes
         self.server_id = uuid.uuid4().hex[:12]
         self.n_workers = config.worker_count()
         # Credit per client: PIPELINE tasks at each worker plus as many again queued here,
@@ -437,6 +440,7 @@ class Front:
             local_token=self.local_token,
             store_bytes=self.store.capacity if self.store is not None else 0,
             categories=self.categories,
+            sizes=self.sizes,
         )
 
     def _housekeeping(self) -> None:

@@ -55,6 +55,12 @@ from ultralytics.utils import DEFAULT_CFG, LOGGER, RANK
 
 from dataserver_client.batch import Batch
 from dataserver_client.client import DataServerClient
+from dataserver_client.integrations.ultralytics_val import (
+    rect_batches,
+    rect_plan,
+    rect_problem,
+    start_rect,
+)
 from dataserver_client.resume import RANK_KEYS
 from dataserver_client.sizes import MultiScale
 
@@ -317,7 +323,8 @@ class ServedLoader:
     Each iteration serves one epoch (``sampler.set_epoch``'s; a training loader moves on to
     the next epoch by itself once one ends; a validation loader serves epoch 0 every time,
     so each validation sees the same batches). ``last_batch`` is the client's last
-    ``Batch`` (its mode, indices, size)."""
+    ``Batch`` (its mode, indices, size). ``rect``: (the shape of each batch, imgsz) of rect
+    validation batches (``ultralytics_val``)."""
 
     def __init__(
         self,
@@ -328,8 +335,10 @@ class ServedLoader:
         centred: bool,
         role: str,
         limit: int | None = None,
+        rect: tuple[list[tuple[int, int]], int] | None = None,
     ) -> None:
         self.client = client
+        self.rect = rect
         self.batch_size = client.config.batch_size
         self.drop_last = client.config.drop_last
         self.num_workers = 0
@@ -371,6 +380,9 @@ class ServedLoader:
         return self._epoch_batches()
 
     def _epoch_batches(self) -> Iterator[dict[str, Any]]:
+        if self.rect is not None:
+            yield from rect_batches(self, *self.rect)
+            return
         epoch = self._epoch
         self.client.set_epoch(epoch)
         taken = 0
@@ -438,10 +450,15 @@ def val_loader(
     batch_size: int,
     rank: int,
     warn: Any = LOGGER.warning,
+    stride: int = 32,
+    rect: bool = True,
 ) -> ServedLoader:
     """The validation loader: a ``DataServerClient`` on ``address`` in epoch order
     (``shuffle=False``), regular images letterboxed centred on 114 where the client can,
-    square ``imgsz``, sharded across the ranks."""
+    sharded across the ranks. ``rect`` (Ultralytics' val loader's): batches grouped by
+    aspect, each its own shape (``ultralytics_val``), where the val dataset announces its
+    sizes (``yolo_set`` in mode "val"); else, or without ``rect``, square ``imgsz`` (a
+    warning says why, when ``rect`` was asked for)."""
     accepted = client_parameters()
     r, world = rank_world(rank)
     extra: dict[str, Any] = {}
@@ -457,9 +474,26 @@ def val_loader(
     split = args.split or "val"
     fraction = get_split_fraction(args.fraction, split)
     labels = LabelMap(data["wire_labels"], args.classes, bool(args.single_cls), split)
+    limit = _count(client.dataset_len, fraction)
+    plan = None
+    problem = rect_problem(client, imgsz) if rect and "letterbox" in extra else None
+    if rect and problem is None and "letterbox" in extra:
+        client.control(**{CONTROL_KEY: {"imgsz": imgsz}})  # (the val set checks it is its own)
+        shapes = rect_plan(
+            client.sizes, seed=int(args.seed), rank=r, world=world, batch=int(batch_size),
+            imgsz=imgsz, stride=int(stride), limit=None if limit is None else -(-limit // world),
+        )  # fmt: skip
+        start_rect(client, shapes, imgsz)
+        plan = (shapes, imgsz)
+    elif rect:
+        warn(
+            "dataserver: validation batches are square imgsz letterboxes (Ultralytics' own val "
+            f"loader groups images by aspect, rect): {problem or 'no letterbox'}; metrics can "
+            "differ slightly"
+        )
     return ServedLoader(
-        client, labels, val=True, centred="letterbox" in extra, role=split,
-        limit=_count(client.dataset_len, fraction),
+        client, labels, val=True, centred="letterbox" in extra, role=split, limit=limit,
+        rect=plan,
     )  # fmt: skip
 
 
@@ -524,7 +558,12 @@ class DataServerValidator(DetectionValidator):
         if self._built is not None:
             self._built.close()
         data = self.data or self.served or {}
-        self._built = val_loader(dataset_path, data, self.args, batch_size, rank=-1)
+        given: Any = self.stride  # (the model's, as Ultralytics' own val loader takes it)
+        stride = int(given.max()) if hasattr(given, "max") else int(given or 32)
+        self._built = val_loader(
+            dataset_path, data, self.args, batch_size, rank=-1, stride=stride,
+            rect=bool(self.args.rect),
+        )  # fmt: skip
         return self._built
 
 
@@ -627,12 +666,10 @@ class DataServerTrainer(DetectionTrainer):
         if mode == "train":
             loader = self._train_loader(dataset_path, batch_size, rank)
         else:
-            loader = val_loader(dataset_path, self.data, self.args, batch_size, rank, self._note)
-            self._warn(
-                "val_rect",
-                "validation batches are square imgsz letterboxes (Ultralytics' own val loader "
-                "groups images by aspect, rect): metrics can differ slightly",
-            )
+            loader = val_loader(
+                dataset_path, self.data, self.args, batch_size, rank, self._note,
+                stride=int(getattr(self, "stride", 32)), rect=True,
+            )  # fmt: skip
         self._loaders[mode] = loader
         return loader
 

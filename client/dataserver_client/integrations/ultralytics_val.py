@@ -1,0 +1,127 @@
+"""Rect validation batches for ``DataServerTrainer``/``DataServerValidator``: what
+Ultralytics' own val loader (``build_yolo_dataset(..., mode="val")``, ``rect``) makes, from
+a val dataset that announces its images' sizes (``client.sizes``) and serves them as
+``load_image`` reads them: ``dataserver.data.yolo_set:yolo_set`` with ``"mode": "val"``
+(aspect order, long side resized to ``imgsz``, never mirrored or enlarged).
+
+The plan, made before the first batch is asked for: this rank's indices of the epoch
+(the served order is the aspect order; ranks take their shard, as the client shards), cut
+into batches, each batch's shape from its images' aspects by ``YOLODataset.set_rectangle``'s
+rule (``ceil(shape * imgsz / stride + pad) * stride``, ``pad`` 0.5); the loader sets each
+batch's shape with ``client.set_image_size`` before it asks for it (the servers place each
+image unscaled, centred on 114, in that shape). ``ratio_pad`` is Ultralytics' per axis
+((h / h0, w / w0), (left, top)). Torch is only used through ``ServedLoader``."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from dataserver_client.epoch import epoch_order, shard_of
+from dataserver_client.sizes import FixedSize
+
+if TYPE_CHECKING:
+    from dataserver_client.integrations.ultralytics import ServedLoader
+
+RECT_PAD = 0.5  # build_yolo_dataset's pad for mode "val"
+
+
+def load_size(h0: int, w0: int, imgsz: int) -> tuple[int, int]:
+    """(h, w) of an (h0, w0) image as Ultralytics' ``load_image`` resizes it (long side to
+    ``imgsz``, ``math.ceil``)."""
+    r = imgsz / max(h0, w0)
+    if r == 1:
+        return h0, w0
+    return min(math.ceil(h0 * r), imgsz), min(math.ceil(w0 * r), imgsz)
+
+
+def batch_shapes(
+    sizes: Sequence[tuple[int, int]], batch: int, imgsz: int, stride: int, pad: float = RECT_PAD
+) -> list[tuple[int, int]]:
+    """(H, W) of each batch of ``batch`` consecutive images of ``sizes`` (h, w), as
+    ``YOLODataset.set_rectangle`` computes them (the same float operations)."""
+    s = np.array(sizes, dtype=np.float64).reshape(-1, 2)
+    ar = s[:, 0] / s[:, 1]
+    shapes: list[list[float]] = []
+    for start in range(0, len(ar), batch):
+        ari = ar[start : start + batch]
+        mini, maxi = ari.min(), ari.max()
+        shapes.append([maxi, 1] if maxi < 1 else [1, 1 / mini] if mini > 1 else [1, 1])
+    out = np.ceil(np.array(shapes) * imgsz / stride + pad).astype(int) * stride
+    return [(int(h), int(w)) for h, w in out.reshape(-1, 2)]
+
+
+def rect_plan(
+    sizes: Sequence[tuple[int, int]],
+    *,
+    seed: int,
+    rank: int,
+    world: int,
+    batch: int,
+    imgsz: int,
+    stride: int,
+    limit: int | None = None,
+) -> list[tuple[int, int]]:
+    """The shape of each of this rank's batches of the (unshuffled) epoch 0: its shard as
+    the client cuts it (``shard_of``, ``drop_last=False``), its first ``limit`` samples."""
+    mine = shard_of(epoch_order(len(sizes), seed, 0, False), rank, world, False)
+    if limit is not None:
+        mine = mine[:limit]
+    return batch_shapes([sizes[int(i)] for i in mine], batch, imgsz, stride)
+
+
+def rect_problem(client: Any, imgsz: int) -> str | None:
+    """Why ``client``'s dataset cannot be served as rect batches, or None."""
+    sizes = getattr(client, "sizes", None)
+    if sizes is None:
+        return "this client cannot read the dataset's sizes"
+    if not sizes:
+        return (
+            "the val dataset announces no image sizes (serve it with "
+            'dataserver.data.yolo_set:yolo_set and "mode": "val" for rect batches)'
+        )
+    return None
+
+
+def start_rect(client: Any, shapes: Sequence[tuple[int, int]], imgsz: int) -> None:
+    """The first batch's shape, every source stored at the largest shape's size."""
+    widest = (max(h for h, _ in shapes), max(w for _, w in shapes))
+    first = (int(shapes[0][0]), int(shapes[0][1]))
+    client.set_image_size(FixedSize(first, store_at=widest))
+
+
+def rect_batches(loader: ServedLoader, shapes: Sequence[tuple[int, int]], imgsz: int) -> Iterator:
+    """One epoch of ``loader``'s batches in Ultralytics' format, batch k at ``shapes[k]``
+    (set before it is asked for), ``ratio_pad`` as Ultralytics' rect letterbox has it."""
+    from dataserver_client.integrations.ultralytics import _pad, yolo_batch
+
+    client = loader.client
+    client.set_epoch(0)
+    batches = iter(client)
+    current: tuple[int, int] | None = None
+    taken = k = 0
+    while True:
+        if k < len(shapes) and shapes[k] != current:
+            current = shapes[k]
+            client.set_image_size(current)
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return
+        loader.last_batch = batch
+        out = yolo_batch(batch, loader._labels, val=True, centred=True, role=loader._role)
+        out_h, out_w = batch.images.shape[2:]
+        ratio_pad = list(out["ratio_pad"])
+        for i, (h0, w0) in enumerate(out["ori_shape"]):
+            if getattr(batch, "orig_sizes", None) and batch.orig_sizes[i]:
+                new_h, new_w = load_size(int(h0), int(w0), imgsz)
+                ratio_pad[i] = ((new_h / h0, new_w / w0), _pad(new_h, new_w, out_h, out_w, True))
+        out["ratio_pad"] = tuple(ratio_pad)
+        yield out
+        k += 1
+        taken += batch.num_samples
+        if loader._limit is not None and taken >= loader._limit:
+            return
