@@ -347,6 +347,8 @@ class Engine(threading.Thread):
                 self.rejected["unexpected_type"] += 1
 
     def _check_handshake(self, started: float) -> None:
+        if self.handshake.done():  # failed already (a WELCOME refused): the loop is halting
+            return
         info = self.links.handshake()
         if info is not None:
             self.dataset_len = info.dataset_len
