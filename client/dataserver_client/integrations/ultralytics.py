@@ -592,7 +592,9 @@ class DataServerTrainer(DetectionTrainer):
     (each epoch takes that share of its epoch order: a fresh subset each epoch, where
     Ultralytics keeps its first files); ``single_cls``; ``classes``; ``resume`` (the
     client's state rides in the checkpoint under ``"dataserver"``; ``data=`` given again
-    overrides moved addresses). Validation is served from DATA's ``val`` (``split``).
+    overrides moved addresses). Validation is served from DATA's ``val`` (``split``): rect
+    batches as Ultralytics' own val loader makes them where the val dataset announces its
+    sizes (``yolo_set`` in mode "val"; ``ultralytics_val``), square ``imgsz`` otherwise.
 
     Warned about by name: ``mixup``, ``cutmix``, ``copy_paste``, ``bgr``, ``rect``,
     ``cache``, ``augmentations``, ``workers`` (set by the user), ``batch`` below 1
@@ -637,8 +639,9 @@ class DataServerTrainer(DetectionTrainer):
             if getattr(self.args, key, False):
                 self._warn(
                     key,
-                    f"{key}: served validation images are mirrored at random by the service, "
-                    "so predictions scaled back to the files are mirrored for those",
+                    f"{key}: served validation images are mirrored at random by the service "
+                    "unless the val pool is yolo_set in mode 'val', so predictions scaled "
+                    "back to the files are mirrored for those",
                 )
 
     # --------------------------------------------------------- data
