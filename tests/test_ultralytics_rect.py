@@ -263,3 +263,45 @@ def test_val_without_sizes_falls_back_with_a_warning(start_server: Any) -> None:
     finally:
         loader.close()
     assert any("square" in w and "announces no image sizes" in w for w in warnings), warnings
+
+
+def test_trainer_validates_on_rect_batches(
+    files: dict[str, Path], pool: dict[str, Any], tmp_path: Path
+) -> None:
+    """``YOLO(...).train(trainer=DataServerTrainer)`` with this val pool: its val loader is
+    rect (batch 2 x 4, several shapes, Ultralytics' rule), used for each validation and
+    the final evaluation, which report metrics."""
+    from ultralytics import YOLO
+
+    from dataserver_client.integrations.ultralytics import DataServerTrainer
+
+    args = {"annotations": str(files["annotations"]), "image_dir": str(files["root"] / "images")}
+    train = Server(
+        "--dataset", "dataserver.data.yolo_set:yolo_set", "--dataset-args", json.dumps(args),
+        workers=1,
+    )  # fmt: skip
+    shapes: list[tuple[int, int]] = []
+    lengths: list[int] = []
+
+    def on_val_end(validator: Any) -> None:
+        shapes.append(tuple(validator.dataloader.last_batch.images.shape[2:]))
+        lengths.append(len(validator.dataloader))
+
+    try:
+        yolo: Any = YOLO("yolov8n.yaml")
+        yolo.add_callback("on_val_end", on_val_end)
+        yolo.train(
+            trainer=DataServerTrainer, data={"train": train.address, "val": pool["val"]},
+            epochs=1, imgsz=IMGSZ, batch=BATCH, device="cpu", amp=False, plots=False,
+            warmup_epochs=0, project=str(tmp_path), name="run", exist_ok=True, verbose=False,
+        )  # fmt: skip
+        trainer = yolo.trainer
+        plan = trainer.test_loader.rect
+        assert plan is not None and plan[1] == IMGSZ
+        order = sorted(SHAPES, key=lambda hw: hw[0] / hw[1])
+        assert plan[0] == batch_shapes(order, 2 * BATCH, IMGSZ, STRIDE)
+        assert len(set(plan[0])) >= 2 and set(lengths) == {len(plan[0])}
+        assert len(shapes) == 2 and set(shapes) == {plan[0][-1]}, shapes  # (epoch 1, final)
+        assert "metrics/mAP50(B)" in trainer.metrics
+    finally:
+        train.stop()
