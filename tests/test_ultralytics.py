@@ -446,3 +446,14 @@ def _same_image(mine: dict[str, Any], their: dict[str, Any], i: int) -> None:
     assert bool((a[:, outside] == 114).all()) and bool((b[:, outside] == 114).all())
     difference = float((a - b).abs().float().mean())
     assert difference <= 1.0, difference  # (0.0 today: the same resize, bit for bit)
+
+
+def test_the_hyperparameters_sent_are_the_ones_the_servers_read() -> None:
+    """The trainer sends (integrations.ultralytics) exactly the names YoloAugment reads
+    (dataserver.data.yolo), under the key yolo_set reads them from: two lists kept apart so
+    that the trainer side imports no server module."""
+    from dataserver.data import yolo, yolo_set
+    from dataserver_client.integrations import ultralytics as integration
+
+    assert integration.HYPERPARAMETERS == yolo.HYPERPARAMETERS
+    assert integration.CONTROL_KEY == yolo_set.CONTROL_KEY

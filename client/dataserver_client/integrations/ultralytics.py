@@ -628,13 +628,6 @@ class DataServerTrainer(DetectionTrainer):
                 self._warn(key, f"{key}={value!r} is ignored: {why}")
         if self._user.get("workers", DEFAULT_CFG_DICT["workers"]) != DEFAULT_CFG_DICT["workers"]:
             self._warn("workers", "workers is ignored: the servers' processes prepare the data")
-        if float(self.args.fliplr) != float(DEFAULT_CFG_DICT["fliplr"]):
-            self._warn(
-                "fliplr",
-                f"fliplr={self.args.fliplr} reaches the servers' dataset, but the service also "
-                "mirrors about half of all images itself (train and val): the share mirrored "
-                "stays 1/2",
-            )
         for key in ("save_json", "save_txt"):
             if getattr(self.args, key, False):
                 self._warn(
