@@ -10,12 +10,14 @@ belong to) and the ``Handoff`` (handoff.py: finished batches for the trainer).
 Zero-stale steering lives in ``steer``: it bumps ``plan_version``, clears every batch the
 trainer has not taken, and rewinds the cursor to the first of them.
 
-Zero-stall mode flips live in ``flip``: beside the batches planned in the current mode, the
-book plans the *next* batch in the other mode too, for a trainer that steers the mode often
-(the ``Lookahead`` and its arming rule, lookahead.py: the same samples from the same shard
-position, so its sources are the ones the servers' stores hold or are decoding anyway). A mode flip promotes it to be the next batch (ready at once when it is
-complete), keeps the batch it replaces as the new lookahead (a flip back promotes it
-again), and drops the deeper batches of the old mode, cancelling their tasks by id.
+Zero-stall mode flips live in lookahead.py (the ``Lookahead``: the *next* batch planned in
+the other mode too, for a trainer that steers the mode often; its arming rule, the depth it
+keeps, and ``flip``). The book calls it at each planning pass and hands it a flip; it asks
+the book back only through the methods of ``lookahead.Plans`` (``planned``, ``plan_tasks``,
+``discard``, ``withdraw``, ``drop_deeper``, ``adopt``, ``switch``).
+
+A finished batch (delivered or failed) goes to one place, ``_route``: a rebuild's Future,
+else the lookahead, else the trainer.
 """
 
 from __future__ import annotations
@@ -32,7 +34,6 @@ from dataserver_client.assembly import Delivery, DeviceMover, HostBuffers, Infli
 from dataserver_client.config import ClientConfig
 from dataserver_client.epoch import (
     REGULAR,
-    STITCH,
     BatchPlan,
     Cursor,
     epoch_order,
@@ -118,12 +119,10 @@ class PlanBook:
         self._sealing: list[InflightBatch] = []  # complete, waiting for their buffer's seal
         self._sealing_rebuilds: list[InflightBatch] = []  # the same, of rebuilt batches
         self._parallelism = 2  # worker slots over every ready server
-        self.lookahead = Lookahead(config.lookahead and self.layout.stitch_k > 1)
+        self.lookahead = Lookahead(
+            config.lookahead and self.layout.stitch_k > 1, self.layout, handoff, self
+        )
         self.flips = self.lookahead.flips  # (what the flips did: the lookahead counts them)
-        # Batches taken in the epochs before this one, and the step this one began at: the
-        # lookahead's clock (batches taken over the client's life) is their sum with taken.
-        self._clock = 0
-        self._began_at = 0
         # The epoch's deal (an elastic resume) as plain data for snapshots, or None.
         self._deal_state: dict[str, Any] | None = None
 
@@ -172,15 +171,9 @@ class PlanBook:
         return max(1, min(images, max(want, -(-images // MAX_TASK_IMAGES))))
 
     def depth(self) -> int:
-        """Batches planned beyond the trainer: ``prefetch``, but at most 2 while the trainer
-        steers the mode often (the lookahead is armed: lookahead.py). A flip throws away every batch prepared in the old mode (and,
-        without a store, what the workers hold: ``--only feedback``, 20% of steps flipped,
-        30-45 extra decodes a flip at depth 4, 24-25 at depth 2), and the batch prepared in
-        the other mode (the lookahead, planned again at every step) queues behind those
-        already sent: at depth 4 it was ready at 3 of 13 flips of a 60 ms step."""
-        if self.lookahead.armed:
-            return min(self.config.prefetch, 2)
-        return self.config.prefetch
+        """Batches planned beyond the trainer: ``prefetch``, less while the lookahead is
+        armed (``Lookahead.depth``)."""
+        return self.lookahead.depth(self.config.prefetch)
 
     def share(self) -> int:
         """This rank's share of the ready servers' worker slots."""
@@ -275,14 +268,25 @@ class PlanBook:
 
     def _deliver(self, batch: InflightBatch) -> None:
         manifest = manifest_of(batch, self.layout, self.config.on_error)
-        delivery = self._mover.deliver(batch, batch.plan.epoch, self._buffers, manifest)
+        self._route(batch, self._mover.deliver(batch, batch.plan.epoch, self._buffers, manifest))
+
+    def _route(self, batch: InflightBatch, item: Delivery | DataServerError) -> None:
+        """Where a finished batch (delivered or failed) goes: a rebuild's Future; else the
+        lookahead, kept until a flip promotes it (the trainer gets an error only then) or
+        the step passes; else the trainer."""
         if batch in self.rebuilds:
-            self.rebuilds.finished(batch, delivery)
+            if isinstance(item, DataServerError):
+                self.rebuilds.failed(batch, item)
+            else:
+                self.rebuilds.finished(batch, item)
             return
-        if batch is self.lookahead.batch:  # kept until a flip promotes it or the step passes
-            self.lookahead.finished(delivery)
+        if batch is self.lookahead.batch:
+            self.lookahead.finished(item)
             return
-        self._handoff.put(batch.plan.step, batch.plan.plan_version, delivery)
+        step = batch.plan.step
+        if self._inflight.get(step) is batch:  # (a failed batch; a delivered one is out)
+            del self._inflight[step]
+        self._handoff.put(step, batch.plan.plan_version, item)
 
     def retry_seals(self) -> None:
         """Deliver the complete batches whose buffers could not be sealed before."""
@@ -305,15 +309,7 @@ class PlanBook:
     def fail_batch(self, batch: InflightBatch, error: DataServerError) -> None:
         self.ledger.forget(lambda r: r.batch is batch)
         self._buffers.give(batch.host)
-        if batch in self.rebuilds:
-            self.rebuilds.failed(batch, error)
-            return
-        if batch is self.lookahead.batch:  # the trainer gets the error if a flip promotes it
-            self.lookahead.finished(error)
-            return
-        step = batch.plan.step
-        self._inflight.pop(step, None)
-        self._handoff.put(step, batch.plan.plan_version, error)
+        self._route(batch, error)
 
     def fill(self, deeper: int | None = None) -> bool:
         """Plan batches until ``prefetch`` are planned beyond what the trainer has taken;
@@ -329,14 +325,10 @@ class PlanBook:
         ended = self._handoff.ended()
         for step in [s for s in self._plans if s < taken]:
             del self._plans[step]
-        idle = self.lookahead.rate.idle(self._clock + taken)  # it stopped steering: full depth
-        alt = self.lookahead.plan
-        if alt is not None and (idle or alt.step != taken):  # (or took that step as it was)
-            self._drop_alt()
+        self.lookahead.moved_on(taken)
         while not ended and cursor.step <= taken:  # the next batch first
             ended = not self._plan_next(cursor)
-        if self.lookahead.active and self.lookahead.plan is None:
-            self._plan_alt(cursor, taken)
+        self.lookahead.plan_next(cursor, taken)
         # While the landing buffers are still fresh memory (a client's first batches), a
         # deeper batch waits until its tasks would find a slot: reserving its 12 MB buffer
         # takes milliseconds of CPU that the first batch, cut for every slot, needs.
@@ -358,10 +350,10 @@ class PlanBook:
             self._handoff.end_at(cursor.step)
             return False
         self._plans[plan.step] = plan
-        self._inflight[plan.step] = self._plan_tasks(plan)
+        self._inflight[plan.step] = self.plan_tasks(plan)
         return True
 
-    def _plan_tasks(self, plan: BatchPlan, batch: InflightBatch | None = None) -> InflightBatch:
+    def plan_tasks(self, plan: BatchPlan, batch: InflightBatch | None = None) -> InflightBatch:
         """The batch's buffer and tasks: runs of consecutive images, cut where the server
         their sources belong to changes (several servers), else evenly. ``batch``: one made
         already (a rebuild), else a new one under the current control values."""
@@ -371,7 +363,7 @@ class PlanBook:
         images = plan.images
         n = len(images)
         if self.affinity.routes():
-            keys = [self._affinity(plan, j) for j in range(n)]
+            keys = [self.lookahead.key(plan, j, self.cursor) for j in range(n)]
             servers = [self.affinity.server_for(key) for key in keys]
         else:  # one server: no key goes anywhere in particular
             keys, servers = [], [None] * n
@@ -398,55 +390,51 @@ class PlanBook:
                 )
         return batch
 
-    def _affinity(self, plan: BatchPlan, j: int) -> int:
-        """The key that picks the server for image ``j`` of ``plan``: with lookahead, the
-        first sample of its group of k shard positions (one stitched image's worth), so the
-        samples that one flip may stitch together are decoded into one server's store; else
-        its first sample (the same server every epoch: cross-epoch cache hits)."""
-        first = plan.images[j].indices[0]
-        if not self.lookahead.active or self.cursor is None:
-            return first
-        k = self.layout.stitch_k
-        position = plan.start + j * self.layout.samples_per_image(plan.mode)
-        return int(self.cursor.shard[position - position % k])
-
-    def _plan_alt(self, cursor: Cursor, taken: int) -> None:
-        """Plan batch ``taken`` in the other mode, from the same shard position."""
-        primary = self._plans.get(taken)
-        if primary is not None:
-            start = primary.start
-        elif cursor.step == taken:  # the current mode has no batch left there; the other may
-            start = cursor.position
-        else:
-            return
-        other = STITCH if self._mode == REGULAR else REGULAR
-        if not self.lookahead.first_try((taken, start, other)):
-            return
-        plan = cursor.plan_at(taken, start, other)
-        if plan is None:
-            return
-        self.lookahead.hold(plan, self._plan_tasks(plan), None)
-
-    def _drop_alt(self) -> None:
-        """Forget the lookahead batch: its tasks (cancelled on the servers), its buffer."""
-        alt = self.lookahead.batch
-        if alt is not None:
-            self.ledger.forget(lambda r: r.batch is alt, cancel=True)
-            if alt in self._sealing:
-                self._sealing.remove(alt)
-            self._buffers.give(alt.host)
-        self.lookahead.hold(None, None, None)
-
     def set_lookahead(self, on: bool) -> None:
         self.lookahead.enable(on)
-        if not on and self.lookahead.plan is not None:
-            self._drop_alt()
 
     def mode_steered(self) -> bool:
-        """The trainer steers the mode (``feedback``/``set_mode``, a change or not), before
-        the next batch it takes: whether the lookahead is armed now (it steers often:
-        lookahead.py). One that steers once or twice pays nothing for the lookahead."""
-        return self.lookahead.rate.steered(self._clock + self._handoff.taken())
+        """The trainer steers the mode: whether the lookahead is armed now (lookahead.py)."""
+        return self.lookahead.steered()
+
+    # ------------------------------------------------------------ asked by the lookahead
+
+    def planned(self, step: int) -> BatchPlan | None:
+        return self._plans.get(step)
+
+    def discard(self, batch: InflightBatch) -> None:
+        self.ledger.forget(_of_batch(batch), cancel=True)
+        if batch in self._sealing:
+            self._sealing.remove(batch)
+        self._buffers.give(batch.host)
+
+    def withdraw(self, step: int, keep: InflightBatch | None) -> InflightBatch | None:
+        old = self._inflight.pop(step, None)
+        if old is None:
+            old = next((b for b in self._sealing if b.plan.step == step and b is not keep), None)
+        return old
+
+    def drop_deeper(self, step: int) -> None:
+        deeper = [b for s, b in self._inflight.items() if s > step]
+        deeper += [b for b in self._sealing if b.plan.step > step]
+        gone = set(map(id, deeper))
+        self.ledger.forget(lambda r: id(r.batch) in gone, cancel=True)
+        for batch in deeper:
+            self._inflight.pop(batch.plan.step, None)
+            self._buffers.give(batch.host)
+        self._sealing = [b for b in self._sealing if id(b) not in gone]
+        for later in [s for s in self._plans if s > step]:
+            del self._plans[later]
+
+    def adopt(self, plan: BatchPlan, batch: InflightBatch | None) -> None:
+        self._plans[plan.step] = plan
+        if batch is not None and batch not in self._sealing:
+            self._inflight[plan.step] = batch
+
+    def switch(self, mode: str, step: int, position: int) -> None:
+        assert self.cursor is not None
+        self._mode = mode
+        self.cursor.jump(step, position, mode)
 
     # ------------------------------------------------------------ commands
 
@@ -464,8 +452,7 @@ class PlanBook:
         ``planned``: ``epoch_shard``'s answer for the same arguments, computed beforehand
         (by the client, in the trainer's thread); None: computed here."""
         self.epoch = epoch
-        self._clock += max(0, self._handoff.taken() - self._began_at)
-        self._began_at = step
+        self.lookahead.epoch_began(step)
         self.plan_version += 1
         self._drop_plans()
         self.affinity.clear()
@@ -487,55 +474,10 @@ class PlanBook:
         return len(shard)
 
     def flip(self, mode: str) -> bool:
-        """Switch to ``mode`` from the next batch on by promoting the lookahead batch, which
-        is that batch in that mode (ready at once when complete). False when there is no
-        such batch: the caller then steers, planning everything again."""
+        """Switch to ``mode`` from the next batch on by promoting the lookahead batch
+        (``Lookahead.flip``). False when there is none for it: the caller then steers."""
         self.fill()  # the trainer may flip right after taking a batch: catch up first
-        alt_plan, cursor = self.lookahead.plan, self.cursor
-        if alt_plan is None or cursor is None or alt_plan.mode != mode or mode == self._mode:
-            return False
-        taken = self._handoff.taken()
-        primary = self._plans.get(taken)
-        if alt_plan.step != taken or (primary is not None and primary.start != alt_plan.start):
-            return False
-        old_ready = self._handoff.drop_from(taken)  # and the deeper batches of the old mode
-        # The old mode's batch ``taken``, at whatever stage it is, becomes the lookahead.
-        old = self._inflight.pop(taken, None)
-        if old is None:
-            old = next(
-                (
-                    b
-                    for b in self._sealing
-                    if b.plan.step == taken and b is not self.lookahead.batch
-                ),
-                None,
-            )
-        self._drop_deeper(taken)
-        new, new_ready = self.lookahead.batch, self.lookahead.ready
-        self.lookahead.hold(primary, old, old_ready)
-        self._plans[taken] = alt_plan
-        self.flips["promoted"] += 1
-        if new_ready is not None:
-            self.flips["promoted_ready"] += 1
-            self._handoff.put(taken, alt_plan.plan_version, new_ready)
-        elif new is not None and new not in self._sealing:
-            self._inflight[taken] = new
-        self._mode = mode
-        cursor.jump(taken + 1, alt_plan.stop, mode)
-        return True
-
-    def _drop_deeper(self, taken: int) -> None:
-        """Forget the batches after ``taken`` (their tasks cancelled on the servers)."""
-        deeper = [b for s, b in self._inflight.items() if s > taken]
-        deeper += [b for b in self._sealing if b.plan.step > taken]
-        gone = set(map(id, deeper))
-        self.ledger.forget(lambda r: id(r.batch) in gone, cancel=True)
-        for batch in deeper:
-            self._inflight.pop(batch.plan.step, None)
-            self._buffers.give(batch.host)
-        self._sealing = [b for b in self._sealing if id(b) not in gone]
-        for step in [s for s in self._plans if s > taken]:
-            del self._plans[step]
+        return self.cursor is not None and self.lookahead.flip(mode)
 
     def steer(
         self, mode: str, control: dict[str, Any] | None, sizes: SizeSchedule | None = None
@@ -548,7 +490,7 @@ class PlanBook:
         """
         self.plan_version += 1
         if control is None and sizes is None and mode != self._mode:
-            self.flips["replanned"] += 1
+            self.lookahead.replanned()
         self._mode = mode
         if control is not None:
             self.control = {**self.control, **control}
@@ -577,7 +519,7 @@ class PlanBook:
         host = self._buffers.take((len(plan.images), 3, *plan.out_hw))
         batch = InflightBatch(plan, host, self.control_seq, control, inline=True, on_error=on_error)
         future = self.rebuilds.add(batch)
-        self._plan_tasks(plan, batch)
+        self.plan_tasks(plan, batch)
         return future
 
     def abandon_rebuild(self, future: Any) -> None:
@@ -599,15 +541,14 @@ class PlanBook:
             host = self._buffers.take((len(plan.images), 3, *plan.out_hw))
             batch = old.again(plan, host, self.control_seq)
             self.rebuilds.replace(old, batch)
-            self._plan_tasks(plan, batch)
+            self.plan_tasks(plan, batch)
 
     def _drop_plans(self) -> None:
-        alt = self.lookahead.batch
         for batch in [*self._inflight.values(), *self._sealing]:
             self._buffers.give(batch.host)
+        alt = self.lookahead.reset()
         if alt is not None and alt not in self._sealing:
             self._buffers.give(alt.host)
-        self.lookahead.reset()
         self._sealing.clear()
         self._inflight.clear()
         self._plans.clear()

@@ -1,6 +1,7 @@
-"""The lookahead: the next batch planned in the other mode too, so that a mode flip is served
-by a batch that was ready before it (zero-stall flips), and the rule that decides which
-trainers get it.
+"""The lookahead and mode flips: the next batch planned in the other mode too, so that a mode
+flip is served by a batch that was ready before it (zero-stall flips), the rule that decides
+which trainers get it, and what a flip does. Everything that happens on a mode flip is here;
+the plan book (book.py) owns the plans and batches and is asked through ``Plans``.
 
 A lookahead batch costs a composition of every batch in the other mode (never a decode: its
 sources are the ones the servers' stores hold or are decoding anyway) and keeps the depth
@@ -12,15 +13,25 @@ composed per image delivered). So the lookahead is *armed* only by steering at a
 (``SteerRate``): a second mode steer within ``ARM_WINDOW`` batches of the one before it; and
 it disarms after ``IDLE_WINDOW`` batches with no mode steer. A trainer
 that steers rarely pays one replanned batch a steer, and nothing after.
+
+A flip (``Lookahead.flip``) promotes the lookahead batch to be the next batch (ready at once
+when it is complete), keeps the batch it replaces as the new lookahead (a flip back promotes
+it again), and drops the deeper batches of the old mode, cancelling their tasks by id. With
+no lookahead batch for the next step in that mode, the flip is a steer (book.py: everything
+not taken planned again, counted as ``replanned``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 from dataserver_client.assembly import Delivery, InflightBatch
-from dataserver_client.epoch import BatchPlan
+from dataserver_client.epoch import REGULAR, STITCH, BatchPlan, Cursor, Layout
 from dataserver_client.errors import DataServerError
+
+if TYPE_CHECKING:
+    from dataserver_client.handoff import Handoff
 
 Finished = Delivery | DataServerError
 
@@ -67,22 +78,69 @@ class SteerRate:
         return True
 
 
+class Plans(Protocol):
+    """What the lookahead asks of the plan book (book.py), which owns the session's mode, the
+    current mode's plans and the batches being answered or sealed."""
+
+    @property
+    def mode(self) -> str: ...
+
+    def planned(self, step: int) -> BatchPlan | None:
+        """The current mode's plan of batch ``step``, if planned."""
+        ...
+
+    def plan_tasks(self, plan: BatchPlan) -> InflightBatch:
+        """A new batch for ``plan``, its tasks in the ledger."""
+        ...
+
+    def discard(self, batch: InflightBatch) -> None:
+        """Forget ``batch``: its tasks (cancelled on the servers), its buffer."""
+        ...
+
+    def withdraw(self, step: int, keep: InflightBatch | None) -> InflightBatch | None:
+        """Take the current mode's batch ``step`` (not ``keep``) out of the trainer's way, at
+        whatever stage it is (being answered or sealed)."""
+        ...
+
+    def drop_deeper(self, step: int) -> None:
+        """Forget the batches after ``step`` (their tasks cancelled on the servers)."""
+        ...
+
+    def adopt(self, plan: BatchPlan, batch: InflightBatch | None) -> None:
+        """``plan`` is the plan of its step now, ``batch`` (if any) its batch in flight."""
+        ...
+
+    def switch(self, mode: str, step: int, position: int) -> None:
+        """The session's mode is ``mode``; the next batch planned is ``step`` at
+        ``position``."""
+        ...
+
+
 class Lookahead:
     """Batch ``taken`` planned in the other mode: its plan, its batch while being answered
-    or sealed, its result once finished. Off unless ``enabled`` (the config asks for it and
-    the servers keep stores) and armed by ``rate`` (the trainer steers the mode often).
-    ``flips`` counts what the flips did: promoted (served by the lookahead batch),
-    promoted_ready (it was complete already), replanned (no lookahead batch: planned
-    again)."""
+    or sealed, its result once finished; and what a flip does with it. Off unless
+    ``enabled`` (the config asks for it and the servers keep stores) and armed by ``rate``
+    (the trainer steers the mode often). ``flips`` counts what the flips did: promoted
+    (served by the lookahead batch), promoted_ready (it was complete already), replanned
+    (no lookahead batch: planned again)."""
 
-    def __init__(self, enabled: bool) -> None:
+    def __init__(
+        self, enabled: bool, layout: Layout, handoff: Handoff[Delivery], plans: Plans
+    ) -> None:
         self.enabled = enabled
         self.rate = SteerRate()
         self.flips = {"promoted": 0, "promoted_ready": 0, "replanned": 0}
+        self._layout = layout
+        self._handoff = handoff
+        self._book = plans
         self._plan: BatchPlan | None = None
         self._batch: InflightBatch | None = None
         self._ready: Finished | None = None
         self._tried: tuple[int, int, str] | None = None
+        # Batches taken in the epochs before this one, and the step this one began at: the
+        # clock of ``rate`` (batches taken over the client's life) is their sum with taken.
+        self._clock = 0
+        self._began_at = 0
 
     @property
     def armed(self) -> bool:
@@ -104,32 +162,138 @@ class Lookahead:
     def ready(self) -> Finished | None:
         return self._ready
 
-    def enable(self, on: bool) -> None:
-        self.enabled = on
-
-    def first_try(self, key: tuple[int, int, str]) -> bool:
-        """False when ``key`` (step, start, mode) was tried already: the shard has too few
-        samples left for it."""
-        if self._tried == key:
-            return False
-        self._tried = key
-        return True
-
-    def hold(
-        self, plan: BatchPlan | None, batch: InflightBatch | None, ready: Finished | None
-    ) -> None:
-        self._plan, self._batch, self._ready = plan, batch, ready
-
-    def finished(self, item: Finished) -> None:
-        """Its batch is done (delivered or failed): kept until a flip promotes it."""
-        self._batch, self._ready = None, item
-
-    def reset(self) -> None:
-        """Nothing planned, nothing tried (a new plan)."""
-        self.hold(None, None, None)
-        self._tried = None
-
     def state(self) -> LookaheadState | None:
         if self._plan is None:
             return None
         return LookaheadState(self._plan.step, self._plan.mode, self._ready is not None)
+
+    # ------------------------------------------------------------ the trainer's steers
+
+    def steered(self) -> bool:
+        """The trainer steers the mode (``feedback``/``set_mode``, a change or not), before
+        the next batch it takes: whether the lookahead is armed now (it steers often). One
+        that steers once or twice pays nothing for the lookahead."""
+        return self.rate.steered(self._clock + self._handoff.taken())
+
+    def epoch_began(self, step: int) -> None:
+        """A new epoch begins at batch ``step`` (called before the handoff begins it): the
+        batches taken in the one before go on the clock."""
+        self._clock += max(0, self._handoff.taken() - self._began_at)
+        self._began_at = step
+
+    def replanned(self) -> None:
+        """A mode flip with no lookahead batch to serve it: everything was planned again."""
+        self.flips["replanned"] += 1
+
+    def enable(self, on: bool) -> None:
+        """On or off (the servers keep stores of sources, or not); off drops its batch."""
+        self.enabled = on
+        if not on and self._plan is not None:
+            self.drop()
+
+    def depth(self, prefetch: int) -> int:
+        """Batches planned beyond the trainer: ``prefetch``, but at most 2 while the trainer
+        steers the mode often (armed). A flip throws away every batch prepared in the old
+        mode (and, without a store, what the workers hold: ``--only feedback``, 20% of steps
+        flipped, 30-45 extra decodes a flip at depth 4, 24-25 at depth 2), and the batch
+        prepared in the other mode (the lookahead, planned again at every step) queues
+        behind those already sent: at depth 4 it was ready at 3 of 13 flips of a 60 ms
+        step."""
+        if self.armed:
+            return min(prefetch, 2)
+        return prefetch
+
+    def key(self, plan: BatchPlan, j: int, cursor: Cursor | None) -> int:
+        """The key that picks the server for image ``j`` of ``plan``: while active, the
+        first sample of its group of k shard positions (one stitched image's worth), so the
+        samples that one flip may stitch together are decoded into one server's store; else
+        its first sample (the same server every epoch: cross-epoch cache hits)."""
+        first = plan.images[j].indices[0]
+        if not self.active or cursor is None:
+            return first
+        k = self._layout.stitch_k
+        position = plan.start + j * self._layout.samples_per_image(plan.mode)
+        return int(cursor.shard[position - position % k])
+
+    # ------------------------------------------------------------ planning
+
+    def moved_on(self, taken: int) -> None:
+        """The book's planning pass, before it plans the next batch: drop the lookahead
+        batch once the trainer took its step as it was, or stopped steering (full depth
+        again)."""
+        idle = self.rate.idle(self._clock + taken)
+        if self._plan is not None and (idle or self._plan.step != taken):
+            self.drop()
+
+    def plan_next(self, cursor: Cursor, taken: int) -> None:
+        """While active, plan batch ``taken`` in the other mode, from the same shard
+        position as the current mode's (the same samples)."""
+        if not self.active or self._plan is not None:
+            return
+        primary = self._book.planned(taken)
+        if primary is not None:
+            start = primary.start
+        elif cursor.step == taken:  # the current mode has no batch left there; the other may
+            start = cursor.position
+        else:
+            return
+        other = STITCH if self._book.mode == REGULAR else REGULAR
+        if self._tried == (taken, start, other):
+            return  # tried already: the shard has too few samples left for it
+        self._tried = (taken, start, other)
+        plan = cursor.plan_at(taken, start, other)
+        if plan is None:
+            return
+        self._hold(plan, self._book.plan_tasks(plan), None)
+
+    def finished(self, item: Finished) -> None:
+        """Its batch is done (delivered or failed): kept until a flip promotes it (the
+        trainer gets an error only then) or the step passes."""
+        self._batch, self._ready = None, item
+
+    def drop(self) -> None:
+        """Forget the lookahead batch: its tasks (cancelled on the servers), its buffer."""
+        if self._batch is not None:
+            self._book.discard(self._batch)
+        self._hold(None, None, None)
+
+    def reset(self) -> InflightBatch | None:
+        """Nothing planned, nothing tried (a new plan: the book drops every batch and gives
+        their buffers back). Returns the batch it held, whose buffer the caller gives."""
+        batch = self._batch
+        self._hold(None, None, None)
+        self._tried = None
+        return batch
+
+    # ------------------------------------------------------------ flips
+
+    def flip(self, mode: str) -> bool:
+        """Switch to ``mode`` from the next batch on by promoting the lookahead batch, which
+        is that batch in that mode (ready at once when complete). False when there is no
+        such batch: the caller then steers, planning everything again. The book has caught
+        up with the trainer (planned) before."""
+        promoted = self._plan
+        if promoted is None or promoted.mode != mode or mode == self._book.mode:
+            return False
+        taken = self._handoff.taken()
+        primary = self._book.planned(taken)
+        if promoted.step != taken or (primary is not None and primary.start != promoted.start):
+            return False
+        old_ready = self._handoff.drop_from(taken)  # (the deeper batches of the old mode too)
+        # The old mode's batch ``taken``, at whatever stage it is, becomes the lookahead.
+        old = self._book.withdraw(taken, self._batch)
+        self._book.drop_deeper(taken)
+        new, new_ready = self._batch, self._ready
+        self._hold(primary, old, old_ready)
+        self._book.adopt(promoted, new if new_ready is None else None)
+        self.flips["promoted"] += 1
+        if new_ready is not None:
+            self.flips["promoted_ready"] += 1
+            self._handoff.put(taken, promoted.plan_version, new_ready)
+        self._book.switch(mode, taken + 1, promoted.stop)
+        return True
+
+    def _hold(
+        self, plan: BatchPlan | None, batch: InflightBatch | None, ready: Finished | None
+    ) -> None:
+        self._plan, self._batch, self._ready = plan, batch, ready
