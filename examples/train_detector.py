@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from dataserver_client import DataServerClient, MultiScale
+from dataserver_client import DataServerClient, MultiScale, StepSizes
 from dataserver_client.stitcher import small_object_loss_ratio
 from dataserver_client.tinydet import TinyDetector
 
@@ -200,7 +200,7 @@ def main() -> None:
                 # Stale: not the mode decided after the batch before, or not the scheduled size.
                 planned = (
                     sizing.size_at(client.config.seed, epoch, batch.step)
-                    if isinstance(sizing, MultiScale)
+                    if isinstance(sizing, MultiScale | StepSizes)
                     else sizing
                 )
                 stale += batch.mode != decided or tuple(batch.image_size) != tuple(planned)

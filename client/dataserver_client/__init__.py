@@ -13,7 +13,7 @@ with DataServerClient("tcp://127.0.0.1:5555", batch_size=16) as client:
 from dataserver_client.batch import Batch
 from dataserver_client.client import DataServerClient, iterate_epochs
 from dataserver_client.errors import DataServerError, NotAuthorized, ServerUnreachable
-from dataserver_client.sizes import MultiScale
+from dataserver_client.sizes import MultiScale, StepSizes
 
 __all__ = [
     "Batch",
@@ -22,6 +22,7 @@ __all__ = [
     "MultiScale",
     "NotAuthorized",
     "ServerUnreachable",
+    "StepSizes",
     "iterate_epochs",
 ]
 __version__ = "0.1.0"

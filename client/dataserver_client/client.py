@@ -41,7 +41,7 @@ from dataserver_client.resume import (
     merge_states,
     plan_resume,
 )
-from dataserver_client.sizes import MultiScale, SizeSchedule, schedule_of
+from dataserver_client.sizes import MultiScale, SizeSchedule, StepSizes, schedule_of
 
 log = logging.getLogger("dataserver_client")
 
@@ -92,8 +92,10 @@ class DataServerClient:
     epoch's order is held in memory, 4 bytes a sample up to that size).
 
     ``image_size``: (h, w), or a ``MultiScale`` schedule (batch ``step``'s size drawn from
-    its sizes by (seed, epoch, step // every), the same on every rank, planned ahead);
-    ``set_image_size`` changes it from the next batch on. ``stitch_layout``: "spatial"
+    its sizes by (seed, epoch, step // every), the same on every rank, planned ahead), or
+    a ``StepSizes`` (batch ``step`` of every epoch at the list's ``step``-th size, the last
+    one after its end: a rank's own list, planned ahead); ``set_image_size`` changes it
+    from the next batch on. ``stitch_layout``: "spatial"
     (a sqrt(k) x sqrt(k) grid), "batch" (k smaller images) or "mosaic" (YOLO's mosaic of 4
     around a random centre, ``dataserver/data/mosaic.py``); ``set_mode`` turns any of them
     on and off (close-mosaic is ``set_mode("regular")``). ``pad_value`` (0..255; 114 for
@@ -116,7 +118,7 @@ class DataServerClient:
         self,
         addresses: str | Sequence[str],
         batch_size: int = 16,
-        image_size: tuple[int, int] | MultiScale = (512, 512),
+        image_size: tuple[int, int] | MultiScale | StepSizes = (512, 512),
         shuffle: bool = True,
         seed: int = 0,
         rank: int | None = None,
@@ -319,12 +321,14 @@ class DataServerClient:
             raise ValueError(f"mode must be 'regular' or 'stitch', got {mode!r}")
         self._steer(mode, None)
 
-    def set_image_size(self, size: tuple[int, int] | MultiScale) -> None:
+    def set_image_size(self, size: tuple[int, int] | MultiScale | StepSizes) -> None:
         """Make the next batch (and those after it) ``size`` (h, w), boxes in its pixels, or
-        follow a ``MultiScale`` schedule from the next batch on. Like ``set_mode``, the next
-        batch ``next()`` returns honours it, whatever the prefetch depth: the batches
-        prepared at the old size are planned again (a scheduled change, ``MultiScale``,
-        costs no such wait: its sizes are planned ahead)."""
+        follow a ``MultiScale`` or ``StepSizes`` schedule from the next batch on (its steps
+        counted from the epoch's start). Like ``set_mode``, the next batch ``next()``
+        returns honours it, whatever the prefetch depth: the batches prepared at the old
+        size are planned again (a scheduled change, ``MultiScale`` or ``StepSizes``, costs
+        no such wait: its sizes are planned ahead; set before an epoch starts, nothing is
+        planned yet and nothing is planned again)."""
         try:
             sizes = schedule_of(size, "set_image_size")
         except ValueError as exc:
@@ -374,11 +378,12 @@ class DataServerClient:
         return list(self._sizes)
 
     @property
-    def image_size(self) -> tuple[int, int] | MultiScale:
-        """The size schedule from the next batch on: (h, w) or a ``MultiScale``."""
+    def image_size(self) -> tuple[int, int] | MultiScale | StepSizes:
+        """The size schedule from the next batch on: (h, w), a ``MultiScale`` or a
+        ``StepSizes``."""
         self._check_open()
         sizes: SizeSchedule = self._engine.call(lambda: self._engine.book.sizes)
-        return sizes if isinstance(sizes, MultiScale) else sizes.hw
+        return sizes if isinstance(sizes, MultiScale | StepSizes) else sizes.hw
 
     def rebuild(self, manifest: dict[str, Any]) -> Batch:
         """The batch ``manifest`` (a ``batch.manifest``) names, composed again: bit-identical

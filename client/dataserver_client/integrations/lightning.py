@@ -50,7 +50,7 @@ import torch
 from dataserver_client.batch import Batch
 from dataserver_client.client import DataServerClient, EpochIterator
 from dataserver_client.errors import DataServerError
-from dataserver_client.sizes import MultiScale
+from dataserver_client.sizes import MultiScale, StepSizes
 
 log = logging.getLogger("dataserver_client")
 
@@ -243,8 +243,8 @@ class DataServerDataModule(pl.LightningDataModule):
     ``seed``, ``stitch_*``, ...).
 
     The validation client gets the same ``client_kwargs`` with ``shuffle=False`` and
-    ``drop_last=False`` (a ``MultiScale`` ``image_size`` becomes its largest size); nothing
-    steers it, so its batches are regular. With several ranks each validates its shard, as
+    ``drop_last=False`` (a ``MultiScale`` or ``StepSizes`` ``image_size`` becomes its
+    largest size); nothing steers it, so its batches are regular. With several ranks each validates its shard, as
     Lightning's ``DistributedSampler`` does (drop_last False: the last batches of some ranks
     repeat a sample or two).
 
@@ -276,7 +276,7 @@ class DataServerDataModule(pl.LightningDataModule):
         if val:
             kwargs.update(shuffle=False, drop_last=False)
             size = kwargs.get("image_size")
-            if isinstance(size, MultiScale):
+            if isinstance(size, MultiScale | StepSizes):
                 kwargs["image_size"] = size.stored_hw
         return kwargs
 

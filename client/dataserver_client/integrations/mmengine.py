@@ -84,7 +84,7 @@ from mmengine.structures import BaseDataElement, InstanceData
 from dataserver_client.batch import Batch
 from dataserver_client.client import DataServerClient
 from dataserver_client.resume import RANK_KEYS
-from dataserver_client.sizes import MultiScale
+from dataserver_client.sizes import MultiScale, StepSizes
 
 log = logging.getLogger("dataserver_client")
 
@@ -283,7 +283,7 @@ class DataServerLoader:
         # A Python expression, so a Runner can dump a config that holds the loader.
         cfg = self.client.config
         sizes = cfg.sizes
-        size = sizes if isinstance(sizes, MultiScale) else sizes.hw
+        size = sizes if isinstance(sizes, MultiScale | StepSizes) else sizes.hw
         return (
             f"DataServerLoader(DataServerClient({list(cfg.addresses)!r}, "
             f"batch_size={cfg.batch_size}, image_size={size!r}))"

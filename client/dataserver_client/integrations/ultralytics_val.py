@@ -7,10 +7,12 @@ a val dataset that announces its images' sizes (``client.sizes``) and serves the
 The plan, made before the first batch is asked for: this rank's indices of the epoch
 (the served order is the aspect order; ranks take their shard, as the client shards), cut
 into batches, each batch's shape from its images' aspects by ``YOLODataset.set_rectangle``'s
-rule (``ceil(shape * imgsz / stride + pad) * stride``, ``pad`` 0.5); the loader sets each
-batch's shape with ``client.set_image_size`` before it asks for it (the servers place each
-image unscaled, centred on 114, in that shape). ``ratio_pad`` is Ultralytics' per axis
-((h / h0, w / w0), (left, top)). Torch is only used through ``ServedLoader``."""
+rule (``ceil(shape * imgsz / stride + pad) * stride``, ``pad`` 0.5); the client follows it
+as a ``StepSizes`` schedule (batch k at shape k, set once before the first epoch starts),
+so the prefetch plans every batch at its own shape and no shape change plans a batch
+again (the servers place each image unscaled, centred on 114, in that shape).
+``ratio_pad`` is Ultralytics' per axis ((h / h0, w / w0), (left, top)). Torch is only used
+through ``ServedLoader``."""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from dataserver_client.epoch import epoch_order, shard_of
-from dataserver_client.sizes import FixedSize
+from dataserver_client.sizes import StepSizes
 
 if TYPE_CHECKING:
     from dataserver_client.integrations.ultralytics import ServedLoader
@@ -87,30 +89,23 @@ def rect_problem(client: Any, imgsz: int) -> str | None:
 
 
 def start_rect(client: Any, shapes: Sequence[tuple[int, int]], imgsz: int) -> None:
-    """The first batch's shape, every source stored at the largest shape's size."""
-    widest = (max(h for h, _ in shapes), max(w for _, w in shapes))
-    first = (int(shapes[0][0]), int(shapes[0][1]))
-    client.set_image_size(FixedSize(first, store_at=widest))
+    """Batch k of every epoch at ``shapes[k]`` (a ``StepSizes``; every source stored at the
+    largest height and width), set before any epoch starts: nothing is planned yet, so
+    nothing is planned again, and no later batch needs a ``set_image_size``."""
+    if shapes:  # (none: a rank without samples; its client keeps the square size)
+        client.set_image_size(StepSizes(shapes))
 
 
 def rect_batches(loader: ServedLoader, shapes: Sequence[tuple[int, int]], imgsz: int) -> Iterator:
     """One epoch of ``loader``'s batches in Ultralytics' format, batch k at ``shapes[k]``
-    (set before it is asked for), ``ratio_pad`` as Ultralytics' rect letterbox has it."""
+    (the client's ``StepSizes`` schedule, ``start_rect``), ``ratio_pad`` as Ultralytics'
+    rect letterbox has it."""
     from dataserver_client.integrations.ultralytics import _pad, yolo_batch
 
     client = loader.client
     client.set_epoch(0)
-    batches = iter(client)
-    current: tuple[int, int] | None = None
-    taken = k = 0
-    while True:
-        if k < len(shapes) and shapes[k] != current:
-            current = shapes[k]
-            client.set_image_size(current)
-        try:
-            batch = next(batches)
-        except StopIteration:
-            return
+    taken = 0
+    for batch in client:
         loader.last_batch = batch
         out = yolo_batch(batch, loader._labels, val=True, centred=True, role=loader._role)
         out_h, out_w = batch.images.shape[2:]
@@ -121,7 +116,6 @@ def rect_batches(loader: ServedLoader, shapes: Sequence[tuple[int, int]], imgsz:
                 ratio_pad[i] = ((new_h / h0, new_w / w0), _pad(new_h, new_w, out_h, out_w, True))
         out["ratio_pad"] = tuple(ratio_pad)
         yield out
-        k += 1
         taken += batch.num_samples
         if loader._limit is not None and taken >= loader._limit:
             return
