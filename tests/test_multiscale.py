@@ -1,8 +1,9 @@
 """Per-batch image sizes (issue 17, point 4) through the public API on real servers:
 ``set_image_size`` honoured by the very next batch whatever the prefetch, ``MultiScale``
 schedules (held for ``every`` steps, the same on every client and rank, bit-identical on
-any number of workers, in every mode and layout), sizes carried by ``state_dict`` through
-resume and elastic resume, and sources stored once at the schedule's largest size.
+any number of workers, in every mode and layout), ``StepSizes`` (a size per step, planned
+ahead), sizes carried by ``state_dict`` through resume and elastic resume, and sources
+stored once at the schedule's largest size.
 
 Images come from ``ds_plugins:flat`` (a flat colour naming each index), so every image is
 checked against ``compose_one`` run here on the same dataset: what a worker must send."""
@@ -23,9 +24,9 @@ from conftest import Server, wait_until
 from ds_plugins import FlatDataset, colour_of
 
 from dataserver.data.pipeline import compose_one
-from dataserver_client import Batch, DataServerClient, DataServerError, MultiScale
+from dataserver_client import Batch, DataServerClient, DataServerError, MultiScale, StepSizes
 from dataserver_client.epoch import epoch_order
-from dataserver_client.sizes import schedule_of
+from dataserver_client.sizes import MAX_STEPS, schedule_of
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -407,6 +408,128 @@ def test_a_multiscale_state_round_trips(servers: dict[int, Server]) -> None:
     assert resumed == rest and resumed[0]["step"] == 7
     assert [b["image_size"] for b in resumed] == [ms.size_at(SEED, 1, b["step"]) for b in resumed]
     assert sorted(delivered(head) + delivered(resumed)) == list(range(N))
+
+
+# ------------------------------------------------------------------ StepSizes
+
+STEPS = [(32, 32), (32, 32), (48, 64), (64, 48), (64, 48), (64, 48), (32, 32), (48, 64)]
+
+
+def test_step_sizes_are_the_listed_size_of_each_step_then_the_last() -> None:
+    st = StepSizes(STEPS)
+    assert len(st) == len(STEPS) and st.steps == tuple(STEPS)
+    assert st.sizes == ((32, 32), (48, 64), (64, 48))  # distinct, first seen first
+    assert st.stored_hw == (64, 64)
+    assert st.runs == (((32, 32), 2), ((48, 64), 1), ((64, 48), 3), ((32, 32), 1), ((48, 64), 1))
+    for epoch in (0, 3):  # every epoch, any seed
+        assert [st.size_at(SEED + epoch, epoch, k) for k in range(len(STEPS))] == STEPS
+    assert [st.size_at(SEED, 0, k) for k in (8, 9, 1000, 10**9)] == [(48, 64)] * 4  # the last
+    assert StepSizes([40]).size_at(0, 0, 5) == (40, 40) and StepSizes(range(8, 10)).steps == (
+        (8, 8),
+        (9, 9),
+    )
+    assert StepSizes(np.array([[16, 24], [24, 16]])).steps == ((16, 24), (24, 16))
+    # Round trips: the state (through JSON and msgpack), repr, equality, stored_at.
+    assert st.to_state() == {
+        "steps": [[32, 32, 2], [48, 64, 1], [64, 48, 3], [32, 32, 1], [48, 64, 1]]
+    }
+    for state in (
+        json.loads(json.dumps(st.to_state())),
+        msgpack.unpackb(msgpack.packb(st.to_state())),
+    ):
+        assert schedule_of(state) == st and schedule_of(state).steps == tuple(STEPS)
+    assert eval(repr(st), {"StepSizes": StepSizes}) == st
+    assert repr(StepSizes([32, 32, (48, 64)])) == "StepSizes([[32, 32]] * 2 + [[48, 64]])"
+    assert st == StepSizes(list(STEPS)) and st != StepSizes(STEPS[:-1]) and st != MultiScale(STEPS)
+    assert hash(st) == hash(StepSizes(STEPS))
+    big = st.stored_at((100, 40))
+    assert big.stored_hw == (100, 64) and big.steps == st.steps and big != st
+    assert big.to_state()["stored"] == [100, 64] and schedule_of(big.to_state()) == big
+    assert schedule_of(st) is st
+
+
+def test_bad_step_sizes_are_refused_naming_what_is_wrong() -> None:
+    with pytest.raises(ValueError, match="StepSizes: give at least one size"):
+        StepSizes([])
+    with pytest.raises(ValueError, match=r"StepSizes: size 0 must be positive"):
+        StepSizes([0])
+    with pytest.raises(ValueError, match=r"StepSizes: size 2 must be positive"):
+        StepSizes([32, 32, (48, -1)])
+    with pytest.raises(ValueError, match=r"StepSizes: size 1 must be an int or \(h, w\)"):
+        StepSizes([32, (1, 2, 3)])
+    with pytest.raises(ValueError, match="StepSizes: sizes must be a sequence"):
+        StepSizes("32")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=f"StepSizes: at most {MAX_STEPS} steps"):
+        StepSizes([32] * (MAX_STEPS + 1))
+    assert len(StepSizes([32] * MAX_STEPS)) == MAX_STEPS
+    # A loaded state: its runs checked the same way, named as the state.
+    for bad, problem in (
+        ({"steps": []}, "non-empty list"),
+        ({"steps": [[32, 32]]}, r"run 0 must be \[h, w, count\]"),
+        ({"steps": [[32, 32, 0]]}, "run 0 count must be an int >= 1"),
+        ({"steps": [[32, 32, 1], [0, 32, 1]]}, "run 1 must be positive"),
+        ({"steps": [[32, 32, MAX_STEPS], [32, 32, 1]]}, f"at most {MAX_STEPS} steps"),
+        ({"steps": [[32, 32, 1]], "every": 2}, "MultiScale or StepSizes state"),
+    ):
+        with pytest.raises(ValueError, match=problem):
+            schedule_of(bad, "state 'image_size'")
+
+
+def test_step_sizes_batches_come_at_their_sizes_and_a_resume_continues(
+    servers: dict[int, Server],
+) -> None:
+    """A client built with ``StepSizes``: each batch at its step's size (the last one past
+    the list), bit-identical to ``compose_one`` from sources stored at the widest size, the
+    same in the next epoch, no batch planned again (plan_version unmoved); a state taken
+    mid-epoch, loaded by a client built at another size, goes on at the listed sizes,
+    bit-identical to the unbroken run."""
+    st = StepSizes(STEPS)
+    kw = {"batch_size": 2, "seed": SEED, **KW}
+    want = [st.size_at(SEED, 0, k) for k in range(N // 2)]
+    with DataServerClient(servers[2].address, image_size=st, prefetch=4, **kw) as c:
+        assert c.image_size == st
+        version = c.stats()["plan_version"]
+        for epoch in (0, 1):
+            c.set_epoch(epoch)
+            batches = list(c)
+            assert [b.image_size for b in batches] == want
+            assert sorted(delivered(batches)) == list(range(N))
+            for b in batches:
+                check_batch(b, st.size_at(SEED, epoch, b.step), st.stored_hw)
+        # One plan a started epoch; the scheduled size changes planned nothing again.
+        assert c.stats()["plan_version"] == version + 2
+        c.set_epoch(2)
+        it = iter(c)
+        head = [snap(next(it)) for _ in range(5)]
+        state = c.state_dict()
+        rest = [snap(b) for b in it]
+    assert state["step"] == 5 and schedule_of(state["image_size"]) == st
+    assert [b["image_size"] for b in head] == STEPS[:5]
+    state = json.loads(json.dumps(state))
+    with DataServerClient(servers[1].address, image_size=(40, 40), **kw) as c:
+        c.load_state_dict(state)
+        assert c.image_size == st
+        resumed = [snap(b) for b in c]
+    assert resumed == rest and resumed[0]["step"] == 5
+    assert [b["image_size"] for b in resumed] == want[5:]
+    assert sorted(delivered(head) + delivered(resumed)) == list(range(N))
+
+
+def test_step_sizes_set_before_the_epoch_and_refused_beyond_the_servers(
+    servers: dict[int, Server],
+) -> None:
+    """``set_image_size(StepSizes)`` before an epoch starts is the schedule of its steps
+    from 0; a listed size the servers would refuse is refused at the call."""
+    with DataServerClient(servers[2].address, batch_size=4, image_size=(32, 32), **KW) as c:
+        with pytest.raises(ValueError, match=r"\(64, 4097\).*--max-image-side 4096"):
+            c.set_image_size(StepSizes([32, (64, 4097)]))
+        with pytest.raises(ValueError, match="too small for a 2x2 stitch"):
+            c.set_image_size(StepSizes([32, (1, 64)]))
+        assert c.image_size == (32, 32)
+        c.set_image_size(StepSizes([(48, 64), (64, 48)]))
+        c.set_epoch(0)
+        sizes = [b.image_size for b in c]
+    assert sizes == [(48, 64)] + [(64, 48)] * (N // 4 - 1)
 
 
 # ------------------------------------------------------------------ store

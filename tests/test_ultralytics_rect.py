@@ -9,6 +9,7 @@ square batches with a warning naming why."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from pathlib import Path
@@ -207,6 +208,77 @@ def test_rect_val_sharded_across_ranks(pool: dict[str, Any], monkeypatch: Any) -
         finally:
             loader.close()
     assert sorted(seen) == [f"{i:04d}.jpg" for i in range(len(SHAPES))]
+
+
+def _settled(server: Server) -> int:
+    """Images the server has composed (its STATS ``images_done``) once the count stops
+    moving (a worker's DONE reaches the front after its result reached the client)."""
+    import time
+
+    last, same = -1, 0
+    deadline = time.monotonic() + 30
+    while same < 3 and time.monotonic() < deadline:
+        now = int(server.stats()["counters"].get("images_done", 0))
+        same = same + 1 if now == last else 0
+        last = now
+        time.sleep(0.1)
+    return last
+
+
+def test_rect_val_composes_no_batch_twice(
+    files: dict[str, Path], start_server: Any, monkeypatch: Any
+) -> None:
+    """Batch 2 (10 batches, the shape changing at most of them), prefetch 4: the client
+    follows the plan as a ``StepSizes`` schedule set once before the epoch, so no shape
+    change plans the prefetch again and the server composes each image once per
+    validation (composed / delivered <= 1.02, as test_lookahead measures twins); the
+    batches are still at the plan's shapes. (Setting each batch's shape with
+    ``set_image_size`` before it, as the loader did, plans the prefetch again at each
+    change and fails this.)"""
+    from ultralytics.cfg import get_cfg
+
+    from dataserver_client import DataServerClient, StepSizes
+
+    args = {
+        "annotations": str(files["annotations"]),
+        "image_dir": str(files["root"] / "images"),
+        "mode": "val",
+        "imgsz": IMGSZ,
+    }
+    server = start_server(
+        "--dataset", "dataserver.data.yolo_set:yolo_set", "--dataset-args", json.dumps(args),
+        workers=1,
+    )  # fmt: skip
+    calls: list[Any] = []
+    original = DataServerClient.set_image_size
+
+    def counted(self: Any, size: Any) -> None:
+        calls.append(size)
+        original(self, size)
+
+    monkeypatch.setattr(DataServerClient, "set_image_size", counted)
+    address = {"train": server.address, "val": server.address}
+    data = served_data(address)
+    cfg: Any = get_cfg(overrides={"imgsz": IMGSZ, "data": address})
+    loader: Any = val_loader(server.address, data, cfg, 2, rank=-1, stride=STRIDE)
+    try:
+        shapes = loader.rect[0]
+        changes = sum(a != b for a, b in itertools.pairwise(shapes))
+        assert len(shapes) == 10 and changes >= 5, shapes
+        assert calls == [StepSizes(shapes)]  # once, before any epoch started
+        assert loader.client.image_size == StepSizes(shapes).stored_at((IMGSZ, IMGSZ))
+        before = _settled(server)
+        runs = [list(loader), list(loader)]  # two validations
+        after = _settled(server)
+        stats = loader.client.stats()
+    finally:
+        loader.close()
+    assert len(calls) == 1
+    for run in runs:
+        assert [tuple(b["img"].shape[2:]) for b in run] == shapes
+    delivered = sum(len(b["im_file"]) for run in runs for b in run)
+    assert delivered == 2 * len(SHAPES)
+    assert after - before <= 1.02 * delivered, (after - before, delivered, stats["plan_version"])
 
 
 def _model(nc: int) -> Any:

@@ -56,9 +56,10 @@ from ultralytics.utils import DEFAULT_CFG, LOGGER, RANK
 from dataserver_client.batch import Batch
 from dataserver_client.client import DataServerClient
 from dataserver_client.integrations.ultralytics_val import (
-    rect_batches,
+    letterbox_pad,
     rect_plan,
     rect_problem,
+    rect_ratio_pad,
     start_rect,
 )
 from dataserver_client.resume import RANK_KEYS
@@ -218,13 +219,6 @@ def _fit(h0: int, w0: int, out_h: int, out_w: int) -> tuple[float, int, int]:
     return gain, min(out_h, max(1, round(h0 * gain))), min(out_w, max(1, round(w0 * gain)))
 
 
-def _pad(new_h: int, new_w: int, out_h: int, out_w: int, centred: bool) -> tuple[int, int]:
-    """(left, top) of a letterboxed image, Ultralytics' ``LetterBox`` rounding."""
-    if not centred:
-        return 0, 0
-    return round((out_w - new_w) / 2 - 0.1), round((out_h - new_h) / 2 - 0.1)
-
-
 def yolo_batch(batch: Batch, labels: LabelMap, *, val: bool, centred: bool, role: str) -> dict:
     """``batch`` as Ultralytics' ``collate_fn`` makes a batch (keys in its sorted order).
 
@@ -260,7 +254,7 @@ def yolo_batch(batch: Batch, labels: LabelMap, *, val: bool, centred: bool, role
         gain, new_h, new_w = _fit(h0, w0, out_h, out_w)
         ori_shape.append((h0, w0))
         if val:
-            ratio_pad.append(((gain, gain), _pad(new_h, new_w, out_h, out_w, centred)))
+            ratio_pad.append(((gain, gain), letterbox_pad(new_h, new_w, out_h, out_w, centred)))
         else:
             ratio_pad.append((gain, gain))
     return {
@@ -381,7 +375,7 @@ class ServedLoader:
 
     def _epoch_batches(self) -> Iterator[dict[str, Any]]:
         if self.rect is not None:
-            yield from rect_batches(self, *self.rect)
+            yield from self._rect_batches(self.rect[1])
             return
         epoch = self._epoch
         self.client.set_epoch(epoch)
@@ -397,6 +391,21 @@ class ServedLoader:
         if not self._val:
             self._epoch = epoch + 1
             self.client.set_epoch(epoch + 1)
+
+    def _rect_batches(self, imgsz: int) -> Iterator[dict[str, Any]]:
+        """One epoch of rect validation batches: batch k at the plan's k-th shape (the
+        client's ``StepSizes`` schedule, ``ultralytics_val.start_rect``), ``ratio_pad`` as
+        Ultralytics' rect letterbox has it."""
+        self.client.set_epoch(0)
+        taken = 0
+        for batch in self.client:
+            self.last_batch = batch
+            out = yolo_batch(batch, self._labels, val=True, centred=True, role=self._role)
+            out["ratio_pad"] = rect_ratio_pad(batch, out, imgsz)
+            yield out
+            taken += batch.num_samples
+            if self._limit is not None and taken >= self._limit:
+                return
 
     def reset(self) -> None:
         """Nothing to restart: a mode change reaches the very next batch."""

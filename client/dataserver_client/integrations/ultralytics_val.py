@@ -17,16 +17,13 @@ through ``ServedLoader``."""
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 from dataserver_client.epoch import epoch_order, shard_of
 from dataserver_client.sizes import StepSizes
-
-if TYPE_CHECKING:
-    from dataserver_client.integrations.ultralytics import ServedLoader
 
 RECT_PAD = 0.5  # build_yolo_dataset's pad for mode "val"
 
@@ -96,26 +93,24 @@ def start_rect(client: Any, shapes: Sequence[tuple[int, int]], imgsz: int) -> No
         client.set_image_size(StepSizes(shapes))
 
 
-def rect_batches(loader: ServedLoader, shapes: Sequence[tuple[int, int]], imgsz: int) -> Iterator:
-    """One epoch of ``loader``'s batches in Ultralytics' format, batch k at ``shapes[k]``
-    (the client's ``StepSizes`` schedule, ``start_rect``), ``ratio_pad`` as Ultralytics'
-    rect letterbox has it."""
-    from dataserver_client.integrations.ultralytics import _pad, yolo_batch
+def letterbox_pad(new_h: int, new_w: int, out_h: int, out_w: int, centred: bool) -> tuple[int, int]:
+    """(left, top) of a letterboxed image, Ultralytics' ``LetterBox`` rounding."""
+    if not centred:
+        return 0, 0
+    return round((out_w - new_w) / 2 - 0.1), round((out_h - new_h) / 2 - 0.1)
 
-    client = loader.client
-    client.set_epoch(0)
-    taken = 0
-    for batch in client:
-        loader.last_batch = batch
-        out = yolo_batch(batch, loader._labels, val=True, centred=True, role=loader._role)
-        out_h, out_w = batch.images.shape[2:]
-        ratio_pad = list(out["ratio_pad"])
-        for i, (h0, w0) in enumerate(out["ori_shape"]):
-            if getattr(batch, "orig_sizes", None) and batch.orig_sizes[i]:
-                new_h, new_w = load_size(int(h0), int(w0), imgsz)
-                ratio_pad[i] = ((new_h / h0, new_w / w0), _pad(new_h, new_w, out_h, out_w, True))
-        out["ratio_pad"] = tuple(ratio_pad)
-        yield out
-        taken += batch.num_samples
-        if loader._limit is not None and taken >= loader._limit:
-            return
+
+def rect_ratio_pad(batch: Any, out: dict[str, Any], imgsz: int) -> tuple:
+    """``out``'s ``ratio_pad`` (``yolo_batch``'s of ``batch``) as Ultralytics' rect
+    letterbox has it: per axis, each image ``load_image``'s size of its original one,
+    centred in the batch's shape."""
+    out_h, out_w = batch.images.shape[2:]
+    ratio_pad = list(out["ratio_pad"])
+    for i, (h0, w0) in enumerate(out["ori_shape"]):
+        if getattr(batch, "orig_sizes", None) and batch.orig_sizes[i]:
+            new_h, new_w = load_size(int(h0), int(w0), imgsz)
+            ratio_pad[i] = (
+                (new_h / h0, new_w / w0),
+                letterbox_pad(new_h, new_w, out_h, out_w, True),
+            )
+    return tuple(ratio_pad)
