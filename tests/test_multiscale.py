@@ -437,7 +437,8 @@ def test_step_sizes_are_the_listed_size_of_each_step_then_the_last() -> None:
         json.loads(json.dumps(st.to_state())),
         msgpack.unpackb(msgpack.packb(st.to_state())),
     ):
-        assert schedule_of(state) == st and schedule_of(state).steps == tuple(STEPS)
+        loaded = schedule_of(state)
+        assert isinstance(loaded, StepSizes) and loaded == st and loaded.steps == tuple(STEPS)
     assert eval(repr(st), {"StepSizes": StepSizes}) == st
     assert repr(StepSizes([32, 32, (48, 64)])) == "StepSizes([[32, 32]] * 2 + [[48, 64]])"
     assert st == StepSizes(list(STEPS)) and st != StepSizes(STEPS[:-1]) and st != MultiScale(STEPS)

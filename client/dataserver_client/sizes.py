@@ -164,9 +164,11 @@ class StepSizes:
     again (``set_image_size`` before each batch would). Sources are stored at the largest
     height and width (``stored_hw``).
 
-    Held as runs of equal sizes (its state too: ``{"steps": [[h, w, count], ...]}``)."""
+    Held as runs of equal sizes (its state too: ``{"steps": [[h, w, count], ...]}``). A
+    job-wide state (gathered or merged) carries rank 0's schedule for every rank: lists
+    that differ by rank resume from each rank's own ``state_dict(gather=False)``."""
 
-    def __init__(self, sizes: Sequence[int | Sequence[int]]) -> None:
+    def __init__(self, sizes: Sequence[int | Sequence[int]] | np.ndarray) -> None:
         if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Sequence | np.ndarray):
             raise ValueError(f"StepSizes: sizes must be a sequence of sizes, got {sizes!r}")
         if len(sizes) == 0:
