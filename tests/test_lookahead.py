@@ -190,10 +190,14 @@ def settled(server: Any) -> int:
     return last
 
 
-def test_a_one_time_set_mode_composes_no_twins_and_keeps_the_depth(start_server: Any) -> None:
-    """Mosaic from the start, close-mosaic after 20 batches: two steers far apart. No
-    lookahead batch is ever planned, both steers plan again (zero stale), and from the
-    second batch after the close every image composed is one delivered."""
+@pytest.mark.parametrize("close_after", [20, 8])
+def test_a_one_time_set_mode_composes_no_twins_and_keeps_the_depth(
+    start_server: Any, close_after: int
+) -> None:
+    """Mosaic from the start, close-mosaic after 20 batches (or 8: closer than two steers
+    that arm, ARM_WINDOW, but the first one only picked the starting mode). No lookahead
+    batch is ever planned, both steers plan again (zero stale), and from the second batch
+    after the close every image composed is one delivered."""
     n = 400
     server = start_server("--dataset", f"synthetic:images={n},seed=5", workers=2)
     with DataServerClient(
@@ -209,9 +213,9 @@ def test_a_one_time_set_mode_composes_no_twins_and_keeps_the_depth(start_server:
         c.set_mode("stitch")
         c.set_epoch(0)
         it = iter(c)
-        batches = [next(it) for _ in range(20)]
+        batches = [next(it) for _ in range(close_after)]
         assert all(b.mode == "stitch" for b in batches)
-        c.set_mode("regular")  # close-mosaic, 20 batches after the first steer
+        c.set_mode("regular")  # close-mosaic, close_after batches after the first steer
         batches += [next(it), next(it)]
         assert batches[-1].mode == batches[-2].mode == "regular"
         before = settled(server)

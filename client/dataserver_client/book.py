@@ -393,9 +393,10 @@ class PlanBook:
     def set_lookahead(self, on: bool) -> None:
         self.lookahead.enable(on)
 
-    def mode_steered(self) -> bool:
-        """The trainer steers the mode: whether the lookahead is armed now (lookahead.py)."""
-        return self.lookahead.steered()
+    def mode_steered(self, changes: bool = True) -> bool:
+        """The trainer steers the mode (``changes``: to another mode than the current one):
+        whether the lookahead is armed now (lookahead.py)."""
+        return self.lookahead.steered(changes)
 
     # ------------------------------------------------------------ asked by the lookahead
 

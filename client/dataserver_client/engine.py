@@ -392,7 +392,7 @@ class Engine(threading.Thread):
         that come often arm the lookahead (lookahead.py); the same mode again changes
         nothing else."""
         if control is None:
-            self.book.mode_steered()
+            self.book.mode_steered(changes=mode != self.book.mode)
             if mode == self.book.mode:
                 return self.book.plan_version
             if self.book.flip(mode):

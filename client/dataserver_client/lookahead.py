@@ -10,8 +10,10 @@ steers the mode often (Stitcher's feedback, every step); a waste for one that st
 or twice (mosaic from the start, close-mosaic): one ``set_mode("regular")`` left every later
 batch composed twice and at depth 2 (0.22 of a client that never steered, 1.85 images
 composed per image delivered). So the lookahead is *armed* only by steering at a rate
-(``SteerRate``): a second mode steer within ``ARM_WINDOW`` batches of the one before it; and
-it disarms after ``IDLE_WINDOW`` batches with no mode steer. A trainer
+(``SteerRate``): a second mode steer within ``ARM_WINDOW`` batches of the one before it
+(a change of mode before the client's first batch, mosaic from the start, is the mode it
+starts in and does not count); and it disarms after ``IDLE_WINDOW`` batches with no mode
+steer. A trainer
 that steers rarely pays one replanned batch a steer, and nothing after.
 
 A flip (``Lookahead.flip``) promotes the lookahead batch to be the next batch (ready at once
@@ -169,11 +171,16 @@ class Lookahead:
 
     # ------------------------------------------------------------ the trainer's steers
 
-    def steered(self) -> bool:
-        """The trainer steers the mode (``feedback``/``set_mode``, a change or not), before
-        the next batch it takes: whether the lookahead is armed now (it steers often). One
-        that steers once or twice pays nothing for the lookahead."""
-        return self.rate.steered(self._clock + self._handoff.taken())
+    def steered(self, changes: bool = True) -> bool:
+        """The trainer steers the mode (``feedback``/``set_mode``; ``changes``: to another
+        mode), before the next batch it takes: whether the lookahead is armed now (it steers
+        often). One that steers once or twice pays nothing for the lookahead. A change
+        before the client's first batch picks the mode it starts in (mosaic from the
+        start): configuration, not steering, so it is not counted."""
+        now = self._clock + self._handoff.taken()
+        if changes and now == 0:
+            return self.rate.armed
+        return self.rate.steered(now)
 
     def epoch_began(self, step: int) -> None:
         """A new epoch begins at batch ``step`` (called before the handoff begins it): the
