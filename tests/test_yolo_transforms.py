@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
+import cv2
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -29,9 +30,12 @@ from dataserver.data.yolo import (
     draw_perspective,
     flip_horizontal,
     flip_vertical,
+    hsv_within,
     output_size,
+    perspective_matrix,
     random_hsv,
     random_perspective,
+    warped_extent,
     yolo_hyp,
 )
 
@@ -446,3 +450,31 @@ def test_import_does_not_load_torch() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize("width", [640, 97])
+def test_hsv_of_the_picture_rows_only_is_the_same_bytes(width: int) -> None:
+    """A regular image's HSV run on the rows its warped picture reaches (``warped_extent``),
+    the padding rows made from one padding row (``hsv_within``): byte for byte the HSV of
+    the whole image, for the draws of many images, degrees and shears included; the rows
+    left out are padding only, and some images leave rows out."""
+    rng = np.random.default_rng(11)
+    saved = 0
+    for _ in range(24):
+        out_h = int(rng.integers(64, 200))
+        ih, iw = int(rng.integers(8, out_h)), int(rng.integers(8, width))
+        picture = rng.integers(0, 256, (ih, iw, 3), dtype=np.uint8)
+        hyp = HYPS[int(rng.integers(0, 3))]
+        draw = draw_perspective(rng, **hyp)
+        m = perspective_matrix(draw, (ih, iw), (out_h, width))
+        warped = cv2.warpAffine(picture, m[:2], (width, out_h), borderValue=(114,) * 4)
+        top, _, bottom, _ = warped_extent(m, (ih, iw), (out_h, width))
+        assert (warped[:top] == 114).all() and (warped[bottom:] == 114).all()
+        saved += out_h - (bottom - top)
+        draws = draw_hsv(rng)
+        for gains in ((0.015, 0.7, 0.4), (0.5, 0.0, 0.9)):
+            whole = random_hsv(warped, *gains, draws)
+            np.testing.assert_array_equal(
+                hsv_within(warped, (top, bottom), 114, gains, draws), whole
+            )
+    assert saved > 0

@@ -5,7 +5,8 @@ Ultralytics' side is its own ``build_yolo_dataset`` + ``build_dataloader`` (2 wo
 CPU its trainer would force ``workers=0``, which would flatter us), on a YOLO-format copy of
 the bench's COCO set (labels written here, images linked), with its default augmentation
 (mosaic, RandomPerspective, HSV, flips; Albumentations' blur/gray/CLAHE at p=0.01 where
-albumentations is installed). The service's side is a ``DataServerClient`` as
+albumentations is installed), glibc told to keep large blocks (``keep_large_blocks``) as for
+the DataLoader baseline. The service's side is a ``DataServerClient`` as
 ``DataServerTrainer`` builds it (window mosaic, 114 padding, centred letterbox) against
 ``dataserver.data.yolo_set`` (the same augmentation after composition, ``YoloAugment``),
 each batch converted into the dict Ultralytics' collate makes. Mosaic and regular (close
@@ -30,6 +31,7 @@ from typing import Any
 
 from dataserver.bench.common import Progress, med, run_side, server
 from dataserver.bench.cpu import WARMUP, timed
+from dataserver.server.memory import keep_large_blocks
 
 
 def yolo_layout(annotations: Path, out: Path) -> Path:
@@ -67,6 +69,10 @@ def ultralytics_side(args: argparse.Namespace) -> dict[str, Any]:
     """Ultralytics' own loader: images/s over ``args.batches`` batches after the warm-up,
     with its workers' CPU."""
     os.environ.setdefault("YOLO_OFFLINE", "1")
+    # Its strongest form: glibc keeps large freed blocks for reuse, as the tuned DataLoader
+    # baseline and the servers do (the forked workers inherit it), so that no side pays
+    # fresh-page faults on every image (docs/DESIGN-NOTES.md, "The DataLoader baseline").
+    keep_large_blocks()
     from ultralytics.cfg import get_cfg
     from ultralytics.data.build import build_dataloader, build_yolo_dataset
     from ultralytics.utils import DEFAULT_CFG

@@ -234,8 +234,12 @@ def mosaic4_canvas(
         else:  # bottom right
             x1a, y1a, x2a, y2a = xc, yc, min(xc + w, big_w), min(big_h, yc + h)
             x1b, y1b, x2b, y2b = 0, 0, min(w, x2a - x1a), min(y2a - y1a, h)
-        for c in range(3):  # (CHW planes into the HWC canvas)
-            canvas[y1a:y2a, x1a:x2a, c] = source.image[c, y1b:y2b, x1b:x2b]
+        if y2a > y1a and x2a > x1a:  # CHW planes into the HWC canvas, in place
+            planes = [source.image[c, y1b:y2b, x1b:x2b] for c in range(3)]
+            cell = canvas[y1a:y2a, x1a:x2a]
+            merged = cv2.merge(planes, dst=cell)
+            if merged is not cell and not np.shares_memory(merged, canvas):
+                cell[...] = merged  # (OpenCV wrote a new array: not expected, kept right)
         if len(source.boxes):
             padw, padh = x1a - x1b, y1a - y1b
             boxes = np.asarray(source.boxes, np.float32) + np.array(

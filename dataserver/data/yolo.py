@@ -247,6 +247,48 @@ def random_hsv(
     return np.asarray(cv2.cvtColor(cv2.LUT(hsv, lut), cv2.COLOR_HSV2RGB))
 
 
+def warped_extent(
+    m: np.ndarray, in_hw: tuple[int, int], out_hw: tuple[int, int], margin: int = 2
+) -> tuple[int, int, int, int]:
+    """(top, left, bottom, right) of the output outside which an affine ``warpAffine`` of an
+    ``in_hw`` image by ``m`` with a constant border is that border alone: the bounds of the
+    input grown by one pixel (bilinear reads a neighbour) through ``m``, and ``margin``
+    pixels more for OpenCV's fixed-point coordinates; clipped to the output."""
+    h, w = in_hw
+    corners = np.array([[-1, -1, 1], [w, -1, 1], [-1, h, 1], [w, h, 1]], np.float64)
+    xy = corners @ np.asarray(m[:2], np.float64).T
+    out_h, out_w = out_hw
+    left = min(out_w, max(0, math.floor(xy[:, 0].min()) - margin))
+    right = max(left, min(out_w, math.ceil(xy[:, 0].max()) + margin + 1))
+    top = min(out_h, max(0, math.floor(xy[:, 1].min()) - margin))
+    bottom = max(top, min(out_h, math.ceil(xy[:, 1].max()) + margin + 1))
+    return top, left, bottom, right
+
+
+def hsv_within(
+    image: np.ndarray,
+    rows: tuple[int, int],
+    pad_value: int,
+    gains: tuple[float, float, float],
+    draws: np.ndarray,
+) -> np.ndarray:
+    """``random_hsv`` of an image whose rows outside ``rows`` (top, bottom) are all
+    ``pad_value``: the same bytes, the conversion run on those rows only. HSV is a function
+    of each pixel alone and OpenCV converts row by row (its vector and scalar code may round
+    a pixel differently, by its column), so every padding row becomes what one padding row
+    becomes, and the band converts as it does inside the whole image."""
+    top, bottom = rows
+    width = image.shape[1]
+    out = np.empty_like(image)
+    if top > 0 or bottom < image.shape[0]:
+        pad_row = random_hsv(np.full((1, width, 3), pad_value, np.uint8), *gains, draws)
+        out[:top] = pad_row
+        out[bottom:] = pad_row
+    if bottom > top:
+        out[top:bottom] = random_hsv(image[top:bottom], *gains, draws)
+    return out
+
+
 def flip_vertical(image: np.ndarray, boxes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The image upside down (a new contiguous array) and its xyxy boxes mirrored."""
     h = image.shape[0]
@@ -308,23 +350,31 @@ class YoloAugment:
         bh, bw = params.get("border", (0, 0))
         h, w = params["image_size"]
         content = params.get("content")
-        image, boxes, labels = random_perspective(
+        draw = draw_perspective(
+            rng, self.degrees, self.translate, self.scale, self.shear, self.perspective
+        )
+        image, boxes, labels = apply_perspective(
             image,
             boxes,
             labels,
-            rng,
+            draw,
             border=(int(bh), int(bw)),
             size=(int(h), int(w)),
-            degrees=self.degrees,
-            translate=self.translate,
-            scale=self.scale,
-            shear=self.shear,
             perspective=self.perspective,
             pad_value=self.pad_value,
             content=content,
         )
         if self.hsv_h or self.hsv_s or self.hsv_v:
-            image = random_hsv(image, self.hsv_h, self.hsv_s, self.hsv_v, draw_hsv(rng))
+            gains = (self.hsv_h, self.hsv_s, self.hsv_v)
+            if content is not None and not self.perspective:
+                # A regular image: above and below its warped picture the output is the
+                # border (often a quarter of it): its HSV is one border row's.
+                in_hw = (int(content[2]), int(content[3]))
+                m = perspective_matrix(draw, in_hw, image.shape[:2])
+                top, _, bottom, _ = warped_extent(m, in_hw, image.shape[:2])
+                image = hsv_within(image, (top, bottom), self.pad_value, gains, draw_hsv(rng))
+            else:
+                image = random_hsv(image, *gains, draw_hsv(rng))
         if rng.random() < self.flipud:
             image, boxes = flip_vertical(image, boxes)
         if rng.random() < self.fliplr:
