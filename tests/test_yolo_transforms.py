@@ -22,6 +22,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dataserver.data.pipeline import compose_one
 from dataserver.data.yolo import (
     PerspectiveDraw,
     YoloAugment,
@@ -478,3 +479,68 @@ def test_hsv_of_the_picture_rows_only_is_the_same_bytes(width: int) -> None:
                 hsv_within(warped, (top, bottom), 114, gains, draws), whole
             )
     assert saved > 0
+
+
+class _Augmented:
+    """The synthetic set with ``aug`` as its ``augment_composed`` (no ``mosaic_region``:
+    every mosaic canvas built whole)."""
+
+    deterministic = True
+
+    def __init__(self, aug: YoloAugment) -> None:
+        from dataserver.data.synthetic import SyntheticDataset
+
+        self.base = SyntheticDataset(images=32, seed=4)
+        self.aug = aug
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.base[index]
+
+    def augment_composed(self, sample: Any, rng: np.random.Generator, params: Any) -> Any:
+        return self.aug(sample, rng, params)
+
+
+class _Regional(_Augmented):
+    """The same, building only the part of each mosaic the warp reads."""
+
+    def mosaic_region(self, rng: np.random.Generator, params: Any) -> Any:
+        return self.aug.mosaic_region(rng, params)
+
+
+@pytest.mark.parametrize("aug", [AUGMENTS[0], AUGMENTS[1], YoloAugment(scale=(0.3, 1.7))])
+def test_a_mosaic_built_only_where_the_warp_reads_is_the_same_bytes(aug: YoloAugment) -> None:
+    """``mosaic_region``: the pipeline builds only the part of the 2H x 2W canvas the warp
+    reads, and every output (pixels, boxes, labels) is byte for byte the whole canvas's;
+    the region is smaller than the canvas for most mosaics."""
+    from dataserver.data.composed import composed_rng
+
+    whole, regional = _Augmented(aug), _Regional(aug)
+    smaller = 0
+    for anchor in range(24):
+        indices = [anchor, (anchor + 5) % 32, (anchor + 11) % 32, (anchor + 17) % 32]
+        outs = [
+            compose_one(ds, indices, 2, (96, 128), (96, 128), 7, 1, mode="stitch",
+                        layout="mosaic", pad_value=114, letterbox="center", partners=True)
+            for ds in (whole, regional)
+        ]  # fmt: skip
+        (a, ca), (b, cb) = outs
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(ca.boxes, cb.boxes)
+        np.testing.assert_array_equal(ca.labels, cb.labels)
+        region = aug.mosaic_region(
+            composed_rng(7, 1, anchor), {"image_size": (96, 128), "mosaic": True}
+        )
+        assert region is not None
+        top, left, bottom, right = region
+        smaller += (bottom - top) * (right - left) < 192 * 256
+    assert smaller >= 12
+    assert aug.mosaic_region(np.random.default_rng(0), {"image_size": (96, 128)}) is None
+    assert (
+        YoloAugment(perspective=0.001).mosaic_region(
+            np.random.default_rng(0), {"image_size": (96, 128), "mosaic": True}
+        )
+        is None
+    )

@@ -9,11 +9,16 @@ never repeats ``augment``'s draws for the same index) and ``augment``'s params p
 ``dataserver.data.mosaic.mosaic4_canvas``), anything else as composed (H x W, border
 (0, 0); a regular image also with ``"content"``, the (top, left, h, w) its picture covers).
 Its answer must be exactly the output's (H, W); its boxes are clipped to it and degenerate
-ones dropped; anything else is a ``SampleError`` naming the anchor.
+ones dropped; anything else is a ``SampleError`` naming the anchor. A hook that reads only
+part of a mosaic's canvas says which with ``mosaic_region(rng, params)`` (``region_of``: on
+the hook or on the dataset it is a method of; given a copy of the generator the hook gets
+and the params it gets): only that part is built (padding and tiles), the rest of the
+canvas it is handed is left unwritten.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -44,6 +49,38 @@ def hook_of(dataset: Any) -> Hook | None:
     """The dataset's ``augment_composed``, or None."""
     hook = getattr(dataset, "augment_composed", None)
     return hook if callable(hook) else None
+
+
+def region_of(hook: Hook) -> Callable[..., Any] | None:
+    """The ``mosaic_region(rng, params)`` of ``hook`` (or of the dataset it is a method of),
+    or None: a hook that says which part of a mosaic's 2H x 2W canvas it reads (the rest is
+    then never built; ``YoloAugment``'s warp reads about a third of it)."""
+    for owner in (hook, getattr(hook, "__self__", None)):
+        found = getattr(owner, "mosaic_region", None)
+        if callable(found):
+            return found
+    return None
+
+
+def _region(
+    finder: Callable[..., Any],
+    anchor: int,
+    rng: np.random.Generator,
+    params: Mapping[str, Any],
+    big_hw: tuple[int, int],
+) -> tuple[int, int, int, int] | None:
+    """``finder``'s (top, left, bottom, right) of the canvas, checked (a SampleError naming
+    the anchor otherwise); None: the whole canvas."""
+    try:
+        region = finder(rng, params)
+    except Exception as exc:
+        raise SampleError(anchor, f"mosaic_region raised {type(exc).__name__}: {exc}") from None
+    if region is None:
+        return None
+    top, left, bottom, right = (int(v) for v in region)
+    if not (0 <= top <= bottom <= big_hw[0] and 0 <= left <= right <= big_hw[1]):
+        raise SampleError(anchor, f"mosaic_region {region} is not inside the {big_hw} canvas")
+    return top, left, bottom, right
 
 
 def run_hook(
@@ -107,8 +144,15 @@ def after_composition(
     else:
         if mosaic_rng is None:
             raise ValueError("a mosaic needs its generator")
-        image, boxes, labels = mosaic4_canvas(sources, (out_h, out_w), pad_value, mosaic_rng)
         params.update(border=(-out_h // 2, -out_w // 2), mosaic=True)
+        finder = region_of(hook)
+        region = None
+        if finder is not None:  # its draws from a copy of the hook's own generator
+            big = (2 * out_h, 2 * out_w)
+            region = _region(finder, int(params["index"]), copy.deepcopy(rng), params, big)
+        image, boxes, labels = mosaic4_canvas(
+            sources, (out_h, out_w), pad_value, mosaic_rng, region
+        )
     anchor = int(params["index"])
     out, boxes, labels = run_hook(hook, anchor, image, boxes, labels, rng, params, (out_h, out_w))
     cv2.split(out, [canvas[0], canvas[1], canvas[2]])

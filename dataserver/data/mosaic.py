@@ -193,11 +193,52 @@ def compose_mosaic(
     return np.concatenate(all_boxes), np.concatenate(all_labels)
 
 
+def _quadrant(
+    t: int, xc: int, yc: int, h: int, w: int, big_h: int, big_w: int
+) -> tuple[int, int, int, int, int, int]:
+    """``_mosaic4``'s placement of an h x w source in cell ``t`` around (yc, xc): its canvas
+    rectangle (x1a, y1a, x2a, y2a) and the source pixel (x1b, y1b) at its top-left."""
+    if t == 0:  # top left
+        x1a, y1a, x2a, y2a = max(xc - w, 0), max(yc - h, 0), xc, yc
+        return x1a, y1a, x2a, y2a, w - (x2a - x1a), h - (y2a - y1a)
+    if t == 1:  # top right
+        x1a, y1a, x2a, y2a = xc, max(yc - h, 0), min(xc + w, big_w), yc
+        return x1a, y1a, x2a, y2a, 0, h - (y2a - y1a)
+    if t == 2:  # bottom left
+        x1a, y1a, x2a, y2a = max(xc - w, 0), yc, xc, min(big_h, yc + h)
+        return x1a, y1a, x2a, y2a, w - (x2a - x1a), 0
+    x1a, y1a, x2a, y2a = xc, yc, min(xc + w, big_w), min(big_h, yc + h)  # bottom right
+    return x1a, y1a, x2a, y2a, 0, 0
+
+
+def _place(
+    canvas: np.ndarray,
+    planes: np.ndarray,
+    cell: tuple[int, int, int, int],
+    origin: tuple[int, int],
+    region: tuple[int, int, int, int],
+) -> None:
+    """The CHW ``planes`` into the HWC ``canvas`` at ``cell`` (y1, x1, y2, x2), the source
+    pixel ``origin`` (y, x) at its top-left, only inside ``region`` (top, left, bottom,
+    right); in place (cv2.merge into the view)."""
+    top, left = max(cell[0], region[0]), max(cell[1], region[1])
+    bottom, right = min(cell[2], region[2]), min(cell[3], region[3])
+    if bottom <= top or right <= left:
+        return
+    sy, sx = origin[0] + top - cell[0], origin[1] + left - cell[1]
+    parts = [planes[c, sy : sy + bottom - top, sx : sx + right - left] for c in range(3)]
+    view = canvas[top:bottom, left:right]
+    merged = cv2.merge(parts, dst=view)
+    if merged is not view and not np.shares_memory(merged, canvas):
+        view[...] = merged  # (OpenCV wrote a new array: not expected, kept right)
+
+
 def mosaic4_canvas(
     sources: Sequence[Source | None],
     out_hw: tuple[int, int],
     pad_value: int,
     rng: np.random.Generator,
+    region: tuple[int, int, int, int] | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The mosaic as Ultralytics' ``Mosaic._mosaic4`` leaves it for its ``RandomPerspective``
     (what a dataset's ``augment_composed`` is given): a (2H, 2W, 3) uint8 canvas filled with
@@ -207,7 +248,10 @@ def mosaic4_canvas(
     padding) at their own size, no scaling and no mirroring, touching the centre with their
     bottom-right, bottom-left, top-right and top-left corners and cut at the canvas' edge;
     their boxes offset, clipped to the canvas and those without area dropped (``_cat_labels``).
-    Returns (canvas, boxes float32 (M, 4) xyxy, labels int64 (M,))."""
+    Returns (canvas, boxes float32 (M, 4) xyxy, labels int64 (M,)). ``region`` (top, left,
+    bottom, right): only that part of the canvas is written (padding and tiles), the rest
+    left as allocated, for a reader that reads nothing else (``composed.region_of``); the
+    boxes are the same."""
     if len(sources) > CELLS:
         raise ValueError(f"a mosaic has at most {CELLS} sources, got {len(sources)}")
     out_h, out_w = int(out_hw[0]), int(out_hw[1])
@@ -215,31 +259,21 @@ def mosaic4_canvas(
     by, bx = -out_h // 2, -out_w // 2
     yc = int(-by + (big_h + by - -by) * rng.random())
     xc = int(-bx + (big_w + bx - -bx) * rng.random())
-    canvas = np.full((big_h, big_w, 3), pad_value, dtype=np.uint8)
+    if region is None:
+        canvas = np.full((big_h, big_w, 3), pad_value, dtype=np.uint8)
+        rt, rl, rb, rr = 0, 0, big_h, big_w
+    else:
+        rt, rl, rb, rr = region
+        canvas = np.empty((big_h, big_w, 3), dtype=np.uint8)
+        canvas[rt:rb, rl:rr] = pad_value
     all_boxes = [np.zeros((0, 4), dtype=np.float32)]
     all_labels = [np.zeros((0,), dtype=np.int64)]
     for t, source in enumerate(sources):
         if source is None:
             continue
         _, h, w = source.image.shape
-        if t == 0:  # top left
-            x1a, y1a, x2a, y2a = max(xc - w, 0), max(yc - h, 0), xc, yc
-            x1b, y1b, x2b, y2b = w - (x2a - x1a), h - (y2a - y1a), w, h
-        elif t == 1:  # top right
-            x1a, y1a, x2a, y2a = xc, max(yc - h, 0), min(xc + w, big_w), yc
-            x1b, y1b, x2b, y2b = 0, h - (y2a - y1a), min(w, x2a - x1a), h
-        elif t == 2:  # bottom left
-            x1a, y1a, x2a, y2a = max(xc - w, 0), yc, xc, min(big_h, yc + h)
-            x1b, y1b, x2b, y2b = w - (x2a - x1a), 0, w, min(y2a - y1a, h)
-        else:  # bottom right
-            x1a, y1a, x2a, y2a = xc, yc, min(xc + w, big_w), min(big_h, yc + h)
-            x1b, y1b, x2b, y2b = 0, 0, min(w, x2a - x1a), min(y2a - y1a, h)
-        if y2a > y1a and x2a > x1a:  # CHW planes into the HWC canvas, in place
-            planes = [source.image[c, y1b:y2b, x1b:x2b] for c in range(3)]
-            cell = canvas[y1a:y2a, x1a:x2a]
-            merged = cv2.merge(planes, dst=cell)
-            if merged is not cell and not np.shares_memory(merged, canvas):
-                cell[...] = merged  # (OpenCV wrote a new array: not expected, kept right)
+        x1a, y1a, x2a, y2a, x1b, y1b = _quadrant(t, xc, yc, h, w, big_h, big_w)
+        _place(canvas, source.image, (y1a, x1a, y2a, x2a), (y1b, x1b), (rt, rl, rb, rr))
         if len(source.boxes):
             padw, padh = x1a - x1b, y1a - y1b
             boxes = np.asarray(source.boxes, np.float32) + np.array(

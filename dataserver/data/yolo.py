@@ -381,6 +381,37 @@ class YoloAugment:
             image, boxes = flip_horizontal(image, boxes)
         return {**sample, "image": image, "boxes": boxes, "labels": labels}
 
+    def mosaic_region(
+        self, rng: np.random.Generator, params: Mapping[str, Any]
+    ) -> tuple[int, int, int, int] | None:
+        """The part (top, left, bottom, right) of a mosaic's 2H x 2W canvas that ``__call__``
+        with this generator (a copy of the one it will get) and ``params`` reads: where the
+        output's pixels come from through the inverse of M, grown by 3 pixels (a bilinear
+        read's neighbour, and OpenCV's float coordinates); None (the whole canvas) for
+        ``perspective``, or for an image that is not a mosaic. Pipelines build only that
+        part (``dataserver.data.composed.region_of``); the output is the same bytes."""
+        if self.perspective or not params.get("mosaic"):
+            return None
+        h, w = (int(v) for v in params["image_size"])
+        big_h, big_w = 2 * h, 2 * w
+        draw = draw_perspective(
+            rng, self.degrees, self.translate, self.scale, self.shear, self.perspective
+        )
+        m = np.asarray(perspective_matrix(draw, (big_h, big_w), (h, w)), np.float64)
+        try:
+            inverse = np.linalg.inv(m)
+        except np.linalg.LinAlgError:
+            return None
+        corners = np.array([[0, 0, 1], [w - 1, 0, 1], [0, h - 1, 1], [w - 1, h - 1, 1]], float)
+        xy = corners @ inverse[:2].T
+        if not np.isfinite(xy).all():
+            return None
+        top = min(big_h, max(0, math.floor(xy[:, 1].min()) - 3))
+        left = min(big_w, max(0, math.floor(xy[:, 0].min()) - 3))
+        bottom = max(top, min(big_h, math.ceil(xy[:, 1].max()) + 4))
+        right = max(left, min(big_w, math.ceil(xy[:, 0].max()) + 4))
+        return top, left, bottom, right
+
 
 HYPERPARAMETERS = (
     "degrees",

@@ -75,9 +75,18 @@ class YoloSet:
     def augment_composed(
         self, sample: dict[str, Any], rng: np.random.Generator, params: Mapping[str, Any]
     ) -> dict[str, Any]:
+        return self._hook(params)(sample, rng, params)
+
+    def mosaic_region(
+        self, rng: np.random.Generator, params: Mapping[str, Any]
+    ) -> tuple[int, int, int, int] | None:
+        """``YoloAugment.mosaic_region`` of the hyperparameters ``augment_composed`` uses."""
+        return self._hook(params).mosaic_region(rng, params)
+
+    def _hook(self, params: Mapping[str, Any]) -> YoloAugment:
         sent = params.get("control", {}).get(CONTROL_KEY) or {}
         values = {**self.hyp, **{k: v for k, v in sent.items() if k in HYPERPARAMETERS}}
-        return _augment(_key(values))(sample, rng, params)
+        return _augment(_key(values))
 
     def __repr__(self) -> str:
         return f"YoloSet({self.base!r}, hyp={self.hyp})"
