@@ -172,6 +172,19 @@ def test_decode_image_and_bad_bytes() -> None:
     assert decode_image(b"") is None
 
 
+def test_a_jpeg_decodes_to_the_bytes_of_a_bgr_decode_swapped() -> None:
+    """The RGB decode (``IMREAD_COLOR_RGB`` where OpenCV has it) is OpenCV's BGR decode with
+    its channels swapped, byte for byte (what Ultralytics reads, in RGB order)."""
+    rng = np.random.default_rng(3)
+    picture = cv2.GaussianBlur(rng.integers(0, 256, (48, 64, 3), dtype=np.uint8), (5, 5), 0)
+    ok, jpeg = cv2.imencode(".jpg", picture, [cv2.IMWRITE_JPEG_QUALITY, 85])
+    assert ok
+    want = cv2.cvtColor(cv2.imdecode(jpeg, cv2.IMREAD_COLOR), cv2.COLOR_BGR2RGB)
+    got = decode_image(jpeg.tobytes())
+    assert got is not None
+    np.testing.assert_array_equal(got, want)
+
+
 def test_as_sample_names_what_is_wrong() -> None:
     with pytest.raises(SampleError, match="sample 3: image must be uint8"):
         as_sample(3, {"image": np.zeros((4, 4, 3), np.float32)})

@@ -18,10 +18,16 @@ def decode_image(data: bytes | np.ndarray) -> np.ndarray | None:
     buf = np.frombuffer(data, dtype=np.uint8) if isinstance(data, bytes) else data
     if buf.size == 0:
         return None
+    if _RGB is not None:  # the decoder writes RGB itself (the same bytes, no swap pass)
+        rgb = cv2.imdecode(buf, _RGB)
+        return None if rgb is None or rgb.ndim != 3 else rgb
     bgr = cv2.imdecode(buf, cv2.IMREAD_COLOR)
     if bgr is None or bgr.ndim != 3:
         return None
     return cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB)
+
+
+_RGB: int | None = getattr(cv2, "IMREAD_COLOR_RGB", None)  # OpenCV >= 4.10
 
 
 def clip_boxes(boxes: np.ndarray, height: float, width: float) -> np.ndarray:
