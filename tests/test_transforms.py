@@ -179,7 +179,9 @@ def test_a_jpeg_decodes_to_the_bytes_of_a_bgr_decode_swapped() -> None:
     picture = cv2.GaussianBlur(rng.integers(0, 256, (48, 64, 3), dtype=np.uint8), (5, 5), 0)
     ok, jpeg = cv2.imencode(".jpg", picture, [cv2.IMWRITE_JPEG_QUALITY, 85])
     assert ok
-    want = cv2.cvtColor(cv2.imdecode(jpeg, cv2.IMREAD_COLOR), cv2.COLOR_BGR2RGB)
+    bgr = cv2.imdecode(jpeg, cv2.IMREAD_COLOR)
+    assert bgr is not None
+    want = cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB)
     got = decode_image(jpeg.tobytes())
     assert got is not None
     np.testing.assert_array_equal(got, want)
