@@ -93,15 +93,20 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {"root": root, "annotations": root / "annotations.json", "yaml": yaml_path}
 
 
-@pytest.fixture(scope="module")
-def pool(files: dict[str, Path]) -> Any:
-    """The val pool: yolo_set in mode "val" on the COCO file, one worker; DATA for it."""
-    args = {
+def val_args(files: dict[str, Path]) -> dict[str, Any]:
+    """yolo_set's dataset args for the val pool on the COCO file of ``files``."""
+    return {
         "annotations": str(files["annotations"]),
         "image_dir": str(files["root"] / "images"),
         "mode": "val",
         "imgsz": IMGSZ,
     }
+
+
+@pytest.fixture(scope="module")
+def pool(files: dict[str, Path]) -> Any:
+    """The val pool: yolo_set in mode "val" on the COCO file, one worker; DATA for it."""
+    args = val_args(files)
     server = Server(
         "--dataset", "dataserver.data.yolo_set:yolo_set", "--dataset-args", json.dumps(args),
         workers=1,
@@ -239,12 +244,7 @@ def test_rect_val_composes_no_batch_twice(
 
     from dataserver_client import DataServerClient, StepSizes
 
-    args = {
-        "annotations": str(files["annotations"]),
-        "image_dir": str(files["root"] / "images"),
-        "mode": "val",
-        "imgsz": IMGSZ,
-    }
+    args = val_args(files)
     server = start_server(
         "--dataset", "dataserver.data.yolo_set:yolo_set", "--dataset-args", json.dumps(args),
         workers=1,
