@@ -141,7 +141,19 @@ def test_ledger_split_and_probe_find_the_poison() -> None:
     assert sorted(p.indices for p in probes) == [(10,), (11,)]
     assert ledger.probe_done(probes[0], bad=probes[0].indices == (11,)) is None
     assert ledger.probe_done(probes[1], bad=probes[1].indices == (11,)) is None
-    assert stitched.exclude == (11,) and stitched.task_id in ledger  # composed again without it
+    # composed again without it, as a new task: a late answer to the old id is not its
+    again = [r for r in ledger if r.images == ((10, 11),) and r.probe_of is None]
+    assert stitched.task_id not in ledger and len(again) == 1 and again[0].exclude == (11,)
+    assert again[0].slots == (3,) and again[0].task_id != stitched.task_id
+    # A second poison answer while its probes run (a copy asked again): probed once only.
+    twice = ledger.add(batch, (4,), ((20, 21),), 2, (8, 8), 1)
+    ledger.probe(twice)
+    ledger.probe(twice)
+    probes = [r for r in ledger if r.probe_of is twice]
+    assert sorted(p.indices for p in probes) == [(20,), (21,)]
+    for probe in probes:
+        ledger.probe_done(probe, bad=probe.indices == (21,))
+    assert [r.exclude for r in ledger if r.images == ((20, 21),)] == [(21,)]
     alone = ledger.add(batch, (3,), ((12, 13),), 2, (8, 8), 1)
     ledger.probe(alone)
     last = None

@@ -268,7 +268,11 @@ class TaskLedger:
     def probe(self, rec: TaskRecord) -> None:
         """A stitched task killed two workers and on_error is "skip": find which of its
         sources does it, one small probe task each, then compose it without them, so only
-        the bad samples are left out (not their k - 1 neighbours). ``rec`` stays wanted."""
+        the bad samples are left out (not their k - 1 neighbours). ``rec`` stays wanted.
+        A task being probed already is left as it is: this is a second poison answer for it,
+        from a copy asked again while its workers died (the first started the probes)."""
+        if rec.probes_left > 0:
+            return
         rec.probes_left = len(rec.indices)
         rec.poisoned.clear()
         for index in rec.indices:
@@ -297,9 +301,14 @@ class TaskLedger:
         if parent.probes_left > 0 or not self.is_wanted(parent):
             return None
         if parent.poisoned:
-            parent.exclude = tuple(parent.poisoned)
-            parent.link = None
-            self._pending.appendleft(parent)
+            # Asked again as a new task (a new id), so that a late answer to any earlier
+            # send of the parent (one asked again, still running) cannot be taken for it.
+            self.done(parent)
+            again = self.add(
+                parent.batch, parent.slots, parent.images, parent.grid, parent.out_hw,
+                parent.plan_version, keys=parent.keys, queue="first",
+            )  # fmt: skip
+            again.exclude = tuple(dict.fromkeys(parent.poisoned))
             return None
         self.done(parent)
         self.skipped_poison += 1
