@@ -67,7 +67,11 @@ def result_problem(
     no_pixels = rec.land_gen is None if msg.landed else msg.pixels is None
     if no_pixels or _other_images(rec, msg):
         shown = [list(i) for i in msg.images][:4]
-        return "wrong_answer", f"answered task {msg.task_id} with images {shown}, not those asked"
+        how = " and no pixels" if no_pixels else ""
+        return (
+            "wrong_answer",
+            f"answered task {msg.task_id} with images {shown}{how}, not those asked",
+        )
     if msg.landed and not sealed():
         # "Landed" without the seal records it must write under its lock: the buffer holds
         # whatever was there before (a stale batch), which must never be delivered.
