@@ -112,6 +112,85 @@ def test_what_is_read_is_kept_longer_than_what_is_not(store: Store) -> None:
     assert store.stats.refreshes >= 1 and store._find(*hot) >= 0
 
 
+def rss_shmem(pid: int | str = "self") -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("RssShmem:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no RssShmem")
+
+
+def test_its_memory_is_committed_up_front_and_a_worker_maps_all_of_it() -> None:
+    """The front reserves every page before its workers start (so that no put of a first
+    epoch allocates, clears or faults a page), and a worker's handle maps them all at once;
+    a put through that mapping reads back exactly, from another handle too."""
+    lazy = Store.create(8 << 20, commit=False)
+    try:
+        assert lazy.committed == 0 and lazy.commit_s == 0.0
+    finally:
+        lazy.close()
+    front = Store.create(8 << 20)
+    try:
+        assert front.committed == front.capacity and front.commit_s > 0
+        assert front.usage()["committed_bytes"] == front.capacity
+        before = rss_shmem()
+        worker = Store.attach(*front.fds, front.capacity, populate=True)
+        try:
+            # (MAP_POPULATE: the whole arena is resident in this process at once)
+            assert rss_shmem() - before >= front.capacity * 0.9
+            for i in range(40):
+                worker.get(store_key("ds", i), partial(source, i, 128))
+            other = Store.attach(*front.fds, front.capacity)  # (pwritev, lazily mapped)
+            try:
+                for i in range(40):
+                    got, _ = other.get(store_key("ds", i), partial(source, -1, 128))
+                    assert same(got, source(i, 128))
+            finally:
+                other.close()
+        finally:
+            worker.close()
+    finally:
+        front.close()
+
+
+def test_a_dataset_larger_than_the_store_keeps_a_fixed_subset_and_reads_it_again(
+    store: Store,
+) -> None:
+    """A dataset ~4.7x the store's bytes, read in a new random order each epoch: the store
+    admits a fixed subset that fits (the same keys every epoch, in every process), so from
+    the second epoch on what it keeps is read, not evicted first: the hit rate is at least
+    0.9 x (store bytes / dataset bytes), nothing is evicted and nothing is stored again."""
+    n, side = 400, 128
+    each = 3 * side * side + 24
+    keys = [store_key("big", i) for i in range(n)]
+    rng = np.random.default_rng(0)
+    other = Store.attach(*store.fds, store.capacity)
+    try:
+        stats = []
+        for epoch in range(3):
+            handle = store if epoch % 2 == 0 else other  # (two workers)
+            hits0, skipped0 = handle.stats.hits, handle.stats.skipped
+            evictions0 = store.stats.evictions + other.stats.evictions
+            for i in rng.permutation(n):
+                got, _ = handle.fetch([keys[i]], lambda _k, i=i: source(int(i), side), n)
+                assert got[0] is not None and same(got[0], source(int(i), side))
+            stats.append(
+                (
+                    handle.stats.hits - hits0,
+                    handle.stats.skipped - skipped0,
+                    store.stats.evictions + other.stats.evictions - evictions0,
+                )
+            )
+        usage = store.usage()
+        share = store.capacity / (n * each)
+        assert 0.7 * share <= usage["admitted"] < share
+        for hits, skipped, evicted in stats[1:]:
+            assert hits >= 0.9 * share * n
+            assert hits + skipped == n and evicted == 0  # every admitted one was there
+        assert stats[1][1] == stats[2][1]  # the same subset, whichever handle asks
+    finally:
+        other.close()
+
+
 def test_a_read_written_over_is_caught(store: Store) -> None:
     store.get(store_key("ds", 0), lambda: source(0, 128))
     _, pos = store.get(store_key("ds", 0), lambda: source(0, 128))
@@ -422,9 +501,20 @@ def test_batches_are_bit_identical_with_and_without_the_store_and_later_epochs_h
     assert wait_until(lambda: stored.stats()["store"]["entries"] == 48, 10)
     stats = stored.stats()
     info = stats["store"]
-    assert set(info) == {"entries", "bytes", "capacity_bytes", "hit_rate"}
+    assert set(info) == {
+        "entries",
+        "bytes",
+        "capacity_bytes",
+        "committed_bytes",
+        "admitted",
+        "mean_entry_bytes",
+        "hit_rate",
+    }
     assert info["hit_rate"] > 0 and 0 < info["bytes"] <= info["capacity_bytes"]
     assert info["capacity_bytes"] == int(0.0625 * (1 << 30))
+    # Its memory was committed before the server said it was ready; 48 sources fit: all kept.
+    assert info["committed_bytes"] == info["capacity_bytes"]
+    assert info["admitted"] == 1.0 and info["mean_entry_bytes"] > 0
     assert stats["counters"].get("workers_without_store", 0) == 0
     assert plain.stats()["store"] is None
     assert all(maps_the_store(pid) for pid in [stored.pid, *stored.worker_pids()])

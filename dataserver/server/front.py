@@ -237,7 +237,14 @@ class Front:
         if size < 16 << 20:
             log.warning("no room for a store of prepared sources; serving without")
             return None
-        return Store.create(size)
+        store = Store.create(size)
+        log.info(
+            "store: %d of %d MiB of memory committed in %.0f ms",
+            store.committed >> 20,
+            size >> 20,
+            store.commit_s * 1000,
+        )
+        return store
 
     def stop(self) -> None:
         """Ask the loop to finish (safe from a signal handler)."""

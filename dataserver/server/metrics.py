@@ -24,6 +24,8 @@ Names (kept: deploy manifests and dashboards use them)::
     dataserver_cache_misses_total            counter  sources decoded                  (store only)
     dataserver_cache_bytes                   gauge    bytes the store holds            (store only)
     dataserver_cache_capacity_bytes          gauge    the store's size                 (store only)
+    dataserver_cache_committed_bytes         gauge    its memory reserved              (store only)
+    dataserver_cache_admitted_ratio          gauge    share of the dataset it keeps    (store only)
 """
 
 from __future__ import annotations
@@ -118,6 +120,16 @@ def _cache(view: ServerView, usage: StoreUsage) -> Iterator[Metric]:
         "dataserver_cache_capacity_bytes",
         "The store's size in bytes.",
         value=usage.capacity_bytes,
+    )
+    yield GaugeMetricFamily(
+        "dataserver_cache_committed_bytes",
+        "Bytes of the store's memory reserved (all of it from the start, where it could be had).",
+        value=usage.committed_bytes,
+    )
+    yield GaugeMetricFamily(
+        "dataserver_cache_admitted_ratio",
+        "Share of the dataset's sources the store keeps (below 1 for a dataset larger than it).",
+        value=usage.admitted,
     )
 
 

@@ -21,9 +21,18 @@ shrinking and growing once sized, so no process can truncate them under a mappin
 Entries are written at the ring's head; room is made by evicting the oldest entries (an
 entry read while in the oldest quarter of the ring is first copied to the head: LRU,
 approximately). Positions are monotonic byte counts, so "the bytes of this entry are
-intact" is ``head - ring <= position``. The arena's pages are reserved (``fallocate``)
-64 MiB at a time as the head first reaches them; if a reservation fails, the ring stops
-growing there instead of the process dying on a write to a page that cannot be had.
+intact" is ``head - ring <= position``.
+
+Memory is committed up front: the front reserves (``fallocate``) every page of the arena
+when it creates the store, before the server says it is ready (``commit_s``: ~0.25 s a GiB
+on the development VM, where the kernel allocates and clears a fresh 4 KiB page in ~1 us),
+and each worker maps the whole committed arena at once (``MAP_POPULATE``: ~60 ms a GiB). A
+put is then a copy into pages already there, through the maker's own mapping: no page is
+allocated, cleared or faulted while an epoch runs (lazily reserved pages cost a fresh
+server's first epoch ~0.5 ms an image: docs/DESIGN-NOTES.md). If the memory cannot all be
+had, what could be is kept: the rest is reserved 64 MiB at a time as the head first reaches
+it, and where a reservation fails the ring stops growing there instead of the process dying
+on a write to a page that cannot be had.
 
 Concurrency: one ``flock`` on the index serialises every change and lookup. A lock belongs
 to an open file description, which inherited descriptors share, so each handle opens the
@@ -69,6 +78,10 @@ MAGIC = 0x44535354_4F524533  # "DSSTORE3"
 EMPTY, PENDING, READY = 0, 1, 2  # an index entry's states
 PENDING_WAIT_S = 30.0  # how long to wait for a source another live worker is making
 ENTRY_BYTES = 8192  # hash table slots: one per this many bytes of ring
+# A dataset larger than the store: the share of the ring its admitted sources may fill (the
+# rest is slack, so that sizes above the mean estimate do not push admitted entries out).
+ADMIT_SHARE = 0.85
+ADMIT_AFTER = 16  # puts before the mean entry size is trusted (until then, admit all)
 MIN_ENTRIES = 1024
 CHUNK = 64 << 20  # arena pages are reserved this much at a time
 
@@ -84,7 +97,10 @@ _HEADER = np.dtype(
         ("journal_tail", "<u8"),
         ("dirty", "<u8"),
         ("owner", "<u8"),  # pid of the front that made it
-        ("_pad", "<u8", (6,)),
+        ("puts", "<u8"),  # entries ever stored, and their bytes: the mean entry's size
+        ("put_bytes", "<u8"),
+        ("population", "<u8"),  # the most sources one family of keys has (a dataset's length)
+        ("_pad", "<u8", (3,)),
     ]
 )
 _ENTRY = np.dtype(
@@ -120,6 +136,15 @@ def index_keys(base: tuple[int, int], indices: list[int]) -> list[tuple[int, int
     return [(mix64(b0 ^ i) or 1, mix64(b1 + i * 0x9E3779B97F4A7C15 & MASK64)) for i in indices]
 
 
+def admitted(k1: int, fraction: float) -> bool:
+    """Whether the source whose key's second half is ``k1`` is one of the ``fraction`` of
+    sources a store keeps when the dataset is larger than it: the same subset every epoch
+    and in every worker (a pure function of the key), so what is kept is read again, and no
+    put is spent on a source that the ring would evict before it is read (a scan through a
+    dataset larger than an LRU or FIFO cache hits nothing)."""
+    return fraction >= 1.0 or (k1 >> 11) < fraction * (1 << 53)
+
+
 def _layout(capacity: int) -> tuple[int, int]:
     entries = max(MIN_ENTRIES, capacity // ENTRY_BYTES)
     index_bytes = _HEADER.itemsize + entries * (_ENTRY.itemsize + _JOURNAL.itemsize)
@@ -133,6 +158,7 @@ class Claim(enum.Enum):
     MINE = "mine"  # this process makes it (its entry is PENDING under this pid)
     BUSY = "busy"  # another live worker makes it: wait for it
     FULL = "full"  # no slot for it: make it, keep it nowhere
+    SKIP = "skip"  # not admitted (a dataset larger than the store): make it, keep it nowhere
 
 
 @dataclass
@@ -142,6 +168,7 @@ class StoreStats:
     waits: int = 0  # sources another worker was making, waited for
     evictions: int = 0
     refreshes: int = 0
+    skipped: int = 0  # sources made and not admitted (``admitted``)
     torn: int = 0  # reads written over while being used (composed again)
 
 
@@ -196,18 +223,28 @@ class Store:
     workers, and the front's metrics). Closing a handle never removes the store: it goes
     with the last descriptor of it, in whichever process of the server that is."""
 
-    def __init__(self, index_fd: int, arena_fd: int, capacity: int, create: bool = False) -> None:
+    def __init__(
+        self, index_fd: int, arena_fd: int, capacity: int, create: bool = False, populate: bool = False
+    ) -> None:
         """Map the store whose memfds are ``index_fd``, ``arena_fd`` (this handle owns and
-        closes them). Raises ``StoreUnusable`` if its header is not that of a store of
-        ``capacity`` bytes."""
+        closes them); ``populate``: map every committed page of the arena now (a process
+        that writes and reads sources), so no page of it faults later. Raises
+        ``StoreUnusable`` if its header is not that of a store of ``capacity`` bytes."""
         self.capacity = capacity
         self.entries, index_bytes = _layout(capacity)
         self.stats = StoreStats()
+        self.commit_s = 0.0  # how long committing the arena took (the creator's handle)
         self._index_fd = index_fd
         self._arena_fd = arena_fd
+        self._mapped = False  # every page of the arena is mapped here: write through it
         try:
             self._index_map = mmap.mmap(index_fd, index_bytes)
-            self._arena_map = mmap.mmap(arena_fd, capacity)
+            committed = int(np.frombuffer(self._index_map, _HEADER, 1, 0)[0]["reserved"])
+            # Only a whole committed arena is populated: a read fault on a hole of a memfd
+            # allocates a page, which would commit memory the front could not have.
+            self._mapped = populate and committed == capacity and not create
+            flags = mmap.MAP_SHARED | (_MAP_POPULATE if self._mapped else 0)
+            self._arena_map = mmap.mmap(arena_fd, capacity, flags=flags)
         except BaseException:
             os.close(index_fd)
             os.close(arena_fd)
@@ -233,10 +270,12 @@ class Store:
         self._pid = os.getpid()
 
     @classmethod
-    def create(cls, capacity: int) -> Store:
-        """A new, empty store of ``capacity`` bytes. The index's pages are reserved now;
-        the arena's as the ring first reaches them. Its descriptors (``fds``) are for the
-        processes this one starts (``pass_fds``): keep this handle open while any may."""
+    def create(cls, capacity: int, commit: bool = True) -> Store:
+        """A new, empty store of ``capacity`` bytes. The index's pages are reserved now,
+        and with ``commit`` the arena's too (``commit_s`` says how long that took; what
+        memory refuses is reserved later, as the ring first reaches it). Its descriptors
+        (``fds``) are for the processes this one starts (``pass_fds``): keep this handle
+        open while any may."""
         _, index_bytes = _layout(capacity)
         index_fd = _memfd("dataserver-store-index", index_bytes)
         try:
@@ -245,14 +284,36 @@ class Store:
         except BaseException:
             os.close(index_fd)
             raise
-        return cls(index_fd, arena_fd, capacity, create=True)
+        store = cls(index_fd, arena_fd, capacity, create=True)
+        if commit:
+            start = time.perf_counter()
+            store._lock()
+            try:
+                store._reserve(capacity)
+            finally:
+                store._unlock()
+            store._touch()
+            store.commit_s = time.perf_counter() - start
+        return store
+
+    def _touch(self) -> None:
+        """Fault every reserved page of the arena in once (a read fault of a memfd page
+        that ``fallocate`` reserved clears it; on a VM it is also where the host first backs
+        it: 0.5-3 s a GiB on the development VM, ~10x the reservation), so that no process
+        of the server meets a fresh page later. The mapping made for it goes at once."""
+        committed = self.committed
+        if committed <= 0 or not _MAP_POPULATE:
+            return
+        m = mmap.mmap(self._arena_fd, committed, flags=mmap.MAP_SHARED | _MAP_POPULATE)
+        m.close()
 
     @classmethod
-    def attach(cls, index_fd: int, arena_fd: int, capacity: int) -> Store:
+    def attach(cls, index_fd: int, arena_fd: int, capacity: int, populate: bool = False) -> Store:
         """Another handle on the store whose memfds are ``index_fd``, ``arena_fd`` (as
         inherited from the front, or the front's own), checked first: regular files of
         the store's sizes, sealed, with a store's header. The given descriptors are left
-        open; the handle has its own. Raises ``StoreUnusable`` naming what is wrong."""
+        open; the handle has its own. ``populate``: see ``Store``. Raises
+        ``StoreUnusable`` naming what is wrong."""
         _, index_bytes = _layout(capacity)
         index = _reopen(index_fd, index_bytes, "index")
         try:
@@ -260,7 +321,12 @@ class Store:
         except BaseException:
             os.close(index)
             raise
-        return cls(index, arena, capacity)
+        return cls(index, arena, capacity, populate=populate)
+
+    @property
+    def committed(self) -> int:
+        """Arena bytes whose pages are reserved so far."""
+        return int(self.header[0]["reserved"])
 
     @property
     def fds(self) -> tuple[int, int]:
@@ -419,17 +485,39 @@ class Store:
 
     # ------------------------------------------------------------ use
 
-    def _claim(self, k0: int, k1: int, take_over: bool) -> tuple[Claim, int]:
+    def admit_fraction(self, population: int) -> float:
+        """Under the lock: the share of a family of ``population`` sources (one dataset at
+        one stored size; the largest one seen is kept for ``usage``) that this store keeps:
+        all of them when they fit (or while fewer than ``ADMIT_AFTER`` puts say what an
+        entry's size is), else ``ADMIT_SHARE`` of the ring over their estimated bytes (the
+        mean entry's size so far, times ``population``)."""
+        h = self.header[0]
+        if population > int(h["population"]):
+            h["population"] = population
+        puts = int(h["puts"])
+        if population <= 0 or puts < ADMIT_AFTER:
+            return 1.0
+        need = population * int(h["put_bytes"]) / puts
+        return min(1.0, ADMIT_SHARE * int(h["ring"]) / need) if need > 0 else 1.0
+
+    def _claim(
+        self, k0: int, k1: int, take_over: bool, fraction: float = 1.0
+    ) -> tuple[Claim, int]:
         """Under the lock: what this process does about the source ``(k0, k1)``, the one
         rule ``get`` and ``fetch`` share. ``HIT``: it is stored (refreshed; the second
         value is its position). ``MINE``: its entry is now PENDING under this pid, so this
         process makes it (a new entry, one of its own, one whose maker died, or, with
         ``take_over``, one another worker was making for too long). ``BUSY``: another live
-        worker is making it. ``FULL``: no slot is free for it (make it, keep it nowhere)."""
+        worker is making it. ``FULL``: no slot is free for it (make it, keep it nowhere).
+        ``SKIP``: not among the ``fraction`` of its family the store admits (``admitted``).
+        An entry read is refreshed only while everything is admitted: a store holding an
+        admitted subset keeps it in place (refreshing would push admitted entries out)."""
         i = self._find(k0, k1)
         if i >= 0 and int(self.table[i]["state"]) == READY:
             self.stats.hits += 1
-            return Claim.HIT, self._refresh(i)
+            return Claim.HIT, self._refresh(i) if fraction >= 1.0 else int(self.table[i]["pos"])
+        if i < 0 and not admitted(k1, fraction):
+            return Claim.SKIP, -1
         if i >= 0:  # PENDING
             owner = int(self.table[i]["pid"])
             if not (take_over or owner == self._pid or not pid_alive(owner)):
@@ -452,26 +540,31 @@ class Store:
         self._dirty(False)
         return Claim.MINE, -1
 
-    def get(self, key: tuple[int, int], make: Callable[[], Source]) -> tuple[Source, int]:
+    def get(
+        self, key: tuple[int, int], make: Callable[[], Source], population: int = 0
+    ) -> tuple[Source, int]:
         """The source for ``key``: from the store, or made by ``make()`` and stored. While
         another live worker makes the same source, wait for it (at most
         ``PENDING_WAIT_S``) instead of making it twice. Returns (source, position);
         position >= 0 means its arrays are views into the ring: check
-        ``intact(position)`` after using them."""
+        ``intact(position)`` after using them. ``population``: how many sources the key's
+        family has (``admit_fraction``; 0: unknown, all admitted)."""
         k0, k1 = key
         deadline = time.monotonic() + PENDING_WAIT_S
         waited = False
         while True:
             self._lock()
             try:
-                claim, pos = self._claim(k0, k1, take_over=time.monotonic() > deadline)
+                fraction = self.admit_fraction(population)
+                claim, pos = self._claim(k0, k1, time.monotonic() > deadline, fraction)
                 if claim is Claim.HIT:
                     self.stats.waits += waited
                     return self._view(k0, k1, pos), pos
             finally:
                 self._unlock()
-            if claim is Claim.FULL:
-                return make(), -1  # no room at all: make it, do not keep it
+            if claim is Claim.FULL or claim is Claim.SKIP:
+                self.stats.skipped += claim is Claim.SKIP
+                return make(), -1  # not kept: make it, do not keep it
             if claim is Claim.MINE:
                 break
             waited = True
@@ -486,22 +579,28 @@ class Store:
         return source, -1
 
     def fetch(
-        self, keys: list[tuple[int, int]], make: Callable[[int], Source]
+        self, keys: list[tuple[int, int]], make: Callable[[int], Source], population: int = 0
     ) -> tuple[list[Source | None], int]:
         """``get`` for many keys under one lock: the sources (``make(i)`` for the i-th key
         where the store lacks it, or None where ``make`` raised: call ``make(i)`` again to
-        see why), and the oldest ring position read (check ``intact`` once after use)."""
+        see why), and the oldest ring position read (check ``intact`` once after use).
+        ``population``: as for ``get``."""
         out: list[Source | None] = [None] * len(keys)
         views: list[int] = []  # positions of hits
         mine: list[int] = []  # keys this call makes
         later: list[int] = []  # keys another live worker is making (or with no slot)
+        kept: list[bool] = [True] * len(keys)  # False: made and kept nowhere (not admitted)
         self._lock()
         try:
+            fraction = self.admit_fraction(population)
             for i, (k0, k1) in enumerate(keys):
-                claim, pos = self._claim(k0, k1, take_over=False)
+                claim, pos = self._claim(k0, k1, False, fraction)
                 if claim is Claim.HIT:
                     views.append(pos)
                     out[i] = self._view(k0, k1, pos)
+                elif claim is Claim.SKIP:
+                    kept[i] = False
+                    mine.append(i)
                 else:
                     (mine if claim is Claim.MINE else later).append(i)
         finally:
@@ -509,18 +608,21 @@ class Store:
         made: list[tuple[tuple[int, int], Source]] = []
         for i in mine:
             self.stats.misses += 1
+            self.stats.skipped += not kept[i]
             try:
                 source = make(i)
             except Exception:
-                self._forget(*keys[i])
+                if kept[i]:
+                    self._forget(*keys[i])
                 continue
             out[i] = source
-            made.append((keys[i], source))
+            if kept[i]:
+                made.append((keys[i], source))
         if made:
             self._put_many(made)
         for i in later:  # rare: wait for the other worker, one by one
             try:
-                out[i], pos = self.get(keys[i], partial(make, i))
+                out[i], pos = self.get(keys[i], partial(make, i), population)
             except Exception:
                 continue
             if pos >= 0:
@@ -593,7 +695,9 @@ class Store:
             np.ascontiguousarray(source.labels, np.int64).reshape(-1).view(np.uint8),
             np.frombuffer(name, np.uint8),
         ]
-        if not _write_at(self._arena_fd, parts, off, nbytes):
+        if self._mapped:  # the pages are mapped here already: a plain copy
+            _copy_at(self.arena, parts, off)
+        elif not _write_at(self._arena_fd, parts, off, nbytes):
             arena = self.arena  # (a short write: through the mapping)
             arena[off : off + img] = parts[0]
             arena[off + img : off + img + 16 * m] = parts[1]
@@ -604,6 +708,8 @@ class Store:
         e["orig_h"], e["orig_w"], e["nfile"] = source.orig_hw[0], source.orig_hw[1], len(name)
         e["state"], e["pid"] = READY, 0
         self._journal(pos, k0, k1)
+        hd = self.header[0]
+        hd["puts"], hd["put_bytes"] = int(hd["puts"]) + 1, int(hd["put_bytes"]) + nbytes
         self._dirty(False)
 
     def _view(self, k0: int, k1: int, pos: int) -> Source:
@@ -648,14 +754,20 @@ class Store:
         return new
 
     def usage(self) -> dict[str, Any]:
-        """Entries and bytes held (for stats)."""
+        """Entries and bytes held, bytes committed, and the share of the largest dataset
+        seen that it admits (for stats)."""
         self._lock()
         try:
             ready = self.table["state"] == READY
+            h = self.header[0]
+            puts = int(h["puts"])
             return {
                 "entries": int(np.count_nonzero(ready)),
                 "bytes": int(self.table["nbytes"][ready].sum()),
-                "capacity_bytes": int(self.header[0]["ring"]),
+                "capacity_bytes": int(h["ring"]),
+                "committed_bytes": int(h["reserved"]),
+                "admitted": round(self.admit_fraction(int(h["population"])), 4),
+                "mean_entry_bytes": int(h["put_bytes"]) // puts if puts else 0,
             }
         finally:
             self._unlock()
@@ -663,11 +775,24 @@ class Store:
 
 def _write_at(fd: int, parts: list[np.ndarray], offset: int, nbytes: int) -> bool:
     """Write ``parts`` (``nbytes`` in all) at ``offset`` of the arena with one ``pwritev``,
-    not through this process's mapping: the maker composes from its own copy, so mapping
-    the pages here would only cost a minor fault a 4 KiB page (readers map what they read).
-    A fresh store's put of a 590 KB source, one process: ~650 us through the mapping,
-    ~390 us this way. False after a short write."""
+    not through this process's mapping, where its pages are not mapped here: mapping them
+    would cost a minor fault a 4 KiB page (readers map what they read). A fresh store's put
+    of a 590 KB source, one process: ~650 us through an unpopulated mapping, ~390 us this
+    way. False after a short write."""
     return os.pwritev(fd, [p.data for p in parts], offset) == nbytes
+
+
+def _copy_at(arena: np.ndarray, parts: list[np.ndarray], offset: int) -> None:
+    """Copy ``parts`` one after another into ``arena`` from ``offset``: through a mapping
+    whose pages are all mapped (``MAP_POPULATE``), a ``memcpy`` and nothing else (a 590 KB
+    source: ~50 us, against ~120 us for ``pwritev``'s page-cache walk)."""
+    for part in parts:
+        n = part.nbytes
+        arena[offset : offset + n] = part
+        offset += n
+
+
+_MAP_POPULATE: int = getattr(mmap, "MAP_POPULATE", 0)  # (Linux; 0: mapped lazily)
 
 
 def _cgroup_rooms() -> list[int]:

@@ -25,6 +25,11 @@ class StoreUsage:
     entries: int
     bytes: int
     capacity_bytes: int
+    committed_bytes: int = 0  # reserved memory (all of it from the start, where it could be had)
+    # The share of the largest dataset seen that the store keeps (1.0: all; below it when
+    # that dataset's sources, at the mean entry's size, would not fit: ``Store.admitted``).
+    admitted: float = 1.0
+    mean_entry_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -86,6 +91,9 @@ class ServerView:
             "entries": self.store.entries,
             "bytes": self.store.bytes,
             "capacity_bytes": self.store.capacity_bytes,
+            "committed_bytes": self.store.committed_bytes,
+            "admitted": self.store.admitted,
+            "mean_entry_bytes": self.store.mean_entry_bytes,
             "hit_rate": round(reused / (decoded + reused), 4) if decoded + reused else None,
         }
 

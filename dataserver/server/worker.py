@@ -382,7 +382,8 @@ class Worker:
         oldest = -1
         if self.store is not None:
             keys = index_keys(store_key(self.fingerprint, stored_hw, ckey), wanted)
-            sources, oldest = self.store.fetch(keys, lambda k: make(wanted[k]))
+            population = len(dataset)  # (the store keeps a subset of a larger dataset)
+            sources, oldest = self.store.fetch(keys, lambda k: make(wanted[k]), population)
             got = dict(zip(wanted, sources, strict=True))
 
         def source(index: int, draw: Draw = None) -> Source:
@@ -482,7 +483,7 @@ def inherited_store(fds: tuple[int, int] | None, capacity: int, slot: int) -> St
         return None
     index_fd, arena_fd = fds
     try:
-        store = Store.attach(index_fd, arena_fd, capacity)
+        store = Store.attach(index_fd, arena_fd, capacity, populate=True)
     except (OSError, ValueError) as exc:
         log.error("worker %d: the server's store is unusable (%s); serving without", slot, exc)
         store = None
