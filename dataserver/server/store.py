@@ -80,7 +80,7 @@ PENDING_WAIT_S = 30.0  # how long to wait for a source another live worker is ma
 ENTRY_BYTES = 8192  # hash table slots: one per this many bytes of ring
 # A dataset larger than the store: the share of the ring its admitted sources may fill (the
 # rest is slack, so that sizes above the mean estimate do not push admitted entries out).
-ADMIT_SHARE = 0.85
+ADMIT_SHARE = 0.94
 ADMIT_AFTER = 16  # puts before the mean entry size is trusted (until then, admit all)
 MIN_ENTRIES = 1024
 CHUNK = 64 << 20  # arena pages are reserved this much at a time
@@ -224,7 +224,12 @@ class Store:
     with the last descriptor of it, in whichever process of the server that is."""
 
     def __init__(
-        self, index_fd: int, arena_fd: int, capacity: int, create: bool = False, populate: bool = False
+        self,
+        index_fd: int,
+        arena_fd: int,
+        capacity: int,
+        create: bool = False,
+        populate: bool = False,
     ) -> None:
         """Map the store whose memfds are ``index_fd``, ``arena_fd`` (this handle owns and
         closes them); ``populate``: map every committed page of the arena now (a process
@@ -489,20 +494,23 @@ class Store:
         """Under the lock: the share of a family of ``population`` sources (one dataset at
         one stored size; the largest one seen is kept for ``usage``) that this store keeps:
         all of them when they fit (or while fewer than ``ADMIT_AFTER`` puts say what an
-        entry's size is), else ``ADMIT_SHARE`` of the ring over their estimated bytes (the
-        mean entry's size so far, times ``population``)."""
+        entry's size is), else ``ADMIT_SHARE`` of what it can hold (its ring, or its table's
+        entries at the mean entry's size) over their estimated bytes (the mean entry's size
+        so far, times ``population``)."""
         h = self.header[0]
         if population > int(h["population"]):
             h["population"] = population
         puts = int(h["puts"])
         if population <= 0 or puts < ADMIT_AFTER:
             return 1.0
-        need = population * int(h["put_bytes"]) / puts
-        return min(1.0, ADMIT_SHARE * int(h["ring"]) / need) if need > 0 else 1.0
+        mean = int(h["put_bytes"]) / puts
+        # What it can hold: its bytes, or the entries its table keeps before it evicts
+        # (``_claim``: at three quarters full), whichever is less.
+        room = min(int(h["ring"]), (self.entries * 3 // 4 - 1) * mean)
+        need = population * mean
+        return min(1.0, ADMIT_SHARE * room / need) if need > 0 else 1.0
 
-    def _claim(
-        self, k0: int, k1: int, take_over: bool, fraction: float = 1.0
-    ) -> tuple[Claim, int]:
+    def _claim(self, k0: int, k1: int, take_over: bool, fraction: float = 1.0) -> tuple[Claim, int]:
         """Under the lock: what this process does about the source ``(k0, k1)``, the one
         rule ``get`` and ``fetch`` share. ``HIT``: it is stored (refreshed; the second
         value is its position). ``MINE``: its entry is now PENDING under this pid, so this
@@ -605,6 +613,26 @@ class Store:
                     (mine if claim is Claim.MINE else later).append(i)
         finally:
             self._unlock()
+        self._make_and_keep(keys, mine, kept, make, out)
+        for i in later:  # rare: wait for the other worker, one by one
+            try:
+                out[i], pos = self.get(keys[i], partial(make, i), population)
+            except Exception:
+                continue
+            if pos >= 0:
+                views.append(pos)
+        return out, min(views, default=-1)
+
+    def _make_and_keep(
+        self,
+        keys: list[tuple[int, int]],
+        mine: list[int],
+        kept: list[bool],
+        make: Callable[[int], Source],
+        out: list[Source | None],
+    ) -> None:
+        """``fetch``'s misses: make each of ``mine`` into ``out``, then store those ``kept``
+        (admitted) under one lock; a failed one's PENDING entry is dropped."""
         made: list[tuple[tuple[int, int], Source]] = []
         for i in mine:
             self.stats.misses += 1
@@ -620,14 +648,6 @@ class Store:
                 made.append((keys[i], source))
         if made:
             self._put_many(made)
-        for i in later:  # rare: wait for the other worker, one by one
-            try:
-                out[i], pos = self.get(keys[i], partial(make, i), population)
-            except Exception:
-                continue
-            if pos >= 0:
-                views.append(pos)
-        return out, min(views, default=-1)
 
     def intact(self, position: int) -> bool:
         """Whether the bytes read at ``position`` were not written over since."""
