@@ -174,5 +174,8 @@ def test_bench_ultralytics_figure(tmp_path: Path) -> None:
     }
     for case in figure.values():
         assert case["ultralytics_images_per_s"] > 0 and case["dataserver_images_per_s"] > 0
-        assert case["ultralytics_cpu_ms_per_image"] > 0 and case["dataserver_cpu_ms_per_image"] > 0
+        # (CPU is read in clock ticks, 10 ms: a window of a few 64x64 images may hold none)
+        assert (
+            case["ultralytics_cpu_ms_per_image"] >= 0 and case["dataserver_cpu_ms_per_image"] >= 0
+        )
         assert case["vs_ultralytics"] > 0
