@@ -240,6 +240,10 @@ def main() -> None:
         n, s = (int(v) for v in counts.tolist())
         print(f"trained {epochs} epochs, {n} samples on {world} ranks, {s} stale", flush=True)
     if distributed:
+        # Every rank done before any tears down: a rank whose peers (rank 0's store among
+        # them) went away mid-destroy can abort in gloo's threads ("terminate called without
+        # an active exception", seen once in the Slurm hetjob test).
+        dist.barrier()
         dist.destroy_process_group()
 
 

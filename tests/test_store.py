@@ -135,7 +135,8 @@ def test_its_memory_is_committed_up_front_and_a_worker_maps_all_of_it() -> None:
         before = rss_shmem()
         worker = Store.attach(*front.fds, front.capacity, populate=True)
         try:
-            # (MAP_POPULATE: the whole arena is resident in this process at once)
+            # (in a thread of its own: the whole arena is soon resident in this process)
+            assert worker.populated.wait(10)
             assert rss_shmem() - before >= front.capacity * 0.9
             for i in range(40):
                 worker.get(store_key("ds", i), partial(source, i, 128))
