@@ -29,7 +29,8 @@ import zmq
 from conftest import TESTS, server_env, wait_until
 
 from dataserver import protocol
-from dataserver.data.pipeline import Source
+from dataserver.data.pipeline import Source, fit
+from dataserver.data.sample import Sample
 from dataserver.protocol import MsgType, Ready, Result, decode
 from dataserver.server.store import SEALS, Store, StoreUnusable, _layout, store_key
 from dataserver_client import DataServerClient
@@ -191,6 +192,63 @@ def test_a_dataset_larger_than_the_store_keeps_a_fixed_subset_and_reads_it_again
     finally:
         other.close()
         store.close()
+
+
+def fitted(i: int, side: int, planes_for: Any = None) -> Source:
+    """Sample ``i`` fitted as a worker fits it (``pipeline.fit``), into ``planes_for``'s
+    planes where given."""
+    image = np.full((side, side + 8, 3), i % 251, np.uint8)
+    boxes = np.array([[1, 2, 10, 12], [3, 3, 3, 9]], np.float32)  # (the second: degenerate)
+    sample = Sample(image, boxes, np.array([i, i + 1], np.int64), file=f"img{i}.jpg")
+    return fit(sample, (side, side), planes_for=planes_for)
+
+
+def test_a_source_is_fitted_straight_into_the_store_and_read_back_exactly() -> None:
+    """``fetch(..., into=True)``: a miss is fitted into its place in the store itself (no
+    copy), and another handle reads it back whole: planes, boxes, labels, file name."""
+    front = Store.create(8 << 20)
+    worker = Store.attach(*front.fds, front.capacity, populate=True)
+    other = Store.attach(*front.fds, front.capacity)
+    try:
+        keys = [store_key("into", i) for i in range(20)]
+        made, oldest = worker.fetch(keys, lambda i, into=None: fitted(i, 96, into), into=True)
+        assert oldest >= 0 and worker.intact(oldest)
+        for i, got in enumerate(made):
+            assert got is not None and np.shares_memory(got.image, worker.arena)
+            assert same(got, fitted(i, 96))
+        for i, key in enumerate(keys):
+            back, pos = other.get(key, partial(fitted, -1, 96))
+            assert pos >= 0 and same(back, fitted(i, 96)) and back.file == f"img{i}.jpg"
+        assert other.stats.hits == 20 and other.stats.misses == 0
+    finally:
+        for s in (other, worker, front):
+            s.close()
+
+
+def test_a_source_fitted_into_the_store_that_the_ring_overran_is_never_kept() -> None:
+    """While a worker fits a source into its reserved bytes, others fill the whole ring:
+    the bytes it wrote are gone, so the source is not kept, and the position the fetch
+    returns says so (``intact`` False: the worker composes again from scratch)."""
+    front = Store.create(4 << 20)
+    worker = Store.attach(*front.fds, front.capacity, populate=True)
+    other = Store.attach(*front.fds, front.capacity)
+    try:
+
+        def make(i: int, into: Any = None) -> Source:
+            out = fitted(i, 128, into)
+            for j in range(200):  # ~9 MiB through a 4 MiB ring, meanwhile
+                other.get(store_key("flood", j), partial(source, j, 128))
+            return out
+
+        key = store_key("overrun", 0)
+        made, oldest = worker.fetch([key], make, into=True)
+        assert made[0] is not None and not worker.intact(oldest)
+        again = []
+        other.get(key, lambda: again.append(1) or fitted(0, 128))
+        assert again == [1]  # it was not kept: made again
+    finally:
+        for s in (other, worker, front):
+            s.close()
 
 
 def test_a_read_written_over_is_caught(store: Store) -> None:

@@ -93,16 +93,28 @@ def scales_up(dataset: Any) -> bool:
     return getattr(dataset, "scaleup", True) is not False
 
 
-def fit(sample: Sample, fit_hw: Sequence[int], scaleup: bool = True) -> Source:
+# Where a fitted source's CHW planes go: given (h, w, the sample's box count, its file name's
+# UTF-8 bytes), a writable uint8 (3, h, w) array, or None for new memory (``Store.fetch``
+# hands one that lies in the store itself, so a source is stored without a copy).
+PlanesFor = Callable[[int, int, int, int], "np.ndarray | None"]
+
+
+def fit(
+    sample: Sample, fit_hw: Sequence[int], scaleup: bool = True, planes_for: PlanesFor | None = None
+) -> Source:
     """``sample`` resized to fit (H, W) keeping its aspect ratio (``scaleup=False``: only
-    shrunk), as CHW planes; boxes scaled by the exact per-axis factors, clipped,
-    degenerate ones dropped."""
+    shrunk), as CHW planes (in ``planes_for``'s array where it gives one); boxes scaled by
+    the exact per-axis factors, clipped, degenerate ones dropped."""
     height, width = sample.image.shape[:2]
     new_h, new_w = fit_size(height, width, int(fit_hw[0]), int(fit_hw[1]), scaleup)
     image = sample.image
     if (new_h, new_w) != (height, width):
         image = cv2.resize(image, (new_w, new_h), interpolation=cv2.INTER_LINEAR)
-    planes = np.empty((3, new_h, new_w), dtype=np.uint8)
+    planes = None
+    if planes_for is not None:
+        planes = planes_for(new_h, new_w, len(sample.boxes), len((sample.file or "").encode()))
+    if planes is None:
+        planes = np.empty((3, new_h, new_w), dtype=np.uint8)
     cv2.split(image, [planes[0], planes[1], planes[2]])
     boxes, labels = _scaled(
         sample.boxes, sample.labels, new_w / width, new_h / height, new_h, new_w
@@ -121,9 +133,11 @@ def _scaled(
     return keep_valid(out, labels)
 
 
-def prepare(dataset: Any, index: int, fit_hw: Sequence[int]) -> Source:
+def prepare(
+    dataset: Any, index: int, fit_hw: Sequence[int], planes_for: PlanesFor | None = None
+) -> Source:
     """``read`` then ``fit``: what a worker does on a store miss."""
-    return fit(read(dataset, index), fit_hw, scales_up(dataset))
+    return fit(read(dataset, index), fit_hw, scales_up(dataset), planes_for)
 
 
 def refit(source: Source, fit_hw: Sequence[int], scaleup: bool = True) -> Source:

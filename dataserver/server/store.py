@@ -247,6 +247,9 @@ class Store:
         self._mapped = False  # every page of the arena is mapped here: write through it
         self._closing = threading.Event()
         self.populated = threading.Event()  # (``populate``) every page of it is mapped here
+        # Ring bytes reserved for a source this process is fitting straight into the store
+        # (``_planes_for``): key -> (position, bytes reserved, the planes handed out).
+        self._placing: dict[tuple[int, int], tuple[int, int, np.ndarray]] = {}
         try:
             self._index_map = mmap.mmap(index_fd, index_bytes)
             committed = int(np.frombuffer(self._index_map, _HEADER, 1, 0)[0]["reserved"])
@@ -533,6 +536,18 @@ class Store:
         need = population * mean
         return min(1.0, ADMIT_SHARE * room / need) if need > 0 else 1.0
 
+    def _overrun(self, i: int) -> bool:
+        """Under the lock: whether entry ``i``'s bytes were written over (the ring came
+        round before the journal let it go); if so it is dropped (never read, never
+        refreshed from)."""
+        h = self.header[0]
+        if int(self.table[i]["pos"]) >= int(h["head"]) - int(h["ring"]):
+            return False
+        self._dirty(True)
+        self._delete(i)
+        self._dirty(False)
+        return True
+
     def _claim(self, k0: int, k1: int, take_over: bool, fraction: float = 1.0) -> tuple[Claim, int]:
         """Under the lock: what this process does about the source ``(k0, k1)``, the one
         rule ``get`` and ``fetch`` share. ``HIT``: it is stored (refreshed; the second
@@ -545,8 +560,11 @@ class Store:
         admitted subset keeps it in place (refreshing would push admitted entries out)."""
         i = self._find(k0, k1)
         if i >= 0 and int(self.table[i]["state"]) == READY:
-            self.stats.hits += 1
-            return Claim.HIT, self._refresh(i) if fraction >= 1.0 else int(self.table[i]["pos"])
+            if not self._overrun(i):
+                self.stats.hits += 1
+                pos = self._refresh(i) if fraction >= 1.0 else int(self.table[i]["pos"])
+                return Claim.HIT, pos
+            i = -1  # (dropped: made again)
         if i < 0 and not admitted(k1, fraction):
             return Claim.SKIP, -1
         if i >= 0:  # PENDING
@@ -610,12 +628,19 @@ class Store:
         return source, -1
 
     def fetch(
-        self, keys: list[tuple[int, int]], make: Callable[[int], Source], population: int = 0
+        self,
+        keys: list[tuple[int, int]],
+        make: Callable[..., Source],
+        population: int = 0,
+        into: bool = False,
     ) -> tuple[list[Source | None], int]:
         """``get`` for many keys under one lock: the sources (``make(i)`` for the i-th key
         where the store lacks it, or None where ``make`` raised: call ``make(i)`` again to
         see why), and the oldest ring position read (check ``intact`` once after use).
-        ``population``: as for ``get``."""
+        ``population``: as for ``get``. ``into``: ``make(i, planes_for)`` for a source the
+        store will keep, where ``planes_for`` (``pipeline.PlanesFor``) hands the planes'
+        place in the store itself: such a source is stored without a copy, and is read from
+        the store like a hit (its position counts in the one returned)."""
         out: list[Source | None] = [None] * len(keys)
         views: list[int] = []  # positions of hits
         mine: list[int] = []  # keys this call makes
@@ -636,7 +661,9 @@ class Store:
                     (mine if claim is Claim.MINE else later).append(i)
         finally:
             self._unlock()
-        self._make_and_keep(keys, mine, kept, make, out)
+        placed = self._make_and_keep(keys, mine, kept, make, out, into)
+        if placed >= 0:
+            views.append(placed)
         for i in later:  # rare: wait for the other worker, one by one
             try:
                 out[i], pos = self.get(keys[i], partial(make, i), population)
@@ -651,26 +678,71 @@ class Store:
         keys: list[tuple[int, int]],
         mine: list[int],
         kept: list[bool],
-        make: Callable[[int], Source],
+        make: Callable[..., Source],
         out: list[Source | None],
-    ) -> None:
-        """``fetch``'s misses: make each of ``mine`` into ``out``, then store those ``kept``
-        (admitted) under one lock; a failed one's PENDING entry is dropped."""
+        into: bool,
+    ) -> int:
+        """``fetch``'s misses: make each of ``mine`` into ``out`` (with ``into``, those
+        ``kept`` straight into the store), then store those ``kept`` (admitted) under one
+        lock; a failed one's PENDING entry is dropped. Returns the oldest position of a
+        source made in the store (-1: none)."""
         made: list[tuple[tuple[int, int], Source]] = []
         for i in mine:
             self.stats.misses += 1
             self.stats.skipped += not kept[i]
             try:
-                source = make(i)
+                source = make(i, self._planes_for(*keys[i])) if into and kept[i] else make(i)
             except Exception:
                 if kept[i]:
+                    self._placing.pop(keys[i], None)
                     self._forget(*keys[i])
                 continue
             out[i] = source
             if kept[i]:
                 made.append((keys[i], source))
+        placed = [
+            self._placing[key][0]
+            for key, source in made
+            if key in self._placing and self._placing[key][2] is source.image
+        ]
         if made:
             self._put_many(made)
+        return min(placed, default=-1)
+
+    def _planes_for(self, k0: int, k1: int) -> Callable[[int, int, int, int], np.ndarray | None]:
+        """``pipeline.PlanesFor`` for the source ``(k0, k1)`` this process is making (its
+        entry PENDING, its own): the ring bytes for its planes, boxes, labels and file name
+        reserved at the head, and its planes' place there handed out (None: no room, or the
+        entry is no longer this process's: new memory, stored by a copy)."""
+
+        def planes_for(h: int, w: int, boxes: int, name: int) -> np.ndarray | None:
+            img = 3 * h * w
+            nbytes = img + 24 * boxes + name
+            self._lock()
+            try:
+                i = self._find(k0, k1)
+                if (
+                    i < 0
+                    or int(self.table[i]["state"]) != PENDING
+                    or int(self.table[i]["pid"]) != self._pid
+                ):
+                    return None
+                self._dirty(True)
+                pos = self._alloc(nbytes)
+                if pos >= 0:  # journalled now, so the journal stays in ring order
+                    self._journal(pos, k0, k1)
+                self._dirty(False)
+                ring = int(self.header[0]["ring"])
+            finally:
+                self._unlock()
+            if pos < 0:
+                return None
+            off = pos % ring
+            planes = self.arena[off : off + img].reshape(3, h, w)
+            self._placing[(k0, k1)] = (pos, nbytes, planes)
+            return planes
+
+        return planes_for
 
     def intact(self, position: int) -> bool:
         """Whether the bytes read at ``position`` were not written over since."""
@@ -716,6 +788,7 @@ class Store:
         img = 3 * h * w
         name = source.file.encode()
         nbytes = img + 24 * m + len(name)
+        placing = self._placing.pop((k0, k1), None)
         i = self._find(k0, k1)
         if (
             i < 0
@@ -724,21 +797,33 @@ class Store:
         ):
             return  # taken over meanwhile: the other one will store it
         self._dirty(True)
-        pos = self._alloc(nbytes)
+        ring = int(self.header[0]["ring"])
+        # Made in the store itself (``_planes_for``): its planes are in place, unless the
+        # ring came round over them meanwhile (then they are dropped, never believed).
+        placed = (
+            placing is not None
+            and placing[2] is source.image
+            and nbytes <= placing[1]
+            and int(self.header[0]["head"]) - ring <= placing[0]
+        )
+        pos = placing[0] if placing is not None and placed else self._alloc(nbytes)
         i = self._find(k0, k1)  # eviction may have moved our slot
-        if pos < 0:
+        if pos < 0 or (placing is not None and placing[2] is source.image and not placed):
             if i >= 0:
                 self._delete(i)
             self._dirty(False)
             return
-        off = pos % int(self.header[0]["ring"])
+        ring = int(self.header[0]["ring"])
+        off = pos % ring
         parts = [
             np.ascontiguousarray(source.image).reshape(-1),
             np.ascontiguousarray(source.boxes, np.float32).reshape(-1).view(np.uint8),
             np.ascontiguousarray(source.labels, np.int64).reshape(-1).view(np.uint8),
             np.frombuffer(name, np.uint8),
         ]
-        if self._mapped:  # the pages are mapped here already: a plain copy
+        if placed:  # only what follows the planes is written
+            _copy_at(self.arena, parts[1:], off + img)
+        elif self._mapped:  # the pages are mapped here already: a plain copy
             _copy_at(self.arena, parts, off)
         elif not _write_at(self._arena_fd, parts, off, nbytes):
             arena = self.arena  # (a short write: through the mapping)
@@ -750,7 +835,8 @@ class Store:
         e["pos"], e["nbytes"], e["h"], e["w"], e["nboxes"] = pos, nbytes, h, w, m
         e["orig_h"], e["orig_w"], e["nfile"] = source.orig_hw[0], source.orig_hw[1], len(name)
         e["state"], e["pid"] = READY, 0
-        self._journal(pos, k0, k1)
+        if not placed:  # (a placed one was journalled when its bytes were reserved)
+            self._journal(pos, k0, k1)
         hd = self.header[0]
         hd["puts"], hd["put_bytes"] = int(hd["puts"]) + 1, int(hd["put_bytes"]) + nbytes
         self._dirty(False)

@@ -42,6 +42,7 @@ import zmq
 
 from dataserver.data.pipeline import (
     Draw,
+    PlanesFor,
     Recipe,
     Source,
     SourceOf,
@@ -367,14 +368,14 @@ class Worker:
             for i in indices:
                 image_of.setdefault(i, n)
 
-        def make(index: int) -> Source:
+        def make(index: int, planes_for: PlanesFor | None = None) -> Source:
             nonlocal decoded
             decoded += 1
             if self.running is not None:  # a death now is blamed on the image it is read for
                 self.running.image(image_of.get(index, 0))
             start = time.perf_counter_ns()
             try:
-                return prepare(dataset, index, stored_hw)
+                return prepare(dataset, index, stored_hw, planes_for)
             finally:
                 timings.append((time.perf_counter_ns() - start) // 1000)
 
@@ -383,7 +384,9 @@ class Worker:
         if self.store is not None:
             keys = index_keys(store_key(self.fingerprint, stored_hw, ckey), wanted)
             population = len(dataset)  # (the store keeps a subset of a larger dataset)
-            sources, oldest = self.store.fetch(keys, lambda k: make(wanted[k]), population)
+            sources, oldest = self.store.fetch(
+                keys, lambda k, into=None: make(wanted[k], into), population, into=True
+            )
             got = dict(zip(wanted, sources, strict=True))
 
         def source(index: int, draw: Draw = None) -> Source:
