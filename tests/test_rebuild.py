@@ -354,6 +354,7 @@ BAD: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
     ("control not msgpack-able", _set("control", {"x": {1, 2}}), "'control'"),
     ("on_error", _set("on_error", "ignore"), "'on_error'"),
     ("another dataset", _set("fingerprint", "plugin-0000000000000000"), "fingerprint|dataset"),
+    ("no fingerprint", _drop("fingerprint"), "'fingerprint'"),
 ]
 
 

@@ -243,8 +243,13 @@ def test_a_source_fitted_into_the_store_that_the_ring_overran_is_never_kept() ->
         key = store_key("overrun", 0)
         made, oldest = worker.fetch([key], make, into=True)
         assert made[0] is not None and not worker.intact(oldest)
-        again = []
-        other.get(key, lambda: again.append(1) or fitted(0, 128))
+        again: list[int] = []
+
+        def remake() -> Source:
+            again.append(1)
+            return fitted(0, 128)
+
+        other.get(key, remake)
         assert again == [1]  # it was not kept: made again
     finally:
         for s in (other, worker, front):

@@ -393,13 +393,7 @@ class DataServerClient:
         that is not one (naming the field) or is of another dataset, and
         ``DataServerError`` as ``next()`` would."""
         self._check_open()
-        if isinstance(manifest, dict) and manifest.get("fingerprint", self.fingerprint) != (
-            self.fingerprint
-        ):
-            raise ValueError(
-                f"manifest is of dataset {manifest.get('fingerprint')!r}; the servers serve "
-                f"{self.fingerprint!r}"
-            )
+        self._check_dataset(manifest)
         plan, values, on_error = plan_of(manifest, self.dataset_len)
         for key, hw in (("image_size", plan.fit_hw), ("source_size", plan.stored_hw)):
             problem = self._side_problem([hw])
@@ -428,6 +422,21 @@ class DataServerClient:
             batch.manifest[key] = manifest.get(key, absent)
         batch.manifest["fingerprint"] = self.fingerprint
         return batch
+
+    def _check_dataset(self, manifest: Any) -> None:
+        """A manifest must name this client's dataset: without its fingerprint, another
+        dataset's manifest would be composed from this one's samples."""
+        if not isinstance(manifest, dict):
+            return  # (``plan_of`` says what it is not)
+        if "fingerprint" not in manifest:
+            raise ValueError(
+                "manifest has no 'fingerprint': a batch.manifest names the dataset it is of"
+            )
+        if manifest["fingerprint"] != self.fingerprint:
+            raise ValueError(
+                f"manifest is of dataset {manifest['fingerprint']!r}; the servers serve "
+                f"{self.fingerprint!r}"
+            )
 
     def control(self, **values: Any) -> None:
         """Send values to the dataset's ``set_control(values)`` on every server; every
