@@ -178,6 +178,12 @@ def fig_dataloader(args: argparse.Namespace, spec: str, progress: Progress) -> d
         "store_first_lap_cpu_ms_per_image": round(cpu["default"] - cpu["first_nostore"], 2),
         # SPEC: default flags' first epoch >= 0.95 of --cache-gb 0's on the same data.
         "default_first_epoch_vs_no_store": round(rate["default"] / rate["first_nostore"], 3),
+        # the same, round by round (each pair run one after the other: the machine's drift
+        # between rounds cancels)
+        "default_first_epoch_vs_no_store_rounds": [
+            round(d["images_per_s"] / n["images_per_s"], 3)
+            for d, n in zip(runs["default"], runs["first_nostore"], strict=True)
+        ],
         # What committing the store up front costs: seconds to the ready line, with it and
         # without a store (fresh servers, medians).
         "ready_s_default": round(med([r["ready_s"] for r in runs["default"]]), 2),
