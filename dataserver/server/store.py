@@ -24,13 +24,13 @@ approximately). Positions are monotonic byte counts, so "the bytes of this entry
 intact" is ``head - ring <= position``.
 
 Memory is committed up front: the front reserves (``fallocate``) every page of the arena
-when it creates the store, before the server says it is ready (``commit_s``: ~0.25 s a GiB
-on the development VM, where the kernel allocates and clears a fresh 4 KiB page in ~1 us),
-and each worker maps the whole committed arena at once (``MAP_POPULATE``: ~60 ms a GiB). A
-put is then a copy into pages already there, through the maker's own mapping: no page is
-allocated, cleared or faulted while an epoch runs (lazily reserved pages cost a fresh
-server's first epoch ~0.5 ms an image: docs/DESIGN-NOTES.md). If the memory cannot all be
-had, what could be is kept: the rest is reserved 64 MiB at a time as the head first reaches
+and faults each in once when it creates the store, before the server says it is ready
+(``commit_s``: ~1 s a GiB on the development VM, where fresh pages cost the most), and each
+worker maps the whole committed arena in a thread of its own (``MADV_POPULATE_READ``: ~70 ms
+a GiB). A miss is fitted straight into its reserved bytes (``fetch(..., into=True)``), or
+else copied in through the maker's mapping: no page is allocated, cleared or faulted while
+an epoch runs (lazily reserved pages cost a fresh server's first epoch ~0.5 ms an image:
+docs/DESIGN-NOTES.md). If the memory cannot all be had, what could be is kept: the rest is reserved 64 MiB at a time as the head first reaches
 it, and where a reservation fails the ring stops growing there instead of the process dying
 on a write to a page that cannot be had.
 
@@ -536,12 +536,16 @@ class Store:
         need = population * mean
         return min(1.0, ADMIT_SHARE * room / need) if need > 0 else 1.0
 
+    def _intact_at(self, position: int) -> bool:
+        """Under the lock: whether the bytes at ``position`` were not written over since."""
+        h = self.header[0]
+        return int(h["head"]) - int(h["ring"]) <= position
+
     def _overrun(self, i: int) -> bool:
         """Under the lock: whether entry ``i``'s bytes were written over (the ring came
         round before the journal let it go); if so it is dropped (never read, never
         refreshed from)."""
-        h = self.header[0]
-        if int(self.table[i]["pos"]) >= int(h["head"]) - int(h["ring"]):
+        if self._intact_at(int(self.table[i]["pos"])):
             return False
         self._dirty(True)
         self._delete(i)
@@ -750,8 +754,7 @@ class Store:
             return True
         self._lock()
         try:
-            h = self.header[0]
-            ok = int(h["head"]) - int(h["ring"]) <= position
+            ok = self._intact_at(position)
         finally:
             self._unlock()
         if not ok:
@@ -797,18 +800,18 @@ class Store:
         ):
             return  # taken over meanwhile: the other one will store it
         self._dirty(True)
-        ring = int(self.header[0]["ring"])
         # Made in the store itself (``_planes_for``): its planes are in place, unless the
         # ring came round over them meanwhile (then they are dropped, never believed).
+        in_store = placing is not None and placing[2] is source.image
         placed = (
             placing is not None
-            and placing[2] is source.image
+            and in_store
             and nbytes <= placing[1]
-            and int(self.header[0]["head"]) - ring <= placing[0]
+            and self._intact_at(placing[0])
         )
         pos = placing[0] if placing is not None and placed else self._alloc(nbytes)
         i = self._find(k0, k1)  # eviction may have moved our slot
-        if pos < 0 or (placing is not None and placing[2] is source.image and not placed):
+        if pos < 0 or (in_store and not placed):
             if i >= 0:
                 self._delete(i)
             self._dirty(False)
