@@ -22,7 +22,7 @@ from ds_plugins import colour_of
 
 from dataserver.data.composed import composed_rng
 from dataserver.data.mosaic import mosaic4_canvas, mosaic_rng
-from dataserver.data.pipeline import Source, augment_rng, compose_one
+from dataserver.data.pipeline import Source, augment_rng, compose_one, in_layout
 from dataserver.data.sample import SampleError
 from dataserver_client import Batch, DataServerClient, DataServerError
 
@@ -127,6 +127,11 @@ def test_the_mosaic_canvas_is_ultralytics_mosaic4() -> None:
         canvas, got_boxes, got_labels = mosaic4_canvas(
             sources, (s, s), 114, mosaic_rng(seed, 0, [])
         )
+        # Sources kept HWC (a dataset with augment_composed) lay out the same canvas.
+        hwc = [in_layout(src, True) for src in sources]
+        assert all(src.hwc and src.image.shape[2] == 3 for src in hwc)
+        canvas_hwc, boxes_hwc, _ = mosaic4_canvas(hwc, (s, s), 114, mosaic_rng(seed, 0, []))
+        assert np.array_equal(canvas, canvas_hwc) and np.array_equal(got_boxes, boxes_hwc)
         draws = mosaic_rng(seed, 0, [])
 
         def uniform(a: float, b: float, draws: np.random.Generator = draws) -> float:

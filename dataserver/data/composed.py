@@ -128,16 +128,19 @@ def after_composition(
     pad_value: int,
     mosaic_rng: np.random.Generator | None = None,
     content: tuple[int, int, int, int] | None = None,
+    image: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """One output through ``hook``, written into its CHW ``canvas``; returns its boxes and
-    labels. ``sources`` None: the image composed in ``canvas`` (with ``boxes`` and
-    ``labels``; ``content``: where a regular image's picture lies), border (0, 0).
+    """One output through ``hook``, written into its CHW ``canvas`` (every pixel); returns
+    its boxes and labels. ``sources`` None: the image composed HWC in ``image`` (else in
+    ``canvas``; with ``boxes`` and ``labels``; ``content``: where a regular image's
+    picture lies), border (0, 0).
     Otherwise a mosaic of ``sources``, laid out by ``mosaic4_canvas`` from ``mosaic_rng``
     with ``pad_value``, border (-H // 2, -W // 2). ``params`` (``augment``'s, of the
     anchor: ``params["index"]``) gains ``border`` and ``mosaic``."""
     _, out_h, out_w = canvas.shape
     if sources is None:
-        image = cv2.merge([canvas[0], canvas[1], canvas[2]])
+        if image is None:
+            image = cv2.merge([canvas[0], canvas[1], canvas[2]])
         params.update(border=(0, 0), mosaic=False)
         if content is not None:
             params["content"] = content

@@ -213,24 +213,51 @@ def _quadrant(
 
 def _place(
     canvas: np.ndarray,
-    planes: np.ndarray,
+    source: Source,
     cell: tuple[int, int, int, int],
     origin: tuple[int, int],
     region: tuple[int, int, int, int],
 ) -> None:
-    """The CHW ``planes`` into the HWC ``canvas`` at ``cell`` (y1, x1, y2, x2), the source
+    """``source``'s image into the HWC ``canvas`` at ``cell`` (y1, x1, y2, x2), the source
     pixel ``origin`` (y, x) at its top-left, only inside ``region`` (top, left, bottom,
-    right); in place (cv2.merge into the view)."""
+    right); in place (an HWC source by a copy, CHW planes by cv2.merge into the view)."""
     top, left = max(cell[0], region[0]), max(cell[1], region[1])
     bottom, right = min(cell[2], region[2]), min(cell[3], region[3])
     if bottom <= top or right <= left:
         return
     sy, sx = origin[0] + top - cell[0], origin[1] + left - cell[1]
-    parts = [planes[c, sy : sy + bottom - top, sx : sx + right - left] for c in range(3)]
     view = canvas[top:bottom, left:right]
+    if source.hwc:
+        np.copyto(view, source.image[sy : sy + bottom - top, sx : sx + right - left])
+        return
+    planes = source.image
+    parts = [planes[c, sy : sy + bottom - top, sx : sx + right - left] for c in range(3)]
     merged = cv2.merge(parts, dst=view)
     if merged is not view and not np.shares_memory(merged, canvas):
         view[...] = merged  # (OpenCV wrote a new array: not expected, kept right)
+
+
+def _pad_around(
+    canvas: np.ndarray,
+    quadrant: tuple[int, int, int, int],
+    cell: tuple[int, int, int, int] | None,
+    region: tuple[int, int, int, int],
+    value: int,
+) -> None:
+    """Fill with ``value`` the part of ``quadrant`` (y1, x1, y2, x2) that ``cell`` (inside
+    it; None: nothing) does not cover, within ``region``: the bands above, below, left
+    and right of the cell."""
+    qt, ql, qb, qr = quadrant
+    if cell is None:
+        bands = [(qt, ql, qb, qr)]
+    else:
+        ct, cl, cb, cr = cell
+        bands = [(qt, ql, ct, qr), (cb, ql, qb, qr), (ct, ql, cb, cl), (ct, cr, cb, qr)]
+    for band in bands:
+        top, left = max(band[0], region[0]), max(band[1], region[1])
+        bottom, right = min(band[2], region[2]), min(band[3], region[3])
+        if bottom > top and right > left:
+            canvas[top:bottom, left:right] = value
 
 
 def mosaic4_canvas(
@@ -259,21 +286,21 @@ def mosaic4_canvas(
     by, bx = -out_h // 2, -out_w // 2
     yc = int(-by + (big_h + by - -by) * rng.random())
     xc = int(-bx + (big_w + bx - -bx) * rng.random())
-    if region is None:
-        canvas = np.full((big_h, big_w, 3), pad_value, dtype=np.uint8)
-        rt, rl, rb, rr = 0, 0, big_h, big_w
-    else:
-        rt, rl, rb, rr = region
-        canvas = np.empty((big_h, big_w, 3), dtype=np.uint8)
-        canvas[rt:rb, rl:rr] = pad_value
+    rt, rl, rb, rr = (0, 0, big_h, big_w) if region is None else region
+    # Only what is read is written: each quadrant's tile, and padding where no tile is.
+    canvas = np.empty((big_h, big_w, 3), dtype=np.uint8)
+    quadrants = ((0, 0, yc, xc), (0, xc, yc, big_w), (yc, 0, big_h, xc), (yc, xc, big_h, big_w))
     all_boxes = [np.zeros((0, 4), dtype=np.float32)]
     all_labels = [np.zeros((0,), dtype=np.int64)]
-    for t, source in enumerate(sources):
+    for t in range(CELLS):
+        source = sources[t] if t < len(sources) else None
         if source is None:
+            _pad_around(canvas, quadrants[t], None, (rt, rl, rb, rr), pad_value)
             continue
-        _, h, w = source.image.shape
+        h, w = source.hw
         x1a, y1a, x2a, y2a, x1b, y1b = _quadrant(t, xc, yc, h, w, big_h, big_w)
-        _place(canvas, source.image, (y1a, x1a, y2a, x2a), (y1b, x1b), (rt, rl, rb, rr))
+        _place(canvas, source, (y1a, x1a, y2a, x2a), (y1b, x1b), (rt, rl, rb, rr))
+        _pad_around(canvas, quadrants[t], (y1a, x1a, y2a, x2a), (rt, rl, rb, rr), pad_value)
         if len(source.boxes):
             padw, padh = x1a - x1b, y1a - y1b
             boxes = np.asarray(source.boxes, np.float32) + np.array(

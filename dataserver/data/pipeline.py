@@ -45,20 +45,50 @@ from dataserver.hashing import MASK64, mix64
 
 @dataclass(slots=True)
 class Source:
-    """A source fitted to an image size: ``image`` uint8 (3, h, w); ``boxes`` float32
-    (M, 4) xyxy in its pixels; ``labels`` int64 (M,); ``file``: the file its sample names
-    ("" none); ``orig_hw``: the (h, w) its sample says it had as read, else the decoded
-    image's ((0, 0): unknown)."""
+    """A source fitted to an image size: ``image`` uint8 (3, h, w), or (h, w, 3) when
+    ``hwc``; ``boxes`` float32 (M, 4) xyxy in its pixels; ``labels`` int64 (M,); ``file``:
+    the file its sample names ("" none); ``orig_hw``: the (h, w) its sample says it had as
+    read, else the decoded image's ((0, 0): unknown).
+
+    The layout is the dataset's (``layout_of``): planes (CHW, what a batch holds) unless
+    it has ``augment_composed``, whose outputs are composed and augmented as HWC images
+    (Ultralytics' layout), so that its sources are kept HWC and placed by a plain copy.
+    Either way the same bytes come out of a task."""
 
     image: np.ndarray
     boxes: np.ndarray
     labels: np.ndarray
     file: str = ""
     orig_hw: tuple[int, int] = (0, 0)
+    hwc: bool = False
 
     @property
     def nbytes(self) -> int:
         return int(self.image.nbytes + self.boxes.nbytes + self.labels.nbytes)
+
+    @property
+    def hw(self) -> tuple[int, int]:
+        """(h, w) of its image, whatever its layout."""
+        shape = self.image.shape
+        return (int(shape[0]), int(shape[1])) if self.hwc else (int(shape[1]), int(shape[2]))
+
+    def as_hwc(self) -> Source:
+        """The same source over the same bytes read as (h, w, 3): for a source the store
+        gives back (``Store`` keeps bytes; its views are (3, h, w)) of a dataset whose
+        sources are HWC."""
+        if self.hwc:
+            return self
+        _, h, w = self.image.shape
+        return Source(
+            self.image.reshape(h, w, 3), self.boxes, self.labels, self.file, self.orig_hw, True
+        )
+
+
+def layout_of(dataset: Any) -> str:
+    """How ``dataset``'s sources are kept: "hwc" when it has ``augment_composed`` (its
+    outputs are composed and augmented HWC), else "chw" (placed plane by plane straight
+    into the batch's layout)."""
+    return "hwc" if hook_of(dataset) is not None else "chw"
 
 
 # (anchor, slot) of a window mosaic's partner, whose augmentation is drawn for it; None:
@@ -93,34 +123,53 @@ def scales_up(dataset: Any) -> bool:
     return getattr(dataset, "scaleup", True) is not False
 
 
-# Where a fitted source's CHW planes go: given (h, w, the sample's box count, its file name's
-# UTF-8 bytes), a writable uint8 (3, h, w) array, or None for new memory (``Store.fetch``
-# hands one that lies in the store itself, so a source is stored without a copy).
+# Where a fitted source's pixels go: given (h, w, the sample's box count, its file name's
+# UTF-8 bytes), a writable uint8 (3, h, w) array (3 * h * w contiguous bytes, read as
+# (h, w, 3) for an HWC source), or None for new memory (``Store.fetch`` hands one that lies
+# in the store itself, so a source is stored without a copy).
 PlanesFor = Callable[[int, int, int, int], "np.ndarray | None"]
 
 
 def fit(
-    sample: Sample, fit_hw: Sequence[int], scaleup: bool = True, planes_for: PlanesFor | None = None
+    sample: Sample,
+    fit_hw: Sequence[int],
+    scaleup: bool = True,
+    planes_for: PlanesFor | None = None,
+    hwc: bool = False,
 ) -> Source:
     """``sample`` resized to fit (H, W) keeping its aspect ratio (``scaleup=False``: only
-    shrunk), as CHW planes (in ``planes_for``'s array where it gives one); boxes scaled by
-    the exact per-axis factors, clipped, degenerate ones dropped."""
+    shrunk), as CHW planes (``hwc``: an (h, w, 3) image), in ``planes_for``'s array where
+    it gives one; boxes scaled by the exact per-axis factors, clipped, degenerate ones
+    dropped."""
     height, width = sample.image.shape[:2]
     new_h, new_w = fit_size(height, width, int(fit_hw[0]), int(fit_hw[1]), scaleup)
-    image = sample.image
-    if (new_h, new_w) != (height, width):
-        image = cv2.resize(image, (new_w, new_h), interpolation=cv2.INTER_LINEAR)
-    planes = None
+    resize = (new_h, new_w) != (height, width)
+    place = None
     if planes_for is not None:
-        planes = planes_for(new_h, new_w, len(sample.boxes), len((sample.file or "").encode()))
-    if planes is None:
-        planes = np.empty((3, new_h, new_w), dtype=np.uint8)
-    cv2.split(image, [planes[0], planes[1], planes[2]])
+        place = planes_for(new_h, new_w, len(sample.boxes), len((sample.file or "").encode()))
+    if hwc:
+        if place is not None:
+            image = place.reshape(new_h, new_w, 3)
+            if resize:
+                cv2.resize(sample.image, (new_w, new_h), dst=image, interpolation=cv2.INTER_LINEAR)
+            else:
+                np.copyto(image, sample.image)
+        elif resize:
+            image = cv2.resize(sample.image, (new_w, new_h), interpolation=cv2.INTER_LINEAR)
+        else:
+            image = np.ascontiguousarray(sample.image)
+    else:
+        image = sample.image
+        if resize:
+            image = cv2.resize(image, (new_w, new_h), interpolation=cv2.INTER_LINEAR)
+        planes = place if place is not None else np.empty((3, new_h, new_w), dtype=np.uint8)
+        cv2.split(image, [planes[0], planes[1], planes[2]])
+        image = planes
     boxes, labels = _scaled(
         sample.boxes, sample.labels, new_w / width, new_h / height, new_h, new_w
     )
     orig = sample.orig_size if sample.orig_size is not None else (height, width)
-    return Source(planes, boxes, labels, sample.file or "", orig)
+    return Source(image, boxes, labels, sample.file or "", orig, hwc)
 
 
 def _scaled(
@@ -136,24 +185,32 @@ def _scaled(
 def prepare(
     dataset: Any, index: int, fit_hw: Sequence[int], planes_for: PlanesFor | None = None
 ) -> Source:
-    """``read`` then ``fit``: what a worker does on a store miss."""
-    return fit(read(dataset, index), fit_hw, scales_up(dataset), planes_for)
+    """``read`` then ``fit`` in the dataset's layout (``layout_of``): what a worker does
+    on a store miss."""
+    hwc = layout_of(dataset) == "hwc"
+    return fit(read(dataset, index), fit_hw, scales_up(dataset), planes_for, hwc)
 
 
 def refit(source: Source, fit_hw: Sequence[int], scaleup: bool = True) -> Source:
     """``source`` (fitted to the stored size) fitted into ``fit_hw``, keeping its aspect
-    ratio (``scaleup=False``: only shrunk); itself when it fits exactly already."""
-    _, height, width = source.image.shape
+    ratio (``scaleup=False``: only shrunk), in its layout; itself when it fits exactly
+    already."""
+    height, width = source.hw
     new_h, new_w = fit_size(height, width, int(fit_hw[0]), int(fit_hw[1]), scaleup)
     if (new_h, new_w) == (height, width):
         return source
-    planes = np.empty((3, new_h, new_w), dtype=np.uint8)
-    for c in range(3):
-        cv2.resize(source.image[c], (new_w, new_h), dst=planes[c], interpolation=cv2.INTER_LINEAR)
+    if source.hwc:
+        image = cv2.resize(source.image, (new_w, new_h), interpolation=cv2.INTER_LINEAR)
+    else:
+        image = np.empty((3, new_h, new_w), dtype=np.uint8)
+        for c in range(3):
+            cv2.resize(
+                source.image[c], (new_w, new_h), dst=image[c], interpolation=cv2.INTER_LINEAR
+            )
     boxes, labels = _scaled(
         source.boxes, source.labels, new_w / width, new_h / height, new_h, new_w
     )
-    return Source(planes, boxes, labels, source.file, source.orig_hw)
+    return Source(image, boxes, labels, source.file, source.orig_hw, source.hwc)
 
 
 def augment_rng(seed: int, epoch: int, index: int) -> np.random.Generator:
@@ -210,8 +267,12 @@ def augmented(
     augment = getattr(dataset, "augment", None)
     if augment is None:
         return source
+    if source.hwc:  # (a copy: the hook may write into it, and the store's bytes are shared)
+        image = source.image.copy()
+    else:
+        image = cv2.merge([source.image[0], source.image[1], source.image[2]])
     sample = {
-        "image": cv2.merge([source.image[0], source.image[1], source.image[2]]),
+        "image": image,
         "boxes": source.boxes.copy(),
         "labels": source.labels.copy(),
     }
@@ -233,10 +294,13 @@ def augmented(
             f"augment returned a {height}x{width} image, larger than the image size "
             f"{recipe.fit_hw[0]}x{recipe.fit_hw[1]}",
         )
-    planes = np.empty((3, height, width), dtype=np.uint8)
-    cv2.split(out.image, [planes[0], planes[1], planes[2]])
+    if source.hwc:
+        planes = np.ascontiguousarray(out.image)
+    else:
+        planes = np.empty((3, height, width), dtype=np.uint8)
+        cv2.split(out.image, [planes[0], planes[1], planes[2]])
     boxes, labels = _scaled(out.boxes, out.labels, 1.0, 1.0, height, width)
-    return Source(planes, boxes, labels, source.file, source.orig_hw)
+    return Source(planes, boxes, labels, source.file, source.orig_hw, source.hwc)
 
 
 def flip_of(seed: int, epoch: int, index: int) -> bool:
@@ -279,6 +343,23 @@ def _draw(
                 cv2.flip(dst, 1, dst=dst)
 
 
+def _draw_hwc(
+    canvas: np.ndarray, y0: int, x0: int, size: tuple[int, int], image: np.ndarray, flip: bool
+) -> None:
+    """``_draw`` for an HWC ``image`` on an HWC ``canvas``."""
+    new_h, new_w = size
+    dst = canvas[y0 : y0 + new_h, x0 : x0 + new_w]
+    if size == image.shape[:2]:
+        if flip:
+            cv2.flip(image, 1, dst=dst)
+        else:
+            np.copyto(dst, image)
+        return
+    cv2.resize(image, (new_w, new_h), dst=dst, interpolation=cv2.INTER_LINEAR)
+    if flip:
+        cv2.flip(dst, 1, dst=dst)
+
+
 def letterbox_offset(cell_h: int, cell_w: int, new_h: int, new_w: int) -> tuple[int, int]:
     """(top, left) of an image of (new_h, new_w) centred in a cell of (cell_h, cell_w), as
     Ultralytics' ``LetterBox(center=True)`` rounds it: ``round(d / 2 - 0.1)``."""
@@ -297,16 +378,18 @@ def place(
     center: bool = False,
     scaleup: bool = True,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Write ``source`` at the top-left of the cell (y0, x0, cell_h, cell_w) of a CHW
-    ``canvas`` (``center``: centred in it, ``letterbox_offset``), fitted into the cell
-    (``scaleup=False``: only when it is larger), mirrored when ``flip``. Returns its boxes
-    in canvas pixels and their labels (clipped; degenerate ones dropped)."""
-    _, height, width = source.image.shape
+    """Write ``source`` at the top-left of the cell (y0, x0, cell_h, cell_w) of a
+    ``canvas`` in its layout (CHW, or (H, W, 3) for an HWC source) (``center``: centred in
+    it, ``letterbox_offset``), fitted into the cell (``scaleup=False``: only when it is
+    larger), mirrored when ``flip``. Returns its boxes in canvas pixels and their labels
+    (clipped; degenerate ones dropped)."""
+    height, width = source.hw
     new_h, new_w = fit_size(height, width, cell_h, cell_w, scaleup)
     if center:
         top, left = letterbox_offset(cell_h, cell_w, new_h, new_w)
         y0, x0 = y0 + top, x0 + left
-    _draw(canvas, y0, x0, (new_h, new_w), source.image, flip)
+    draw = _draw_hwc if source.hwc else _draw
+    draw(canvas, y0, x0, (new_h, new_w), source.image, flip)
     if not len(source.boxes):
         return source.boxes, source.labels
     if (new_h, new_w) == (height, width):  # already clipped to the source, none degenerate
@@ -348,12 +431,14 @@ def compose_into(
     skip_errors: bool,
     center: bool = False,
     scaleup: bool = True,
+    hwc: bool = False,
 ) -> Composed:
-    """Compose one output image into the CHW ``canvas`` (filled with the padding value)
-    from ``indices`` (cell t = (t // grid, t % grid); ``center``: each source centred in
-    its cell). With ``skip_errors`` a failing source leaves its cell empty and is reported;
-    without, its ``SampleError`` propagates."""
-    _, out_h, out_w = canvas.shape
+    """Compose one output image into the CHW ``canvas`` (``hwc``: an (H, W, 3) one, for
+    HWC sources), filled with the padding value, from ``indices`` (cell t = (t // grid,
+    t % grid); ``center``: each source centred in its cell). With ``skip_errors`` a
+    failing source leaves its cell empty and is reported; without, its ``SampleError``
+    propagates."""
+    out_h, out_w = canvas.shape[:2] if hwc else canvas.shape[1:]
     cell_h, cell_w = out_h // grid, out_w // grid
     all_boxes = [np.zeros((0, 4), dtype=np.float32)]
     all_labels = [np.zeros((0,), dtype=np.int64)]
@@ -367,6 +452,8 @@ def compose_into(
                 raise
             failed.append((index, str(exc)))
             continue
+        if source.hwc != hwc:
+            source = in_layout(source, hwc)
         row, col = divmod(t, grid)
         boxes, labels = place(
             canvas, row * cell_h, col * cell_w, cell_h, cell_w, source, flips[t], center, scaleup
@@ -377,12 +464,25 @@ def compose_into(
     if len(all_boxes) == 2:  # one source: no need to join
         content = None
         if grid == 1:
-            _, height, width = source.image.shape
+            height, width = source.hw
             new_h, new_w = fit_size(height, width, out_h, out_w, scaleup)
             top, left = letterbox_offset(out_h, out_w, new_h, new_w) if center else (0, 0)
             content = (top, left, new_h, new_w)
         return Composed(all_boxes[1], all_labels[1], kept, failed, content)
     return Composed(np.concatenate(all_boxes), np.concatenate(all_labels), kept, failed)
+
+
+def in_layout(source: Source, hwc: bool) -> Source:
+    """``source`` with its image in the layout asked for (a copy when it is not already)."""
+    if source.hwc == hwc:
+        return source
+    if hwc:
+        image = cv2.merge([source.image[0], source.image[1], source.image[2]])
+    else:
+        height, width = source.hw
+        image = np.empty((3, height, width), np.uint8)
+        cv2.split(source.image, [image[0], image[1], image[2]])
+    return Source(image, source.boxes, source.labels, source.file, source.orig_hw, hwc)
 
 
 def finished(dataset: Any, index: int, stored: Source, recipe: Recipe, draw: Draw = None) -> Source:
@@ -402,8 +502,11 @@ def compose_image(
     recipe: Recipe,
     skip_errors: bool,
     dataset: Any = None,
+    filled: bool = True,
 ) -> Composed:
-    """One output image into the CHW ``canvas``, filled with ``recipe.pad_value``, then,
+    """One output image into the CHW ``canvas``, filled with ``recipe.pad_value`` (or not
+    yet: ``filled=False``, and it is filled here unless every pixel is written anyway, as
+    through ``augment_composed``), then,
     when ``dataset`` has ``augment_composed``, through it (``dataserver.data.composed``):
     ``layout`` "grid" (``compose_into``, each source placed as ``recipe.letterbox`` says)
     or "mosaic" (``dataserver.data.mosaic``, its randomness from (seed, epoch, indices)).
@@ -414,6 +517,8 @@ def compose_image(
     if window and len(indices) == 1:  # no mosaic drawn for this anchor: a regular image
         layout, grid = "grid", 1
     hook = hook_of(dataset)
+    if hook is None and not filled:
+        canvas.fill(recipe.pad_value)
     if layout != "mosaic":
         grow = scales_up(dataset)
         return _compose_grid(canvas, get_source, indices, grid, recipe, skip_errors, hook, grow)
@@ -455,14 +560,16 @@ def _compose_grid(
     scaleup: bool = True,
 ) -> Composed:
     """``compose_into`` as ``recipe`` says, then ``hook`` (which flips the whole image, as
-    Ultralytics does: its sources are not mirrored)."""
+    Ultralytics does: its sources are not mirrored), the image composed HWC for it."""
     center = recipe.letterbox == "center"
     if hook is None:
         flips = [flip_of(recipe.seed, recipe.epoch, i) for i in indices]
         return compose_into(canvas, get_source, indices, grid, flips, skip_errors, center, scaleup)
     flat = [False] * len(indices)
-    done = compose_into(canvas, get_source, indices, grid, flat, skip_errors, center, scaleup)
-    return _after(hook, canvas, None, done, indices[0], recipe, skip_errors)
+    _, out_h, out_w = canvas.shape
+    image = np.full((out_h, out_w, 3), recipe.pad_value, np.uint8)
+    done = compose_into(image, get_source, indices, grid, flat, skip_errors, center, scaleup, True)
+    return _after(hook, canvas, None, done, indices[0], recipe, skip_errors, image=image)
 
 
 def _after(
@@ -474,12 +581,16 @@ def _after(
     recipe: Recipe,
     skip_errors: bool,
     rng: np.random.Generator | None = None,
+    image: np.ndarray | None = None,
 ) -> Composed:
-    """``done`` through the dataset's ``augment_composed`` (``composed.after_composition``):
-    a mosaic (``sources``, its geometry from ``rng``) built on Ultralytics' 2H x 2W canvas
-    first. With ``skip_errors`` a hook that fails leaves the image out (its samples reported
-    failed); without, its ``SampleError`` (naming the anchor) propagates."""
+    """``done`` (``image``: composed HWC, for ``sources`` None) through the dataset's
+    ``augment_composed`` (``composed.after_composition``), its answer written into the CHW
+    ``canvas`` (every pixel): a mosaic (``sources``, its geometry from ``rng``) built on
+    Ultralytics' 2H x 2W canvas first. With ``skip_errors`` a hook that fails leaves the
+    image out (its samples reported failed; ``canvas`` padding); without, its
+    ``SampleError`` (naming the anchor) propagates."""
     if not done.indices:
+        canvas.fill(recipe.pad_value)
         return done
     params = recipe.params(anchor)
     try:
@@ -494,10 +605,12 @@ def _after(
             recipe.pad_value,
             rng,
             done.content,
+            image,
         )
     except SampleError as exc:
         if not skip_errors:
             raise
+        canvas.fill(recipe.pad_value)
         failed = [*done.failed, *((i, str(exc)) for i in done.indices)]
         return Composed(np.zeros((0, 4), np.float32), np.zeros((0,), np.int64), [], failed)
     return Composed(boxes, labels, done.indices, done.failed)

@@ -123,6 +123,19 @@ _ENTRY = np.dtype(
 _JOURNAL = np.dtype([("pos", "<u8"), ("k0", "<u8"), ("k1", "<u8")])
 
 
+def _same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether two arrays are views of the very same bytes (planes handed out by
+    ``_planes_for`` come back as themselves, or read as (h, w, 3) for an HWC source)."""
+    if a is b:
+        return True
+    return bool(
+        a.nbytes == b.nbytes
+        and a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
+        and a.flags.c_contiguous
+        and b.flags.c_contiguous
+    )
+
+
 def store_key(*parts: object) -> tuple[int, int]:
     """A 128-bit key for what determines a prepared source (never (0, 0))."""
     digest = hashlib.blake2b(repr(parts).encode(), digest_size=16).digest()
@@ -707,7 +720,7 @@ class Store:
         placed = [
             self._placing[key][0]
             for key, source in made
-            if key in self._placing and self._placing[key][2] is source.image
+            if key in self._placing and _same_bytes(self._placing[key][2], source.image)
         ]
         if made:
             self._put_many(made)
@@ -786,7 +799,7 @@ class Store:
             self._unlock()
 
     def _store_one(self, k0: int, k1: int, source: Source) -> None:
-        _, h, w = source.image.shape
+        h, w = source.hw
         m = len(source.boxes)
         img = 3 * h * w
         name = source.file.encode()
@@ -802,7 +815,7 @@ class Store:
         self._dirty(True)
         # Made in the store itself (``_planes_for``): its planes are in place, unless the
         # ring came round over them meanwhile (then they are dropped, never believed).
-        in_store = placing is not None and placing[2] is source.image
+        in_store = placing is not None and _same_bytes(placing[2], source.image)
         placed = (
             placing is not None
             and in_store

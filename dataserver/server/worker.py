@@ -48,6 +48,7 @@ from dataserver.data.pipeline import (
     SourceOf,
     compose_image,
     finished,
+    layout_of,
     prepare,
 )
 from dataserver.data.sample import SampleError
@@ -382,11 +383,19 @@ class Worker:
         got: dict[int, Source | None] = {}
         oldest = -1
         if self.store is not None:
-            keys = index_keys(store_key(self.fingerprint, stored_hw, ckey), wanted)
+            hwc = layout_of(dataset) == "hwc"  # (its sources' bytes are HWC: a key of its own)
+            parts = (
+                (self.fingerprint, stored_hw, ckey, "hwc")
+                if hwc
+                else (self.fingerprint, stored_hw, ckey)
+            )
+            keys = index_keys(store_key(*parts), wanted)
             population = len(dataset)  # (the store keeps a subset of a larger dataset)
             sources, oldest = self.store.fetch(
                 keys, lambda k, into=None: make(wanted[k], into), population, into=True
             )
+            if hwc:  # (the store's views are (3, h, w) bytes)
+                sources = [None if s is None else s.as_hwc() for s in sources]
             got = dict(zip(wanted, sources, strict=True))
 
         def source(index: int, draw: Draw = None) -> Source:
@@ -415,13 +424,15 @@ class Worker:
     ) -> Result:
         out_h, out_w = task.out_hw
         pad = task.pad_value
+        # Each image is filled with the padding as it is composed (compose_image), unless
+        # it is already (a fresh landing region is all zero) or every pixel is written
+        # anyway (through augment_composed).
         if dest is None:
-            shape = (len(task.images), 3, out_h, out_w)
-            canvas = np.zeros(shape, np.uint8) if pad == 0 else np.full(shape, pad, np.uint8)
+            canvas = np.empty((len(task.images), 3, out_h, out_w), np.uint8)
+            filled = False
         else:
             canvas = dest
-            if pad or not task.land_zero:  # (a fresh landing region is all zero already)
-                canvas.fill(pad)
+            filled = not pad and bool(task.land_zero)
         skip = task.on_error == "skip"
         kept: list[tuple[int, ...]] = []
         failed: list[tuple[int, str]] = []
@@ -440,7 +451,7 @@ class Worker:
             if self.running is not None:
                 self.running.image(n)
             done = compose_image(
-                canvas[n], seen, indices, task.grid, task.layout, recipe, skip, dataset
+                canvas[n], seen, indices, task.grid, task.layout, recipe, skip, dataset, filled
             )
             # (under on_error="skip" an image whose every source failed holds no index)
             kept.append(tuple(done.indices))
