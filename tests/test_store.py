@@ -194,6 +194,39 @@ def test_a_dataset_larger_than_the_store_keeps_a_fixed_subset_and_reads_it_again
         store.close()
 
 
+def test_a_window_mosaics_sources_are_kept_for_its_window_whatever_the_subset() -> None:
+    """The same store and dataset, read as window mosaics read it (each position's source
+    made, then read again as a partner by the next few positions): with ``recent`` every
+    source is kept and none is made twice, though the admitted subset is about a fifth;
+    without it, those outside the subset are made again at each read."""
+    n, side = 6400, 64
+    keys = [store_key("window", i) for i in range(n)]
+    order = [int(i) for i in np.random.default_rng(1).permutation(n)]
+
+    def run(recent: bool) -> int:
+        store = Store.create(16 << 20)
+        made = 0
+
+        def make(_k: int, planes_for: Any = None, i: int = 0) -> Source:
+            nonlocal made
+            made += 1
+            return source(i, side)
+
+        try:
+            for p, i in enumerate(order):  # its source, then 3 partners from 1..24 back
+                window = [i] + [order[max(0, p - d)] for d in (1, 9, 24)]
+                for j in window:
+                    got, _ = store.fetch([keys[j]], partial(make, i=j), n, recent=recent)
+                    assert got[0] is not None and same(got[0], source(j, side))
+            assert store.usage()["admitted"] < 0.3
+        finally:
+            store.close()
+        return made
+
+    assert run(recent=True) == n  # each source made once, for its own position
+    assert run(recent=False) > 2 * n  # (the subset alone: most partners made again)
+
+
 def fitted(i: int, side: int, planes_for: Any = None) -> Source:
     """Sample ``i`` fitted as a worker fits it (``pipeline.fit``), into ``planes_for``'s
     planes where given."""

@@ -650,6 +650,7 @@ class Store:
         make: Callable[..., Source],
         population: int = 0,
         into: bool = False,
+        recent: bool = False,
     ) -> tuple[list[Source | None], int]:
         """``get`` for many keys under one lock: the sources (``make(i)`` for the i-th key
         where the store lacks it, or None where ``make`` raised: call ``make(i)`` again to
@@ -657,7 +658,12 @@ class Store:
         ``population``: as for ``get``. ``into``: ``make(i, planes_for)`` for a source the
         store will keep, where ``planes_for`` (``pipeline.PlanesFor``) hands the planes'
         place in the store itself: such a source is stored without a copy, and is read from
-        the store like a hit (its position counts in the one returned)."""
+        the store like a hit (its position counts in the one returned). ``recent``: the
+        sources are read again soon (a window mosaic's: each is a partner of the next
+        outputs of the epoch, ``mosaic_partners="window"``), so every one is kept, as when
+        the dataset fits, whatever subset a larger dataset has admitted: the ring keeps
+        what is recent, and no source is decoded again for its window (with the subset
+        alone, a store half the dataset decoded two sources per mosaic, not one)."""
         out: list[Source | None] = [None] * len(keys)
         views: list[int] = []  # positions of hits
         mine: list[int] = []  # keys this call makes
@@ -666,6 +672,8 @@ class Store:
         self._lock()
         try:
             fraction = self.admit_fraction(population)
+            if recent:
+                fraction = 1.0
             for i, (k0, k1) in enumerate(keys):
                 claim, pos = self._claim(k0, k1, False, fraction)
                 if claim is Claim.HIT:

@@ -392,7 +392,11 @@ class Worker:
             keys = index_keys(store_key(*parts), wanted)
             population = len(dataset)  # (the store keeps a subset of a larger dataset)
             sources, oldest = self.store.fetch(
-                keys, lambda k, into=None: make(wanted[k], into), population, into=True
+                keys,
+                lambda k, into=None: make(wanted[k], into),
+                population,
+                into=True,
+                recent=bool(task.partners),  # a window mosaic's sources are its partners soon
             )
             if hwc:  # (the store's views are (3, h, w) bytes)
                 sources = [None if s is None else s.as_hwc() for s in sources]
