@@ -18,7 +18,7 @@ import zmq
 from conftest import Server
 from fuzz_targets import welcome_of
 
-from dataserver.protocol import Bye, Heartbeat, Hello, Result, Task, Welcome, decode
+from dataserver.protocol import Bye, Cancelled, Heartbeat, Hello, Result, Task, Welcome, decode
 from dataserver_client import DataServerClient, DataServerError
 from dataserver_client.resume import RANK_KEYS
 
@@ -72,9 +72,15 @@ def wrong_indices(task: Task) -> Answer:
     return images, counts, failed, boxes, labels
 
 
+# What a fake server sends for one TASK instead of its RESULT: given the task and the frames
+# of the RESULT ``answer`` makes, the frames to send.
+Reply = Callable[[Task, list[Any]], list[Any]]
+
+
 class FakeServer:
     """A server that answers HELLO with a WELCOME (``dataset_len``/``fingerprint`` as told),
-    heartbeats with heartbeats, and every TASK with ``answer(task)`` (zero pixels)."""
+    heartbeats with heartbeats, and every TASK with ``answer(task)`` (zero pixels), its
+    frames passed through ``reply`` when given."""
 
     def __init__(
         self,
@@ -82,8 +88,10 @@ class FakeServer:
         dataset_len: int = N,
         fingerprint: str = "fake",
         categories: Any = (),
+        reply: Reply | None = None,
     ) -> None:
         self.answer = answer
+        self.reply = reply
         self.dataset_len = dataset_len
         self.fingerprint = fingerprint
         self.categories = tuple(categories)
@@ -143,6 +151,8 @@ class FakeServer:
                 boxes=np.asarray(boxes, np.float32).reshape(-1, 4),
                 labels=np.asarray(labels, np.int64),
             ).encode()
+            if self.reply is not None:
+                reply = self.reply(msg, reply)
         elif isinstance(msg, Bye):
             return
         if reply is not None:
@@ -161,9 +171,11 @@ def real() -> Iterator[Server]:
     server.stop()
 
 
-def fake_beside(real: Server, answer: Callable[[Task], Answer]) -> FakeServer:
+def fake_beside(
+    real: Server, answer: Callable[[Task], Answer], reply: Reply | None = None
+) -> FakeServer:
     w = welcome_of(real.address)
-    return FakeServer(answer, w.dataset_len, w.fingerprint, w.categories)
+    return FakeServer(answer, w.dataset_len, w.fingerprint, w.categories, reply)
 
 
 def epoch(client: DataServerClient, number: int = 0) -> list[Any]:
@@ -350,3 +362,107 @@ def test_every_field_of_a_loaded_state_is_checked(real: Server) -> None:
         rest = list(c)
         assert sum(b.num_samples for b in rest) == shard - 8
         assert rest[0].step == 2
+
+
+# ---------------------------------------------------------------- 6. bad servers (issue 25, 10)
+
+
+def counts_not_summing(task: Task, frames: list[Any]) -> list[Any]:
+    """A RESULT whose box counts say twice the boxes it carries."""
+    images, counts, failed, boxes, labels = honest(task)
+    return Result(
+        session=task.session,
+        task_id=task.task_id,
+        plan_version=task.plan_version,
+        images=images,
+        box_counts=tuple(2 * c for c in counts),
+        failed=failed,
+        pixels=np.zeros((len(task.images), 3, *task.out_hw), np.uint8),
+        boxes=boxes,
+        labels=labels,
+    ).encode()
+
+
+def extra_frames(task: Task, frames: list[Any]) -> list[Any]:
+    return [*frames, *([b"x"] * 40)]
+
+
+def labels_of_another_type(task: Task, frames: list[Any]) -> list[Any]:
+    """The labels frame sent as int32 (half the bytes its header announces)."""
+    labels = np.frombuffer(bytes(frames[-1]), np.int64).astype(np.int32)
+    return [*frames[:-1], labels.tobytes()]
+
+
+@pytest.mark.parametrize("reply", [counts_not_summing, extra_frames, labels_of_another_type])
+def test_a_server_breaking_the_protocol_is_dropped_and_the_epoch_completes(
+    real: Server, reply: Reply
+) -> None:
+    """A server whose RESULTs are malformed after its handshake is dropped at the first one
+    (was: counted as malformed, kept, its tasks waiting on it: the job died "no progress"
+    beside a healthy server); the epoch completes, exactly once, from the real one."""
+    fake = fake_beside(real, honest, reply)
+    try:
+        with DataServerClient([fake.address, real.address], timeout=20, **KW) as c:
+            check_exactly_once_from_real(c, fake)
+            assert c.stats()["rejected"]["malformed"] >= 1
+            assert fake.tasks <= 8
+    finally:
+        fake.close()
+
+
+def cancels_everything(task: Task, frames: list[Any]) -> list[Any]:
+    return Cancelled(
+        session=task.session, task_ids=(task.task_id,), plan_version=task.plan_version
+    ).encode()
+
+
+def test_a_server_cancelling_every_task_does_not_get_it_back_at_once(real: Server) -> None:
+    """Every task the fake gets it answers CANCELLED: the task moves to the real server
+    (its affinity to the fake is gone) instead of going back to the fake at once (was:
+    the same tasks 35,050 times in 5 s). The epoch completes, exactly once."""
+    fake = fake_beside(real, honest, cancels_everything)
+    try:
+        with DataServerClient([fake.address, real.address], timeout=20, **KW) as c:
+            started = time.monotonic()
+            batches = epoch(c)
+            took = time.monotonic() - started
+            got = sorted(i for b in batches for idx in b.indices for i in idx)
+            assert got == list(range(N))
+            assert all(img.any() for b in batches for img in b.images)  # the real one's
+            # At most each of the epoch's tasks once a second (AVOID_S), not thousands.
+            assert 0 < fake.tasks <= 4 * N * (1 + took)
+            assert 1 <= c.stats()["cancelled"] <= fake.tasks
+    finally:
+        fake.close()
+
+
+def test_a_server_announcing_another_dataset_mid_epoch_is_dropped(real: Server) -> None:
+    """After a few answers the fake sends a WELCOME for another dataset: that server alone
+    is dropped (was: the whole job failed); the epoch completes from the real one."""
+    sent = [0]
+
+    def reannounce(task: Task, frames: list[Any]) -> list[Any]:
+        sent[0] += 1
+        if sent[0] < 3:
+            return frames
+        return Welcome(
+            session=task.session,
+            server_id="fake-server",
+            dataset_len=N + 1,
+            fingerprint="another",
+            workers=2,
+            credit=4,
+            control=fake.control_endpoint,
+        ).encode()
+
+    fake = fake_beside(real, honest, reannounce)
+    try:
+        with DataServerClient([fake.address, real.address], timeout=20, **KW) as c:
+            c.set_epoch(0)
+            batches = list(c)
+            got = sorted(i for b in batches for idx in b.indices for i in idx)
+            assert got == list(range(N))
+            states = {s["address"]: s["state"] for s in c.stats()["servers"]}
+            assert states[fake.address] == "banned" and states[real.address] == "ready"
+    finally:
+        fake.close()

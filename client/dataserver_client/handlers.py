@@ -105,6 +105,8 @@ class Handlers:
                 # The first few are worth a warning; a flood is counted (client.stats()).
                 level = logging.WARNING if self.rejected["malformed"] <= 5 else logging.DEBUG
                 log.log(level, "dropped a bad message from %s: %s", link.address, exc)
+                if link.server_id:  # after its handshake: a faulty or hostile server
+                    self._bad_server(link, f"it sent a message that breaks the protocol: {exc}")
                 continue
             link.heard()
             if self._accepted(link, msg, direct):
@@ -236,7 +238,8 @@ class Handlers:
                 self.counters["cancelled"] += 1
             rec = self.ledger.get(tid)
             if rec is not None and rec.link is link:
-                self.ledger.ask_again([rec])  # cancelled though still wanted: send it again
+                # Cancelled though still wanted: send it again, to another server if any.
+                self.ledger.ask_again([rec], away_from=link)
 
     def on_bye(self, link: ServerLink) -> None:
         """The server is draining (SIGTERM: a scale-down, a rolling update): send it nothing
@@ -284,6 +287,14 @@ class Handlers:
         ):
             link.decline(msg, problem.why)
             self._servers_changed()
+        elif (
+            problem.kind is Problem.OTHER_DATASET
+            and self.handshake.done()
+            and self.links.any_ready(link)
+        ):
+            # A server that announces another dataset once the job runs (re-announced, or
+            # restarted on another) is dropped; the others finish the epoch.
+            self._bad_server(link, problem.why)
         else:
             link.decline(msg, problem.why)  # (it holds a session for us: BYE frees it at close)
             self._fail(DataServerError(problem.why))
@@ -379,7 +390,7 @@ class Handlers:
         for link in self.links:
             if link.state is not LinkState.READY:
                 continue
-            n = self.ledger.ask_again(self.ledger.records(link.expire(now, limit)))
+            n = self.ledger.ask_again(self.ledger.records(link.expire(now, limit)), link)
             if n:
                 self.counters["asked_again_deadline"] += n
                 log.info(

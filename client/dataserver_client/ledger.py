@@ -14,6 +14,7 @@ No sockets, no threads: the I/O thread is the only caller.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -26,6 +27,9 @@ if TYPE_CHECKING:
     from dataserver_client.links import ServerLink
 
 PROBE_HW = (8, 8)  # a probe composes one source into a tiny image: it only asks "does it kill?"
+# A task a server cancelled, or left unanswered past the deadline, is not sent back to it for
+# this long (others take it at once; alone, that server gets it again after the pause).
+AVOID_S = 1.0
 
 
 @dataclass(eq=False)
@@ -48,6 +52,8 @@ class TaskRecord:
     probe_of: TaskRecord | None = None  # a one-source probe run for this stitched task
     probes_left: int = 0
     poisoned: list[int] = field(default_factory=list)
+    avoid: ServerLink | None = None  # a server that cancelled it or let it expire ...
+    avoid_until: float = 0.0  # ... is not given it again before this (monotonic) time
 
     @property
     def step(self) -> int:
@@ -191,11 +197,14 @@ class TaskLedger:
         if not pending:
             return None
         head = pending[0]
-        if link is None or head.prefer is None or head.prefer is link:
+        now = time.monotonic()
+        if link is None or (
+            (head.prefer is None or head.prefer is link) and not _avoids(head, link, now)
+        ):
             return self._take(0, link, affinity)
         movable = None
         for j, rec in enumerate(pending):
-            if not self.is_wanted(rec):
+            if not self.is_wanted(rec) or _avoids(rec, link, now):
                 continue
             if rec.prefer is None or rec.prefer is link:
                 return self._take(j, link, affinity)
@@ -230,11 +239,19 @@ class TaskLedger:
         to the head of the queue."""
         self._pending.appendleft(rec)
 
-    def ask_again(self, recs: list[TaskRecord]) -> int:
-        """Put still-wanted tasks at the head of the queue, in plan order; how many."""
+    def ask_again(self, recs: list[TaskRecord], away_from: ServerLink | None = None) -> int:
+        """Put still-wanted tasks at the head of the queue, in plan order; how many.
+        ``away_from``: the server that cancelled them or let them expire: they lose their
+        affinity to it (any server takes them) and it is not given them again for
+        ``AVOID_S`` (a server cancelling all it gets would otherwise get the same tasks
+        again at once, tens of thousands of times a second)."""
         again = sorted((r for r in recs if self.is_wanted(r)), key=lambda r: (r.step, r.slots[0]))
+        until = time.monotonic() + AVOID_S
         for rec in reversed(again):
             rec.link = None
+            if away_from is not None:
+                rec.prefer = None
+                rec.avoid, rec.avoid_until = away_from, until
             self._pending.appendleft(rec)
         return len(again)
 
@@ -313,3 +330,8 @@ class TaskLedger:
         self.done(parent)
         self.skipped_poison += 1
         return parent
+
+
+def _avoids(rec: TaskRecord, link: ServerLink, now: float) -> bool:
+    """Whether ``link`` must not be given ``rec`` now (``TaskLedger.ask_again``)."""
+    return rec.avoid is link and now < rec.avoid_until
