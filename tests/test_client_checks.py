@@ -20,7 +20,13 @@ from fuzz_targets import welcome_of
 
 from dataserver.protocol import Bye, Cancelled, Heartbeat, Hello, Result, Task, Welcome, decode
 from dataserver_client import DataServerClient, DataServerError
-from dataserver_client.resume import RANK_KEYS
+from dataserver_client.resume import (
+    CONFIG_KEYS,
+    MAX_STATE_RANKS,
+    RANK_KEYS,
+    check_state,
+    config_value,
+)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -356,12 +362,29 @@ def test_every_field_of_a_loaded_state_is_checked(real: Server) -> None:
         job = {**state, "ranks": [{k: state[k] for k in RANK_KEYS}]}
         with pytest.raises(ValueError, match=r"ranks'\[0\] 'control_seq'"):
             c.load_state_dict({**job, "ranks": [{**job["ranks"][0], "control_seq": 2**64}]})
+        # A state larger than any job's is refused by its size before its entries are read
+        # (issue 25 item 9); a 10,000-rank job's state passes that bound.
+        many = MAX_STATE_RANKS + 1
+        with pytest.raises(ValueError, match=f"more than {MAX_STATE_RANKS} ranks"):
+            c.load_state_dict({**job, "world_size": many, "ranks": [job["ranks"][0]] * many})
+        with pytest.raises(ValueError, match=f"has {many} entries, more than"):
+            c.load_state_dict({**job, "ranks": [job["ranks"][0]] * many})
+        big = {**job["ranks"][0], "control": {"blob": "x" * 60_000}}
+        with pytest.raises(ValueError, match="bytes of control values"):
+            check_state({**job, "world_size": 2000, "ranks": [big] * 2000}, expected(job))
+        check_state({**job, "world_size": 10_000, "ranks": job["ranks"] * 10_000}, expected(job))
         # The real state still loads, and goes on where it was.
         c.load_state_dict(state)
         c.load_state_dict(job)
         rest = list(c)
         assert sum(b.num_samples for b in rest) == shard - 8
         assert rest[0].step == 2
+
+
+def expected(state: dict[str, Any]) -> dict[str, Any]:
+    """What a client that saved ``state`` expects of a state it loads (``check_state``)."""
+    keys = {k: config_value(state, k) for k in CONFIG_KEYS}
+    return {**keys, "fingerprint": state["fingerprint"], "dataset_len": state["dataset_len"]}
 
 
 # ---------------------------------------------------------------- 6. bad servers (issue 25, 10)

@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import msgpack
 import numpy as np
 
 from dataserver.protocol import MAX_INT, control_problem
@@ -67,6 +68,11 @@ RANK_KEYS = ("position", "step", "mode", "control", "control_seq", "feedback_seq
 # The most an epoch number or a sequence number of a loaded state may be: far beyond any
 # run, and as much room again to count on before the protocol's bound on sequence numbers.
 MAX_COUNT = MAX_SEQ // 2
+# The most ranks a loaded state may hold, and the most bytes its ranks' control values may
+# take together (packed): a 10,000-rank job's state passes with room; a state of 100,000
+# ranks is refused by its size before any entry is read.
+MAX_STATE_RANKS = 1 << 16
+MAX_STATE_CONTROL_BYTES = 64 << 20
 
 
 @dataclass(frozen=True, eq=False)
@@ -165,6 +171,7 @@ def check_state(state: Any, expected: dict[str, Any]) -> None:
         raise ValueError(
             f"not a DataServerClient state of version {' or '.join(map(str, VERSIONS))}"
         )
+    check_size(state)
     mismatched = [k for k in CONFIG_KEYS if config_value(state, k) != expected[k]]
     if state.get("fingerprint") != expected["fingerprint"]:
         mismatched.append("fingerprint (dataset)")
@@ -186,8 +193,24 @@ def check_state(state: Any, expected: dict[str, Any]) -> None:
     check_count("state", "epoch", state.get("epoch"), MAX_COUNT)
     if ranks is None:
         check_entry("state", state)
+    total = 0
     for r, entry in enumerate(ranks or ()):
-        check_entry(f"state 'ranks'[{r}]", entry)
+        total += check_entry(f"state 'ranks'[{r}]", entry)
+        if total > MAX_STATE_CONTROL_BYTES:
+            raise ValueError(
+                f"state 'ranks' hold more than {MAX_STATE_CONTROL_BYTES} bytes of control "
+                f"values (at rank {r})"
+            )
+
+
+def check_size(state: dict[str, Any]) -> None:
+    """Refuse a state larger than any job's (``MAX_STATE_RANKS``) before reading its
+    entries: its ``world_size`` and its number of ``ranks`` entries."""
+    world, ranks = state.get("world_size"), state.get("ranks")
+    if isinstance(world, int) and not isinstance(world, bool) and world > MAX_STATE_RANKS:
+        raise ValueError(f"state 'world_size' {world} is more than {MAX_STATE_RANKS} ranks")
+    if isinstance(ranks, list) and len(ranks) > MAX_STATE_RANKS:
+        raise ValueError(f"state 'ranks' has {len(ranks)} entries, more than {MAX_STATE_RANKS}")
 
 
 def config_value(state: dict[str, Any], key: str) -> Any:
@@ -203,9 +226,9 @@ def check_count(where: str, key: str, value: Any, hi: int) -> None:
         raise ValueError(f"{where} {key!r} must be an integer in 0..{hi}, got {shown}")
 
 
-def check_entry(where: str, entry: dict[str, Any]) -> None:
+def check_entry(where: str, entry: dict[str, Any]) -> int:
     """One rank's part of a state (``RANK_KEYS``), each field by type and range (position and
-    step against the epoch: ``plan_resume``)."""
+    step against the epoch: ``plan_resume``); the bytes of its control values, packed."""
     for key in RANK_KEYS:
         if key not in entry:
             raise ValueError(f"{where} has no {key!r}")
@@ -219,6 +242,7 @@ def check_entry(where: str, entry: dict[str, Any]) -> None:
     problem = "not a dict" if not isinstance(control, dict) else control_problem(control)
     if problem is not None:
         raise ValueError(f"{where} 'control' is not valid control values: {problem}")
+    return len(msgpack.packb(control, use_bin_type=True))
 
 
 def merge_states(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
