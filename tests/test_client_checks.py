@@ -7,6 +7,7 @@ refused at load time, naming the field."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -314,6 +315,23 @@ def test_a_welcome_announcing_too_many_samples_is_refused(size: int) -> None:
         assert "max_dataset_len" in str(err.value)
     finally:
         fake.close()
+
+
+def test_servers_disagreeing_at_the_handshake_fail_it_without_killing_the_io_thread(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Two servers announce different datasets: the handshake fails naming both, and the
+    I/O thread ends cleanly (it completed the failed handshake once more with the other
+    server's WELCOME and died of InvalidStateError: issue 25 item 12)."""
+    a, b = FakeServer(honest, fingerprint="one"), FakeServer(honest, fingerprint="another")
+    try:
+        with caplog.at_level(logging.ERROR), pytest.raises(DataServerError) as err:
+            DataServerClient([a.address, b.address], timeout=10, **KW)
+        assert "disagree on the dataset" in str(err.value)
+        assert not [r for r in caplog.records if "I/O thread failed" in r.getMessage()]
+    finally:
+        a.close()
+        b.close()
 
 
 def test_max_dataset_len_is_the_clients_to_set() -> None:
