@@ -22,6 +22,7 @@ from dataserver.server.config import (
     DEFAULT_MAX_IMAGE_SIDE,
     DEFAULT_MAX_QUEUED_MB,
     DEFAULT_MAX_SESSIONS,
+    DEFAULT_MAX_TASK_MB,
     ConfigError,
     ServerConfig,
 )
@@ -68,6 +69,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_sessions=args.max_sessions,
         max_image_side=args.max_image_side,
         max_queued_mb=args.max_queued_mb,
+        max_task_mb=args.max_task_mb,
         drain_seconds=args.drain_seconds,
         metrics_port=args.metrics_port,
         metrics_bind=args.metrics_bind,
@@ -240,6 +242,14 @@ def _add_serve(sub: Any) -> None:
         default=DEFAULT_MAX_QUEUED_MB,
         help="bytes held for clients in each process: queued tasks, unread results; one "
         f"client at most 1/8 of it (default {DEFAULT_MAX_QUEUED_MB})",
+    )
+    p.add_argument(
+        "--max-task-mb",
+        type=int,
+        default=DEFAULT_MAX_TASK_MB,
+        help="the most output one task may ask for (images x 3 x H x W), refused before a "
+        "worker allocates it; clients cut their batches to fit (default "
+        f"{DEFAULT_MAX_TASK_MB}: 16 images of 1024x1024, one of 4096x4096)",
     )
     p.add_argument(
         "--curve-secret-key", default=None, help="server key file (.key_secret) for CURVE"

@@ -228,3 +228,67 @@ def test_twenty_thousand_sessions_asking_the_largest_tasks_leave_the_server_tree
         for s in socks:
             s.close(linger=0)
         ctx.term()
+
+
+@pytest.mark.timeout(120)
+def test_a_task_larger_than_the_budget_is_refused_before_a_worker_allocates(
+    start_server: Any,
+) -> None:
+    """Issue 25 item 7: 64 images of 2048x2048 (768 MiB of canvas) asked in a few hundred
+    bytes of TASK are refused by the front, naming --max-task-mb, before any worker
+    allocates (each worker grew by ~1 GiB); the workers' RSS stays put."""
+    server = start_server("--max-image-side", "2048", "--cache-gb", "0", workers=2)
+    workers = server.worker_pids()
+    before = tree_rss(workers)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(server.address)
+    try:
+        sid = b"budget-probe-000"
+        sock.send_multipart(protocol.pack(MsgType.HELLO, {"session": sid, "auth": sid}))
+        assert sock.poll(10_000), "no WELCOME"
+        welcome = protocol.decode(sock.recv_multipart())
+        assert isinstance(welcome, protocol.Welcome) and welcome.max_task_bytes == 64 << 20
+        for task_id in range(1, 5):
+            header = task_header(sid, task_id, images=[[i] for i in range(64)], side=2048)
+            header["auth"] = sid
+            sock.send_multipart(protocol.pack(MsgType.TASK, header))
+            assert sock.poll(10_000), "no answer to the task"
+            answer = protocol.decode(sock.recv_multipart())
+            assert isinstance(answer, protocol.ErrorMsg) and answer.kind == "limit"
+            assert "--max-task-mb 64" in answer.message and "768 MiB" in answer.message
+        time.sleep(0.5)
+        assert tree_rss(workers) - before < 64 * MB
+        stats = server.stats()
+        assert stats["rejected"]["limit"] == 4 and stats["counters"].get("tasks_received", 0) == 0
+        assert stats["limits"]["max_task_mb"] == 64
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+
+
+@pytest.mark.timeout(120)
+def test_a_client_cuts_its_batches_into_tasks_that_fit_the_budget(start_server: Any) -> None:
+    """A server taking at most 1 MiB of output a task: a batch of 16 images of 256x256
+    (3 MiB) goes in tasks of at most 5 images, none refused; the epoch is whole."""
+    server = start_server(
+        "--dataset", "synthetic:images=64,seed=3", "--max-image-side", "256",
+        "--max-task-mb", "1", workers=2,
+    )  # fmt: skip
+    with DataServerClient(server.address, batch_size=16, image_size=(256, 256), device="cpu") as c:
+        c.set_epoch(0)
+        batches = list(c)
+    assert sorted(i for b in batches for idx in b.indices for i in idx) == list(range(64))
+    stats = server.stats()
+    assert stats["rejected"].get("limit", 0) == 0
+    assert stats["counters"]["tasks_received"] >= 4 * len(batches)  # (16 images / 5 a task)
+
+
+def test_a_budget_below_one_image_is_refused_naming_both_flags() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "dataserver.cli", "serve", "--max-task-mb", "8"],
+        capture_output=True, text=True, timeout=60, env=server_env(),
+    )  # fmt: skip
+    assert out.returncode != 0
+    assert "--max-task-mb 8" in out.stderr and "--max-image-side 4096" in out.stderr

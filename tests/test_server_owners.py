@@ -73,7 +73,7 @@ def _view(**over: object) -> ServerView:
         "sessions_evicted": 0,
         "connections": 2,
         "draining_for_s": None,
-        "limits": Limits(1024, 4096, 256, 100, 30.0),
+        "limits": Limits(1024, 4096, 256, 100, 30.0, 64),
         "store": StoreUsage(1, 10, 1 << 20),
         "sources": "stored",
         "counters": ServerView.frozen({"sources_decoded": 1, "sources_reused": 3}),

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from dataserver.protocol import MAX_TASK_IMAGES, Result
+from dataserver.protocol.messages import DEFAULT_TASK_BYTES
 from dataserver_client.affinity import Affinity
 from dataserver_client.assembly import Delivery, DeviceMover, HostBuffers, InflightBatch
 from dataserver_client.config import ClientConfig
@@ -119,6 +120,7 @@ class PlanBook:
         self._sealing: list[InflightBatch] = []  # complete, waiting for their buffer's seal
         self._sealing_rebuilds: list[InflightBatch] = []  # the same, of rebuilt batches
         self._parallelism = 2  # worker slots over every ready server
+        self._task_bytes = DEFAULT_TASK_BYTES  # the most output a task may ask of any of them
         self.lookahead = Lookahead(
             config.lookahead and self.layout.stitch_k > 1, self.layout, handoff, self
         )
@@ -134,6 +136,16 @@ class PlanBook:
     def set_parallelism(self, slots: int) -> None:
         """Tasks the ready servers can work on at once (batches are cut to keep them busy)."""
         self._parallelism = max(1, slots)
+
+    def set_task_bytes(self, nbytes: int) -> None:
+        """The most output bytes one task may ask for (the least of the ready servers'
+        ``--max-task-mb``): batches are cut into tasks that fit."""
+        self._task_bytes = max(1, nbytes)
+
+    def images_per_task(self, out_hw: tuple[int, int]) -> int:
+        """The most images of ``out_hw`` one task may hold (at least one: a server that
+        cannot take one image of that size is declined at its WELCOME)."""
+        return max(1, min(MAX_TASK_IMAGES, self._task_bytes // (3 * out_hw[0] * out_hw[1])))
 
     # ------------------------------------------------------------ tasks
 
@@ -374,8 +386,9 @@ class PlanBook:
             else:
                 segments.append((j, j + 1))
         parts = self.tasks_per_batch(n)
+        most = self.images_per_task(plan.out_hw)
         for start, stop in segments:
-            share = max(1, round(parts * (stop - start) / n))
+            share = max(1, round(parts * (stop - start) / n), -(-(stop - start) // most))
             for run in split_runs(stop - start, share):
                 slots = tuple(start + j for j in run)
                 self.ledger.add(

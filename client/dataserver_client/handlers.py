@@ -363,6 +363,9 @@ class Handlers:
         # A server's credit (WELCOME) is what its workers run plus as many again queued
         # there for them: half of it runs at once.
         self.book.set_parallelism(max(1, sum(lk.credit // 2 for lk in ready)))
+        budgets = [lk.welcome_msg.max_task_bytes for lk in ready if lk.welcome_msg is not None]
+        if budgets:
+            self.book.set_task_bytes(min(budgets))
         self.book.affinity.set_ready(ready)
         self.ledger.unprefer(set(self.book.affinity.live()))
         if lookahead and self.config.lookahead:

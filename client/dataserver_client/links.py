@@ -143,6 +143,13 @@ def welcome_problem(
             f"{address} serves images of at most {msg.max_image_side} pixels a side "
             f"(its --max-image-side); this client asks for {config.sizes.stored_hw}",
         )
+    one = 3 * config.sizes.stored_hw[0] * config.sizes.stored_hw[1]
+    if one > msg.max_task_bytes:
+        return WelcomeProblem(
+            Problem.IMAGE_SIDE,
+            f"{address} takes tasks of at most {msg.max_task_bytes} bytes (its "
+            f"--max-task-mb); one image of {config.sizes.stored_hw} takes {one}",
+        )
     return None
 
 

@@ -65,6 +65,7 @@ MAX_TILES = 16  # grid 4 x 4
 MAX_BOXES = 1 << 16  # per output image
 MAX_WORKERS = 4096
 MAX_TASK_IMAGES = 64  # output images one TASK may ask for
+DEFAULT_TASK_BYTES = 64 << 20  # what a WELCOME without max_task_bytes means
 MAX_US = 1 << 40  # a timing in microseconds (12 days)
 MAX_SEQ = 1 << 53  # plan versions and control sequence numbers
 TAG_BYTES = 32  # one server's entry in a published CONTROL: its handle (16), its tag (16)
@@ -234,6 +235,9 @@ class Welcome(Message, kw_only=True):
     control: T512
     results: Endpoints = ()
     max_image_side: Side = MAX_IMAGE_SIDE
+    # The most output bytes one TASK may ask for (images x 3 x H x W; ``--max-task-mb``):
+    # the client cuts its batches into tasks that fit. Absent (an older server): 64 MiB.
+    max_task_bytes: Annotated[int, In(1, 1 << 50)] = DEFAULT_TASK_BYTES
     # The same workers' ipc endpoints, for a client on this host (it proves it is by
     # finding ``local_token`` in the file beside them).
     local: Endpoints = ()

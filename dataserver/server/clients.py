@@ -255,6 +255,24 @@ class Clients:
         self.counters["hellos"] += 1
         self.outlet.send_to(identity, self._welcome(msg.session))
 
+    def _size_problem(self, task: Task) -> str | None:
+        """What a worker would allocate for ``task`` beyond this server's caps, or None:
+        every size it allocates for (the output, the fitted and the stored source) within
+        ``--max-image-side``, and the output (images x 3 x H x W) within ``--max-task-mb``
+        (a few bytes of TASK asked for 64 images of 4096^2: a 3 GiB canvas in a worker)."""
+        side = self.config.max_image_side
+        for name, hw in (("image", task.out_hw), ("fit", task.fit_hw), ("stored", task.stored_hw)):
+            if max(hw) > side:
+                return f"{name} size {hw[0]}x{hw[1]} exceeds this server's --max-image-side {side}"
+        out_bytes = len(task.images) * 3 * task.out_hw[0] * task.out_hw[1]
+        if out_bytes > self.config.max_task_bytes:
+            return (
+                f"a task of {len(task.images)} images of {task.out_hw[0]}x{task.out_hw[1]} "
+                f"takes {out_bytes >> 20} MiB, more than this server's --max-task-mb "
+                f"{self.config.max_task_mb}"
+            )
+        return None
+
     def _on_task(self, identity: bytes, task: Task, frames: list[Any]) -> None:
         ids = {"session": task.session, "task_id": task.task_id, "plan_version": task.plan_version}
         session = self._authentic(identity, task, ids)
@@ -272,17 +290,10 @@ class Clients:
         digest = task_digest(task)
         if self._asked_again(session, task, digest):
             return
-        side = self.config.max_image_side
-        # Every size a worker allocates for (the output, the fitted and the stored source).
-        for name, hw in (("image", task.out_hw), ("fit", task.fit_hw), ("stored", task.stored_hw)):
-            if max(hw) > side:
-                self._refuse(
-                    "limit",
-                    identity,
-                    f"{name} size {hw[0]}x{hw[1]} exceeds this server's --max-image-side {side}",
-                    **ids,
-                )
-                return
+        problem = self._size_problem(task)
+        if problem is not None:
+            self._refuse("limit", identity, problem, **ids)
+            return
         self.outlet.cancel(session, self.scheduler.cancel_older(session, task.plan_version))
         if task.plan_version < session.version or self._draining():
             self.outlet.cancel(

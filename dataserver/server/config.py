@@ -18,6 +18,10 @@ DEFAULT_BIND = "tcp://127.0.0.1:5555"
 DEFAULT_MAX_SESSIONS = 1024
 DEFAULT_MAX_IMAGE_SIDE = 4096
 DEFAULT_MAX_QUEUED_MB = 256
+# The most output one TASK may ask for (images x 3 x H x W bytes): a worker allocates it before
+# it composes. 64 MiB: a 16 x 1024^2 batch (48 MiB) in one task, and one image at the default
+# --max-image-side (4096^2 x 3: 48 MiB); a client cuts its batches into tasks that fit.
+DEFAULT_MAX_TASK_MB = 64
 DEFAULT_CACHE_GB = 1.0
 DEFAULT_DRAIN_SECONDS = 30.0
 DEFAULT_IDLE_TIMEOUT = 30.0
@@ -49,6 +53,7 @@ class ServerConfig:
     max_sessions: int = DEFAULT_MAX_SESSIONS
     max_image_side: int = DEFAULT_MAX_IMAGE_SIDE
     max_queued_mb: int = DEFAULT_MAX_QUEUED_MB
+    max_task_mb: int = DEFAULT_MAX_TASK_MB
     drain_seconds: float = DEFAULT_DRAIN_SECONDS  # SIGTERM: finish running work within this
     metrics_port: int | None = None  # Prometheus on HOST:PORT (0: any free port; None: off)
     metrics_bind: str | None = None  # HOST for it (None: --bind's interface)
@@ -67,9 +72,11 @@ class ServerConfig:
         for flag, least in (
             ("--max-sessions", self.max_sessions),
             ("--max-queued-mb", self.max_queued_mb),
+            ("--max-task-mb", self.max_task_mb),
         ):
             if least < 1:
                 raise ConfigError(f"{flag} must be >= 1, got {least}")
+        self._check_task_budget()
         ranges: list[tuple[str, float | None, float, float]] = [
             ("--max-image-side", self.max_image_side, 1, MAX_IMAGE_SIDE),
             ("--drain-seconds", self.drain_seconds, 0, 86400),
@@ -93,6 +100,19 @@ class ServerConfig:
     @property
     def cache_bytes(self) -> int:
         return int(self.cache_gb * (1 << 30))
+
+    def _check_task_budget(self) -> None:
+        """A task of one image at the largest side served must fit ``--max-task-mb``."""
+        one = 3 * self.max_image_side**2
+        if self.max_task_bytes < one:
+            raise ConfigError(
+                f"--max-task-mb {self.max_task_mb} is less than one image at --max-image-side "
+                f"{self.max_image_side} ({-(-one >> 20)} MiB): raise it, or lower the side"
+            )
+
+    @property
+    def max_task_bytes(self) -> int:
+        return self.max_task_mb << 20
 
     @property
     def max_queued_bytes(self) -> int:

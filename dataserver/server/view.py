@@ -41,6 +41,7 @@ class Limits:
     max_queued_mb: int
     max_connections: int | None
     idle_timeout_s: float
+    max_task_mb: int
 
 
 @dataclass(frozen=True)
@@ -124,6 +125,7 @@ class ServerView:
                 "max_queued_mb": limits.max_queued_mb,
                 "max_connections": limits.max_connections,
                 "idle_timeout_s": limits.idle_timeout_s,
+                "max_task_mb": limits.max_task_mb,
             },
             "store": self._store_stats(),
             "sources": self.sources,
