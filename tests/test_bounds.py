@@ -20,7 +20,7 @@ import zmq
 from conftest import Server, run_epoch_collecting_errors, wait_until
 from zmtp import closed_by_peer, frame_header, handshake
 
-from dataserver.protocol import Stats, decode
+from dataserver.protocol import ErrorMsg, Hello, Stats, Welcome, decode
 from dataserver_client import DataServerClient
 
 pytestmark = pytest.mark.timeout(240)
@@ -237,3 +237,44 @@ def test_metrics_follow_bind_and_hold_no_thread_per_client(start_server: Any) ->
     finally:
         for s in slow:
             s.close()
+
+
+def test_one_peer_cannot_hold_every_session(start_server: Any) -> None:
+    """Issue 25, item 1. A peer (127.0.0.2 here, a host of its own) opens sessions on 8
+    connections, 10 each: each connection holds at most 8 (the rest refused
+    ``connection_sessions``), and four of them fill ``--max-sessions 32``. An honest job
+    from another address then takes the place of one of that peer's sessions, live as they
+    are, and gets its epoch (it was refused at once with ``session_limit``)."""
+    server = start_server(
+        "--dataset", f"synthetic:images={SAMPLES},seed=1", "--max-sessions", "32", workers=1
+    )
+    host, port = host_port(server.address)
+    ctx = zmq.Context()
+    socks = []
+    try:
+        answers: list[Any] = []
+        for c in range(8):  # one connection after another: each one's answers awaited
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(f"tcp://127.0.0.2:0;{host}:{port}")
+            socks.append(s)
+            for i in range(10):
+                sid = b"peer-%02d-%02d-abcde" % (c, i)
+                s.send_multipart(Hello(session=sid, auth=sid).encode())
+            for _ in range(10):
+                assert s.poll(10_000), "no answer to a HELLO"
+                answers.append(decode(s.recv_multipart()))
+        welcomed = sum(isinstance(a, Welcome) for a in answers)
+        kinds = [a.kind for a in answers if isinstance(a, ErrorMsg)]
+        assert welcomed == 32, (welcomed, kinds[:5])
+        # Connections 1-4: 8 sessions each, 2 refused; 5-8: every place taken, by this peer.
+        assert kinds.count("connection_sessions") == 8
+        assert kinds.count("session_limit") == 40
+        assert honest_epoch(server) == list(range(SAMPLES))
+        stats = server.stats()
+        assert stats["sessions_evicted"] >= 1
+        assert stats["rejected"]["connection_sessions"] == 8
+    finally:
+        for s in socks:
+            s.close(linger=0)
+        ctx.term()

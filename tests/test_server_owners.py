@@ -160,7 +160,14 @@ def _welcome(session: bytes) -> Welcome:
 
 def _clients(draining: bool = False) -> tuple[Clients, FakeOutlet, Counter[str]]:
     outlet, counters, rejected = FakeOutlet(), Counter[str](), Counter[str]()
-    config = SimpleNamespace(curve=None, max_sessions=4, max_image_side=4096, max_queued_mb=64)
+    config = SimpleNamespace(
+        curve=None,
+        max_sessions=4,
+        max_image_side=4096,
+        max_queued_mb=64,
+        max_task_mb=64,
+        max_task_bytes=64 << 20,
+    )
     clients = Clients(
         cast(ServerConfig, config),
         Scheduler(4, 64, 1 << 20, 1 << 24),

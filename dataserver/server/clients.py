@@ -40,7 +40,7 @@ from dataserver.server.config import ServerConfig
 from dataserver.server.outlet import Outlet
 from dataserver.server.routing import WorkerRouter
 from dataserver.server.sessions import Scheduler, Session, TaskEntry
-from dataserver.server.statsview import StatsView
+from dataserver.server.statsview import StatsView, peer_address
 
 log = logging.getLogger("dataserver.front")
 
@@ -190,7 +190,7 @@ class Clients:
                 inject("front.task")
                 self._on_task(identity, msg, frames[1:])
             case Hello():
-                self._on_hello(identity, msg)
+                self._on_hello(identity, msg, peer_address(frames[1]))
             case Control():
                 session = self._authentic(identity, msg)
                 if session is not None:
@@ -222,7 +222,7 @@ class Clients:
             self.scheduler.close(msg.session)
             self.counters["sessions_closed"] += 1
 
-    def _on_hello(self, identity: bytes, msg: Hello) -> None:
+    def _on_hello(self, identity: bytes, msg: Hello, peer: str = "") -> None:
         if self._draining():  # leaving: a new client should not count on us
             self.outlet.send_to(identity, Bye(session=msg.session))
             return
@@ -243,14 +243,15 @@ class Clients:
             )
             return
         base = max(msg.plan_version, msg.control_seq)
-        if self.scheduler.open(msg.session, identity, msg.auth, base) is None:
-            self._refuse(
-                "session_limit",
-                identity,
-                f"this server has {len(self.scheduler.sessions)} sessions open, the most it "
-                f"takes (--max-sessions {self.config.max_sessions})",
-                session=msg.session,
-            )
+        if self.scheduler.open(msg.session, identity, msg.auth, base, peer) is None:
+            reason, why = self.scheduler.refused
+            if reason == "session_limit":
+                why = (
+                    f"this server has {len(self.scheduler.sessions)} sessions open, the most "
+                    f"it takes (--max-sessions {self.config.max_sessions}), and no peer holds "
+                    "more of them than yours"
+                )
+            self._refuse(reason, identity, why, session=msg.session)
             return
         self.counters["hellos"] += 1
         self.outlet.send_to(identity, self._welcome(msg.session))

@@ -7,17 +7,27 @@ honest clients; the caps here bound them for everyone: at most ``max_sessions`` 
 at most ``max_tasks`` queued tasks and ``session_bytes`` of them per session, and
 ``total_bytes`` in all. A new session may take the place of one silent for ``evict_after``
 seconds when all places are taken (a client beats every 0.5 s; a silent one is gone).
+
+Sessions are also counted by who holds them (issue 25, item 1: one connection opened 1,024
+sessions and kept them beating, and every new job was refused): at most
+``SESSIONS_PER_CONNECTION`` on one connection (a client holds one), and when every place is
+taken and none is silent, a newcomer takes the place of the least recently seen session of
+the peer (remote address) holding the most, provided that peer holds more than the
+newcomer's own: one peer can no longer hold the server against the others.
 """
 
 from __future__ import annotations
 
 import time
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
 from dataserver.protocol.messages import pub_handle
 
+# Sessions one connection may hold: a DataServerClient opens one per server on a connection
+# of its own; room for a few more (a process that multiplexes, a session opened again).
+SESSIONS_PER_CONNECTION = 8
 STEER_RATE = 100_000  # plan/control changes a second a session could make (a tight loop)
 STEER_SLACK = 1 << 16
 CLOSED_HANDLES_KEPT = 4096
@@ -75,6 +85,8 @@ class Session:
     opened: float = field(default_factory=time.monotonic)
     base: int = 0  # the larger of plan_version, control_seq its HELLO said it stood at
     live_ids: set[int] = field(default_factory=set)  # its task ids in Scheduler.live
+    conn: bytes = b""  # the connection (routing id) its HELLO came on
+    peer: str = ""  # the peer (remote address) that opened it ("" unknown)
 
     def reachable(self, value: int) -> bool:
         """Whether a plan version or control sequence number of ``value`` is one this
@@ -99,6 +111,7 @@ class Scheduler:
         self.max_tasks = max_tasks
         self.evict_after = evict_after
         self.evicted = 0
+        self.evicted_live = 0  # of those, sessions still beating (their peer held the most)
         self.session_bytes = session_bytes
         self.total_bytes = total_bytes
         self.sessions: dict[bytes, Session] = {}
@@ -113,20 +126,55 @@ class Scheduler:
         self._ready: deque[Session] = deque()
         self.queued = 0
         self.queued_bytes = 0
+        self.by_conn: Counter[bytes] = Counter()  # sessions opened on each connection
+        self.by_peer: dict[str, dict[bytes, Session]] = {}  # each peer's sessions
+        self.refused = ("", "")  # (reason, why) of the last open() that returned None
 
-    def open(self, sid: bytes, identity: bytes, secret: bytes, base: int = 0) -> Session | None:
+    def open(
+        self, sid: bytes, identity: bytes, secret: bytes, base: int = 0, peer: str = ""
+    ) -> Session | None:
         """The session ``sid`` (new after a HELLO, bound to ``secret``), now reachable at
-        ``identity``; None when it is new and ``max_sessions`` are open. The caller checks
-        that a HELLO for a known session carries its secret."""
+        ``identity`` (a connection of ``peer``); None when it is new and may not open:
+        ``refused`` says why (``session_limit``: ``max_sessions`` are open and none could
+        go; ``connection_sessions``: that connection holds ``SESSIONS_PER_CONNECTION``).
+        The caller checks that a HELLO for a known session carries its secret."""
         session = self.sessions.get(sid)
         if session is None:
-            if len(self.sessions) >= self.max_sessions and not self._evict_one():
+            if self.by_conn[identity] >= SESSIONS_PER_CONNECTION:
+                self.refused = (
+                    "connection_sessions",
+                    f"this connection holds {self.by_conn[identity]} sessions, the most one "
+                    f"may ({SESSIONS_PER_CONNECTION})",
+                )
                 return None
-            session = self.sessions[sid] = Session(sid, identity, secret, base=base)
+            if len(self.sessions) >= self.max_sessions and not (
+                self._evict_one() or self._evict_from_largest(peer)
+            ):
+                self.refused = ("session_limit", "")
+                return None
+            session = self.sessions[sid] = Session(
+                sid, identity, secret, base=base, conn=identity, peer=peer
+            )
             self.by_handle[pub_handle(secret)] = session
+            self.by_conn[identity] += 1
+            self.by_peer.setdefault(peer, {})[sid] = session
         session.identity = identity
         session.last_seen = time.monotonic()
         return session
+
+    def _evict_from_largest(self, peer: str) -> bool:
+        """Every place taken, none silent: forget the least recently seen session of the
+        peer holding the most, if it holds more than ``peer`` (the newcomer's) does."""
+        if not self.by_peer:
+            return False
+        largest = max(self.by_peer, key=lambda p: len(self.by_peer[p]))
+        if len(self.by_peer[largest]) <= len(self.by_peer.get(peer, ())):
+            return False
+        victim = min(self.by_peer[largest].values(), key=lambda s: s.last_seen)
+        self.close(victim.sid)
+        self.evicted += 1
+        self.evicted_live += 1
+        return True
 
     def _evict_one(self) -> bool:
         """Forget the session silent longest, if it has been silent ``evict_after``."""
@@ -239,6 +287,14 @@ class Scheduler:
         """Forget a session and its queued tasks."""
         session = self.sessions.pop(sid, None)
         if session is not None:
+            self.by_conn[session.conn] -= 1
+            if self.by_conn[session.conn] <= 0:
+                del self.by_conn[session.conn]
+            held = self.by_peer.get(session.peer)
+            if held is not None:
+                held.pop(sid, None)
+                if not held:
+                    del self.by_peer[session.peer]
             handle = pub_handle(session.secret)
             self.by_handle.pop(handle, None)
             self.closed_handles[handle] = None
