@@ -18,6 +18,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import zmq
 
 from dataserver.loop import inject
@@ -289,6 +290,14 @@ class Clients:
             )
             return
         digest = task_digest(task)
+        known = self.scheduler.poison_of(task.session, digest)
+        if known is not None:  # a copy of a task answered poison: the same answer, not run
+            self.counters["tasks_poisoned_again"] += 1
+            again = msgspec.structs.replace(
+                known, task_id=task.task_id, plan_version=task.plan_version
+            )
+            self.outlet.reply(session, again)
+            return
         if self._asked_again(session, task, digest):
             return
         problem = self._size_problem(task)

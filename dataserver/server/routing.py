@@ -326,20 +326,19 @@ class WorkerRouter:
         image = min(image, len(entry.images) - 1)
         indices = entry.images[image]
         names: Any = indices[0] if len(indices) == 1 else list(indices)
-        self.clients.reply(
-            session,
-            ErrorMsg(
-                message=f"sample {names} killed {entry.attempts} worker processes "
-                f"(last: {how}); not retried",
-                kind="poison",
-                session=entry.session,
-                task_id=entry.task_id,
-                plan_version=entry.plan_version,
-                indices=indices,
-                index=indices[0] if len(indices) == 1 else None,
-                image=image,
-            ),
+        answer = ErrorMsg(
+            message=f"sample {names} killed {entry.attempts} worker processes "
+            f"(last: {how}); not retried",
+            kind="poison",
+            session=entry.session,
+            task_id=entry.task_id,
+            plan_version=entry.plan_version,
+            indices=indices,
+            index=indices[0] if len(indices) == 1 else None,
+            image=image,
         )
+        self.scheduler.remember_poison(entry, answer)
+        self.clients.reply(session, answer)
 
     def _warn_recent_direct(self, handle: WorkerHandle) -> None:
         """A worker died: a result it sent straight to a client just before may not have left

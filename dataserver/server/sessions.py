@@ -31,6 +31,7 @@ SESSIONS_PER_CONNECTION = 8
 STEER_RATE = 100_000  # plan/control changes a second a session could make (a tight loop)
 STEER_SLACK = 1 << 16
 CLOSED_HANDLES_KEPT = 4096
+POISONS_KEPT = 1024  # tasks answered poison lately, by (session, digest): a copy is not run
 
 
 @dataclass(eq=False)
@@ -126,6 +127,10 @@ class Scheduler:
         self._ready: deque[Session] = deque()
         self.queued = 0
         self.queued_bytes = 0
+        # Tasks answered poison lately (the ERROR sent), by (session, digest): a copy the
+        # client sent before the answer reached it (its results connection broke when the
+        # worker died, so it asked again) is answered the same, not run to kill again.
+        self.poisoned: OrderedDict[tuple[bytes, bytes], Any] = OrderedDict()
         self.by_conn: Counter[bytes] = Counter()  # sessions opened on each connection
         self.by_peer: dict[str, dict[bytes, Session]] = {}  # each peer's sessions
         self.refused = ("", "")  # (reason, why) of the last open() that returned None
@@ -161,6 +166,18 @@ class Scheduler:
         session.identity = identity
         session.last_seen = time.monotonic()
         return session
+
+    def remember_poison(self, entry: TaskEntry, answer: Any) -> None:
+        """``entry`` was answered poison with ``answer`` (an ``ErrorMsg``)."""
+        key = (entry.session, entry.digest)
+        self.poisoned[key] = answer
+        self.poisoned.move_to_end(key)
+        if len(self.poisoned) > POISONS_KEPT:
+            self.poisoned.popitem(last=False)
+
+    def poison_of(self, sid: bytes, digest: bytes) -> Any:
+        """The poison answer a task of session ``sid`` with this digest got lately, or None."""
+        return self.poisoned.get((sid, digest)) if digest else None
 
     def _evict_from_largest(self, peer: str) -> bool:
         """Every place taken, none silent: forget the least recently seen session of the
