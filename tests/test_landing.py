@@ -422,3 +422,40 @@ def test_no_landing_buffer_is_named_in_dev_shm_ever() -> None:
     for area in areas:
         assert os.readlink(f"/proc/self/fd/{area.fd}") == "/memfd:dataserver-landing (deleted)"
         area.close()
+
+
+def test_a_buffer_larger_than_a_worker_lands_into_is_refused_and_the_total_is_bounded() -> None:
+    """Issue 25 item 6: a same-user job handed over a 48 GiB sparse memfd and the workers
+    wrote 1,536 MiB of host memory into it. A buffer whose regions are more than a worker
+    lands into for one client (2 GiB) is refused at registration, naming why; and the
+    buffers a worker keeps are bounded in bytes (the oldest goes first)."""
+    counters: Counter[str] = Counter()
+    landings = Landings(counters)
+    big = LandingArea(8, 6 << 30, 16)  # 48 GiB of regions, none of it written
+    try:
+        why = landings.add(os.dup(big.fd), b"s", big.token)
+        assert why is not None and "more than a worker lands into" in why
+        assert counters["landing_refused_fd"] == 1 and not landings.fds()
+        # An honest buffer (9 regions of 16 x 512 x 512) is taken.
+        honest = LandingArea(9, 16 * 3 * 512 * 512, 16)
+        assert landings.add(os.dup(honest.fd), b"h", honest.token) is None
+        honest.close()
+    finally:
+        landings.close()
+        big.close()
+    small = Landings(counters, reg_bytes=1 << 20, total_bytes=2 << 20)
+    areas = [LandingArea(1, 1 << 20, 1) for _ in range(3)]
+    try:
+        for n, area in enumerate(areas):
+            assert small.add(os.dup(area.fd), b"s%d" % n, area.token) is None
+        shape = (1, 3, 8, 8)
+        kept = []
+        for n, area in enumerate(areas):
+            gen, at = area.generation(0), area.offset(0)
+            with small.target(b"s%d" % n, area.token, 0, gen, at, shape) as dest:
+                kept.append(dest is not None)
+        assert kept == [False, True, True]  # 3 MiB asked, 2 MiB kept: the oldest went
+    finally:
+        small.close()
+        for area in areas:
+            area.close()

@@ -37,6 +37,14 @@ from dataserver.landing import (
 log = logging.getLogger("dataserver.worker")
 
 KEEP = 64  # registrations a worker keeps
+# The bytes a worker lands into for clients: one buffer's regions at most REG_BYTES (an honest
+# client's buffer is its prefetch + lookahead regions of its largest batch: 9 x 12.6 MB at
+# 16 x 512 x 512; 9 x 201 MB at 64 x 1024 x 1024 fit too), all buffers it keeps at most
+# TOTAL_BYTES (the oldest registration goes first). Writes into a client's memfd fault its
+# pages into host memory charged to the server; a same-user job handed over a 48 GiB sparse
+# memfd and the workers wrote 1,536 MiB into it.
+REG_BYTES = 2 << 30
+TOTAL_BYTES = 8 << 30
 MAX_PENDING = 16  # accepted connections that have not sent their message yet
 
 
@@ -79,8 +87,16 @@ class Landings:
     """The worker's side: the landing buffers clients handed it, checked, by token; and,
     with ``listen``, the socket they are handed over on."""
 
-    def __init__(self, counters: Counter[str] | None = None, keep: int = KEEP) -> None:
+    def __init__(
+        self,
+        counters: Counter[str] | None = None,
+        keep: int = KEEP,
+        reg_bytes: int = REG_BYTES,
+        total_bytes: int = TOTAL_BYTES,
+    ) -> None:
         self.keep = keep
+        self.reg_bytes = reg_bytes
+        self.total_bytes = total_bytes
         self.counters: Counter[str] = counters if counters is not None else Counter()
         self._regs: OrderedDict[str, _Reg] = OrderedDict()
         self._by_conn: dict[int, str] = {}  # connection fd -> token
@@ -194,7 +210,7 @@ class Landings:
     ) -> str | None:
         """Register the buffer ``fd`` (owned from now on: closed if refused) for ``token``
         of ``session``; None when it is, else why not (counted)."""
-        why = self._check(fd, token)
+        why = self._check(fd, token, self.reg_bytes)
         if isinstance(why, str) or token in self._regs:
             os.close(fd)
             why = why if isinstance(why, str) else "a second registration of a token"
@@ -205,15 +221,21 @@ class Landings:
         if conn is not None:
             self._by_conn[conn.fileno()] = token
         self.counters["landing_registered"] += 1
-        while len(self._regs) > self.keep:
+        while len(self._regs) > self.keep or self._held() > self.total_bytes:
             _, old = self._regs.popitem(last=False)
             if old.conn is not None:
                 self._by_conn.pop(old.conn.fileno(), None)
             old.close()
         return None
 
+    def _held(self) -> int:
+        """The bytes of every region of the buffers kept."""
+        return sum(r.regions * r.region_bytes for r in self._regs.values())
+
     @staticmethod
-    def _check(fd: int, token: str) -> str | tuple[mmap.mmap, int, int, int, int]:
+    def _check(
+        fd: int, token: str, most: int = REG_BYTES
+    ) -> str | tuple[mmap.mmap, int, int, int, int]:
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
@@ -241,6 +263,12 @@ class Landings:
         if magic != MAGIC or stored != token.encode(errors="replace") or not fits:
             m.close()
             return "not that client's landing buffer (magic, token or layout)"
+        if regions * region_bytes > most:
+            m.close()
+            return (
+                f"its {regions} regions of {region_bytes} bytes are more than a worker lands "
+                f"into for one client ({most} bytes)"
+            )
         return m, regions, region_bytes, slots, data_at
 
     @contextmanager
