@@ -17,7 +17,12 @@ not announced: a client uses it only once it has proven it shares the server's h
 file system by reading the server's host token in that same directory, so announcing it
 would add a protocol field and prove nothing more. The client connects, checks with
 ``SO_PEERCRED`` that the listener is its own user, and sends one message: a msgpack map
-``{"session": bytes, "token": str}`` with the memfd attached (``SCM_RIGHTS``). It keeps the
+``{"session": bytes, "token": str, "key": bytes}`` with the memfd attached (``SCM_RIGHTS``).
+The key (32 random bytes) never goes on the network: every TASK that names the buffer
+carries ``land_mac``, an HMAC under it of the whole task (what it composes and where it
+lands; ``land_mac``), and a worker lands only a task whose MAC is right. A server that
+relays tasks (a fake one that replayed a local server's WELCOME, so that the client took
+it for local) cannot make a worker write other images, or into other slots. The client keeps the
 connection open: the worker keeps the buffer exactly as long (the client gone, the
 connection drops and the worker lets go of its memory). The worker never blocks on it
 (the listener and its connections are polled with its task socket) and refuses, counted
@@ -64,6 +69,8 @@ Rules that make a late, duplicate or lying writer harmless:
 from __future__ import annotations
 
 import fcntl
+import hashlib
+import hmac
 import logging
 import mmap
 import os
@@ -71,8 +78,10 @@ import secrets
 import socket
 import struct
 from collections import Counter
+from typing import Any
 
 import msgpack
+import msgspec
 import numpy as np
 
 log = logging.getLogger("dataserver.landing")
@@ -136,6 +145,9 @@ class LandingArea:
         if not 1 <= slots <= MAX_SLOTS or region_bytes < 1:
             raise ValueError(f"1..{MAX_SLOTS} slots and > 0 bytes a region, not {slots}")
         self.token = secrets.token_hex(16)
+        # The key its TASKs' landing MACs are made with: handed to workers with the buffer,
+        # on the unix socket only, never on the network (``land_mac``).
+        self.key = secrets.token_bytes(32)
         self.regions = regions
         self.region_bytes = region_bytes
         self.slots = slots
@@ -239,6 +251,14 @@ class LandingArea:
         os.close(self.fd)
 
 
+def land_mac(key: bytes, task: Any) -> bytes:
+    """The MAC a TASK that lands carries (``Task.land_mac``): HMAC-SHA256 under the buffer's
+    ``key`` of the task's encoding with ``auth`` and ``land_mac`` cleared, so every field
+    that says what is composed, and where it lands, is covered; 16 bytes."""
+    body = msgspec.msgpack.encode(msgspec.structs.replace(task, auth=None, land_mac=b""))
+    return hmac.new(key, body, hashlib.sha256).digest()[:16]
+
+
 def hand_over(area: LandingArea, session: bytes, path: str) -> socket.socket | str:
     """Give ``area`` to the worker listening at ``path``: the open connection (keep it:
     the worker keeps the buffer while it is open), or why not. Never blocks."""
@@ -250,7 +270,9 @@ def hand_over(area: LandingArea, session: bytes, path: str) -> socket.socket | s
         if uid != os.getuid():  # someone else's socket: it gets nothing of ours
             sock.close()
             return f"{path} is uid {uid}'s, not ours"
-        hello = msgpack.packb({"session": session, "token": area.token}, use_bin_type=True)
+        hello = msgpack.packb(
+            {"session": session, "token": area.token, "key": area.key}, use_bin_type=True
+        )
         socket.send_fds(sock, [hello], [area.fd])
     except OSError as exc:
         sock.close()

@@ -19,10 +19,12 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
+import msgspec
 import pytest
 import torch
 
-from dataserver.landing import HEADER, LandingArea, hand_over
+from dataserver.landing import HEADER, LandingArea, hand_over, land_mac
+from dataserver.protocol import Task, decode
 from dataserver.server.landings import Landings
 from dataserver_client import DataServerClient, DataServerError
 
@@ -459,3 +461,68 @@ def test_a_buffer_larger_than_a_worker_lands_into_is_refused_and_the_total_is_bo
         small.close()
         for area in areas:
             area.close()
+
+
+def test_a_task_lands_only_with_its_clients_mac(tmp_path: Path) -> None:
+    """Issue 25 item 11: a fake server that replayed a local server's WELCOME relayed tasks
+    naming the trainer's buffer to the real server, whose worker wrote other images over
+    slots other servers had delivered (82 images in 16 of 24 batches, never caught). The
+    key a client hands over with its buffer (on the unix socket only) makes every landing
+    task carry a MAC of what it composes and where: a task forged or altered by whoever
+    relays it is not landed (its pixels go over the socket, where the client checks them)."""
+    area = LandingArea(2, 4 * 3 * 8 * 8, 4)
+    counters: Counter[str] = Counter()
+    landings = Landings(counters)
+    session = b"s" * 16
+    try:
+        landings.listen(str(tmp_path / "land-x"))
+        conn = hand_over(area, session, str(tmp_path / "land-x"))
+        assert isinstance(conn, socket.socket)
+        serve(landings)
+        assert counters["landing_registered"] == 1
+        shape = (2, 3, 8, 8)
+        base = Task(
+            session=session,
+            task_id=7,
+            plan_version=1,
+            epoch=0,
+            seed=0,
+            images=((0,), (1,)),
+            grid=1,
+            out_hw=(8, 8),
+            fit_hw=(8, 8),
+            on_error="raise",
+            control_seq=0,
+            land_token=area.token,
+            land_region=0,
+            land_gen=area.generation(0),
+            land_offset=area.offset(0),
+        )
+        honest = msgspec.structs.replace(base, land_mac=land_mac(area.key, base))
+        # It survives the wire as the worker reads it.
+        read = decode(honest.encode())
+        assert isinstance(read, Task) and read.land_mac == honest.land_mac
+        honest = read
+
+        def lands(task: Task) -> bool:
+            with landings.target(
+                task.session, task.land_token, task.land_region, task.land_gen,
+                task.land_offset, shape, task,
+            ) as dest:  # fmt: skip
+                return dest is not None
+
+        assert lands(honest)
+        image = 3 * 8 * 8
+        forged = [
+            base,  # no MAC
+            msgspec.structs.replace(base, land_mac=land_mac(b"k" * 32, base)),  # another key
+            msgspec.structs.replace(honest, images=((5,), (6,))),  # other images
+            msgspec.structs.replace(honest, land_offset=area.offset(0) + 2 * image),  # slots
+            msgspec.structs.replace(honest, task_id=8),  # another task's seal
+        ]
+        assert not any(lands(t) for t in forged)
+        assert counters["landing_refused_mac"] == len(forged)
+        conn.close()
+    finally:
+        landings.close()
+        area.close()

@@ -8,7 +8,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from dataserver.landing import LandingArea
+import msgspec
+
+from dataserver.landing import LandingArea, land_mac
 from dataserver.protocol import Control, Task, steer_tag
 from dataserver.protocol.messages import MAX_TAGS
 from dataserver_client.assembly import HostBuffers
@@ -102,6 +104,9 @@ class Sender:
             letterbox=plan.letterbox,
             **land,
         )
+        if land:
+            assert self._landing is not None
+            task = msgspec.structs.replace(task, land_mac=land_mac(self._landing.key, task))
         return task, where[1] if where is not None else None
 
     def _landing_place(self, rec: TaskRecord, link: ServerLink) -> tuple[int, int, int] | None:

@@ -311,6 +311,12 @@ class Task(Message, kw_only=True):
     # 1: the landing bytes were never written (fresh shared memory, all zero): the worker
     # need not clear them before composing (the letterbox padding is already zero).
     land_zero: Flag01 = 0
+    # HMAC-SHA256 (16 bytes) of the task (every field but ``auth`` and this one) under the key
+    # the client handed the worker with its buffer, on the unix socket only
+    # (``dataserver.landing.land_mac``): a server that relays tasks (a fake one that
+    # replayed a local server's WELCOME) cannot make a worker write other images, or into
+    # other slots, than the client asked.
+    land_mac: Annotated[bytes, Meta(max_length=32)] = b""
     # The value of every pixel no source covers (letterbox padding, mosaic gaps, empty
     # cells), and where a source smaller than its cell sits in it.
     pad_value: Annotated[int, In(0, 255)] = 0

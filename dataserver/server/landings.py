@@ -6,6 +6,7 @@ names one, locked and sealed."""
 from __future__ import annotations
 
 import fcntl
+import hmac
 import logging
 import mmap
 import os
@@ -31,8 +32,10 @@ from dataserver.landing import (
     MAX_SLOTS,
     SEAL_AT,
     SEAL_BYTES,
+    land_mac,
     peer_uid,
 )
+from dataserver.protocol import Task
 
 log = logging.getLogger("dataserver.worker")
 
@@ -58,6 +61,7 @@ class _Reg:
     slots: int
     data_at: int
     conn: socket.socket | None
+    key: bytes = b""  # its tasks' MAC key (``land_mac``); b"": registered in-process (tests)
 
     def close(self) -> None:
         try:
@@ -187,15 +191,17 @@ class Landings:
             return
         try:
             hello = msgpack.unpackb(data, raw=False)
-            session, token = hello["session"], hello["token"]
+            session, token, key = hello["session"], hello["token"], hello["key"]
             if not isinstance(session, bytes) or not isinstance(token, str):
                 raise TypeError("session must be bytes, token text")
+            if not isinstance(key, bytes) or len(key) != 32:
+                raise TypeError("key must be 32 bytes")
         except Exception as exc:  # whatever the bytes were: refused, counted
             os.close(fds[0])
             conn.close()
             self._refuse("fd", f"a bad hand-over message ({type(exc).__name__})")
             return
-        if self.add(fds[0], session, token, conn) is not None:
+        if self.add(fds[0], session, token, conn, key) is not None:
             conn.close()
 
     def _refuse(self, kind: str, why: str) -> None:
@@ -206,7 +212,12 @@ class Landings:
     # ------------------------------------------------------------ registrations
 
     def add(
-        self, fd: int, session: bytes, token: str, conn: socket.socket | None = None
+        self,
+        fd: int,
+        session: bytes,
+        token: str,
+        conn: socket.socket | None = None,
+        key: bytes = b"",
     ) -> str | None:
         """Register the buffer ``fd`` (owned from now on: closed if refused) for ``token``
         of ``session``; None when it is, else why not (counted)."""
@@ -217,7 +228,7 @@ class Landings:
             self._refuse("fd", why)
             return why
         m, regions, region_bytes, slots, data_at = why
-        self._regs[token] = _Reg(session, fd, m, regions, region_bytes, slots, data_at, conn)
+        self._regs[token] = _Reg(session, fd, m, regions, region_bytes, slots, data_at, conn, key)
         if conn is not None:
             self._by_conn[conn.fileno()] = token
         self.counters["landing_registered"] += 1
@@ -280,11 +291,20 @@ class Landings:
         generation: int,
         offset: int,
         shape: tuple[int, ...],
+        task: Task | None = None,
     ) -> Iterator[Target | None]:
         """The (N, 3, H, W) destination of a task, locked, if it may land there now (else
-        None: send the pixels over the socket)."""
+        None: send the pixels over the socket). A buffer handed over with a key lands only
+        a ``task`` whose ``land_mac`` is right: made by the client that handed it over, for
+        these slots and this content (not forged or altered by a server that relays)."""
         reg = self._regs.get(token) if token else None
         if reg is None or reg.session != session:
+            yield None
+            return
+        if reg.key and (
+            task is None or not hmac.compare_digest(land_mac(reg.key, task), task.land_mac)
+        ):
+            self._refuse("mac", "a task naming this buffer without its client's MAC")
             yield None
             return
         self._regs.move_to_end(token)

@@ -328,6 +328,7 @@ class Worker:
                 task.land_gen,
                 task.land_offset,
                 shape,
+                task,
             ) as dest:
                 if dest is None:
                     return self._compose(task, dataset, ckey, recipe, ids, None)
