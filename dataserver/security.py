@@ -56,6 +56,14 @@ def reply_id(secret: bytes) -> bytes:
     return hashlib.blake2b(secret, digest_size=16, person=b"dataserver-rply").digest()
 
 
+def host_proof(token: str, nonce: bytes, session: bytes) -> bytes:
+    """What a server's WELCOME says to prove it is on the client's host without saying its
+    host token (the token is in a file of the server's 0700 state dir; a client on the
+    host reads it and checks): HMAC-SHA256 under the token of the HELLO's ``nonce`` and
+    the session id; 16 bytes. A new nonce each HELLO: a replayed WELCOME proves nothing."""
+    return hmac.new(token.encode(), b"host|" + nonce + session, hashlib.sha256).digest()[:16]
+
+
 def same_secret(bound: bytes, given: bytes | None) -> bool:
     """Whether ``given`` is the session's secret ``bound`` (in constant time)."""
     return given is not None and hmac.compare_digest(bound, given)

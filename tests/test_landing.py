@@ -22,9 +22,11 @@ import msgpack
 import msgspec
 import pytest
 import torch
+import zmq
 
 from dataserver.landing import HEADER, LandingArea, hand_over, land_mac
-from dataserver.protocol import Task, decode
+from dataserver.protocol import Hello, Task, Welcome, decode
+from dataserver.security import host_proof
 from dataserver.server.landings import Landings
 from dataserver_client import DataServerClient, DataServerError
 
@@ -526,3 +528,39 @@ def test_a_task_lands_only_with_its_clients_mac(tmp_path: Path) -> None:
     finally:
         landings.close()
         area.close()
+
+
+def test_the_host_token_never_goes_on_the_wire(start_server: Any) -> None:
+    """Issue 25 item 11: any HELLO read the server's host token in its WELCOME (uid 65534
+    in one message), and a fake server replayed it to pass for local. WELCOME now carries
+    only a proof for the HELLO's nonce (``host_proof``): no token, a new proof for each
+    nonce, and only one who reads the token file (on the host, the server's user) can
+    check it."""
+    server = start_server("--dataset", "synthetic:images=8,seed=1", workers=1)
+    answers = []
+    for nonce in (b"a" * 16, b"b" * 16, b""):
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(server.address)
+        sid = b"proof-probe-0000"
+        sock.send_multipart(Hello(session=sid, auth=sid, nonce=nonce).encode())
+        assert sock.poll(10_000)
+        welcome = decode(sock.recv_multipart())
+        sock.close(linger=0)
+        ctx.term()
+        assert isinstance(welcome, Welcome) and welcome.local_token == ""
+        answers.append((nonce, welcome))
+    local = answers[0][1].local
+    assert local and local[0].startswith("ipc://")
+    token = (Path(local[0][len("ipc://") :]).parent / "host-token").read_text().strip()
+    assert token and all(token.encode() not in w.encode()[2] for _, w in answers)
+    (n1, w1), (n2, w2), (_, w3) = answers
+    assert w1.local_proof == host_proof(token, n1, b"proof-probe-0000")
+    assert w2.local_proof == host_proof(token, n2, b"proof-probe-0000") != w1.local_proof
+    assert w3.local_proof == b""  # no nonce, no proof: not taken for local
+    # A client on the host still proves it and lands.
+    with DataServerClient(server.address, batch_size=4, image_size=(32, 32), device="cpu") as c:
+        c.set_epoch(0)
+        assert sum(len(b) for b in c) == 8
+        assert c.stats().get("results_landed", 0) >= 1

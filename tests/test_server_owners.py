@@ -146,7 +146,7 @@ class FakeRouter:
         return False
 
 
-def _welcome(session: bytes) -> Welcome:
+def _welcome(session: bytes, nonce: bytes = b"") -> Welcome:
     return Welcome(
         session=session,
         server_id="server-1",

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import hmac
 import ipaddress
 import logging
 import os
@@ -45,7 +46,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from dataserver.landing import Handover, LandingArea, landing_socket
 from dataserver.protocol import Bye, Heartbeat, Hello, Welcome
-from dataserver.security import new_secret, reply_id, session_id
+from dataserver.security import host_proof, new_secret, reply_id, session_id
 from dataserver_client.config import ClientConfig
 from dataserver_client.errors import DataServerError
 
@@ -309,10 +310,12 @@ def announced_address(data_address: str, announced: str) -> str:
     return f"tcp://{m['host']}:{a['port']}"
 
 
-def _same_host(local: Sequence[str], token: str) -> bool:
-    """Whether the server's ``token`` is in the file beside its first ipc endpoint (then
-    this client shares its host and file system, and its ipc endpoints reach it)."""
-    if not token or not local or not local[0].startswith("ipc://"):
+def _same_host(local: Sequence[str], proof: bytes, nonce: bytes, session: bytes) -> bool:
+    """Whether the token in the file beside the server's first ipc endpoint makes the
+    ``proof`` its WELCOME gave for our HELLO's ``nonce`` (``security.host_proof``): then
+    this client shares its host and file system, and its ipc endpoints reach it. The token
+    itself never goes on the wire, so no one who is not on the host can make the proof."""
+    if not proof or not local or not local[0].startswith("ipc://"):
         return False
     path = os.path.join(os.path.dirname(local[0][len("ipc://") :]), "host-token")
     # The path comes from the server: never block on it (a FIFO, a stalled mount), never
@@ -325,7 +328,8 @@ def _same_host(local: Sequence[str], token: str) -> bool:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
             return False
-        return os.read(fd, 128).decode(errors="replace").strip() == token
+        token = os.read(fd, 128).decode(errors="replace").strip()
+        return hmac.compare_digest(host_proof(token, nonce, session), proof)
     except OSError:
         return False
     finally:
@@ -393,7 +397,11 @@ class ServerLink:
             zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
         )
         self.result_endpoints: set[str] = set()
-        self.local_token = ""
+        # Our HELLOs' nonce (this link's), and the proof of the last WELCOME
+        # (``security.host_proof``): a server is on our host when its token, read beside
+        # its ipc endpoints, makes that proof.
+        self.nonce = os.urandom(16)
+        self.local_proof = b""
         # Our landing buffer's hand-over to this server's workers, done only once it has
         # proven it is on our host (``sync_results``).
         self.handover = Handover(landing, session) if landing is not None else None
@@ -445,6 +453,7 @@ class ServerLink:
             auth=self.secret,
             plan_version=plan_version,
             control_seq=control_seq,
+            nonce=self.nonce,
         )
         return self.send(hello.encode())
 
@@ -465,7 +474,7 @@ class ServerLink:
                 return
 
     def sync_results(
-        self, announced: Sequence[str], local: Sequence[str] = (), token: str | None = None
+        self, announced: Sequence[str], local: Sequence[str] = (), proof: bytes | None = None
     ) -> None:
         """Connect to the workers a server announces. A worker's ipc endpoint (``local``,
         same order) is preferred when this client is on the server's host: when the
@@ -477,9 +486,11 @@ class ServerLink:
         from that worker may be waiting. A dead endpoint costs a reconnect attempt a
         second; at most ``MAX_WORKER_ENDPOINTS`` are ever connected (past that, results
         from new workers come through the front, as for a client that cannot reach them)."""
-        if token is not None:
-            self.local_token = token
-        use_local = len(local) == len(announced) and _same_host(local, self.local_token)
+        if proof is not None:
+            self.local_proof = proof
+        use_local = len(local) == len(announced) and _same_host(
+            local, self.local_proof, self.nonce, self.session
+        )
         chosen = local if use_local else announced
         wanted = {
             announced_address(self.address, e)
@@ -509,13 +520,13 @@ class ServerLink:
         restarted = bool(self.server_id) and msg.server_id != self.server_id
         self.welcome_msg = msg
         self.server_id = msg.server_id
-        self.local_token = msg.local_token
+        self.local_proof = msg.local_proof
         self.credit = max(1, msg.credit)
         self.workers = msg.workers
         self.state = LinkState.READY
         self.connected = True  # a WELCOME came over a live connection
         self.was_lost = False
-        self.sync_results(msg.results, msg.local, msg.local_token)
+        self.sync_results(msg.results, msg.local, msg.local_proof)
         return restarted
 
     def decline(self, msg: Welcome, why: str) -> None:

@@ -220,6 +220,9 @@ class Hello(Message, kw_only=True):
     auth: Auth | None = None
     plan_version: Seq = 0
     control_seq: Seq = 0
+    # Random bytes a server on the client's host proves its host token with, in WELCOME's
+    # ``local_proof`` (``dataserver.security.host_proof``); the token never goes on the wire.
+    nonce: Annotated[bytes, Meta(max_length=32)] = b""
 
 
 class Welcome(Message, kw_only=True):
@@ -238,10 +241,13 @@ class Welcome(Message, kw_only=True):
     # The most output bytes one TASK may ask for (images x 3 x H x W; ``--max-task-mb``):
     # the client cuts its batches into tasks that fit. Absent (an older server): 64 MiB.
     max_task_bytes: Annotated[int, In(1, 1 << 50)] = DEFAULT_TASK_BYTES
-    # The same workers' ipc endpoints, for a client on this host (it proves it is by
-    # finding ``local_token`` in the file beside them).
+    # The same workers' ipc endpoints, for a client on this host: it is when the host token
+    # in the file beside them makes ``local_proof`` for its HELLO's nonce
+    # (``dataserver.security.host_proof``). The token itself is never sent (``local_token``
+    # stays empty: any HELLO read it once, and a fake server replayed it).
     local: Endpoints = ()
     local_token: T64 = ""
+    local_proof: Annotated[bytes, Meta(max_length=32)] = b""
     # Bytes of its store of prepared sources (0: none; every task decodes its sources).
     store_bytes: Annotated[int, In(0, 1 << 50)] = 0
     # The dataset's categories, its (label, name) pairs (none: it announces none).

@@ -93,7 +93,7 @@ class Clients:
         counters: Counter[str],
         rejected: Counter[str],
         server_id: str,
-        welcome: Callable[[bytes], Welcome],
+        welcome: Callable[[bytes, bytes], Welcome],
         stats: Callable[[], dict[str, Any]],
         draining: Callable[[], bool],
     ) -> None:
@@ -255,7 +255,7 @@ class Clients:
             self._refuse(reason, identity, why, session=msg.session)
             return
         self.counters["hellos"] += 1
-        self.outlet.send_to(identity, self._welcome(msg.session))
+        self.outlet.send_to(identity, self._welcome(msg.session, msg.nonce))
 
     def _size_problem(self, task: Task) -> str | None:
         """What a worker would allocate for ``task`` beyond this server's caps, or None:

@@ -38,7 +38,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from dataserver.loop import MessageGuard, StopFlag, serve
 from dataserver.protocol import Bye, Welcome
-from dataserver.security import start_server_curve
+from dataserver.security import host_proof, start_server_curve
 from dataserver.server.clients import Clients
 from dataserver.server.config import ServerConfig, WorkerConfig, bindable, results_bind
 from dataserver.server.conns import ConnTracker, fd_budget, fd_limit, peer_socket_options
@@ -430,7 +430,7 @@ class Front:
 
     # ------------------------------------------------------------------ clients, housekeeping
 
-    def _welcome(self, session: bytes) -> Welcome:
+    def _welcome(self, session: bytes, nonce: bytes = b"") -> Welcome:
         """What this server tells a client it greets: itself, its credit, where to send."""
         results, local = self.workers.result_endpoints()
         return Welcome(
@@ -445,7 +445,7 @@ class Front:
             max_image_side=self.config.max_image_side,
             max_task_bytes=self.config.max_task_bytes,
             local=local,
-            local_token=self.local_token,
+            local_proof=host_proof(self.local_token, nonce, session) if nonce and local else b"",
             store_bytes=self.store.capacity if self.store is not None else 0,
             categories=self.categories,
             sizes=self.sizes,
