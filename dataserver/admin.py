@@ -8,6 +8,7 @@ from typing import Any
 
 import zmq
 
+from dataserver import adminsock
 from dataserver.protocol import ProtocolError, Stats, decode
 
 
@@ -17,7 +18,25 @@ def fetch_stats(
     curve_server_key: str | None = None,
     curve_secret_key: str | None = None,
 ) -> dict[str, Any]:
-    """Ask a live server for its counters (raises TimeoutError when it does not answer)."""
+    """Ask a live server for its counters (raises TimeoutError when it does not answer).
+    On the server's own host, as its user, over its admin socket (``adminsock``: never
+    crowded out by other users' STATS), else, or when that does not answer, over
+    ``address``."""
+    admin = adminsock.lookup(address)
+    if admin is not None:
+        try:
+            return _ask(admin, timeout, None, None)
+        except (TimeoutError, ProtocolError, zmq.ZMQError):
+            pass  # (a server that just went, or is replaced: ask over the address)
+    return _ask(address, timeout, curve_server_key, curve_secret_key)
+
+
+def _ask(
+    address: str,
+    timeout: float,
+    curve_server_key: str | None,
+    curve_secret_key: str | None,
+) -> dict[str, Any]:
     ctx: zmq.Context[Any] = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)

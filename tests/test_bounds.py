@@ -10,6 +10,8 @@ import resource
 import shutil
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -278,3 +280,45 @@ def test_one_peer_cannot_hold_every_session(start_server: Any) -> None:
         for s in socks:
             s.close(linger=0)
         ctx.term()
+
+
+def test_the_operator_is_answered_under_a_stats_flood(start_server: Any) -> None:
+    """Issue 25 item 3: a local user sending STATS 100 times a second left `dataserver stats
+    --check` answered 2 times of 10. On the server's host, as its user, the command asks
+    over the admin socket in the server's 0700 state dir (found from ADDR), with a rate of
+    its own: 10 of 10, while the flood is refused at the public rate."""
+    server = start_server("--dataset", f"synthetic:images={SAMPLES}", workers=1)
+    stop = threading.Event()
+
+    def flood() -> None:
+        ctx = zmq.Context()
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(server.address)
+        try:
+            while not stop.is_set():
+                s.send_multipart(Stats().encode())
+                while s.poll(0):
+                    s.recv_multipart()
+                time.sleep(0.01)
+        finally:
+            s.close(linger=0)
+            ctx.term()
+
+    flooder = threading.Thread(target=flood, daemon=True)
+    flooder.start()
+    try:
+        time.sleep(2.5)  # the public bucket (20/s, bursts of 40) is long empty
+        answered = 0
+        for _ in range(10):
+            out = subprocess.run(
+                [sys.executable, "-m", "dataserver.cli", "stats", server.address, "--check",
+                 "--timeout", "2"],
+                capture_output=True, text=True, timeout=60,
+            )  # fmt: skip
+            answered += out.returncode == 0
+    finally:
+        stop.set()
+        flooder.join(10)
+    assert answered == 10
+    assert server.stats()["rejected"]["stats_rate"] > 20  # the flood was refused meanwhile

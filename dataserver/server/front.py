@@ -36,8 +36,9 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from dataserver import adminsock
 from dataserver.loop import MessageGuard, StopFlag, serve
-from dataserver.protocol import Bye, Welcome
+from dataserver.protocol import Bye, ProtocolError, Stats, Welcome, decode
 from dataserver.security import host_proof, start_server_curve
 from dataserver.server.clients import Clients
 from dataserver.server.config import ServerConfig, WorkerConfig, bindable, results_bind
@@ -48,7 +49,7 @@ from dataserver.server.outlet import Outlet
 from dataserver.server.pool import WorkerPool
 from dataserver.server.routing import PIPELINE, WorkerRouter
 from dataserver.server.sessions import Scheduler
-from dataserver.server.statsview import StatsView
+from dataserver.server.statsview import StatsView, TokenBucket
 from dataserver.server.store import Store, memory_room
 from dataserver.server.view import Limits, ServerView
 
@@ -58,6 +59,7 @@ POLL_MS = 100
 DRAIN = 256  # messages taken from one socket before looking at the others
 CLIENT_MAX_MSG = 2 << 20  # clients only send small headers
 CLIENT_HWM = 64  # messages per client pipe; the Outbox bounds the bytes
+ADMIN_RATE = 20  # STATS a second on the admin socket (bursts of twice that): its own bucket
 MONITORED = (
     zmq.EVENT_ACCEPTED
     | zmq.EVENT_DISCONNECTED
@@ -149,6 +151,8 @@ class Front:
         self.draining_since: float | None = None
         self._announced = False
         self._auth: Any = None
+        self._admin_entry: Path | None = None
+        self._admin_rate = TokenBucket(ADMIN_RATE, 2 * ADMIN_RATE)
         self._tmpdir = tempfile.mkdtemp(prefix="ds-")
         # A client that can read this token beside the workers' ipc sockets is on this host
         # (and sees this file system): it takes their results over ipc.
@@ -297,6 +301,7 @@ class Front:
         self.data = ctx.socket(zmq.ROUTER)
         self.control_sock = ctx.socket(zmq.SUB)
         self.backend = ctx.socket(zmq.ROUTER)
+        self.admin = ctx.socket(zmq.ROUTER)  # the operator's STATS (``adminsock``)
         self.outlet.attach(self.data, self.backend)
         self._on_ready = on_ready
         serve(lambda: self._start(ctx), self._turn, self._stop, lambda: self._close(ctx))
@@ -313,6 +318,7 @@ class Front:
                 self.backend: ("front.backend", self.workers.on_message),
                 self.data: ("front.data", self.clients.on_data),
                 self.control_sock: ("front.control", self.clients.on_control),
+                self.admin: ("front.admin", self._on_admin),
             },
             # Connection-level events on the public sockets: failed handshakes (raw TCP
             # junk, wrong socket types, CURVE refusals) never reach the loop as messages.
@@ -380,6 +386,13 @@ class Front:
             "data": data.getsockopt_string(zmq.LAST_ENDPOINT),
             "control": control.getsockopt_string(zmq.LAST_ENDPOINT),
         }
+        # The operator's STATS: an ipc socket in the 0700 state dir (other users cannot
+        # reach it), with a rate of its own, registered for ``dataserver stats ADDR``.
+        self.admin.setsockopt(zmq.LINGER, 0)
+        self.admin.setsockopt(zmq.MAXMSGSIZE, 4096)
+        self.admin.bind(f"ipc://{self._tmpdir}/{adminsock.ADMIN_NAME}")
+        self.endpoints["admin"] = self.admin.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._admin_entry = adminsock.register(self.endpoints["data"], self.endpoints["admin"])
 
     def _drain(
         self, sock: zmq.Socket[Any], site: str, handler: Callable[[list[Any]], None]
@@ -426,9 +439,26 @@ class Front:
             ctx.destroy(linger=500 if self.draining_since is not None else 0)
             if self.store is not None:
                 self.store.close()
+            adminsock.unregister(self._admin_entry, self.endpoints.get("admin", ""))
             shutil.rmtree(self._tmpdir, ignore_errors=True)
 
     # ------------------------------------------------------------------ clients, housekeeping
+
+    def _on_admin(self, frames: list[Any]) -> None:
+        """A message on the admin socket: STATS answered at its own rate; nothing else."""
+        identity = frames[0].bytes
+        try:
+            msg = decode(frames[1:])
+        except ProtocolError:
+            self.rejected["admin_malformed"] += 1
+            return
+        if not isinstance(msg, Stats):
+            self.rejected["admin_unexpected_type"] += 1
+            return
+        if not self._admin_rate.take():
+            self.rejected["admin_rate"] += 1
+            return
+        self.admin.send_multipart([identity, *Stats(stats=self.stats()).encode()], zmq.NOBLOCK)
 
     def _welcome(self, session: bytes, nonce: bytes = b"") -> Welcome:
         """What this server tells a client it greets: itself, its credit, where to send."""

@@ -1,0 +1,148 @@
+"""The operator's way in: an admin socket other users cannot reach.
+
+The public STATS on the data port is rate-limited per peer (20/s on this host, as much again
+for the rest), so a local user sending STATS 100 times a second left `dataserver stats
+--check` (a Kubernetes probe) answered 2 times of 10. A server also answers STATS on an ipc
+socket, ``admin``, in its private state directory (mode 0700: only its own user gets in),
+with a rate of its own. ``dataserver stats ADDR`` finds it from ADDR on the server's host:
+the server writes where it is in a registry, one file per data port, in a directory only its
+user can read (``$XDG_RUNTIME_DIR/dataserver`` when that is the user's own, else
+``/tmp/dataserver-UID``; a directory that is not exactly the user's own, 0700, is not used,
+so nobody can plant one for it). The command asks there when ADDR names this host and the
+registry has the port; otherwise, or when that fails, over ADDR as before.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import re
+import socket
+import stat
+from pathlib import Path
+
+log = logging.getLogger("dataserver.admin")
+
+ADMIN_NAME = "admin"
+_TCP = re.compile(r"^tcp://(?P<host>\[[^\]]+\]|[^:/]+):(?P<port>\d+)$")
+
+
+def registry_dir(create: bool = False) -> Path | None:
+    """The user's own registry directory (made 0700 when ``create``), or None when there
+    is none that is safely this user's alone."""
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    candidates = []
+    if base and _own_private(Path(base)):
+        candidates.append(Path(base, "dataserver"))
+    candidates.append(Path("/tmp", f"dataserver-{os.getuid()}"))
+    for path in candidates:
+        if create:
+            try:
+                path.mkdir(mode=0o700, exist_ok=True)
+            except OSError:
+                continue
+        if _own_private(path):
+            return path
+    return None
+
+
+def _own_private(path: Path) -> bool:
+    """A real directory (not a link) of this user that no one else may enter or list."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o077
+
+
+def port_of(address: str) -> int | None:
+    """The TCP port of a ``tcp://HOST:PORT`` address, else None."""
+    match = _TCP.match(address)
+    return int(match["port"]) if match else None
+
+
+def register(data_endpoint: str, admin_endpoint: str) -> Path | None:
+    """Record that the server whose data socket is ``data_endpoint`` answers the operator
+    at ``admin_endpoint`` (an ipc address); the file written, or None (logged)."""
+    port = port_of(data_endpoint)
+    where = registry_dir(create=True)
+    if port is None or where is None:
+        log.info(
+            "no admin registry for %s: `dataserver stats` asks over the data port", data_endpoint
+        )
+        return None
+    path = where / f"port-{port}"
+    tmp = where / f".port-{port}.{os.getpid()}"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(admin_endpoint)
+        os.replace(tmp, path)
+    except OSError as exc:
+        log.warning("cannot write the admin registry %s: %s", path, exc)
+        return None
+    return path
+
+
+def unregister(path: Path | None, admin_endpoint: str) -> None:
+    """Remove the registry file, if it still names this server's admin socket."""
+    if path is None:
+        return
+    try:
+        if path.read_text() == admin_endpoint:
+            path.unlink()
+    except OSError:
+        pass
+
+
+def lookup(address: str) -> str | None:
+    """The admin endpoint of the server at ``address`` when it runs on this host as this
+    user (its registry file, its socket present), else None."""
+    match = _TCP.match(address)
+    if match is None or not _is_this_host(match["host"].strip("[]")):
+        return None
+    where = registry_dir()
+    if where is None:
+        return None
+    path = where / f"port-{match['port']}"
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+            return None
+        endpoint = os.read(fd, 4096).decode(errors="replace").strip()
+    finally:
+        os.close(fd)
+    if not endpoint.startswith("ipc://"):
+        return None
+    try:
+        sock_st = os.stat(endpoint[len("ipc://") :])
+    except OSError:
+        return None  # that server is gone
+    return endpoint if stat.S_ISSOCK(sock_st.st_mode) else None
+
+
+def _is_this_host(host: str) -> bool:
+    """Whether ``host`` (a name or an address) is an address of this machine: one a socket
+    can be bound to here."""
+    if host in ("localhost", "*"):
+        return True
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_DGRAM)
+    except OSError:
+        return False
+    for family, _, _, _, sockaddr in infos:
+        ip = ipaddress.ip_address(sockaddr[0])
+        if ip.is_loopback or ip.is_unspecified:
+            return True
+        try:
+            with socket.socket(family, socket.SOCK_DGRAM) as probe:
+                probe.bind((sockaddr[0], 0))
+            return True
+        except OSError:
+            continue
+    return False
