@@ -4,12 +4,14 @@ samples come from a dataset object in the state "as built, then told its own val
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from typing import Any
 
 import pytest
 from ds_plugins import Merge
 
 from dataserver.server.controls import ControlMissing, ControlStates
+from dataserver.server.sessions import Scheduler, TaskEntry
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -85,3 +87,48 @@ def test_a_dataset_without_set_control_is_shared_as_built() -> None:
     states = ControlStates(plain)
     assert states.for_task(b"a", 0) == (plain, "", {})
     assert states.for_task(b"a", 7) == (plain, "", {})  # values cannot matter to it
+
+
+def test_a_session_changing_its_values_every_task_evicts_only_its_own_states() -> None:
+    """Issue 25 item 4: a job calling ``control(v=step % 5)`` before every batch evicted
+    every other job's state, whose every task then copied the dataset again. Now a
+    session's new values evict its own oldest state (it keeps two), never another's."""
+    states = ControlStates(Merge(4))
+    states.learn(b"honest", 1, {"tint": 7})
+    mine, _, _ = states.for_task(b"honest", 1)
+    for step in range(40):
+        states.learn(b"churn", step + 1, {"tint": step % 5})
+        assert tint(states, b"churn", step + 1) == step % 5
+        again, _, _ = states.for_task(b"honest", 1)
+        assert again is mine  # never made again
+    assert tint(states, b"honest", 1) == 7
+    assert states.made == 1 + 40  # the churning session pays for its own copies
+    # Many sessions with one state each: at most ``keep`` objects in all.
+    for n in range(20):
+        states.learn(b"s%d" % n, 1, {"tint": 100 + n})
+        assert tint(states, b"s%d" % n, 1) == 100 + n
+    assert len(states._states) <= states.keep
+
+
+def test_the_fair_queue_shares_worker_time_not_tasks() -> None:
+    """Issue 25 item 4: the copies a session's values cost are charged to it. Two sessions
+    with tasks always queued; one's tasks take ten times the worker time (each copies the
+    dataset): the two get equal worker time, so that one gets about a tenth of the tasks
+    (by task, round robin, the other got half the tasks and a tenth of the time)."""
+    sched = Scheduler(8, 1024, 1 << 30, 1 << 30)
+    cost = {b"c" * 16: 1000, b"h" * 16: 100}
+    for sid in cost:
+        session = sched.open(sid, sid, sid)
+        assert session is not None
+        for tid in range(500):
+            sched.push(session, TaskEntry(sid, tid, 1, ((tid,),), []))
+    served = Counter[bytes]()
+    for _ in range(220):
+        entry = sched.pop()
+        assert entry is not None
+        served[entry.session] += 1
+        sched.charge(entry.session, cost[entry.session])
+    assert served[b"h" * 16] >= 8 * served[b"c" * 16]
+    time_h = served[b"h" * 16] * cost[b"h" * 16]
+    time_c = served[b"c" * 16] * cost[b"c" * 16]
+    assert 0.8 <= time_h / time_c <= 1.25

@@ -129,7 +129,11 @@ def test_a_long_job_outlives_many_sessions_passing_through_its_worker(
         # 1,500 other sessions, each with values of its own, through the only worker (the
         # worker remembers 1,024; the job's queued tasks may run early in the flood).
         ctx = zmq.Context()
-        sock = connected(ctx, zmq.DEALER, server.address)
+        # 16 connections: one may hold at most 8 sessions (SESSIONS_PER_CONNECTION).
+        socks = [connected(ctx, zmq.DEALER, server.address) for _ in range(16)]
+        poller = zmq.Poller()
+        for s in socks:
+            poller.register(s, zmq.POLLIN)
         answered = 0
         try:
             # In rounds of 100, each session closed once answered (the server holds at
@@ -137,17 +141,20 @@ def test_a_long_job_outlives_many_sessions_passing_through_its_worker(
             for start in range(0, 1500, 100):
                 for i in range(start, start + 100):
                     sid = b"other-%010d" % i
-                    _raw_session(sock, sid, sid, {"tint": i % 5, "n": i}, i + 1)
+                    _raw_session(socks[i % 16], sid, sid, {"tint": i % 5, "n": i}, i + 1)
                 deadline = time.monotonic() + 30
                 while answered < start + 100 and time.monotonic() < deadline:
-                    if sock.poll(1000):
-                        m = protocol.decode(sock.recv_multipart())
-                        answered += isinstance(m, protocol.Result)
+                    for s, _ in poller.poll(1000):
+                        while s.poll(0):
+                            m = protocol.decode(s.recv_multipart())
+                            answered += isinstance(m, protocol.Result)
                 for i in range(start, start + 100):
                     sid = b"other-%010d" % i
-                    sock.send_multipart(protocol.pack(MsgType.BYE, {"session": sid, "auth": sid}))
+                    bye = protocol.pack(MsgType.BYE, {"session": sid, "auth": sid})
+                    socks[i % 16].send_multipart(bye)
         finally:
-            sock.close(linger=0)
+            for s in socks:
+                s.close(linger=0)
             ctx.term()
         assert answered == 1500
         rest = list(it)

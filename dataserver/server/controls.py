@@ -14,10 +14,15 @@ state is a function of its own session's values only:
   ``control(**values)`` calls and sends the result), so that object is "the dataset as
   built, told V": the known start the issue asks for, whatever other sessions did.
 
-Objects are keyed by the digest of V (two sessions with equal values share one), at most
-``keep`` of them (least recently used go); each costs one copy of the dataset object in
-this worker. A dataset without ``set_control`` is used as built for everyone, and copied
-never.
+Objects are keyed by the digest of V (two sessions with equal values share one); each costs
+one copy of the dataset object in this worker. A session holds at most ``per_session`` of
+them (its newest values, and the ones before for tasks still in flight): its next values
+evict its own oldest, never another session's (a job calling ``control(v=step % 5)`` before
+every batch evicted every other job's state, and made each of their tasks copy the dataset
+again: 5.3x slower). At most ``keep`` in all: beyond, the least recently used object of a
+session that holds more than one goes first. The copies a session causes are charged to it
+in the front's fair queue (the worker time of its tasks, ``Scheduler.charge``). A dataset
+without ``set_control`` is used as built for everyone, and copied never.
 
 Values arrive once per change (CONTROL, forwarded by the front before a task that needs
 them) and are remembered for the last ``sessions`` sessions; a task of a session whose
@@ -38,7 +43,8 @@ import msgpack
 
 log = logging.getLogger("dataserver.worker")
 
-STATES_KEPT = 4
+STATES_KEPT = 8
+STATES_PER_SESSION = 2
 SESSIONS_KEPT = 1024
 
 
@@ -62,16 +68,20 @@ class ControlStates:
         fresh: Callable[[], Any] | None = None,
         keep: int = STATES_KEPT,
         sessions: int = SESSIONS_KEPT,
+        per_session: int = STATES_PER_SESSION,
     ) -> None:
         self.pristine = pristine
         self._fresh = fresh
         self.keep = keep
+        self.per_session = per_session
         self.sessions = sessions
         self.steerable = callable(getattr(pristine, "set_control", None))
         # A dataset with ``augment`` is told the values in its params, steerable or not.
         self.wants_values = self.steerable or callable(getattr(pristine, "augment", None))
         self._values: OrderedDict[bytes, tuple[int, dict[str, Any]]] = OrderedDict()
         self._states: OrderedDict[str, Any] = OrderedDict()
+        self._holders: dict[str, set[bytes]] = {}  # state key -> sessions using it
+        self._held: dict[bytes, OrderedDict[str, None]] = {}  # session -> its keys, LRU first
         self.made = 0  # dataset objects made for a control state (copies or rebuilds)
 
     def learn(self, session: bytes, control_seq: int, values: dict[str, Any]) -> None:
@@ -83,6 +93,8 @@ class ControlStates:
 
     def forget(self, session: bytes) -> None:
         self._values.pop(session, None)
+        for key in list(self._held.get(session, ())):
+            self._release(session, key)
 
     def for_task(
         self, session: bytes, control_seq: int, inline: dict[str, Any] | None = None
@@ -104,11 +116,51 @@ class ControlStates:
             state = self._make()
             state.set_control(dict(values))
             self._states[key] = state
-            while len(self._states) > self.keep:
-                self._states.popitem(last=False)
         else:
             self._states.move_to_end(key)
+        self._hold(session, key)
         return state, key, values
+
+    def _hold(self, session: bytes, key: str) -> None:
+        """``session`` uses the state ``key``: its newest; its oldest beyond
+        ``per_session`` are let go, then, beyond ``keep`` in all, others'."""
+        held = self._held.setdefault(session, OrderedDict())
+        held[key] = None
+        held.move_to_end(key)
+        self._holders.setdefault(key, set()).add(session)
+        while len(held) > self.per_session:
+            self._release(session, next(iter(held)))
+        while len(self._states) > self.keep:
+            victim = self._victim(key)
+            if victim is None:
+                break
+            for holder in list(self._holders.get(victim, ())):
+                self._release(holder, victim)
+            self._states.pop(victim, None)
+
+    def _victim(self, keep: str) -> str | None:
+        """The state to evict beyond ``keep`` states (not ``keep``, the one just used): the
+        least recently used one whose sessions all hold another, else the least recently
+        used one."""
+        others = [k for k in self._states if k != keep]
+        for k in others:
+            if all(len(self._held.get(s, ())) > 1 for s in self._holders.get(k, ())):
+                return k
+        return others[0] if others else None
+
+    def _release(self, session: bytes, key: str) -> None:
+        """``session`` no longer holds ``key``; a state nobody holds is dropped."""
+        held = self._held.get(session)
+        if held is not None:
+            held.pop(key, None)
+            if not held:
+                del self._held[session]
+        holders = self._holders.get(key)
+        if holders is not None:
+            holders.discard(session)
+            if not holders:
+                del self._holders[key]
+                self._states.pop(key, None)
 
     def _values_of(self, session: bytes, control_seq: int) -> dict[str, Any]:
         if control_seq == 0:

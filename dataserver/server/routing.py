@@ -175,6 +175,7 @@ class WorkerRouter:
         else:
             samples, images = sum(len(i) for i in msg.images), len(msg.images)
         self.counters["images_done"] += images
+        self.scheduler.charge(msg.session, msg.task_us)
         self.counters["sources_decoded"] += msg.decoded
         self.counters["sources_reused"] += max(0, samples - msg.decoded)
         if self._observe is not None:

@@ -86,6 +86,7 @@ class Session:
     opened: float = field(default_factory=time.monotonic)
     base: int = 0  # the larger of plan_version, control_seq its HELLO said it stood at
     live_ids: set[int] = field(default_factory=set)  # its task ids in Scheduler.live
+    used: float = 0.0  # microseconds of worker time its tasks took (the fair queue's measure)
     conn: bytes = b""  # the connection (routing id) its HELLO came on
     peer: str = ""  # the peer (remote address) that opened it ("" unknown)
 
@@ -127,6 +128,7 @@ class Scheduler:
         self._ready: deque[Session] = deque()
         self.queued = 0
         self.queued_bytes = 0
+        self._vtime = 0.0  # the worker time of the session served last (``pop``)
         # Tasks answered poison lately (the ERROR sent), by (session, digest): a copy the
         # client sent before the answer reached it (its results connection broke when the
         # worker died, so it asked again) is answered the same, not run to kill again.
@@ -258,6 +260,8 @@ class Scheduler:
         self.queued_bytes += entry.nbytes
         if not session.in_ready:
             session.in_ready = True
+            # No credit saved up while idle: it starts level with those being served.
+            session.used = max(session.used, self._vtime)
             self._ready.append(session)
 
     def _took(self, session: Session, entries: int, nbytes: int) -> None:
@@ -266,20 +270,34 @@ class Scheduler:
         self.queued_bytes -= nbytes
 
     def pop(self) -> TaskEntry | None:
-        """The next task in round robin over sessions, or None."""
-        while self._ready:
-            session = self._ready.popleft()
-            if not session.queue:
-                session.in_ready = False
-                continue
-            entry = session.queue.popleft()
-            self._took(session, 1, entry.nbytes)
-            if session.queue:
-                self._ready.append(session)
-            else:
-                session.in_ready = False
-            return entry
-        return None
+        """The next task, of the session with queued tasks whose tasks took the least worker
+        time so far (``charge``; equal ones in round robin), or None. Sessions share the
+        workers by time, not by task: one whose tasks cost more (a control state copied for
+        each: issue 25 item 4) gets fewer of them, not the others' time."""
+        ready = self._ready
+        while ready and not ready[0].queue:
+            ready.popleft().in_ready = False
+        if not ready:
+            return None
+        best, at = ready[0], 0
+        for j, candidate in enumerate(ready):
+            if candidate.queue and candidate.used < best.used:
+                best, at = candidate, j
+        del ready[at]
+        entry = best.queue.popleft()
+        self._took(best, 1, entry.nbytes)
+        self._vtime = best.used
+        if best.queue:
+            ready.append(best)
+        else:
+            best.in_ready = False
+        return entry
+
+    def charge(self, sid: bytes, micros: int) -> None:
+        """A task of session ``sid`` took ``micros`` of a worker's time."""
+        session = self.sessions.get(sid)
+        if session is not None:
+            session.used += max(1, micros)
 
     def cancel_older(self, session: Session, version: int) -> list[TaskEntry]:
         """Raise the session's version to ``version``; remove and return older queued tasks."""
