@@ -11,7 +11,7 @@ import pytest
 from ds_plugins import Merge
 
 from dataserver.server.controls import ControlMissing, ControlStates
-from dataserver.server.sessions import Scheduler, TaskEntry
+from dataserver.server.sessions import STATE_CHANGES, Scheduler, TaskEntry
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -132,3 +132,28 @@ def test_the_fair_queue_shares_worker_time_not_tasks() -> None:
     time_h = served[b"h" * 16] * cost[b"h" * 16]
     time_c = served[b"c" * 16] * cost[b"c" * 16]
     assert 0.8 <= time_h / time_c <= 1.25
+
+
+def test_a_session_changing_control_state_every_task_is_paced() -> None:
+    """Issue 25 item 4: each new control state costs a copy of the dataset in the worker
+    that runs it (128 ms for a dataset holding a 30,000-entry index), and those copies,
+    not preemptible, held every worker. For a dataset with ``set_control``, a session
+    moves its tasks to another state at most ``STATE_CHANGES`` a second (bursts as many);
+    its tasks wait meanwhile, and the others' are served. Without ``set_control`` nothing
+    is copied, and nothing waits."""
+    for steerable in (True, False):
+        sched = Scheduler(8, 1024, 1 << 30, 1 << 30)
+        sched.pace_states = steerable
+        churn, honest = b"c" * 16, b"h" * 16
+        for sid in (churn, honest):
+            session = sched.open(sid, sid, sid)
+            assert session is not None
+            for tid in range(20):
+                state = b"v%d" % (tid % 5) if sid == churn else b"same"
+                sched.push(session, TaskEntry(sid, tid, 1, ((tid,),), [], state=state))
+        served = Counter[bytes]()
+        while (entry := sched.pop()) is not None:
+            served[entry.session] += 1
+        assert served[honest] == 20
+        assert served[churn] == (STATE_CHANGES if steerable else 20)
+        assert (sched.paced > 0) == steerable

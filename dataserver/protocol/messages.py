@@ -567,6 +567,9 @@ class Ready(Message, kw_only=True):
     # Whether it maps the server's store: False when what it inherited was unusable (it
     # serves without); None when the server has none.
     store: bool | None = None
+    # Whether its dataset has ``set_control`` (each control state in use is then a copy of
+    # the dataset object in the worker: the front paces how often a session changes it).
+    steerable: bool = False
 
 
 MESSAGES: dict[MsgType, type[Message]] = {c.TYPE: c for c in Message.__subclasses__()}

@@ -18,6 +18,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable
 from typing import Any
 
+import msgpack
 import msgspec
 import zmq
 
@@ -69,6 +70,22 @@ def task_digest(task: Task) -> bytes:
         task.control,
     )
     return hashlib.blake2b(repr(what).encode(), digest_size=16).digest()
+
+
+def control_state(task: Task, session: Session) -> bytes:
+    """Which control state ``task`` needs, as its worker keys them (a digest of the values):
+    its own inline values (a rebuilt batch), or its session's at ``control_seq`` (the same
+    values sent again are the same state); values not here yet: their sequence number."""
+    if task.control is not None:
+        values: dict[str, Any] = task.control
+    elif task.control_seq == 0:
+        return b""
+    elif task.control_seq == session.control_seq:
+        values = session.control
+    else:
+        return b"s%d" % task.control_seq
+    packed = msgpack.packb(values, use_bin_type=True)
+    return hashlib.blake2b(packed, digest_size=16).digest()
 
 
 def _user_id(frame: Any) -> str:
@@ -334,6 +351,9 @@ class Clients:
             nbytes,
             control_seq=task.control_seq,
             digest=digest,
+            # The control state its worker's dataset must be in (a copy of the dataset
+            # for each new one: the scheduler paces how often a session changes it).
+            state=control_state(task, session),
         )
         self.scheduler.admit(session, entry)
         self.counters["tasks_received"] += 1

@@ -33,6 +33,11 @@ class TokenBucket:
         self.tokens = burst
         self.at = time.monotonic()
 
+    def peek(self, now: float | None = None) -> bool:
+        """Whether ``take`` would succeed now (nothing taken)."""
+        now = time.monotonic() if now is None else now
+        return min(self.burst, self.tokens + (now - self.at) * self.rate) >= 1.0
+
     def take(self, now: float | None = None) -> bool:
         now = time.monotonic() if now is None else now
         self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate)

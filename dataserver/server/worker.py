@@ -149,6 +149,7 @@ class Worker:
             results=results.endpoint if results is not None else "",
             local=results.local if results is not None else "",
             store=(self.store is not None) if self.store_wanted else None,
+            steerable=self.controls.steerable,
         )
         landing = landing_socket(results.local) if results is not None else None
         if landing is not None:
