@@ -498,6 +498,8 @@ class Front:
 
     def view(self) -> ServerView:
         """The server's figures now, read from its collaborators (in the loop's thread)."""
+        if self.scheduler.paced:
+            self.counters["tasks_paced"] = self.scheduler.paced
         config, scheduler, pool = self.config, self.scheduler, self.pool
         draining = self.draining_since
         return ServerView(
