@@ -5,22 +5,25 @@ for the rest), so a local user sending STATS 100 times a second left `dataserver
 --check` (a Kubernetes probe) answered 2 times of 10. A server also answers STATS on an ipc
 socket, ``admin``, in its private state directory (mode 0700: only its own user gets in),
 with a rate of its own. ``dataserver stats ADDR`` finds it from ADDR on the server's host:
-the server writes where it is in a registry, one file per data port, in a directory only its
-user can read (``$XDG_RUNTIME_DIR/dataserver`` when that is the user's own, else
-``/tmp/dataserver-UID``; a directory that is not exactly the user's own, 0700, is not used,
-so nobody can plant one for it). The command asks there when ADDR names this host and the
-registry has the port; otherwise, or when that fails, over ADDR as before.
+the server writes where it is in a registry, one file per server (its data port's address and
+network namespace), in a directory only its user can read (``$XDG_RUNTIME_DIR/dataserver``
+when that is the user's own, else ``/tmp/dataserver-UID``; a directory that is not exactly
+the user's own, 0700, is not used, so nobody can plant one for it). The command asks there
+when ADDR names this host and a live server of this network namespace is bound to ADDR's
+port there; otherwise, or when that fails, over ADDR as before.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import json
 import logging
 import os
 import re
 import socket
 import stat
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger("dataserver.admin")
 
@@ -64,20 +67,27 @@ def port_of(address: str) -> int | None:
 
 def register(data_endpoint: str, admin_endpoint: str) -> Path | None:
     """Record that the server whose data socket is ``data_endpoint`` answers the operator
-    at ``admin_endpoint`` (an ipc address); the file written, or None (logged)."""
-    port = port_of(data_endpoint)
+    at ``admin_endpoint`` (an ipc address); the file written, or None (logged).
+
+    One file per server (``port-PORT.PID``), saying where its data socket is bound and in
+    which network namespace: two servers may hold one port number on two addresses of a
+    host, or in two namespaces (nodes played by namespaces share the file system)."""
+    match = _TCP.match(data_endpoint)
     where = registry_dir(create=True)
-    if port is None or where is None:
+    if match is None or where is None:
         log.info(
             "no admin registry for %s: `dataserver stats` asks over the data port", data_endpoint
         )
         return None
-    path = where / f"port-{port}"
-    tmp = where / f".port-{port}.{os.getpid()}"
+    entry = json.dumps(
+        {"admin": admin_endpoint, "host": match["host"].strip("[]"), "netns": _netns()}
+    )
+    path = where / f"port-{match['port']}.{os.getpid()}"
+    tmp = where / f".port-{match['port']}.{os.getpid()}"
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "w") as f:
-            f.write(admin_endpoint)
+            f.write(entry)
         os.replace(tmp, path)
     except OSError as exc:
         log.warning("cannot write the admin registry %s: %s", path, exc)
@@ -89,23 +99,61 @@ def unregister(path: Path | None, admin_endpoint: str) -> None:
     """Remove the registry file, if it still names this server's admin socket."""
     if path is None:
         return
-    try:
-        if path.read_text() == admin_endpoint:
+    entry = _read_entry(path)
+    if entry is not None and entry.get("admin") == admin_endpoint:
+        try:
             path.unlink()
-    except OSError:
-        pass
+        except OSError:
+            pass
 
 
 def lookup(address: str) -> str | None:
     """The admin endpoint of the server at ``address`` when it runs on this host as this
-    user (its registry file, its socket present), else None."""
+    user (its registry file, its socket present), else None: a server in this network
+    namespace bound to the port on one of ``address``'s IPs, or on every address."""
     match = _TCP.match(address)
-    if match is None or not _is_this_host(match["host"].strip("[]")):
+    if match is None:
         return None
+    host = match["host"].strip("[]")
     where = registry_dir()
-    if where is None:
+    if where is None or not _is_this_host(host):
         return None
-    path = where / f"port-{match['port']}"
+    ips = _ips_of(host)
+    here = _netns()
+    for path in sorted(where.glob(f"port-{match['port']}.*")):
+        entry = _read_entry(path)
+        if entry is None or entry.get("netns") != here:
+            continue
+        bound = str(entry.get("host", ""))
+        if bound not in ("*", "0.0.0.0", "::") and not ips & _ips_of(bound):
+            continue
+        endpoint = str(entry.get("admin", ""))
+        if not endpoint.startswith("ipc://"):
+            continue
+        if _listening(endpoint[len("ipc://") :]):
+            return endpoint
+        try:
+            path.unlink()  # that server is gone (killed: it could not say so)
+        except OSError:
+            pass
+    return None
+
+
+def _listening(path: str) -> bool:
+    """Whether a live process listens on the unix socket at ``path``."""
+    try:
+        if not stat.S_ISSOCK(os.stat(path).st_mode):
+            return False
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            probe.settimeout(1.0)
+            probe.connect(path)
+        return True
+    except OSError:
+        return False
+
+
+def _read_entry(path: Path) -> dict[str, Any] | None:
+    """A registry file's entry: a regular file of this user's holding a JSON object."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
@@ -114,16 +162,31 @@ def lookup(address: str) -> str | None:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
             return None
-        endpoint = os.read(fd, 4096).decode(errors="replace").strip()
+        raw = os.read(fd, 4096)
     finally:
         os.close(fd)
-    if not endpoint.startswith("ipc://"):
-        return None
     try:
-        sock_st = os.stat(endpoint[len("ipc://") :])
+        entry = json.loads(raw)
+    except ValueError:
+        return None
+    return entry if isinstance(entry, dict) else None
+
+
+def _netns() -> str | None:
+    """This process's network namespace (where a TCP port is bound), or None off Linux."""
+    try:
+        st = os.stat("/proc/self/ns/net")
     except OSError:
-        return None  # that server is gone
-    return endpoint if stat.S_ISSOCK(sock_st.st_mode) else None
+        return None
+    return f"{st.st_dev}:{st.st_ino}"
+
+
+def _ips_of(host: str) -> set[str]:
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_DGRAM)
+    except OSError:
+        return set()
+    return {str(ipaddress.ip_address(info[4][0])) for info in infos}
 
 
 def _is_this_host(host: str) -> bool:

@@ -5,6 +5,7 @@ and the metrics port follows --bind and holds no thread per client."""
 
 from __future__ import annotations
 
+import json
 import os
 import resource
 import shutil
@@ -322,3 +323,27 @@ def test_the_operator_is_answered_under_a_stats_flood(start_server: Any) -> None
         flooder.join(10)
     assert answered == 10
     assert server.stats()["rejected"]["stats_rate"] > 20  # the flood was refused meanwhile
+
+
+def test_the_operator_reaches_the_server_at_the_address_named(start_server: Any) -> None:
+    """Two servers hold one port number on two addresses of this host (as nodes played by
+    network namespaces do, on one file system), and a third on that port was SIGKILLed:
+    `dataserver stats ADDR` answers from the server bound at ADDR, each time."""
+    gone = start_server("--dataset", "synthetic:images=24", workers=1)
+    port = int(gone.address.rsplit(":", 1)[1])
+    os.kill(gone.proc.pid, signal.SIGKILL)
+    gone.proc.wait(30)
+    one = start_server(
+        "--dataset", "synthetic:images=32", workers=1, bind=f"tcp://127.0.0.1:{port}"
+    )
+    two = start_server(
+        "--dataset", "synthetic:images=48", workers=1, bind=f"tcp://127.0.0.2:{port}"
+    )
+    for server, images in ((one, 32), (two, 48), (one, 32)):
+        out = subprocess.run(
+            [sys.executable, "-m", "dataserver.cli", "stats", server.address, "--json",
+             "--timeout", "5"],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        assert json.loads(out.stdout)["dataset_len"] == images, server.address

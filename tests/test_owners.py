@@ -262,6 +262,7 @@ class FakeLink:
     workers: int
     credit: int
     state: LinkState = LinkState.READY
+    welcome_msg: Any = None
 
     def drain(self) -> None:
         self.state = LinkState.DRAINING
