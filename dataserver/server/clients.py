@@ -113,6 +113,7 @@ class Clients:
         welcome: Callable[[bytes, bytes], Welcome],
         stats: Callable[[], dict[str, Any]],
         draining: Callable[[], bool],
+        heard: Callable[[int, bytes], None] = lambda fd, session: None,
     ) -> None:
         self.config = config
         self.scheduler = scheduler
@@ -125,6 +126,10 @@ class Clients:
         self._welcome = welcome
         self._stats = stats
         self._draining = draining
+        # The connection (fd) the message being handled came by, set by the front before
+        # each; ``heard`` ties it to the session a message proved itself for (``conns``).
+        self.source_fd = -1
+        self._heard = heard
         self._owners: OrderedDict[bytes, str] = OrderedDict()  # identity -> CURVE user id
 
     def _refuse(self, reason: str, identity: bytes | None, detail: str, **ids: Any) -> None:
@@ -173,6 +178,7 @@ class Clients:
             reason, why = "bad_secret", "this message does not carry the session's secret"
         else:
             self.scheduler.touch(session, identity)
+            self._heard(self.source_fd, session.sid)
             return session
         if quiet:  # (a heartbeat or BYE for a session this server forgot is no attack)
             self.rejected[reason] += reason == "bad_secret"
@@ -272,6 +278,7 @@ class Clients:
             self._refuse(reason, identity, why, session=msg.session)
             return
         self.counters["hellos"] += 1
+        self._heard(self.source_fd, msg.session)
         self.outlet.send_to(identity, self._welcome(msg.session, msg.nonce))
 
     def _size_problem(self, task: Task) -> str | None:
@@ -400,6 +407,7 @@ class Clients:
                 continue
             matched = True
             if hmac.compare_digest(steer_tag(session.secret, msg), entry):
+                self._heard(self.source_fd, session.sid)
                 self._steer(session, msg)
                 return
         if not matched and any(e[:16] in self.scheduler.closed_handles for e in msg.tags or ()):

@@ -7,22 +7,26 @@ dead worker) gets ``EMFILE``. This module keeps that bounded:
 
 - ``raise_fd_limit``: the soft ``RLIMIT_NOFILE`` goes up to the hard one at start.
 - ``ConnTracker`` learns every accepted connection's fd from the sockets' monitors
-  (``EVENT_ACCEPTED`` carries it) and forgets it at ``EVENT_DISCONNECTED``. It reads the
-  kernel's ``TCP_INFO`` of each in housekeeping: a connection that received no more than a
-  heartbeat's bytes for ``--idle-timeout`` seconds is shut down (``shutdown(SHUT_RDWR)``:
-  libzmq sees its peer go and closes the fd itself). Beyond a cap on connections
-  (``fd_budget``: the fd limit less a reserve for the workers, at most a few per session)
-  the idlest connection, or the new one when none is idle, is shut down at once.
+  (``EVENT_ACCEPTED`` carries it) and forgets it at ``EVENT_DISCONNECTED``. Every message
+  read from a public socket names the fd it came by (``ZMQ_SRCFD``): its bytes are counted
+  as consumed, and a message the front accepts as a live session's (its secret checked)
+  *ties* the connection to that session and makes it active. Housekeeping reads the
+  kernel's ``TCP_INFO`` of each connection:
 
-A control connection (a client's PUB: silent until it steers) counts as active on any
-bytes, its libzmq's PONGs included; a data connection needs more than a PONG's.
-
-Why bytes and not ``tcpi_last_data_recv``: the front sends ZMTP PINGs (``HEARTBEAT_IVL``)
-to drop dead peers, and a live libzmq peer answers each with a PONG of a few bytes by
-itself, so its connection never looks silent; an honest client sends a HEARTBEAT message
-(>= 37 bytes) every 0.5 s. The fd is libzmq's, used from its I/O thread: this module only
-reads it, and shuts it down through a ``dup`` after checking that it still leads to the
-peer recorded at accept (an fd number closed meanwhile may be some other file now).
+  - **idle**: a data connection with no authentic message for ``--idle-timeout`` seconds
+    is shut down (``shutdown(SHUT_RDWR)``: libzmq sees its peer go and closes the fd). Bytes
+    do not count: a slowloris sending 80 bytes a second of a message it never finishes
+    is idle like a silent one. A control connection (a client's PUB, silent until it
+    steers) is active on any bytes, the PONGs its libzmq answers our PINGs with included.
+  - **unfinished**: the bytes the kernel received on a connection, less the bytes of the
+    complete messages read from it (and the ZMTP handshake and heartbeats), are what
+    libzmq holds of a message not yet complete. Over ``max_unfinished`` the connection is
+    shut down: libzmq bounds a frame (``MAXMSGSIZE``), not the frames of a message, and a
+    multipart message that never ends held 1 GiB in the front.
+  - **the cap** (``fd_budget``: the fd limit less a reserve for the workers, at most a few
+    per session): one connection too many shuts down another, never the newcomer while
+    another can go: first the one untied to a live session for longest (a peer that
+    connected and never spoke as a session), then the idlest tied one.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import socket
 import struct
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,8 +49,10 @@ import zmq
 log = logging.getLogger("dataserver.conns")
 
 CHECK_S = 1.0  # how often connections are looked at
-# More than a PONG (7 bytes) or PING (9) per check, less than one client HEARTBEAT (37).
-ACTIVE_BYTES = 32
+FRAME_BYTES = 64  # a frame's header and, with CURVE, its box: counted as consumed with it
+HANDSHAKE_BYTES = 4096  # the ZMTP greeting and handshake (CURVE's included), before messages
+PING_BYTES_PER_S = 16  # ZMTP PINGs and PONGs a live peer sends (one of ~9 bytes every few s)
+UNFINISHED_TOTAL = 256 << 20  # the bytes of unfinished messages all connections may hold
 FRESH_S = 2.0  # a connection this young is not yet judged idle when the cap is reached
 TRIM_S = 10.0  # malloc_trim at most this often (after a disconnect)
 HEARTBEAT_IVL_MS = 5_000  # ZMTP PINGs to every peer of the public sockets ...
@@ -164,23 +171,48 @@ class Conn:
     socket: str  # "data" or "control"
     peer: bytes
     accepted: float
-    active: float  # when it last sent more than a heartbeat's reply
-    received: int | None  # bytes, at the last check
+    active: float  # when it last sent an authentic message (control: any bytes)
+    received: int | None  # bytes the kernel received on it, at the last check
+    base: int | None  # ... at accept (its handshake, so far)
+    consumed: int = 0  # bytes of the complete messages read from it
+    session: bytes | None = None  # the session its last authentic message acted for
+
+    def unfinished(self, now: float) -> int:
+        """The bytes libzmq holds of messages not read yet (an estimate from above: what
+        the kernel received, less the complete messages, the handshake and heartbeats)."""
+        if self.received is None or self.base is None:
+            return 0
+        slack = HANDSHAKE_BYTES + PING_BYTES_PER_S * int(now - self.accepted + 1)
+        return max(0, self.received - self.base - self.consumed - slack)
 
 
 class ConnTracker:
-    """Every TCP connection peers hold on the public sockets, by fd; idle ones and ones
-    beyond ``limit`` are shut down. Counters: ``<socket>_idle_dropped``,
-    ``<socket>_over_limit_dropped`` (in ``rejected``), ``connections_open``."""
+    """Every TCP connection peers hold on the public sockets, by fd; idle ones, ones
+    holding more than ``max_unfinished`` bytes of unfinished messages and ones beyond
+    ``limit`` are shut down. Counters (in ``rejected``): ``<socket>_idle_dropped``,
+    ``<socket>_unfinished_dropped``, ``<socket>_over_limit_dropped``. ``live``: whether a
+    session id is still open (a connection tied to a closed one counts as untied)."""
 
-    def __init__(self, idle_timeout: float, limit: int, rejected: Counter[str]) -> None:
+    def __init__(
+        self,
+        idle_timeout: float,
+        limit: int,
+        rejected: Counter[str],
+        max_unfinished: int,
+        live: Callable[[bytes], bool] = lambda session: False,
+    ) -> None:
         self.idle_timeout = idle_timeout
         self.limit = limit
         self.rejected = rejected
+        self.max_unfinished = max_unfinished
+        self.live = live
         self.conns: dict[int, Conn] = {}
         self._next_check = 0.0
         self._disconnects = 0
         self._next_trim = 0.0
+        # A connection holding much was shut down: trim at the check after (its frames are
+        # freed as libzmq closes it), whatever TRIM_S says.
+        self._trim_after: float | None = None
         self.trims = 0
         self._warned = False
 
@@ -191,9 +223,30 @@ class ConnTracker:
         if peer is None or info is None:  # ipc, or gone already: nothing to judge it by
             self.conns.pop(fd, None)
             return
-        self.conns[fd] = Conn(name, peer, now, now, info[1])
+        self.conns[fd] = Conn(name, peer, now, now, info[1], info[1])
         if len(self.conns) > self.limit:
             self._over_limit(fd, now)
+
+    def read(self, frames: list[Any], skip: int = 0) -> int:
+        """A message was read (``frames``, of which the first ``skip`` were added by the
+        socket, a ROUTER's identity): count its bytes as consumed on its connection. The
+        connection's fd, or -1 (ipc, or unknown)."""
+        try:
+            fd = int(frames[-1].get(zmq.SRCFD))
+        except (zmq.ZMQError, AttributeError, TypeError, ValueError):
+            return -1
+        conn = self.conns.get(fd)
+        if conn is not None:
+            conn.consumed += sum(len(f) + FRAME_BYTES for f in frames[skip:])
+        return fd
+
+    def heard(self, fd: int, session: bytes, now: float | None = None) -> None:
+        """The message just read on ``fd`` was authentic, for ``session``: the connection
+        is that session's, and active."""
+        conn = self.conns.get(fd)
+        if conn is not None:
+            conn.session = session
+            conn.active = time.monotonic() if now is None else now
 
     def disconnected(self, fd: int) -> None:
         if self.conns.pop(fd, None) is not None:
@@ -205,56 +258,82 @@ class ConnTracker:
             self.rejected[f"{conn.socket}_{reason}"] += 1
             log.info("%s connection fd %d: %s; shut down", conn.socket, fd, reason)
 
+    def _tied(self, conn: Conn) -> bool:
+        return conn.session is not None and self.live(conn.session)
+
     def _over_limit(self, new_fd: int, now: float) -> None:
-        """One connection too many: shut down the idlest, or ``new_fd`` if none is idle."""
-        idlest = min(self.conns, key=lambda fd: self.conns[fd].active)
-        conn = self.conns[idlest]
-        if now - conn.active < FRESH_S:
-            idlest = new_fd
+        """One connection too many: shut down one untied to a live session (the one
+        untied for longest), else the idlest tied one; the newcomer only when every other
+        is a session's and active within ``FRESH_S``."""
+        others = [fd for fd in self.conns if fd != new_fd]
+        untied = [fd for fd in others if not self._tied(self.conns[fd])]
+        if untied:
+            victim = min(untied, key=lambda fd: self.conns[fd].active)
+        else:
+            victim = min(others, key=lambda fd: self.conns[fd].active, default=new_fd)
+            if now - self.conns[victim].active < FRESH_S:
+                victim = new_fd
         if not self._warned:
             self._warned = True
             log.warning(
                 "%d peer connections: the most this front keeps (fd limit less the workers' "
-                "reserve); shutting down the idlest",
+                "reserve); shutting down those of no live session first",
                 self.limit,
             )
-        self._drop(idlest, "over_limit_dropped")
+        self._drop(victim, "over_limit_dropped")
 
     def check(self, now: float) -> None:
-        """Housekeeping: forget closed fds, shut down idle connections, trim the heap after
-        disconnects (memory a peer's unfinished message held goes back)."""
+        """Housekeeping: forget closed fds, shut down idle connections and those holding
+        too much of unfinished messages, trim the heap after disconnects (memory a peer's
+        unfinished message held goes back)."""
         if now < self._next_check:
             return
         self._next_check = now + CHECK_S
-        idle_ms = self.idle_timeout * 1000
+        unfinished: dict[int, int] = {}
         for fd, conn in list(self.conns.items()):
-            info = _tcp_info(fd)
-            if info is None or _peer(fd) != conn.peer:  # closed (a missed event), or reused
-                del self.conns[fd]
-                continue
-            last_recv_ms, received = info
-            if received is None:  # an old kernel: any data counts, PONGs too
-                if last_recv_ms < CHECK_S * 1000:
-                    conn.active = now
-            elif conn.received is None or received - conn.received > _active_bytes(conn):
-                conn.active = now
-            conn.received = received
-            if (now - conn.active) * 1000 > idle_ms:
-                self._drop(fd, "idle_dropped")
-        if self._disconnects and now >= self._next_trim:
+            held = self._judge(fd, conn, now)
+            if held:
+                unfinished[fd] = held
+        # Many connections each under the bound: the largest go until the rest fit.
+        total = sum(unfinished.values())
+        for fd in sorted(unfinished, key=unfinished.__getitem__, reverse=True):
+            if total <= UNFINISHED_TOTAL:
+                break
+            total -= unfinished[fd]
+            self._drop(fd, "unfinished_dropped")
+            self._trim_after = now + CHECK_S / 2
+        soon = self._trim_after is not None and now >= self._trim_after
+        if soon or (self._disconnects and now >= self._next_trim):
             self._disconnects = 0
+            self._trim_after = None
             self._next_trim = now + TRIM_S
             if malloc_trim():
                 self.trims += 1
 
-
-def _active_bytes(conn: Conn) -> int:
-    """Bytes a connection must have sent since the last check to count as active. A
-    client's control connection carries nothing until it steers (it publishes, never
-    beats), so there the PONGs its libzmq answers the front's PINGs with are enough: it is
-    dropped only when its peer is gone. Silent but live control peers are bounded by the
-    connection cap (the idlest goes first)."""
-    return 0 if conn.socket == "control" else ACTIVE_BYTES
+    def _judge(self, fd: int, conn: Conn, now: float) -> int:
+        """Look at one connection: forget it if closed, shut it down if idle or holding
+        more than ``max_unfinished``; else the bytes of unfinished messages it holds."""
+        info = _tcp_info(fd)
+        if info is None or _peer(fd) != conn.peer:  # closed (a missed event), or reused
+            del self.conns[fd]
+            return 0
+        last_recv_ms, received = info
+        if conn.socket == "control":  # (a PUB: live while its libzmq answers our PINGs)
+            if received is None:
+                if last_recv_ms < CHECK_S * 1000:
+                    conn.active = now
+            elif conn.received is None or received > conn.received:
+                conn.active = now
+        conn.received = received
+        if now - conn.active > self.idle_timeout:
+            self._drop(fd, "idle_dropped")
+            return 0
+        held = conn.unfinished(now)
+        if held > self.max_unfinished:
+            self._drop(fd, "unfinished_dropped")
+            self._trim_after = now + CHECK_S / 2
+            return 0
+        return held
 
 
 def is_emfile(exc: BaseException) -> bool:

@@ -59,6 +59,9 @@ POLL_MS = 100
 DRAIN = 256  # messages taken from one socket before looking at the others
 CLIENT_MAX_MSG = 2 << 20  # clients only send small headers
 CLIENT_HWM = 64  # messages per client pipe; the Outbox bounds the bytes
+# What one connection may hold of messages not complete (or not read yet): 16 of the
+# largest frame a client sends (libzmq bounds a frame, not the frames of a message).
+MAX_UNFINISHED = 16 * CLIENT_MAX_MSG
 ADMIN_RATE = 20  # STATS a second on the admin socket (bursts of twice that): its own bucket
 MONITORED = (
     zmq.EVENT_ACCEPTED
@@ -166,6 +169,13 @@ class Front:
         )
         self.metrics: ServerMetrics | None = None  # --metrics-port: started by run()
         self.statsview = StatsView(self.rejected, self.store)
+        self.conns = ConnTracker(
+            config.idle_timeout,
+            fd_budget(fd_limit(), self.n_workers, config.max_sessions),
+            self.rejected,
+            MAX_UNFINISHED,
+            live=lambda session: session in self.scheduler.sessions,
+        )
         self.clients = Clients(
             config,
             self.scheduler,
@@ -178,11 +188,7 @@ class Front:
             welcome=self._welcome,
             stats=self.stats,
             draining=lambda: self.draining_since is not None,
-        )
-        self.conns = ConnTracker(
-            config.idle_timeout,
-            fd_budget(fd_limit(), self.n_workers, config.max_sessions),
-            self.rejected,
+            heard=self.conns.heard,
         )
         # What the metrics' HTTP thread reads: the view housekeeping last published (one
         # reference, replaced whole; the view itself never changes).
@@ -402,6 +408,10 @@ class Front:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
+            if sock is self.data:  # (a ROUTER: its first frame is the routing id)
+                self.clients.source_fd = self.conns.read(frames, skip=1)
+            elif sock is self.control_sock:
+                self.clients.source_fd = self.conns.read(frames)
             self.guard.run(site, handler, frames)
 
     def _on_monitor(self, monitor: zmq.Socket[Any], name: str) -> None:

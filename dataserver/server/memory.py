@@ -3,7 +3,9 @@
 Results are large (a 512 x 512 image is 768 KiB) and short-lived. glibc serves blocks that
 large with fresh ``mmap`` pages, so every result costs hundreds of page faults and a
 kernel zeroing of its pages. Raising the mmap and trim thresholds keeps such blocks in the
-heap for reuse. Only the server's own processes (front, workers) do this; the trainer's
+heap for reuse (the front keeps less at the top: ``FRONT_TRIM_THRESHOLD``; in a thread's arena
+that top is given back at a free past the threshold, never by ``malloc_trim``). Only the
+server's own processes (front, workers) do this; the trainer's
 process is left alone.
 """
 
@@ -17,6 +19,7 @@ log = logging.getLogger("dataserver.memory")
 
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
+FRONT_TRIM_THRESHOLD = 16 << 20  # the front's (``serve``): see there
 
 
 def keep_large_blocks(mmap_threshold: int = 64 << 20, trim_threshold: int = 256 << 20) -> bool:
