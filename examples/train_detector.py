@@ -23,6 +23,7 @@ or whose size was not the schedule's for their step (there must be none).
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import time
 from typing import Any
@@ -240,9 +241,12 @@ def main() -> None:
         n, s = (int(v) for v in counts.tolist())
         print(f"trained {epochs} epochs, {n} samples on {world} ranks, {s} stale", flush=True)
     if distributed:
-        # Every rank done before any tears down: a rank whose peers (rank 0's store among
-        # them) went away mid-destroy can abort in gloo's threads ("terminate called without
-        # an active exception", seen once in the Slurm hetjob test).
+        # DDP's reducer holds the process group: dropped here, the group goes with
+        # destroy_process_group(), not at interpreter exit, where gloo's threads can abort
+        # the process ("terminate called without an active exception", seen in the Slurm
+        # tests after the run's last line). Every rank done before any tears down.
+        del model, optimizer, step_fn
+        gc.collect()
         dist.barrier()
         dist.destroy_process_group()
 
