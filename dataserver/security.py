@@ -49,6 +49,12 @@ def new_secret() -> bytes:
     return os.urandom(16)
 
 
+# A client claims its session (a HELLO) on each of its result connections to a worker as
+# the connection comes up and this often after: a worker shuts down a result connection
+# with no claim for 4 times this (or ``--idle-timeout``, when longer).
+CLAIM_S = 5.0
+
+
 def reply_id(secret: bytes) -> bytes:
     """The routing id a client's result connections use: derived from its session's
     secret, so only the session's owner can take its direct results (ROUTER_HANDOVER

@@ -496,7 +496,10 @@ def test_hetjob_serves_on_cpu_nodes_waits_then_trains_on_gpu_nodes(tmp_path: Pat
     (at,) = [i for i, c in enumerate(made) if c["prog"] == "srun" and "torchrun" in c["argv"]]
     assert all(i < at for i, c in enumerate(made) if c["prog"] == "dataserver"), "waits first"
     train = made[at]["argv"]
-    assert train[:3] == ["--het-group=1", "--ntasks-per-node=1", "--cpus-per-task=96"]
+    # (a node whose torchrun fails ends the step: no waiting out torchrun's exit barrier)
+    assert train[:4] == [
+        "--kill-on-bad-exit=1", "--het-group=1", "--ntasks-per-node=1", "--cpus-per-task=96"
+    ]  # fmt: skip
     torchrun = after(train, "torchrun")
     assert flag(torchrun, "--nnodes") == "3" and flag(torchrun, "--nproc-per-node") == "4"
     assert flag(torchrun, "--rdzv-endpoint") == "gpu1:29500"
@@ -520,6 +523,7 @@ def test_single_partition_script_serves_on_the_first_nodes_then_trains(tmp_path:
     assert [s.address for s in stats] == ["tcp://node1:5555", "tcp://node2:5555"]
     (train_argv,) = [c["argv"] for c in made if c["prog"] == "srun" and "torchrun" in c["argv"]]
     assert flag(train_argv, "--nodelist") == "node3,node4,node5,node6"
+    assert "--kill-on-bad-exit=1" in train_argv[: train_argv.index("torchrun")]
     torchrun = after(train_argv, "torchrun")
     assert flag(torchrun, "--nnodes") == "4" and flag(torchrun, "--rdzv-endpoint") == "node3:29500"
     assert flag(torchrun, "--servers") == "tcp://node1:5555,tcp://node2:5555"

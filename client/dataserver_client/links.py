@@ -46,7 +46,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from dataserver.landing import Handover, LandingArea, landing_socket
 from dataserver.protocol import Bye, Heartbeat, Hello, Welcome
-from dataserver.security import host_proof, new_secret, reply_id, session_id
+from dataserver.security import CLAIM_S, host_proof, new_secret, reply_id, session_id
 from dataserver_client.config import ClientConfig
 from dataserver_client.errors import DataServerError
 
@@ -418,6 +418,7 @@ class ServerLink:
         self.last_heard = now
         self.last_sent = 0.0
         self.last_hello = 0.0
+        self.last_claim = 0.0
         self.sent_total = 0
         self.results_total = 0
 
@@ -459,13 +460,14 @@ class ServerLink:
 
     def heartbeat(self) -> None:
         self.send(Heartbeat(session=self.session, auth=self.secret).encode())
-        if self.curve:
-            self.claim()
 
     def claim(self) -> None:
-        """With CURVE, claim our session on each worker connection (a worker sends results
-        straight only to a connection that claimed them with the session's key). The DEALER
-        deals one claim to each connected worker in turn."""
+        """Claim our session on each worker connection, as it comes up and every
+        ``CLAIM_S`` after: with CURVE a worker sends results straight only to a connection
+        that claimed them with the session's key, and with or without, a claim is what
+        keeps a result connection from being shut down as idle. The DEALER deals one claim
+        to each connected worker in turn."""
+        self.last_claim = time.monotonic()
         frames = Hello(session=self.session, auth=self.secret).encode()
         for _ in self.result_endpoints:
             try:
@@ -811,7 +813,7 @@ class Links:
         """A direct-result connection came up (claim the session on it), or dropped (results
         on their way in it are gone)."""
         events = _events(link.results_monitor)
-        if link.curve and any(e["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED for e in events):
+        if any(e["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED for e in events):
             link.claim()
         dropped = [e for e in events if e["event"] == zmq.EVENT_DISCONNECTED]
         if dropped and link.state in (LinkState.READY, LinkState.DRAINING):
@@ -827,6 +829,8 @@ class Links:
             if link.state in (LinkState.READY, LinkState.DRAINING):
                 if now - link.last_sent > cfg.heartbeat_interval:
                     link.heartbeat()
+                if now - link.last_claim > CLAIM_S:
+                    link.claim()
                 if now - link.last_heard > cfg.heartbeat_timeout:
                     out.append(link.lose(f"silent for {now - link.last_heard:.1f} s"))
             elif link.state is not LinkState.BANNED:

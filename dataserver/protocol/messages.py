@@ -572,6 +572,18 @@ class Ready(Message, kw_only=True):
     steerable: bool = False
 
 
+class Tally(Message, kw_only=True):
+    """A worker's result connections shut down since its last TALLY, by reason (its
+    ``results_budget``, ``--idle-timeout``, a message never finished): the front adds them
+    to its ``rejected`` counters as ``results_<reason>``."""
+
+    TYPE: ClassVar[MsgType] = MsgType.TALLY
+    worker: Annotated[int, In(0, MAX_WORKERS)]
+    idle_dropped: U63 = 0
+    over_limit_dropped: U63 = 0
+    unfinished_dropped: U63 = 0
+
+
 MESSAGES: dict[MsgType, type[Message]] = {c.TYPE: c for c in Message.__subclasses__()}
 _DECODERS = {t: msgspec.msgpack.Decoder(c) for t, c in MESSAGES.items()}
 _ENCODER = msgspec.msgpack.Encoder()
@@ -592,6 +604,7 @@ __all__ = [
     "Ready",
     "Result",
     "Stats",
+    "Tally",
     "Task",
     "Welcome",
     "decode",

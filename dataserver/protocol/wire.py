@@ -50,7 +50,8 @@ class MsgType(enum.IntEnum):
     CONTROL (on the control socket); HEARTBEAT both ways; STATS request -> STATS reply;
     BYE ends a session. Front <-> worker: READY announces a worker (and its result
     endpoint), then TASK, answered by RESULT or ERROR through the front, or by DONE when the
-    worker sent the RESULT straight to the client.
+    worker sent the RESULT straight to the client; TALLY, now and then, what a worker's
+    result socket refused (connections it shut down).
     """
 
     HELLO = 1
@@ -65,6 +66,7 @@ class MsgType(enum.IntEnum):
     BYE = 10
     READY = 11
     DONE = 12
+    TALLY = 13
 
 
 def pack(mtype: MsgType, header: dict[str, Any], arrays: Sequence[np.ndarray] = ()) -> list[Any]:

@@ -200,6 +200,8 @@ class WorkerConfig:
     results_bind: str | None = None  # its direct-result socket (may hold "{slot}" until for_slot)
     local_results: bool = False  # ... also on ipc, for clients on this host
     curve: tuple[str, str] | None = None  # (secret key, authorized keys)
+    idle_timeout: float = DEFAULT_IDLE_TIMEOUT  # result connections silent this long go
+    max_sessions: int = DEFAULT_MAX_SESSIONS  # (the result connections kept: one a session)
     worker_id: int = 0  # its slot
     parent_pid: int = 0  # the front: the worker dies with it
 
@@ -233,6 +235,8 @@ class WorkerConfig:
                 parse = partial(_pair, str)
             elif kind == "int":
                 parse = int
+            elif kind == "float":
+                parse = float
             required = f.default is MISSING
             default = None if required else f.default
             parser.add_argument(flag, type=parse, required=required, default=default, dest=f.name)

@@ -62,6 +62,7 @@ HANDSHAKE_IVL_MS = 10_000  # a connection that does not finish the ZMTP handshak
 FDS_BASE = 64  # the front's own: zmq's context, sockets, pidfds, store, logs, metrics
 FDS_PER_WORKER = 8  # a pidfd, its backend connection, what starting it takes
 CONNS_PER_SESSION = 4  # a client's data and control connection, a probe, a reconnect
+WORKER_FDS = 128  # a worker's fds kept from its result connections (``results_budget``)
 
 _TCP_INFO_LAST_DATA_RECV = 52  # offsets in the kernel's struct tcp_info (linux/tcp.h)
 _TCP_INFO_BYTES_RECEIVED = 128
@@ -107,6 +108,16 @@ def peer_socket_options(sock: zmq.Socket[Any]) -> None:
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
     sock.setsockopt(zmq.HEARTBEAT_TTL, HEARTBEAT_TTL_MS)
     sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
+
+
+def results_budget(soft_limit: int, max_sessions: int) -> int:
+    """How many client connections a worker's direct-result socket keeps open at once:
+    one per session (each client's results DEALER connects once to every worker), room
+    for reconnects, and never within ``WORKER_FDS`` of the fd limit (the dataset's reads,
+    landing registrations, libzmq's own: a worker at its limit failed a sample with
+    ``Too many open files`` and aborted in libzmq's ipc listener)."""
+    reserve = max(WORKER_FDS, soft_limit // 4)
+    return max(8, min(soft_limit - reserve, 2 * max_sessions + 256))
 
 
 def fd_budget(soft_limit: int, workers: int, max_sessions: int) -> int:
@@ -200,11 +211,15 @@ class ConnTracker:
         rejected: Counter[str],
         max_unfinished: int,
         live: Callable[[bytes], bool] = lambda session: False,
+        total_unfinished: int = UNFINISHED_TOTAL,
+        every: float = CHECK_S,
     ) -> None:
         self.idle_timeout = idle_timeout
         self.limit = limit
         self.rejected = rejected
         self.max_unfinished = max_unfinished
+        self.total_unfinished = total_unfinished
+        self.every = every
         self.live = live
         self.conns: dict[int, Conn] = {}
         self._next_check = 0.0
@@ -288,7 +303,7 @@ class ConnTracker:
         unfinished message held goes back)."""
         if now < self._next_check:
             return
-        self._next_check = now + CHECK_S
+        self._next_check = now + self.every
         unfinished: dict[int, int] = {}
         for fd, conn in list(self.conns.items()):
             held = self._judge(fd, conn, now)
@@ -297,11 +312,11 @@ class ConnTracker:
         # Many connections each under the bound: the largest go until the rest fit.
         total = sum(unfinished.values())
         for fd in sorted(unfinished, key=unfinished.__getitem__, reverse=True):
-            if total <= UNFINISHED_TOTAL:
+            if total <= self.total_unfinished:
                 break
             total -= unfinished[fd]
             self._drop(fd, "unfinished_dropped")
-            self._trim_after = now + CHECK_S / 2
+            self._trim_after = now + self.every / 2
         soon = self._trim_after is not None and now >= self._trim_after
         if soon or (self._disconnects and now >= self._next_trim):
             self._disconnects = 0
@@ -331,7 +346,7 @@ class ConnTracker:
         held = conn.unfinished(now)
         if held > self.max_unfinished:
             self._drop(fd, "unfinished_dropped")
-            self._trim_after = now + CHECK_S / 2
+            self._trim_after = now + self.every / 2
             return 0
         return held
 

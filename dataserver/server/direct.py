@@ -7,31 +7,113 @@ all); a result over the caps is not sent, and the client is told to ask again.
 
 Ownership, with CURVE: a connection may be addressed as session S only after it *claimed*
 S (a HELLO on that connection) with the key S is tagged with, and it cannot be taken over
-while it lives (no ROUTER_HANDOVER: a second connection naming S is refused). A claim
-holds until a connection to this socket drops (any: which one, ZeroMQ does not say), and
-clients claim again with every heartbeat; until then results take the path through the
-front. Without CURVE, the name itself is the proof (it comes from the session's secret): a
-reconnecting client takes its name back at once (ROUTER_HANDOVER), and no claim is asked.
+while it lives (no ROUTER_HANDOVER: a second connection naming S is refused). A claim holds
+until that connection drops (``ZMQ_SRCFD`` names the connection a claim came by, the
+monitor names the one that dropped); until then results take the path through the front.
+Without CURVE, the name itself is the proof (it comes from the session's secret): a
+reconnecting client takes its name back at once (ROUTER_HANDOVER).
+
+Connections (issue 25 items 5 and 8): clients claim on every result connection as it comes
+up and every ``CLAIM_S`` seconds after, CURVE or not, and only those claims (authentic:
+the name is the reply id of the secret they carry) are activity. ``ResultConns`` judges
+the connections from a thread of its own (a task can run for seconds; a flood of connects
+must not wait for it): one silent past the idle timeout, one holding more than
+``RESULTS_UNFINISHED`` of a message never finished, one beyond ``results_budget`` (fds
+kept for the dataset's reads below the limit) is shut down, unclaimed ones first. 2,100 idle
+connections had taken a worker to its fd limit: a sample failed with ``Too many open
+files`` and a worker aborted in libzmq's ipc listener.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+import time
+from collections import Counter
 from typing import Any
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from dataserver.protocol import Hello, ProtocolError, Result, decode
-from dataserver.security import owns, reply_id, start_server_curve
+from dataserver.security import CLAIM_S, owns, reply_id, start_server_curve
 from dataserver.server.config import bindable
-from dataserver.server.conns import peer_socket_options
+from dataserver.server.conns import CHECK_S, ConnTracker, peer_socket_options
 from dataserver.server.outbox import Outbox, tracked
 
 log = logging.getLogger("dataserver.worker")
 
 RESULTS_HWM = 16  # messages per client pipe; the Outbox bounds the bytes
 MAX_CLAIMS = 4096
+RESULTS_IDLE_MIN = 4 * CLAIM_S  # a result connection's idle timeout: --idle-timeout, no less
+RESULTS_UNFINISHED = 64 << 10  # a connection's bytes of an unfinished message (claims: ~100)
+RESULTS_UNFINISHED_TOTAL = 8 << 20  # ... and all connections' together
+
+
+class ResultConns:
+    """The TCP connections of a result socket (``ConnTracker``), followed from its monitor
+    and judged by a thread of their own. The worker's thread reports what it reads
+    (``read``, ``heard``) and learns which connections dropped (``gone``)."""
+
+    def __init__(
+        self, sock: zmq.Socket[Any], idle_timeout: float, limit: int, counters: Counter[str]
+    ) -> None:
+        self.lock = threading.Lock()
+        self.tracker = ConnTracker(
+            max(idle_timeout, RESULTS_IDLE_MIN),
+            limit,
+            counters,
+            RESULTS_UNFINISHED,
+            live=lambda name: True,  # a claim is a live session's (its secret checked)
+            total_unfinished=RESULTS_UNFINISHED_TOTAL,
+            every=CHECK_S / 4,  # (an unfinished message grows at the sender's pace)
+        )
+        self.monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        self._gone: list[int] = []  # fds dropped since the worker's thread last asked
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="result-conns", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.monitor, zmq.POLLIN)
+        while not self._stop.is_set():
+            if poller.poll(int(CHECK_S * 250)):
+                self._events()
+            with self.lock:
+                self.tracker.check(time.monotonic())
+
+    def _events(self) -> None:
+        for _ in range(4096):
+            try:
+                event = recv_monitor_message(self.monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            with self.lock:
+                if event["event"] == zmq.EVENT_ACCEPTED:
+                    self.tracker.accepted("results", event["value"])
+                else:
+                    self.tracker.disconnected(event["value"])
+                    self._gone.append(event["value"])
+
+    def read(self, frames: list[Any]) -> int:
+        """A message came (a ROUTER's: the first frame is the name): its connection's fd."""
+        with self.lock:
+            return self.tracker.read(frames, skip=1)
+
+    def heard(self, fd: int, name: bytes) -> None:
+        with self.lock:
+            self.tracker.heard(fd, name)
+
+    def gone(self) -> list[int]:
+        """The fds of connections dropped since the last call."""
+        with self.lock:
+            out, self._gone = self._gone, []
+        return out
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
 
 
 class DirectResults:
@@ -44,10 +126,14 @@ class DirectResults:
         curve: tuple[str, str] | None,
         max_queued_bytes: int,
         local: str | None = None,
+        idle_timeout: float = 30.0,
+        limit: int = 4096,
+        counters: Counter[str] | None = None,
     ) -> None:
         self.curve = curve
         self.outbox = Outbox(max_queued_bytes)
-        self.claims: set[bytes] = set()
+        self.counters: Counter[str] = counters if counters is not None else Counter()
+        self.claims: dict[bytes, int] = {}  # (CURVE) claimed names, each with its connection
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unknown client: we hear it, fall back
@@ -57,10 +143,9 @@ class DirectResults:
         self.sock.setsockopt(zmq.MAXMSGSIZE, 1024)  # clients only send claims here
         peer_socket_options(self.sock)  # dead peers dropped, handshakes bounded
         self.auth = None
-        self.monitor: zmq.Socket[Any] | None = None
         if curve is not None:
             self.auth = start_server_curve(ctx, curve[0], curve[1], [self.sock])
-            self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.conns = ResultConns(self.sock, idle_timeout, limit, self.counters)
         self.sock.bind(bindable(bind))
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         # Clients on this host connect here instead (a unix socket: about 40% less CPU per
@@ -70,24 +155,22 @@ class DirectResults:
             self.sock.bind(local)
             self.local = local
 
-    def _read_claims(self) -> None:
-        """Take the claims (HELLOs) that came, after forgetting every claim if a
-        connection dropped."""
-        if self.monitor is not None:
-            try:
-                while recv_monitor_message(self.monitor, zmq.NOBLOCK):
-                    self.claims.clear()  # a connection dropped: which one, we cannot tell
-            except zmq.Again:
-                pass
+    def read_claims(self) -> None:
+        """Take the claims (HELLOs) that came, after forgetting those of connections that
+        dropped. Each turn of the worker's loop, and before a send."""
+        for fd in self.conns.gone():
+            for name in [name for name, at in self.claims.items() if at == fd]:
+                del self.claims[name]
         for _ in range(256):
             try:
                 frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            if self.curve is not None and len(frames) >= 2:
-                self._claim(frames)
+            fd = self.conns.read(frames)
+            if len(frames) >= 2:
+                self._claim(frames, fd)
 
-    def _claim(self, frames: list[Any]) -> None:
+    def _claim(self, frames: list[Any], fd: int) -> None:
         try:
             msg = decode(frames[1:])
         except ProtocolError:
@@ -97,18 +180,22 @@ class DirectResults:
         # needs the secret, and with CURVE the key the session id is tagged with.
         if not isinstance(msg, Hello) or msg.auth is None or reply_id(msg.auth) != name:
             return
-        try:
-            user = str(frames[1].get("User-Id") or "")
-        except zmq.ZMQError:
-            user = ""
-        if owns(msg.session, user) and len(self.claims) < MAX_CLAIMS:
-            self.claims.add(name)
+        if self.curve is not None:
+            try:
+                user = str(frames[1].get("User-Id") or "")
+            except zmq.ZMQError:
+                user = ""
+            if not owns(msg.session, user):
+                return
+            if name in self.claims or len(self.claims) < MAX_CLAIMS:
+                self.claims[name] = fd
+        self.conns.heard(fd, name)
 
     def send(self, out: Result, route: bytes) -> bool | str:
         """Send ``out`` straight to its client, whose result connections are named ``route``
         (the reply id of its session's secret): True if sent, False when that client cannot
         be reached here (the front forwards it), or why it may not be sent (over a cap)."""
-        self._read_claims()
+        self.read_claims()
         if self.curve is not None and route not in self.claims:
             return False
         nbytes = out.pixels.nbytes if out.pixels is not None else 0
@@ -122,7 +209,7 @@ class DirectResults:
             self.sock.send_multipart([route, *parts], zmq.NOBLOCK, copy=False)
         except zmq.ZMQError as exc:
             if exc.errno in (zmq.EHOSTUNREACH, zmq.EAGAIN):
-                self.claims.discard(route)
+                self.claims.pop(route, None)
                 return False
             raise
         self.outbox.sent(out.session, nbytes, image.tracker if image is not None else None)
@@ -131,9 +218,9 @@ class DirectResults:
     def close(self, linger_ms: int = 0) -> None:
         """Close; ``linger_ms`` > 0 (a stop the front asked for, as at the end of a drain)
         gives results still queued in ZeroMQ that long to leave."""
-        if self.monitor is not None:
-            self.sock.disable_monitor()
-            self.monitor.close(linger=0)
+        self.conns.close()
+        self.sock.disable_monitor()
+        self.conns.monitor.close(linger=0)
         self.sock.close(linger=linger_ms)
         if self.auth is not None:
             self.auth.stop()

@@ -212,6 +212,8 @@ class Front:
             results_bind=direct,
             local_results=config.local_results,
             curve=config.curve,
+            idle_timeout=config.idle_timeout,
+            max_sessions=config.max_sessions,
         )
 
     def _observe(self, task_us: int, decode_us: tuple[int, ...] | None) -> None:

@@ -28,6 +28,7 @@ from dataserver.protocol import (
     ProtocolError,
     Ready,
     Result,
+    Tally,
     decode,
 )
 from dataserver.server.pool import WorkerHandle, WorkerPool
@@ -109,6 +110,10 @@ class WorkerRouter:
             log.error("worker %d: %s", handle.slot, msg.message)
         elif isinstance(msg, (Result, ErrorMsg, Done)):
             self._on_answer(handle, msg, frames[1:])
+        elif isinstance(msg, Tally):  # its result socket shut connections down
+            for reason in ("idle_dropped", "over_limit_dropped", "unfinished_dropped"):
+                if getattr(msg, reason):
+                    self.rejected[f"results_{reason}"] += getattr(msg, reason)
         else:
             self.rejected["worker_unexpected"] += 1
 

@@ -66,11 +66,13 @@ from dataserver.protocol import (
     ProtocolError,
     Ready,
     Result,
+    Tally,
     Task,
     decode,
 )
 from dataserver.security import reply_id
 from dataserver.server.config import WorkerConfig
+from dataserver.server.conns import fd_limit, results_budget
 from dataserver.server.controls import ControlMissing, ControlStates
 from dataserver.server.direct import DirectResults
 from dataserver.server.landings import Landings
@@ -83,6 +85,7 @@ log = logging.getLogger("dataserver.worker")
 PR_SET_PDEATHSIG = 1
 EXIT_START_FAILED = 3
 POLL_MS = 1000  # the longest the loop waits before it looks at its stop event again
+TALLY_S = 1.0  # the front is told of dropped result connections at most this often
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -124,6 +127,11 @@ class Worker:
         self._current: Task | None = None  # the task being handled
         self._stop = threading.Event()  # BYE came (or ``stop()``)
         self.landings = Landings(self.counters)
+        # Result connections shut down (``<socket>_<reason>``, by ``ResultConns``' thread),
+        # told to the front in TALLYs (``_tally``): what was told so far, and when.
+        self.conn_counts: Counter[str] = Counter()
+        self._told: Counter[str] = Counter()
+        self._next_tally = 0.0
 
     def stop(self) -> None:
         """Ask the loop to finish (from any thread); it notices within ``POLL_MS``."""
@@ -141,7 +149,14 @@ class Worker:
             if config.local_results and config.state_dir:
                 local = f"ipc://{config.state_dir}/results-{self.worker_id}"
             results = DirectResults(
-                ctx, config.results_bind, config.curve, config.max_queued_mb << 20, local
+                ctx,
+                config.results_bind,
+                config.curve,
+                config.max_queued_mb << 20,
+                local,
+                idle_timeout=config.idle_timeout,
+                limit=results_budget(fd_limit(), config.max_sessions),
+                counters=self.conn_counts,
             )
         ready = Ready(
             worker=self.worker_id,
@@ -195,6 +210,9 @@ class Worker:
         for fd in fds - watched:
             poller.register(fd, zmq.POLLIN)
         events = dict(poller.poll(POLL_MS))
+        if results is not None:
+            self.guard.run("worker.claims", results.read_claims)
+            self._tally(sock, results)
         for fd in fds & events.keys():
             self.guard.run("worker.landing", self.landings.on_readable, fd)
         if sock in events:
@@ -204,6 +222,27 @@ class Worker:
                 return fds
             self.guard.run("worker.message", self._on_frames, frames, sock, results)
         return fds
+
+    def _tally(self, sock: zmq.Socket[Any], results: DirectResults) -> None:
+        """Tell the front the result connections shut down since the last TALLY (at most
+        once a second, and only when there are some)."""
+        now = time.monotonic()
+        if now < self._next_tally:
+            return
+        self._next_tally = now + TALLY_S
+        with results.conns.lock:
+            counts = Counter(self.conn_counts)
+        tally = Tally(
+            worker=self.worker_id,
+            idle_dropped=counts["results_idle_dropped"] - self._told["results_idle_dropped"],
+            over_limit_dropped=counts["results_over_limit_dropped"]
+            - self._told["results_over_limit_dropped"],
+            unfinished_dropped=counts["results_unfinished_dropped"]
+            - self._told["results_unfinished_dropped"],
+        )
+        if tally.idle_dropped or tally.over_limit_dropped or tally.unfinished_dropped:
+            sock.send_multipart(tally.encode(), zmq.NOBLOCK)
+            self._told = counts
 
     def _report(self, sock: zmq.Socket[Any], site: str, exc: BaseException) -> None:
         """Tell the front a message was dropped (it counts it as internal); when it was a
