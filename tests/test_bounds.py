@@ -18,10 +18,18 @@ import time
 import urllib.request
 from typing import Any
 
+import msgspec
 import pytest
 import zmq
 from conftest import Server, run_epoch_collecting_errors, wait_until
-from zmtp import closed_by_peer, frame_header, handshake
+from zmtp import (
+    accept_as,
+    closed_by_peer,
+    frame_header,
+    handshake,
+    read_message,
+    send_message,
+)
 
 from dataserver.protocol import ErrorMsg, Hello, Stats, Welcome, decode
 from dataserver_client import DataServerClient
@@ -195,21 +203,25 @@ class FdLimitServer(Server):
         return ["prlimit", f"--nofile={self.nofile}:{self.nofile}", "--", *super().command()]
 
 
-def worker_endpoints(server: Server) -> list[str]:
-    """The workers' TCP result endpoints, as a WELCOME names them to anyone."""
+def worker_welcome(server: Server) -> Welcome:
+    """The WELCOME ``server`` gives anyone's HELLO."""
     ctx: zmq.Context[Any] = zmq.Context()
     try:
         s = ctx.socket(zmq.DEALER)
         s.setsockopt(zmq.LINGER, 0)
         s.connect(server.address)
-        sid = os.urandom(16)
-        s.send_multipart(Hello(session=sid, auth=os.urandom(16)).encode())
+        s.send_multipart(Hello(session=os.urandom(16), auth=os.urandom(16)).encode())
         assert s.poll(10_000), "no WELCOME"
         welcome = decode(s.recv_multipart())
         assert isinstance(welcome, Welcome)
-        return list(welcome.results)
+        return welcome
     finally:
         ctx.destroy(linger=0)
+
+
+def worker_endpoints(server: Server) -> list[str]:
+    """The workers' TCP result endpoints, as a WELCOME names them to anyone."""
+    return list(worker_welcome(server).results)
 
 
 def fds(pid: int) -> int:
@@ -353,6 +365,66 @@ def test_an_endless_message_is_cut_off_and_its_memory_goes_back(
     # libzmq freed the frames with the connection, and the front gave the pages back.
     assert wait_until(lambda: rss_mib(server.pid) - before < 16, 5), rss_mib(server.pid) - before
     assert honest_epoch(server, 1) == list(range(SAMPLES))
+
+
+def test_a_servers_endless_message_is_cut_off_in_the_trainer(start_server: Any) -> None:
+    """Issue 25 item 8, the trainer's side: a hostile server (no libzmq) welcomes the
+    client as the real one would, then sends one message that never ends; it held +771 MiB
+    in the trainer until the client closed. A connection may hold what the server's
+    outstanding answers can take (and 64 MiB): past that the server is dropped, its sockets
+    closed, and the epoch completes, exactly once, from the honest server."""
+    server = start_server("--dataset", f"synthetic:images={SAMPLES}", workers=2)
+    welcome = worker_welcome(server)
+    listener = socket.create_server(("127.0.0.1", 0))
+    hostile = f"tcp://127.0.0.1:{listener.getsockname()[1]}"
+    sent = 0
+    closed = threading.Event()
+
+    def serve() -> None:
+        nonlocal sent
+        listener.settimeout(30)
+        try:
+            conn = accept_as(listener)
+        except OSError:
+            return
+        with conn:
+            hello = decode(read_message(conn))
+            assert isinstance(hello, Hello)
+            reply = msgspec.structs.replace(
+                welcome, session=hello.session, results=(), local=(), local_proof=b""
+            )
+            send_message(conn, [bytes(memoryview(f)) for f in reply.encode()])
+            chunk = frame_header(1 << 20, True) + b"\x00" * (1 << 20)
+            deadline = time.monotonic() + 60
+            try:
+                while time.monotonic() < deadline:  # one message, never its last frame
+                    conn.sendall(chunk)
+                    sent += 1
+            except OSError:
+                closed.set()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    before = rss_mib(os.getpid())
+    try:
+        with DataServerClient(
+            [server.address, hostile], batch_size=4, image_size=(32, 32), device="cpu",
+            timeout=60,
+        ) as client:  # fmt: skip
+            delivered, errors = run_epoch_collecting_errors(client, 0)
+            assert closed.wait(30), f"not cut off after {sent} MiB"
+            rejected = client.stats()["rejected"]
+            assert rejected.get("unfinished_message", 0) == 1 and rejected["bad_server"] == 1
+            assert not errors and sorted(delivered) == list(range(SAMPLES))
+            # The connection and what it held are gone, the client still open.
+            assert wait_until(lambda: rss_mib(os.getpid()) - before < 64, 5), (
+                rss_mib(os.getpid()) - before
+            )
+            held = rss_mib(os.getpid()) - before
+    finally:
+        listener.close()
+        thread.join(10)
+    print(f"\nhostile server's endless message: cut after {sent} MiB; trainer +{held} MiB")
 
 
 def test_a_slowloris_does_not_hold_the_connection_cap(start_server: Any) -> None:

@@ -78,3 +78,47 @@ def closed_by_peer(sock: socket.socket, timeout: float) -> bool:
     except OSError:
         return True
     return False
+
+
+def read_frame(sock: socket.socket) -> tuple[int, bytes]:
+    """One frame (or command) off ``sock``: (flags, body)."""
+    flags, size = _read_exactly(sock, 2)
+    if flags & LONG:
+        size = struct.unpack(">Q", bytes([size]) + _read_exactly(sock, 7))[0]
+    return flags, _read_exactly(sock, size)
+
+
+def accept_as(listener: socket.socket, socket_type: bytes = b"ROUTER") -> socket.socket:
+    """The next connection to ``listener``, its ZMTP handshake done as a ``socket_type``
+    (what a hostile server written without libzmq does)."""
+    sock, _ = listener.accept()
+    try:
+        sock.sendall(_greeting())
+        _read_exactly(sock, 64)
+        flags, _ = read_frame(sock)  # the peer's READY
+        if not flags & COMMAND:
+            raise ConnectionError("expected the peer's READY")
+        sock.sendall(_ready(socket_type))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def read_message(sock: socket.socket) -> list[bytes]:
+    """The next message's frames (commands, e.g. PINGs, skipped)."""
+    frames: list[bytes] = []
+    while True:
+        flags, body = read_frame(sock)
+        if flags & COMMAND:
+            continue
+        frames.append(body)
+        if not flags & MORE:
+            return frames
+
+
+def send_message(sock: socket.socket, frames: list[bytes]) -> None:
+    out = b""
+    for i, frame in enumerate(frames):
+        out += frame_header(len(frame), i < len(frames) - 1) + frame
+    sock.sendall(out)

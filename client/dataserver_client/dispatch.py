@@ -57,7 +57,7 @@ class Sender:
             if not link.send(task.encode()):
                 ledger.unsent(rec)  # not connected after all: try again shortly
                 return
-            link.sent(rec.task_id)
+            link.sent(rec.task_id, len(rec.images) * 3 * rec.out_hw[0] * rec.out_hw[1])
             ledger.sent(rec, link, generation)
 
     def _task(self, rec: TaskRecord, link: ServerLink) -> tuple[Task, int | None]:

@@ -49,7 +49,7 @@ from dataserver_client.epoch import BatchPlan
 from dataserver_client.errors import DataServerError, ServerUnreachable
 from dataserver_client.handlers import Handlers
 from dataserver_client.handoff import Handoff
-from dataserver_client.links import DatasetInfo, Discovery, Links, ServerLink
+from dataserver_client.links import DatasetInfo, Discovery, EventKind, Links, ServerLink
 from dataserver_client.resume import Deal
 from dataserver_client.sizes import SizeSchedule
 
@@ -277,6 +277,7 @@ class Engine(threading.Thread):
             for sock in events:
                 if sock in self._sockets:
                     self._on_socket(sock, *self._sockets[sock])
+            self.handlers.reset_links()
             if self.phase is Phase.HANDSHAKE:
                 self._check_handshake(started)
                 continue
@@ -285,6 +286,7 @@ class Engine(threading.Thread):
             if now >= next_tick:
                 next_tick = now + TICK_S
                 self.handlers.on_events(self.links.tick(now))
+                self.handlers.trim(now)
                 self.handlers.expire(now)
                 self.handlers.check_progress(now)
 
@@ -356,7 +358,9 @@ class Engine(threading.Thread):
             self.handlers.progressed()
             self.phase = Phase.RUNNING
             return
-        self.links.tick(time.monotonic())
+        overflows = [e for e in self.links.tick(time.monotonic()) if e.kind is EventKind.OVERFLOW]
+        self.handlers.on_events(overflows)  # (a server's endless message instead of WELCOME)
+        self.handlers.reset_links()
         if time.monotonic() - started > self.config.timeout:
             self._fail(
                 ServerUnreachable(

@@ -22,6 +22,7 @@ import zmq
 
 from dataserver.landing import LandingArea
 from dataserver.protocol import Cancelled, ErrorMsg, Message, ProtocolError, Result, Welcome
+from dataserver.tcpinfo import malloc_trim
 from dataserver_client.answers import Deadlines, left_out, result_problem, task_error
 from dataserver_client.assembly import HostBuffers
 from dataserver_client.book import PlanBook
@@ -44,6 +45,8 @@ from dataserver_client.receive import WrongAnswer, receive
 log = logging.getLogger("dataserver_client")
 
 DRAIN = 256  # messages read off one socket per pass, so one busy server cannot starve the rest
+TRIM_AFTER = 16 << 20  # a link closed holding more than this: the heap is trimmed after
+TRIM_DELAY_S = 0.5
 
 
 class Handlers:
@@ -78,6 +81,8 @@ class Handlers:
         self.rejected = rejected
         self._fail = fail
         self._watch = watch
+        self._resets: list[ServerLink] = []  # links whose sockets go (``reset_links``)
+        self._trim_at: float | None = None  # when to give a closed link's memory back
         self._unwatch = unwatch
         self.deadlines = Deadlines(floor=1.0, initial=max(1.0, config.timeout / 3))
         self._last_progress = time.monotonic()
@@ -91,7 +96,9 @@ class Handlers:
         decode, comes from a banned server or belongs elsewhere is counted and left out."""
         for _ in range(DRAIN):
             try:
-                msg = receive(sock, lambda result: self._destinations(link, result))
+                msg = receive(
+                    sock, lambda result: self._destinations(link, result), link.inflow.seen
+                )
             except zmq.Again:
                 return
             except WrongAnswer as exc:  # well-formed, for a task we want, and wrong
@@ -325,7 +332,16 @@ class Handlers:
         for event in events:
             if event.kind is EventKind.NOT_AUTHORIZED:
                 self._fail(NotAuthorized(event.why))
+            elif event.kind is EventKind.OVERFLOW:
+                self.rejected["unfinished_message"] += 1
+                if event.link.server_id:  # after its handshake: a faulty or hostile server
+                    self._bad_server(event.link, event.why)
+                else:
+                    log.warning("%s: %s; connecting again", event.link.address, event.why)
+                    event.link.last_error = event.why
+                    self._resets.append(event.link)
             elif event.kind is EventKind.LOST:
+                self._resets.append(event.link)  # (what its connections held goes with them)
                 self.counters["servers_lost"] += 1
                 self._servers_changed(lookahead=False)
                 if self.links.any_ready():
@@ -352,8 +368,35 @@ class Handlers:
             return
         self.rejected["bad_server"] += 1
         link.ban(why)
+        self._resets.append(link)  # its sockets are closed (``reset_links``)
         self._servers_changed()
         self._move_tasks(link)
+
+    def reset_links(self) -> None:
+        """Close the sockets of the links banned or lost since the last call, once nothing
+        reads them any more (the engine calls this after each pass over its sockets): a
+        banned server's for good, a lost one's for new ones."""
+        while self._resets:
+            link = self._resets.pop()
+            if link not in self.links.links:
+                continue
+            if link.open and link.inflow.largest() > TRIM_AFTER:
+                # libzmq frees what the connection held as it closes it (its reaper
+                # thread): the heap's free pages go back to the kernel a little later.
+                self._trim_at = time.monotonic() + TRIM_DELAY_S
+            self._unwatch(link)
+            if link.state is LinkState.BANNED:
+                link.shut()
+                self.links.unpublish(link)
+            else:
+                link.reopen()
+                self._watch(link)
+
+    def trim(self, now: float) -> None:
+        """Trim the heap when a link that held much was closed a little while ago."""
+        if self._trim_at is not None and now >= self._trim_at:
+            self._trim_at = None
+            malloc_trim()
 
     def _servers_changed(self, lookahead: bool = True) -> None:
         """The ready servers changed: how many tasks they can work on at once (the book

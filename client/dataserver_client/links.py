@@ -47,6 +47,7 @@ from zmq.utils.monitor import recv_monitor_message
 from dataserver.landing import Handover, LandingArea, landing_socket
 from dataserver.protocol import Bye, Heartbeat, Hello, Welcome
 from dataserver.security import CLAIM_S, host_proof, new_secret, reply_id, session_id
+from dataserver.tcpinfo import bytes_received
 from dataserver_client.config import ClientConfig
 from dataserver_client.errors import DataServerError
 
@@ -54,8 +55,15 @@ log = logging.getLogger("dataserver_client")
 
 MAX_WORKER_ENDPOINTS = 1024
 CLIENT_MAX_MSG = 1 << 30  # results are images: allow large ones, refuse absurd ones
+HEARTBEAT_IVL_MS = 5_000  # ZMTP PINGs on every connection to a server ...
+HEARTBEAT_TIMEOUT_MS = 15_000  # ... dropped when nothing comes back for this long
+INFLOW_S = 0.05  # how often a link's connections are weighed (``Inflow``), at least ...
+INFLOW_FDS_PER_S = 4000  # ... and at most this many connections weighed a second
+INFLOW_SLACK = 64 << 20  # bytes beyond its answers' a server may have on the way
+ANSWER_SLACK = 1 << 20  # beyond a task's pixels: its header, boxes and labels
 MONITORED = (
     zmq.EVENT_HANDSHAKE_SUCCEEDED
+    | zmq.EVENT_CONNECTED
     | zmq.EVENT_DISCONNECTED
     | zmq.EVENT_HANDSHAKE_FAILED_AUTH
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
@@ -77,6 +85,7 @@ class EventKind(enum.Enum):
     LOST = "lost"  # the server went away (its tasks should move)
     RESULTS_BROKEN = "results_broken"  # a direct-result connection dropped (results in it are gone)
     NOT_AUTHORIZED = "not_authorized"  # CURVE refused this client's key
+    OVERFLOW = "overflow"  # a connection holds more of an unfinished message than allowed
 
 
 class Problem(enum.Enum):
@@ -343,11 +352,55 @@ def _dealer(ctx: zmq.Context[Any], curve: dict[str, bytes] | None) -> zmq.Socket
     sock.setsockopt(zmq.MAXMSGSIZE, CLIENT_MAX_MSG)
     sock.setsockopt(zmq.RECONNECT_IVL, 100)
     sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+    # ZMTP heartbeats: a connection whose peer answers nothing (gone without a FIN, or a
+    # server that stopped reading) is dropped by libzmq, with what it held.
+    sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TTL, HEARTBEAT_TIMEOUT_MS)
     if curve:
         sock.curve_serverkey = curve["server_public"]
         sock.curve_publickey = curve["public"]
         sock.curve_secretkey = curve["secret"]
     return sock
+
+
+class Inflow:
+    """The bytes each TCP connection of a link received since a message last came whole by
+    it (the kernel's count, ``dataserver.tcpinfo``): what libzmq holds of a message not
+    finished yet, and of whole ones not read yet. libzmq bounds a frame, not the frames of
+    a message: a server sending one that never ends held +771 MiB in the trainer until
+    the client closed. Past the link's budget (``ServerLink.inflow_budget``) the server is
+    dropped and the connection closed, which frees it."""
+
+    def __init__(self) -> None:
+        self.marks: dict[int, int] = {}  # fd -> bytes received when a message last came
+        self.next_check = 0.0
+
+    def connected(self, fd: int) -> None:
+        got = bytes_received(fd)
+        if got is not None:  # (ipc: no count; nothing to weigh it by)
+            self.marks[fd] = got
+
+    def disconnected(self, fd: int) -> None:
+        self.marks.pop(fd, None)
+
+    def seen(self, fd: int) -> None:
+        """A whole message came by connection ``fd``."""
+        if fd in self.marks:
+            got = bytes_received(fd)
+            if got is not None:
+                self.marks[fd] = got
+
+    def largest(self) -> int:
+        """The most bytes one connection received since its last whole message."""
+        most = 0
+        for fd, mark in list(self.marks.items()):
+            got = bytes_received(fd)
+            if got is None or got < mark:  # closed, or the fd is another socket now
+                del self.marks[fd]
+                continue
+            most = max(most, got - mark)
+        return most
 
 
 def _events(monitor: zmq.Socket[Any]) -> list[Any]:
@@ -383,20 +436,9 @@ class ServerLink:
         )
         self.session = session
         self.curve = curve is not None
-        self.sock = _dealer(ctx, curve)
-        # Queue nothing for a server that is not connected: a send fails at once instead
-        # of piling up for a dead peer (or blocking when the queue is full).
-        self.sock.setsockopt(zmq.IMMEDIATE, 1)
-        self.monitor = self.sock.get_monitor_socket(MONITORED)
-        self.sock.connect(address)
-        # Named by the reply id of our secret, so each worker can address us and nobody
-        # else can take the name.
-        self.results = _dealer(ctx, curve)
-        self.results.setsockopt(zmq.ROUTING_ID, reply_id(self.secret))
-        self.results_monitor = self.results.get_monitor_socket(
-            zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
-        )
-        self.result_endpoints: set[str] = set()
+        self._ctx = ctx
+        self._curve_keys = curve
+        self._open()
         # Our HELLOs' nonce (this link's), and the proof of the last WELCOME
         # (``security.host_proof``): a server is on our host when its token, read beside
         # its ipc endpoints, makes that proof.
@@ -422,8 +464,59 @@ class ServerLink:
         self.sent_total = 0
         self.results_total = 0
 
+    def _open(self) -> None:
+        """Its sockets, new: a DEALER to the front, and one for the workers' results."""
+        self.sock = _dealer(self._ctx, self._curve_keys)
+        # Queue nothing for a server that is not connected: a send fails at once instead
+        # of piling up for a dead peer (or blocking when the queue is full).
+        self.sock.setsockopt(zmq.IMMEDIATE, 1)
+        self.monitor = self.sock.get_monitor_socket(MONITORED)
+        self.sock.connect(self.address)
+        # Named by the reply id of our secret, so each worker can address us and nobody
+        # else can take the name.
+        self.results = _dealer(self._ctx, self._curve_keys)
+        self.results.setsockopt(zmq.ROUTING_ID, reply_id(self.secret))
+        self.results_monitor = self.results.get_monitor_socket(
+            zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_CONNECTED
+        )
+        self.result_endpoints: set[str] = set()
+        self.inflow = Inflow()
+        self.largest_answer = 0  # the most bytes a task sent here may be answered with
+        self.open = True
+
+    def _close_sockets(self, linger_ms: int = 0) -> None:
+        self.sock.disable_monitor()
+        self.results.disable_monitor()
+        self.monitor.close(linger=0)
+        self.results_monitor.close(linger=0)
+        self.results.close(linger=0)
+        self.sock.close(linger=linger_ms)
+        self.open = False
+
+    def reopen(self) -> None:
+        """New sockets in place of the old (the caller unwatched them): a lost server's
+        connections are closed, and whatever they held of a message with them (a server
+        that fell silent in the middle of one held it until the client closed)."""
+        if self.open:
+            self._close_sockets()
+        self.connected = False
+        self._open()
+
+    def shut(self) -> None:
+        """Close its sockets for good (a banned server: nothing it sends is read)."""
+        if self.open:
+            self._close_sockets()
+
+    def inflow_budget(self) -> int:
+        """What a connection of this server may hold beyond its last whole message: every
+        outstanding task's answer, two more, and ``INFLOW_SLACK``."""
+        answer = self.largest_answer + ANSWER_SLACK
+        return (len(self.outstanding) + 2) * answer + INFLOW_SLACK
+
     def sockets(self) -> list[tuple[zmq.Socket[Any], str]]:
         """Its sockets the I/O thread polls, each with its role."""
+        if not self.open:
+            return []
         return [
             (self.sock, "front"),
             (self.results, "results"),
@@ -596,8 +689,10 @@ class ServerLink:
         """Any traffic from the server: it is alive."""
         self.last_heard = time.monotonic()
 
-    def sent(self, task_id: int) -> None:
-        """``task_id`` went out (again: it goes last, as the newest)."""
+    def sent(self, task_id: int, answer_bytes: int = 0) -> None:
+        """``task_id`` went out (again: it goes last, as the newest); its answer's pixels
+        are ``answer_bytes``."""
+        self.largest_answer = max(self.largest_answer, answer_bytes)
         self.outstanding.pop(task_id, None)
         self.outstanding[task_id] = time.monotonic()
         self.sent_total += 1
@@ -643,21 +738,17 @@ class ServerLink:
         )
 
     def close(self) -> None:
-        try:
-            # A server that welcomed us holds a session until BYE (or its idle timeout).
-            if self.state is LinkState.READY or (
-                self.state is LinkState.DRAINING and self.welcome_msg is not None
-            ):
-                bye = Bye(session=self.session, auth=self.secret)
-                self.sock.send_multipart(bye.encode(), zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass
-        self.sock.disable_monitor()
-        self.results.disable_monitor()
-        self.monitor.close(linger=0)
-        self.results_monitor.close(linger=0)
-        self.results.close(linger=0)
-        self.sock.close(linger=100)  # long enough for BYE to leave, short enough not to hang
+        if self.open:
+            try:
+                # A server that welcomed us holds a session until BYE (or its idle timeout).
+                if self.state is LinkState.READY or (
+                    self.state is LinkState.DRAINING and self.welcome_msg is not None
+                ):
+                    bye = Bye(session=self.session, auth=self.secret)
+                    self.sock.send_multipart(bye.encode(), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+            self._close_sockets(100)  # long enough for BYE to leave, short enough not to hang
         if self.handover is not None:
             self.handover.close()  # its workers let go of our buffer
 
@@ -706,6 +797,10 @@ class Links:
         """Forget a server (its address is gone): close its sockets, stop publishing to it."""
         self.links.remove(link)
         link.close()
+        self.unpublish(link)
+
+    def unpublish(self, link: ServerLink) -> None:
+        """Stop publishing the session's CONTROL to ``link``'s server."""
         if link.welcome_msg is not None:
             endpoint = announced_address(link.address, link.welcome_msg.control)
             if endpoint in self._control_endpoints:
@@ -784,9 +879,12 @@ class Links:
         out = []
         for event in _events(link.monitor):
             kind = event["event"]
-            if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            if kind == zmq.EVENT_CONNECTED:
+                link.inflow.connected(event["value"])
+            elif kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 link.on_handshake()
             elif kind == zmq.EVENT_DISCONNECTED:
+                link.inflow.disconnected(event["value"])
                 lost = link.on_disconnect()
                 if lost is not None:
                     out.append(lost)
@@ -813,6 +911,11 @@ class Links:
         """A direct-result connection came up (claim the session on it), or dropped (results
         on their way in it are gone)."""
         events = _events(link.results_monitor)
+        for e in events:
+            if e["event"] == zmq.EVENT_CONNECTED:
+                link.inflow.connected(e["value"])
+            elif e["event"] == zmq.EVENT_DISCONNECTED:
+                link.inflow.disconnected(e["value"])
         if any(e["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED for e in events):
             link.claim()
         dropped = [e for e in events if e["event"] == zmq.EVENT_DISCONNECTED]
@@ -825,7 +928,18 @@ class Links:
         """Heartbeats, HELLOs to servers without a session, and silence past the timeout."""
         out = []
         cfg = self.config
+        every = max(INFLOW_S, sum(len(lk.inflow.marks) for lk in self.links) / INFLOW_FDS_PER_S)
         for link in self.links:
+            if link.open and now >= link.inflow.next_check:
+                link.inflow.next_check = now + every
+                held, budget = link.inflow.largest(), link.inflow_budget()
+                if held > budget:
+                    why = (
+                        f"it sent {held >> 20} MiB of a message it did not finish (more than "
+                        f"the {budget >> 20} MiB its outstanding answers can take)"
+                    )
+                    out.append(LinkEvent(EventKind.OVERFLOW, link, why))
+                    continue
             if link.state in (LinkState.READY, LinkState.DRAINING):
                 if now - link.last_sent > cfg.heartbeat_interval:
                     link.heartbeat()

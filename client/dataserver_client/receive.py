@@ -92,11 +92,21 @@ def _rest(sock: zmq.Socket[Any]) -> list[Any]:
     return frames
 
 
-def receive(sock: zmq.Socket[Any], destinations: Destinations) -> Message:
+def receive(
+    sock: zmq.Socket[Any],
+    destinations: Destinations,
+    seen: Callable[[int], None] | None = None,
+) -> Message:
     """The next message on ``sock`` (``zmq.Again`` when there is none). For a RESULT that
     ``destinations(result)`` wants, its images land in the contiguous (N, 3, H, W) uint8
-    array it returns, and ``result.pixels`` is that array (None when not wanted)."""
+    array it returns, and ``result.pixels`` is that array (None when not wanted).
+    ``seen(fd)`` is told the connection it came by (a message comes whole or not at all)."""
     first = sock.recv(zmq.NOBLOCK, copy=False)
+    if seen is not None:
+        try:
+            seen(int(first.get(zmq.SRCFD)))
+        except (zmq.ZMQError, TypeError, ValueError):
+            pass
     try:
         return _receive(sock, first, destinations)
     except ProtocolError:

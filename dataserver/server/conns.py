@@ -31,13 +31,11 @@ dead worker) gets ``EMFILE``. This module keeps that bounded:
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import logging
 import os
 import resource
 import socket
-import struct
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -45,6 +43,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import zmq
+
+from dataserver.tcpinfo import libc as _c
+from dataserver.tcpinfo import malloc_trim
+from dataserver.tcpinfo import peer_of as _peer
+from dataserver.tcpinfo import tcp_info as _tcp_info
 
 log = logging.getLogger("dataserver.conns")
 
@@ -63,21 +66,6 @@ FDS_BASE = 64  # the front's own: zmq's context, sockets, pidfds, store, logs, m
 FDS_PER_WORKER = 8  # a pidfd, its backend connection, what starting it takes
 CONNS_PER_SESSION = 4  # a client's data and control connection, a probe, a reconnect
 WORKER_FDS = 128  # a worker's fds kept from its result connections (``results_budget``)
-
-_TCP_INFO_LAST_DATA_RECV = 52  # offsets in the kernel's struct tcp_info (linux/tcp.h)
-_TCP_INFO_BYTES_RECEIVED = 128
-_SOCKADDR_MAX = 128
-
-_libc: ctypes.CDLL | None = None
-
-
-def _c() -> ctypes.CDLL:
-    global _libc
-    if _libc is None:
-        # The process's own symbols (libc's among them): no ``find_library``, which runs
-        # ldconfig in a subprocess.
-        _libc = ctypes.CDLL(None, use_errno=True)
-    return _libc
 
 
 def raise_fd_limit() -> tuple[int, int]:
@@ -127,32 +115,6 @@ def fd_budget(soft_limit: int, workers: int, max_sessions: int) -> int:
     return max(8, min(soft_limit - reserve, CONNS_PER_SESSION * max_sessions + 256))
 
 
-def _peer(fd: int) -> bytes | None:
-    """The raw peer address of socket ``fd`` (None: not a connected socket)."""
-    buf = ctypes.create_string_buffer(_SOCKADDR_MAX)
-    size = ctypes.c_uint32(_SOCKADDR_MAX)
-    if _c().getpeername(fd, buf, ctypes.byref(size)) != 0:
-        return None
-    return buf.raw[: size.value]
-
-
-def _tcp_info(fd: int) -> tuple[int, int | None] | None:
-    """(ms since data last arrived, bytes received or None on an old kernel) of TCP socket
-    ``fd``; None if it is not one."""
-    buf = ctypes.create_string_buffer(256)
-    size = ctypes.c_uint32(256)
-    if _c().getsockopt(fd, socket.IPPROTO_TCP, socket.TCP_INFO, buf, ctypes.byref(size)) != 0:
-        return None
-    n = size.value
-    if n < _TCP_INFO_LAST_DATA_RECV + 4:
-        return None
-    (last_recv,) = struct.unpack_from("I", buf.raw, _TCP_INFO_LAST_DATA_RECV)
-    received = None
-    if n >= _TCP_INFO_BYTES_RECEIVED + 8:
-        (received,) = struct.unpack_from("Q", buf.raw, _TCP_INFO_BYTES_RECEIVED)
-    return int(last_recv), received
-
-
 def _shutdown(fd: int, peer: bytes) -> bool:
     """Shut down socket ``fd`` if it still leads to ``peer`` (True: it was)."""
     try:
@@ -167,14 +129,6 @@ def _shutdown(fd: int, peer: bytes) -> bool:
     finally:
         if dup >= 0:
             os.close(dup)
-
-
-def malloc_trim() -> bool:
-    """Give the heap's free pages back to the kernel (glibc); False where there is none."""
-    try:
-        return bool(_c().malloc_trim(0))
-    except AttributeError:
-        return False
 
 
 @dataclass
