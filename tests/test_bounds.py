@@ -502,6 +502,56 @@ def test_metrics_follow_bind_and_hold_no_thread_per_client(start_server: Any) ->
             s.close()
 
 
+def test_a_scrape_flood_is_refused_by_peer_and_another_peer_is_answered(
+    start_server: Any,
+) -> None:
+    """Issue 25 item 9: 16 threads scraping the metrics port as fast as they could cost
+    the front's process +0.41 of a core. A peer is answered at most 50 times a second
+    (bursts of 100); a connection over its rate is closed as accepted, and past 50 of those
+    in a second the listener pauses. Another peer (127.0.0.2) is answered meanwhile."""
+    server = start_server(
+        "--dataset", f"synthetic:images={SAMPLES}", "--metrics-port", "0",
+        "--metrics-bind", "0.0.0.0", workers=1,
+    )  # fmt: skip
+    port = server.stats()["metrics_port"]
+    stop = threading.Event()
+    answered = 0
+
+    def flood() -> None:
+        nonlocal answered
+        while not stop.is_set():
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=2) as s:
+                    s.sendall(b"GET /metrics HTTP/1.1\r\n\r\n")
+                    if s.recv(12).startswith(b"HTTP/1.1 200"):
+                        answered += 1
+            except OSError:
+                pass
+
+    threads = [threading.Thread(target=flood) for _ in range(16)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(3)
+        started = time.monotonic()
+        with socket.create_connection(
+            ("127.0.0.1", port), timeout=10, source_address=("127.0.0.2", 0)
+        ) as s:  # another peer: its own rate
+            s.sendall(b"GET /metrics HTTP/1.1\r\n\r\n")
+            reply = b""
+            while chunk := s.recv(65536):
+                reply += chunk
+        assert reply.startswith(b"HTTP/1.1 200") and b"dataserver_workers" in reply
+        assert time.monotonic() - started < 10
+        elapsed = time.monotonic() - started + 3
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert answered <= 100 + 50 * (elapsed + 2), answered  # the burst and the rate
+    assert wait_until(lambda: server.stats()["rejected"].get("scrape_rate", 0) >= 50, 5)
+
+
 def test_one_peer_cannot_hold_every_session(start_server: Any) -> None:
     """Issue 25, item 1. A peer (127.0.0.2 here, a host of its own) opens sessions on 8
     connections, 10 each: each connection holds at most 8 (the rest refused

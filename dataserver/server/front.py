@@ -512,6 +512,8 @@ class Front:
         """The server's figures now, read from its collaborators (in the loop's thread)."""
         if self.scheduler.paced:
             self.counters["tasks_paced"] = self.scheduler.paced
+        if self.metrics is not None and self.metrics.rate_refused:
+            self.rejected["scrape_rate"] = self.metrics.rate_refused
         config, scheduler, pool = self.config, self.scheduler, self.pool
         draining = self.draining_since
         return ServerView(

@@ -179,6 +179,11 @@ class ServerMetrics:
         for us in decode_us or ():
             self.decode_seconds.observe(us * US)
 
+    @property
+    def rate_refused(self) -> int:
+        """Scrape connections closed unanswered: their peer over its rate."""
+        return self._server.rate_refused if self._server is not None else 0
+
     def stop(self) -> None:
         """Stop answering scrapes (idempotent)."""
         server, self._server = self._server, None
