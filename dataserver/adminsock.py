@@ -25,6 +25,8 @@ import stat
 from pathlib import Path
 from typing import Any
 
+from dataserver.security import read_own_file
+
 log = logging.getLogger("dataserver.admin")
 
 ADMIN_NAME = "admin"
@@ -154,17 +156,9 @@ def _listening(path: str) -> bool:
 
 def _read_entry(path: Path) -> dict[str, Any] | None:
     """A registry file's entry: a regular file of this user's holding a JSON object."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
+    raw = read_own_file(path, 4096)
+    if raw is None:
         return None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
-            return None
-        raw = os.read(fd, 4096)
-    finally:
-        os.close(fd)
     try:
         entry = json.loads(raw)
     except ValueError:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -138,3 +139,22 @@ def start_server_curve(
         sock.curve_publickey = public
         sock.curve_server = True
     return auth
+
+
+def read_own_file(path: str | os.PathLike[str], limit: int) -> bytes | None:
+    """The first ``limit`` bytes of ``path`` if it is a regular file of this process's
+    user; None otherwise. Never blocks on it (a FIFO, a stalled mount) and never follows
+    a link: the path may come from someone else (a server's announcement, a registry)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+            return None
+        return os.read(fd, limit)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)

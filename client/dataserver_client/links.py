@@ -34,7 +34,6 @@ import logging
 import os
 import re
 import socket
-import stat
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -46,7 +45,14 @@ from zmq.utils.monitor import recv_monitor_message
 
 from dataserver.landing import Handover, LandingArea, landing_socket
 from dataserver.protocol import Bye, Heartbeat, Hello, Welcome
-from dataserver.security import CLAIM_S, host_proof, new_secret, reply_id, session_id
+from dataserver.security import (
+    CLAIM_S,
+    host_proof,
+    new_secret,
+    read_own_file,
+    reply_id,
+    session_id,
+)
 from dataserver.tcpinfo import bytes_received
 from dataserver_client.config import ClientConfig
 from dataserver_client.errors import DataServerError
@@ -327,22 +333,12 @@ def _same_host(local: Sequence[str], proof: bytes, nonce: bytes, session: bytes)
     if not proof or not local or not local[0].startswith("ipc://"):
         return False
     path = os.path.join(os.path.dirname(local[0][len("ipc://") :]), "host-token")
-    # The path comes from the server: never block on it (a FIFO, a stalled mount), never
-    # follow a link, and believe only a regular file of our own user.
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
+    # The path comes from the server: believe only a regular file of our own user.
+    raw = read_own_file(path, 128)
+    if raw is None:
         return False
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
-            return False
-        token = os.read(fd, 128).decode(errors="replace").strip()
-        return hmac.compare_digest(host_proof(token, nonce, session), proof)
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
+    token = raw.decode(errors="replace").strip()
+    return hmac.compare_digest(host_proof(token, nonce, session), proof)
 
 
 def _dealer(ctx: zmq.Context[Any], curve: dict[str, bytes] | None) -> zmq.Socket[Any]:
