@@ -338,7 +338,7 @@ class Handlers:
                     self._bad_server(event.link, event.why)
                 else:
                     log.warning("%s: %s; connecting again", event.link.address, event.why)
-                    event.link.last_error = event.why
+                    event.link.failed_handshake(event.why)
                     self._resets.append(event.link)
             elif event.kind is EventKind.LOST:
                 self._resets.append(event.link)  # (what its connections held goes with them)

@@ -372,6 +372,13 @@ class Inflow:
         self.marks: dict[int, int] = {}  # fd -> bytes received when a message last came
         self.next_check = 0.0
 
+    def due(self, now: float, every: float) -> bool:
+        """Whether it is time to weigh the connections again (then not before ``every``)."""
+        if now < self.next_check:
+            return False
+        self.next_check = now + every
+        return True
+
     def connected(self, fd: int) -> None:
         got = bytes_received(fd)
         if got is not None:  # (ipc: no count; nothing to weigh it by)
@@ -926,8 +933,7 @@ class Links:
         cfg = self.config
         every = max(INFLOW_S, sum(len(lk.inflow.marks) for lk in self.links) / INFLOW_FDS_PER_S)
         for link in self.links:
-            if link.open and now >= link.inflow.next_check:
-                link.inflow.next_check = now + every
+            if link.open and link.inflow.due(now, every):
                 held, budget = link.inflow.largest(), link.inflow_budget()
                 if held > budget:
                     why = (
