@@ -7,8 +7,11 @@ the complete messages read from it, since libzmq bounds a frame but not a messag
 from __future__ import annotations
 
 import ctypes
+import ipaddress
+import os
 import socket
 import struct
+from typing import Any
 
 _TCP_INFO_LAST_DATA_RECV = 52  # offsets in the kernel's struct tcp_info (linux/tcp.h)
 _TCP_INFO_BYTES_RECEIVED = 128
@@ -65,3 +68,65 @@ def malloc_trim() -> bool:
         return bool(libc().malloc_trim(0))
     except AttributeError:
         return False
+
+
+_NETLINK_SOCK_DIAG = 4  # NETLINK_SOCK_DIAG (linux/netlink.h)
+_SOCK_DIAG_BY_FAMILY = 20
+_NLM_F_REQUEST = 1
+_NLMSG_ERROR = 2
+_INET_DIAG_NOCOOKIE = 0xFFFFFFFF
+_DIAG_MSG_UID = 16 + 64  # nlmsghdr, then inet_diag_msg's idiag_uid
+
+
+def loopback_uid(fd: int) -> int | None:
+    """The uid owning the other end of TCP socket ``fd``, when that end is on this host
+    over loopback (its socket found by the connection's addresses through the kernel's
+    sock_diag, as ``ss -e`` does); None otherwise, or where the kernel does not say.
+    Every local user shares 127.0.0.1: the uid tells them apart."""
+    try:
+        sock = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return None
+    with sock:
+        try:
+            if sock.family not in (socket.AF_INET, socket.AF_INET6):
+                return None
+            family = sock.family
+            peer, ours = sock.getpeername(), sock.getsockname()
+        except OSError:
+            return None
+    try:
+        if not ipaddress.ip_address(peer[0]).is_loopback:
+            return None
+    except ValueError:
+        return None
+    return _diag_uid(family, peer, ours)
+
+
+def _packed(family: int, host: str) -> bytes:
+    return socket.inet_pton(family, host).ljust(16, b"\x00")
+
+
+def _diag_uid(family: int, src: tuple[Any, ...], dst: tuple[Any, ...]) -> int | None:
+    """The uid of the TCP socket bound at ``src`` connected to ``dst`` (sock_diag)."""
+    sockid = (
+        struct.pack(">HH", src[1], dst[1])
+        + _packed(family, src[0])
+        + _packed(family, dst[0])
+        + struct.pack("=III", 0, _INET_DIAG_NOCOOKIE, _INET_DIAG_NOCOOKIE)
+    )
+    req = struct.pack("=BBBBI", family, socket.IPPROTO_TCP, 0, 0, 0xFFFFFFFF) + sockid
+    header = struct.pack("=IHHII", 16 + len(req), _SOCK_DIAG_BY_FAMILY, _NLM_F_REQUEST, 1, 0)
+    try:
+        with socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, _NETLINK_SOCK_DIAG) as nl:
+            nl.settimeout(1.0)
+            nl.send(header + req)
+            reply = nl.recv(8192)
+    except (OSError, AttributeError):  # (no netlink: not Linux)
+        return None
+    if len(reply) < _DIAG_MSG_UID + 4:
+        return None
+    kind = struct.unpack_from("=H", reply, 4)[0]
+    if kind != _SOCK_DIAG_BY_FAMILY:  # NLMSG_ERROR: no such socket (gone, or not ours)
+        return None
+    return int(struct.unpack_from("=I", reply, _DIAG_MSG_UID)[0])

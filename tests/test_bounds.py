@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import select
 import shutil
 import signal
 import socket
@@ -31,7 +32,7 @@ from zmtp import (
     send_message,
 )
 
-from dataserver.protocol import ErrorMsg, Hello, Stats, Welcome, decode
+from dataserver.protocol import ErrorMsg, Heartbeat, Hello, Stats, Welcome, decode
 from dataserver_client import DataServerClient
 
 pytestmark = pytest.mark.timeout(240)
@@ -552,45 +553,82 @@ def test_a_scrape_flood_is_refused_by_peer_and_another_peer_is_answered(
     assert wait_until(lambda: server.stats()["rejected"].get("scrape_rate", 0) >= 50, 5)
 
 
+NOBODY = 65534
+
+
+def _sessions_as_nobody(address: str, conns: int, per_conn: int, report: int) -> int:
+    """A child of uid 65534 that opens sessions at ``address`` over loopback: on ``conns``
+    connections one after another, ``per_conn`` HELLOs each (each connection's answers
+    awaited before the next); it writes the answers' kinds as a JSON list to fd
+    ``report``, then keeps its sessions beating (HEARTBEAT every 0.5 s) until killed. Its
+    pid."""
+    pid = os.fork()
+    if pid:
+        return pid
+    try:
+        os.setgroups([])
+        os.setgid(NOBODY)
+        os.setuid(NOBODY)
+        ctx: zmq.Context[Any] = zmq.Context()
+        held, kinds = [], []
+        for c in range(conns):
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(address)
+            for i in range(per_conn):
+                sid = b"nobody-%02d-%02d-abc" % (c, i)
+                s.send_multipart(Hello(session=sid, auth=sid).encode())
+                held.append((s, sid))
+            for _ in range(per_conn):
+                if not s.poll(10_000):
+                    os._exit(2)
+                answer = decode(s.recv_multipart())
+                kinds.append(answer.kind if isinstance(answer, ErrorMsg) else "welcome")
+        os.write(report, json.dumps(kinds).encode() + b"\n")
+        while True:
+            for s, sid in held:
+                s.send_multipart(Heartbeat(session=sid, auth=sid).encode())
+                while s.poll(0):
+                    s.recv_multipart()
+            time.sleep(0.5)
+    finally:
+        os._exit(1)
+
+
 def test_one_peer_cannot_hold_every_session(start_server: Any) -> None:
-    """Issue 25, item 1. A peer (127.0.0.2 here, a host of its own) opens sessions on 8
+    """Issue 25, item 1, with its "peer": a local user, uid 65534 (on the host every user
+    shares 127.0.0.1; a loopback connection's peer is the uid at its other end, which the
+    kernel's sock_diag names; a remote one's, its address). It opens sessions on 8
     connections, 10 each: each connection holds at most 8 (the rest refused
-    ``connection_sessions``), and four of them fill ``--max-sessions 32``. An honest job
-    from another address then takes the place of one of that peer's sessions, live as they
-    are, and gets its epoch (it was refused at once with ``session_limit``)."""
+    ``connection_sessions``), and four of them fill ``--max-sessions 32``; they keep
+    beating. An honest job of another user (root, also from 127.0.0.1) takes the place of
+    one of them and gets its epoch: it was refused at once with ``session_limit``, by one
+    connection holding every place, and then by uid 65534 sharing its address."""
+    if os.getuid() != 0:
+        pytest.skip("needs root to act as uid 65534")
     server = start_server(
         "--dataset", f"synthetic:images={SAMPLES},seed=1", "--max-sessions", "32", workers=1
     )
-    host, port = host_port(server.address)
-    ctx = zmq.Context()
-    socks = []
+    r, w = os.pipe()
+    child = _sessions_as_nobody(server.address, 8, 10, w)
+    os.close(w)
     try:
-        answers: list[Any] = []
-        for c in range(8):  # one connection after another: each one's answers awaited
-            s = ctx.socket(zmq.DEALER)
-            s.setsockopt(zmq.LINGER, 0)
-            s.connect(f"tcp://127.0.0.2:0;{host}:{port}")
-            socks.append(s)
-            for i in range(10):
-                sid = b"peer-%02d-%02d-abcde" % (c, i)
-                s.send_multipart(Hello(session=sid, auth=sid).encode())
-            for _ in range(10):
-                assert s.poll(10_000), "no answer to a HELLO"
-                answers.append(decode(s.recv_multipart()))
-        welcomed = sum(isinstance(a, Welcome) for a in answers)
-        kinds = [a.kind for a in answers if isinstance(a, ErrorMsg)]
-        assert welcomed == 32, (welcomed, kinds[:5])
+        ready, _, _ = select.select([r], [], [], 60)
+        assert ready, "the other user's sessions did not open"
+        kinds = json.loads(os.read(r, 1 << 16))
         # Connections 1-4: 8 sessions each, 2 refused; 5-8: every place taken, by this peer.
+        assert kinds.count("welcome") == 32, kinds
         assert kinds.count("connection_sessions") == 8
         assert kinds.count("session_limit") == 40
+        assert server.stats()["sessions"] == 32
         assert honest_epoch(server) == list(range(SAMPLES))
         stats = server.stats()
         assert stats["sessions_evicted"] >= 1
         assert stats["rejected"]["connection_sessions"] == 8
     finally:
-        for s in socks:
-            s.close(linger=0)
-        ctx.term()
+        os.close(r)
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
 
 
 def test_the_operator_is_answered_under_a_stats_flood(start_server: Any) -> None:

@@ -114,6 +114,7 @@ class Clients:
         stats: Callable[[], dict[str, Any]],
         draining: Callable[[], bool],
         heard: Callable[[int, bytes], None] = lambda fd, session: None,
+        peer_of: Callable[[int, str], str] = lambda fd, address: address,
     ) -> None:
         self.config = config
         self.scheduler = scheduler
@@ -130,6 +131,7 @@ class Clients:
         # each; ``heard`` ties it to the session a message proved itself for (``conns``).
         self.source_fd = -1
         self._heard = heard
+        self._peer_of = peer_of
         self._owners: OrderedDict[bytes, str] = OrderedDict()  # identity -> CURVE user id
 
     def _refuse(self, reason: str, identity: bytes | None, detail: str, **ids: Any) -> None:
@@ -207,6 +209,18 @@ class Clients:
             return
         self._on_client_message(identity, msg, frames)
 
+    def _peer(self, frame: Any) -> str:
+        """Who a cap charges for this message: its CURVE key where CURVE is on, else the
+        uid at the other end of a loopback connection (local users share 127.0.0.1), else
+        the remote address."""
+        try:
+            user = str(frame.get("User-Id") or "")
+        except zmq.ZMQError:
+            user = ""
+        if user:
+            return f"key:{user}"
+        return self._peer_of(self.source_fd, peer_address(frame))
+
     def _on_client_message(self, identity: bytes, msg: Message, frames: list[Any]) -> None:
         """A decoded message from a client connection ``identity``, to its handler."""
         match msg:
@@ -214,7 +228,7 @@ class Clients:
                 inject("front.task")
                 self._on_task(identity, msg, frames[1:])
             case Hello():
-                self._on_hello(identity, msg, peer_address(frames[1]))
+                self._on_hello(identity, msg, self._peer(frames[1]))
             case Control():
                 session = self._authentic(identity, msg)
                 if session is not None:

@@ -45,7 +45,7 @@ from typing import Any
 import zmq
 
 from dataserver.tcpinfo import libc as _c
-from dataserver.tcpinfo import malloc_trim
+from dataserver.tcpinfo import loopback_uid, malloc_trim
 from dataserver.tcpinfo import peer_of as _peer
 from dataserver.tcpinfo import tcp_info as _tcp_info
 
@@ -141,6 +141,7 @@ class Conn:
     base: int | None  # ... at accept (its handshake, so far)
     consumed: int = 0  # bytes of the complete messages read from it
     session: bytes | None = None  # the session its last authentic message acted for
+    uid: int | None = None  # the user at the other end, when it is on this host (loopback)
 
     def unfinished(self, now: float) -> int:
         """The bytes libzmq holds of messages not read yet (an estimate from above: what
@@ -192,7 +193,7 @@ class ConnTracker:
         if peer is None or info is None:  # ipc, or gone already: nothing to judge it by
             self.conns.pop(fd, None)
             return
-        self.conns[fd] = Conn(name, peer, now, now, info[1], info[1])
+        self.conns[fd] = Conn(name, peer, now, now, info[1], info[1], uid=loopback_uid(fd))
         if len(self.conns) > self.limit:
             self._over_limit(fd, now)
 
@@ -208,6 +209,14 @@ class ConnTracker:
         if conn is not None:
             conn.consumed += sum(len(f) + FRAME_BYTES for f in frames[skip:])
         return fd
+
+    def peer_of(self, fd: int, address: str) -> str:
+        """Who connection ``fd`` (of remote ``address``) is, for the caps that charge a
+        peer: ``uid:N`` for a local user over loopback, else the address."""
+        conn = self.conns.get(fd)
+        if conn is not None and conn.uid is not None:
+            return f"uid:{conn.uid}"
+        return address
 
     def heard(self, fd: int, session: bytes, now: float | None = None) -> None:
         """The message just read on ``fd`` was authentic, for ``session``: the connection

@@ -189,6 +189,7 @@ class Front:
             stats=self.stats,
             draining=lambda: self.draining_since is not None,
             heard=self.conns.heard,
+            peer_of=self.conns.peer_of,
         )
         # What the metrics' HTTP thread reads: the view housekeeping last published (one
         # reference, replaced whole; the view itself never changes).

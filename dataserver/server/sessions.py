@@ -12,8 +12,10 @@ Sessions are also counted by who holds them (issue 25, item 1: one connection op
 sessions and kept them beating, and every new job was refused): at most
 ``SESSIONS_PER_CONNECTION`` on one connection (a client holds one), and when every place is
 taken and none is silent, a newcomer takes the place of the least recently seen session of
-the peer (remote address) holding the most, provided that peer holds more than the
-newcomer's own: one peer can no longer hold the server against the others.
+the peer holding the most, provided that peer holds more than the newcomer's own: one peer
+can no longer hold the server against the others. A peer is a CURVE key where CURVE is on,
+else the uid at the other end of a loopback connection (every local user shares 127.0.0.1),
+else the remote address (``Clients._peer``).
 """
 
 from __future__ import annotations
@@ -95,7 +97,7 @@ class Session:
     state: bytes = b""  # the control state of the task it was last given a worker for
     changes: Any = None  # a TokenBucket: how often that state may change (``pop``)
     conn: bytes = b""  # the connection (routing id) its HELLO came on
-    peer: str = ""  # the peer (remote address) that opened it ("" unknown)
+    peer: str = ""  # the peer that opened it: key:Z85, uid:N or an address ("" unknown)
 
     def reachable(self, value: int) -> bool:
         """Whether a plan version or control sequence number of ``value`` is one this
