@@ -33,6 +33,7 @@ from zmtp import (
 )
 
 from dataserver.protocol import ErrorMsg, Heartbeat, Hello, Stats, Welcome, decode
+from dataserver.tcpinfo import loopback_uid
 from dataserver_client import DataServerClient
 
 pytestmark = pytest.mark.timeout(240)
@@ -584,6 +585,8 @@ def _sessions_as_nobody(address: str, conns: int, per_conn: int, report: int) ->
                     os._exit(2)
                 answer = decode(s.recv_multipart())
                 kinds.append(answer.kind if isinstance(answer, ErrorMsg) else "welcome")
+            for t, sid in held:  # (alive meanwhile: a session silent 5 s may be replaced)
+                t.send_multipart(Heartbeat(session=sid, auth=sid).encode())
         os.write(report, json.dumps(kinds).encode() + b"\n")
         while True:
             for s, sid in held:
@@ -606,6 +609,15 @@ def test_one_peer_cannot_hold_every_session(start_server: Any) -> None:
     connection holding every place, and then by uid 65534 sharing its address."""
     if os.getuid() != 0:
         pytest.skip("needs root to act as uid 65534")
+    with (
+        socket.create_server(("127.0.0.1", 0)) as listener,
+        socket.create_connection(listener.getsockname()),
+    ):
+        conn, _ = listener.accept()
+        with conn:
+            named = loopback_uid(conn.fileno())
+    if named != os.getuid():
+        pytest.skip("the kernel's sock_diag does not name a loopback peer here")
     server = start_server(
         "--dataset", f"synthetic:images={SAMPLES},seed=1", "--max-sessions", "32", workers=1
     )
@@ -616,15 +628,17 @@ def test_one_peer_cannot_hold_every_session(start_server: Any) -> None:
         ready, _, _ = select.select([r], [], [], 60)
         assert ready, "the other user's sessions did not open"
         kinds = json.loads(os.read(r, 1 << 16))
-        # Connections 1-4: 8 sessions each, 2 refused; 5-8: every place taken, by this peer.
-        assert kinds.count("welcome") == 32, kinds
-        assert kinds.count("connection_sessions") == 8
-        assert kinds.count("session_limit") == 40
+        # Connections 1-4: 8 sessions each, 2 refused; 5-8: every place taken, by this peer
+        # (on a loaded machine one of its first may have been silent 5 s, and replaced).
+        assert kinds.count("welcome") >= 32 and len(kinds) == 80, kinds
+        refused_here = kinds.count("connection_sessions")
+        assert refused_here >= 8 and refused_here % 2 == 0
+        assert kinds.count("welcome") + kinds.count("session_limit") == 80 - refused_here
         assert server.stats()["sessions"] == 32
         assert honest_epoch(server) == list(range(SAMPLES))
         stats = server.stats()
         assert stats["sessions_evicted"] >= 1
-        assert stats["rejected"]["connection_sessions"] == 8
+        assert stats["rejected"]["connection_sessions"] == refused_here
     finally:
         os.close(r)
         os.kill(child, signal.SIGKILL)
