@@ -209,7 +209,8 @@ def test_twenty_thousand_sessions_asking_the_largest_tasks_leave_the_server_tree
             # (on a loaded machine the front may drop an attacker's connection before it
             # read all of it: a peer that reads nothing answers no ZMTP PING either)
             gone = c.get("data_disconnects", 0) >= len(attackers)
-            if (read > 20_000 or gone) and answered == c.get("tasks_received", 0) >= 2 * 255:
+            received = c.get("tasks_received", 0)
+            if answered == received and (gone or (read > 20_000 and received >= 2 * 255)):
                 break
             time.sleep(0.2)
         stats = server.stats()
@@ -226,14 +227,16 @@ def test_twenty_thousand_sessions_asking_the_largest_tasks_leave_the_server_tree
         assert c.get("results_dropped", 0) + c.get("send_dropped_full", 0) > 0
         assert stats["workers_started"] == 2  # no worker died (of memory or otherwise)
         assert peak < bound
-        # Every place is taken (255 attackers and the honest client); a new client takes
-        # the place of a session silent for 5 s, and gets its epoch.
-        assert stats["sessions"] == 256
+        # Every place is taken (255 attackers and the honest client), unless the front
+        # dropped the attackers' connections (their sessions then expire, beating never);
+        # a new client takes the place of a session silent for 5 s, and gets its epoch.
+        full = stats["sessions"] == 256
+        assert full or gone, stats["sessions"]
         time.sleep(5.5)
         with DataServerClient(server.address, batch_size=8, image_size=(64, 64), device="cpu") as c:
             c.set_epoch(1)
             assert sorted(i for b in c for idx in b.indices for i in idx) == list(range(64))
-        assert server.stats()["sessions_evicted"] >= 1
+        assert server.stats()["sessions_evicted"] >= 1 or not full
     finally:
         honest.close()
         for s in socks:
