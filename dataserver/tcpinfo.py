@@ -1,8 +1,10 @@
-"""What the kernel knows of a connected socket, by fd: its peer, and (TCP) how many bytes it
-received and when data last came; and ``malloc_trim``, for the memory a connection held. Shared by the server's connection tracking
-(``dataserver.server.conns``) and the client's bound on what a server may hold unfinished
-(``dataserver_client.links.Inflow``): both weigh the bytes a connection received against
-the complete messages read from it, since libzmq bounds a frame but not a message."""
+"""What the kernel knows of a connected socket, by fd: its peer, (TCP) how many bytes it
+received and when data last came, and (loopback) which user holds its other end; and
+``malloc_trim``, for the memory a connection held. Shared by the server's connection
+tracking (``dataserver.server.conns``) and the client's bound on what a server may hold
+unfinished (``dataserver_client.links.Inflow``): both weigh the bytes a connection received
+against the complete messages read from it, since libzmq bounds a frame but not a
+message."""
 
 from __future__ import annotations
 
@@ -73,7 +75,6 @@ def malloc_trim() -> bool:
 _NETLINK_SOCK_DIAG = 4  # NETLINK_SOCK_DIAG (linux/netlink.h)
 _SOCK_DIAG_BY_FAMILY = 20
 _NLM_F_REQUEST = 1
-_NLMSG_ERROR = 2
 _INET_DIAG_NOCOOKIE = 0xFFFFFFFF
 _DIAG_MSG_UID = 16 + 64  # nlmsghdr, then inet_diag_msg's idiag_uid
 

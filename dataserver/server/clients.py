@@ -113,6 +113,7 @@ class Clients:
         welcome: Callable[[bytes, bytes], Welcome],
         stats: Callable[[], dict[str, Any]],
         draining: Callable[[], bool],
+        read: Callable[[list[Any], int], int] = lambda frames, skip: -1,
         heard: Callable[[int, bytes], None] = lambda fd, session: None,
         peer_of: Callable[[int, str], str] = lambda fd, address: address,
     ) -> None:
@@ -127,9 +128,11 @@ class Clients:
         self._welcome = welcome
         self._stats = stats
         self._draining = draining
-        # The connection (fd) the message being handled came by, set by the front before
-        # each; ``heard`` ties it to the session a message proved itself for (``conns``).
-        self.source_fd = -1
+        # The connection (fd) the message being handled came by: ``read`` counts a message
+        # read on its connection and names it, ``heard`` ties it to the session the message
+        # proved itself for, ``peer_of`` says whose it is (``conns.ConnTracker``).
+        self._source_fd = -1
+        self._read = read
         self._heard = heard
         self._peer_of = peer_of
         self._owners: OrderedDict[bytes, str] = OrderedDict()  # identity -> CURVE user id
@@ -180,7 +183,7 @@ class Clients:
             reason, why = "bad_secret", "this message does not carry the session's secret"
         else:
             self.scheduler.touch(session, identity)
-            self._heard(self.source_fd, session.sid)
+            self._heard(self._source_fd, session.sid)
             return session
         if quiet:  # (a heartbeat or BYE for a session this server forgot is no attack)
             self.rejected[reason] += reason == "bad_secret"
@@ -195,6 +198,7 @@ class Clients:
         return None
 
     def on_data(self, frames: list[Any]) -> None:
+        self._source_fd = self._read(frames, 1)  # (a ROUTER's: its first frame is the id)
         identity = frames[0].bytes
         try:
             msg = decode(frames[1:])
@@ -219,7 +223,7 @@ class Clients:
             user = ""
         if user:
             return f"key:{user}"
-        return self._peer_of(self.source_fd, peer_address(frame))
+        return self._peer_of(self._source_fd, peer_address(frame))
 
     def _on_client_message(self, identity: bytes, msg: Message, frames: list[Any]) -> None:
         """A decoded message from a client connection ``identity``, to its handler."""
@@ -292,7 +296,7 @@ class Clients:
             self._refuse(reason, identity, why, session=msg.session)
             return
         self.counters["hellos"] += 1
-        self._heard(self.source_fd, msg.session)
+        self._heard(self._source_fd, msg.session)
         self.outlet.send_to(identity, self._welcome(msg.session, msg.nonce))
 
     def _size_problem(self, task: Task) -> str | None:
@@ -400,6 +404,7 @@ class Clients:
         return False
 
     def on_control(self, frames: list[Any]) -> None:
+        self._source_fd = self._read(frames, 0)
         try:
             msg = decode(frames)
         except ProtocolError as exc:
@@ -421,7 +426,7 @@ class Clients:
                 continue
             matched = True
             if hmac.compare_digest(steer_tag(session.secret, msg), entry):
-                self._heard(self.source_fd, session.sid)
+                self._heard(self._source_fd, session.sid)
                 self._steer(session, msg)
                 return
         if not matched and any(e[:16] in self.scheduler.closed_handles for e in msg.tags or ()):

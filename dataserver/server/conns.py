@@ -141,7 +141,10 @@ class Conn:
     base: int | None  # ... at accept (its handshake, so far)
     consumed: int = 0  # bytes of the complete messages read from it
     session: bytes | None = None  # the session its last authentic message acted for
-    uid: int | None = None  # the user at the other end, when it is on this host (loopback)
+    # The user at the other end over loopback (None: remote, or the kernel did not say),
+    # asked of the kernel the first time a cap needs it (``ConnTracker.peer_of``).
+    uid: int | None = None
+    uid_asked: bool = False
 
     def unfinished(self, now: float) -> int:
         """The bytes libzmq holds of messages not read yet (an estimate from above: what
@@ -193,7 +196,7 @@ class ConnTracker:
         if peer is None or info is None:  # ipc, or gone already: nothing to judge it by
             self.conns.pop(fd, None)
             return
-        self.conns[fd] = Conn(name, peer, now, now, info[1], info[1], uid=loopback_uid(fd))
+        self.conns[fd] = Conn(name, peer, now, now, info[1], info[1])
         if len(self.conns) > self.limit:
             self._over_limit(fd, now)
 
@@ -214,9 +217,11 @@ class ConnTracker:
         """Who connection ``fd`` (of remote ``address``) is, for the caps that charge a
         peer: ``uid:N`` for a local user over loopback, else the address."""
         conn = self.conns.get(fd)
-        if conn is not None and conn.uid is not None:
-            return f"uid:{conn.uid}"
-        return address
+        if conn is None:
+            return address
+        if not conn.uid_asked:
+            conn.uid, conn.uid_asked = loopback_uid(fd), True
+        return address if conn.uid is None else f"uid:{conn.uid}"
 
     def heard(self, fd: int, session: bytes, now: float | None = None) -> None:
         """The message just read on ``fd`` was authentic, for ``session``: the connection

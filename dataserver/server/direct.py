@@ -55,14 +55,13 @@ class ResultConns:
     and judged by a thread of their own. The worker's thread reports what it reads
     (``read``, ``heard``) and learns which connections dropped (``gone``)."""
 
-    def __init__(
-        self, sock: zmq.Socket[Any], idle_timeout: float, limit: int, counters: Counter[str]
-    ) -> None:
+    def __init__(self, sock: zmq.Socket[Any], idle_timeout: float, limit: int) -> None:
         self.lock = threading.Lock()
+        self._dropped: Counter[str] = Counter()  # ``results_<reason>``, since ``take_dropped``
         self.tracker = ConnTracker(
             max(idle_timeout, RESULTS_IDLE_MIN),
             limit,
-            counters,
+            self._dropped,
             RESULTS_UNFINISHED,
             live=lambda name: True,  # a claim is a live session's (its secret checked)
             total_unfinished=RESULTS_UNFINISHED_TOTAL,
@@ -105,6 +104,13 @@ class ResultConns:
         with self.lock:
             self.tracker.heard(fd, name)
 
+    def take_dropped(self) -> Counter[str]:
+        """The connections shut down since the last call, by ``results_<reason>``."""
+        with self.lock:
+            out, self._dropped = self._dropped, Counter()
+            self.tracker.rejected = self._dropped
+        return out
+
     def gone(self) -> list[int]:
         """The fds of connections dropped since the last call."""
         with self.lock:
@@ -128,11 +134,9 @@ class DirectResults:
         local: str | None = None,
         idle_timeout: float = 30.0,
         limit: int = 4096,
-        counters: Counter[str] | None = None,
     ) -> None:
         self.curve = curve
         self.outbox = Outbox(max_queued_bytes)
-        self.counters: Counter[str] = counters if counters is not None else Counter()
         self.claims: dict[bytes, int] = {}  # (CURVE) claimed names, each with its connection
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -145,7 +149,7 @@ class DirectResults:
         self.auth = None
         if curve is not None:
             self.auth = start_server_curve(ctx, curve[0], curve[1], [self.sock])
-        self.conns = ResultConns(self.sock, idle_timeout, limit, self.counters)
+        self.conns = ResultConns(self.sock, idle_timeout, limit)
         self.sock.bind(bindable(bind))
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         # Clients on this host connect here instead (a unix socket: about 40% less CPU per

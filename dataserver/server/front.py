@@ -188,6 +188,7 @@ class Front:
             welcome=self._welcome,
             stats=self.stats,
             draining=lambda: self.draining_since is not None,
+            read=self.conns.read,
             heard=self.conns.heard,
             peer_of=self.conns.peer_of,
         )
@@ -411,10 +412,6 @@ class Front:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            if sock is self.data:  # (a ROUTER: its first frame is the routing id)
-                self.clients.source_fd = self.conns.read(frames, skip=1)
-            elif sock is self.control_sock:
-                self.clients.source_fd = self.conns.read(frames)
             self.guard.run(site, handler, frames)
 
     def _on_monitor(self, monitor: zmq.Socket[Any], name: str) -> None:

@@ -127,11 +127,7 @@ class Worker:
         self._current: Task | None = None  # the task being handled
         self._stop = threading.Event()  # BYE came (or ``stop()``)
         self.landings = Landings(self.counters)
-        # Result connections shut down (``<socket>_<reason>``, by ``ResultConns``' thread),
-        # told to the front in TALLYs (``_tally``): what was told so far, and when.
-        self.conn_counts: Counter[str] = Counter()
-        self._told: Counter[str] = Counter()
-        self._next_tally = 0.0
+        self._next_tally = 0.0  # when the front may next be told of dropped result conns
 
     def stop(self) -> None:
         """Ask the loop to finish (from any thread); it notices within ``POLL_MS``."""
@@ -156,7 +152,6 @@ class Worker:
                 local,
                 idle_timeout=config.idle_timeout,
                 limit=results_budget(fd_limit(), config.max_sessions),
-                counters=self.conn_counts,
             )
         ready = Ready(
             worker=self.worker_id,
@@ -230,19 +225,15 @@ class Worker:
         if now < self._next_tally:
             return
         self._next_tally = now + TALLY_S
-        with results.conns.lock:
-            counts = Counter(self.conn_counts)
-        tally = Tally(
-            worker=self.worker_id,
-            idle_dropped=counts["results_idle_dropped"] - self._told["results_idle_dropped"],
-            over_limit_dropped=counts["results_over_limit_dropped"]
-            - self._told["results_over_limit_dropped"],
-            unfinished_dropped=counts["results_unfinished_dropped"]
-            - self._told["results_unfinished_dropped"],
-        )
-        if tally.idle_dropped or tally.over_limit_dropped or tally.unfinished_dropped:
+        dropped = results.conns.take_dropped()
+        if dropped:
+            tally = Tally(
+                worker=self.worker_id,
+                idle_dropped=dropped["results_idle_dropped"],
+                over_limit_dropped=dropped["results_over_limit_dropped"],
+                unfinished_dropped=dropped["results_unfinished_dropped"],
+            )
             sock.send_multipart(tally.encode(), zmq.NOBLOCK)
-            self._told = counts
 
     def _report(self, sock: zmq.Socket[Any], site: str, exc: BaseException) -> None:
         """Tell the front a message was dropped (it counts it as internal); when it was a
