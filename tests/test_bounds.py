@@ -23,6 +23,7 @@ import msgspec
 import pytest
 import zmq
 from conftest import Server, run_epoch_collecting_errors, wait_until
+from fuzz_targets import welcome_of
 from zmtp import (
     accept_as,
     closed_by_peer,
@@ -32,7 +33,7 @@ from zmtp import (
     send_message,
 )
 
-from dataserver.protocol import ErrorMsg, Heartbeat, Hello, Stats, Welcome, decode
+from dataserver.protocol import ErrorMsg, Heartbeat, Hello, Stats, decode
 from dataserver.tcpinfo import loopback_uid
 from dataserver_client import DataServerClient
 
@@ -205,25 +206,9 @@ class FdLimitServer(Server):
         return ["prlimit", f"--nofile={self.nofile}:{self.nofile}", "--", *super().command()]
 
 
-def worker_welcome(server: Server) -> Welcome:
-    """The WELCOME ``server`` gives anyone's HELLO."""
-    ctx: zmq.Context[Any] = zmq.Context()
-    try:
-        s = ctx.socket(zmq.DEALER)
-        s.setsockopt(zmq.LINGER, 0)
-        s.connect(server.address)
-        s.send_multipart(Hello(session=os.urandom(16), auth=os.urandom(16)).encode())
-        assert s.poll(10_000), "no WELCOME"
-        welcome = decode(s.recv_multipart())
-        assert isinstance(welcome, Welcome)
-        return welcome
-    finally:
-        ctx.destroy(linger=0)
-
-
 def worker_endpoints(server: Server) -> list[str]:
     """The workers' TCP result endpoints, as a WELCOME names them to anyone."""
-    return list(worker_welcome(server).results)
+    return list(welcome_of(server.address).results)
 
 
 def fds(pid: int) -> int:
@@ -376,7 +361,7 @@ def test_a_servers_endless_message_is_cut_off_in_the_trainer(start_server: Any) 
     outstanding answers can take (and 64 MiB): past that the server is dropped, its sockets
     closed, and the epoch completes, exactly once, from the honest server."""
     server = start_server("--dataset", f"synthetic:images={SAMPLES}", workers=2)
-    welcome = worker_welcome(server)
+    welcome = welcome_of(server.address)
     listener = socket.create_server(("127.0.0.1", 0))
     hostile = f"tcp://127.0.0.1:{listener.getsockname()[1]}"
     sent = 0
