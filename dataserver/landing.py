@@ -192,6 +192,11 @@ class LandingArea:
             return region
         return None
 
+    def give(self, region: int) -> None:
+        """Region ``region``, taken and sealed (no worker writes it any more), is free again:
+        ``take`` hands it out next, its pages still reserved."""
+        self.free.append(region)
+
     def reserved_free(self) -> bool:
         """Whether a free region has its pages reserved already (``take`` is then cheap)."""
         return self._reserved_free_at() is not None

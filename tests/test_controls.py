@@ -143,7 +143,7 @@ def test_a_session_changing_control_state_every_task_is_paced() -> None:
     is copied, and nothing waits."""
     for steerable in (True, False):
         sched = Scheduler(8, 1024, 1 << 30, 1 << 30)
-        sched.pace_states = steerable
+        sched.pace(steerable)
         churn, honest = b"c" * 16, b"h" * 16
         for sid in (churn, honest):
             session = sched.open(sid, sid, sid)

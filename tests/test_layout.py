@@ -1,10 +1,13 @@
 """The layout rules of DEVELOPERS.md that a reader relies on: no import cycles among the
-project's modules, and nothing on the server side imports torch."""
+project's modules, nothing on the server side imports torch, and no module of either package
+writes another object's fields (attributes, their containers, through aliases)."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
+
+import zmq
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = {
@@ -99,74 +102,356 @@ def test_the_server_side_never_imports_torch() -> None:
             ), f"{name} imports {mods}"
 
 
-# Writes to another object's attribute that the client allows, each with its reason.
-FOREIGN_WRITES_ALLOWED: set[tuple[str, str]] = {
-    # pyzmq sets CURVE keys as socket attributes (its API for socket options).
-    ("links", "curve_serverkey"),
-    ("links", "curve_publickey"),
-    ("links", "curve_secretkey"),
-    # The mmengine bridge fills mmengine's own objects the way mmengine documents.
-    ("mmengine", "gt_instances"),
-    ("mmengine", "endless"),
-    ("mmengine", "dataloader_iterator"),
+# ---------------------------------------------------------------- who writes what
+#
+# A field is written only by the object that holds it (STYLE.md, DEVELOPERS.md): by its
+# methods, or, for a record (a dataclass or a msgspec Struct), by the code of the module that
+# defines the record. The test below reads every module of both packages and reports, as a
+# write into another object's field:
+#
+# - ``x.f = v``, ``x.f += v``, ``del x.f`` where ``x`` is not ``self``/``cls`` (``self.a.f = v``
+#   writes a field of the object ``self.a``, not of ``self``);
+# - ``x.f[k] = v``, ``x.f[k] += v``, ``del x.f[k]`` (the container ``f`` belongs to ``x``);
+# - a mutating call (``MUTATORS``) on ``x.f`` or ``x.f[k]``: ``x.f.append(v)``;
+# - the same through a local alias: ``d = x.f`` (or ``x.f[k]``), then ``d.append(v)``,
+#   ``d[k] = v`` or ``del d[k]``.
+#
+# A method writing another instance of its own class writes its own kind's fields: allowed.
+# Which class owns ``x`` is read from the code, without running it: a parameter's or local's
+# annotation, ``x = C(...)``, ``isinstance(x, C)``, and for ``self.a`` the class's annotation or
+# assignment of ``a``. Where the class cannot be told, a field that a record of the same module
+# declares is taken as that record's. Limits: an alias through a call (``d = x.items()``), a
+# loop variable, or a container handed over by reference (``self.counts = other.counts``) is
+# not followed; a mutating method of a project class named like a container's (``pop``) on
+# another object's attribute is reported (give the holder a method instead).
+
+MUTATORS = frozenset(
+    {
+        "append", "appendleft", "extend", "extendleft", "insert", "pop", "popleft",
+        "popitem", "remove", "clear", "update", "setdefault", "add", "discard", "sort",
+        "reverse", "rotate", "difference_update", "intersection_update",
+        "symmetric_difference_update", "__setitem__", "__delitem__", "__iadd__",
+    }
+)  # fmt: skip
+
+# Classes (as the code names them) and modules whose state code outside them may write, each
+# with its reason.
+FOREIGN_OWNERS_ALLOWED: dict[str, str] = {
+    "zmq.Socket": "pyzmq takes socket options as attributes (sock.curve_serverkey = key): "
+    "its documented API for setsockopt",
+    "BaseDataElement": "mmengine's data samples take their fields as attributes "
+    "(sample.gt_instances = ...), as mmengine documents",
+    "IterBasedTrainLoop": "the mmengine bridge hands the loop its batches through the "
+    "loop's dataloader_iterator, the attribute mmengine's loop reads them from",
+    "os": "os.environ is the process's environment, set before a library or a child reads it",
+    "sys": "sys.path and sys.modules are the interpreter's import state, there to be set",
 }
-# Exception chaining (``raise ... from`` spelled out) is the language's, not an object's.
-ALLOWED_EVERYWHERE = {"__cause__"}
+
+# Writes that other parts of issue 26 remove while this test is extended (module stem, the
+# write as ast.unparse spells it): each with where it is and whose work removes it.
+PENDING_OTHER_HELPERS: dict[tuple[str, str], str] = {
+    # H3 (narrowing PlanBook; book.py, client.py):
+    ("book", "batch.array[slot]"): "book.py:210, the book copies a result's "
+    "pixels received apart into an InflightBatch's array (InflightBatch.answer could)",
+    ("client", "batch.manifest['fingerprint']"): "client.py:297, a Batch's manifest filled "
+    "after the batch is built",
+    ("client", "batch.manifest[key]"): "client.py:420-422, the same",
+    # H1 (declared counters; frozen messages built once; worker.py):
+    ("direct", "self.tracker.rejected"): "direct.py:111, ResultConns hands its dropped "
+    "counts to the ConnTracker's rejected Counter",
+    ("worker", "self.guard.report"): "worker.py:176, the MessageGuard's report monkey-patched",
+    ("worker", "out.task_us"): "worker.py:278, a Result mutated after it is built",
+    ("worker", "result.pixels"): "worker.py:368, the same",
+    ("worker", "result.landed"): "worker.py:368, the same",
+    ("worker", "result.decoded"): "worker.py:448, the same",
+    ("worker", "result.decode_us"): "worker.py:449, the same",
+}
 
 
-def _record_fields(tree: ast.Module) -> set[str]:
-    """Fields of the dataclasses a module defines: records it creates and fills itself."""
-    fields: set[str] = set()
+def _type_name(ann: ast.expr | None) -> str | None:
+    """The class an annotation names (``C``, ``mod.C``, ``C | None``, ``C[...]``, ``"C"``)."""
+    if ann is None:
+        return None
+    if isinstance(ann, ast.Constant) and isinstance(ann.value, str):
+        try:
+            ann = ast.parse(ann.value, mode="eval").body
+        except SyntaxError:
+            return None
+    if isinstance(ann, ast.BinOp) and isinstance(ann.op, ast.BitOr):
+        sides = [s for s in (ann.left, ann.right) if ast.unparse(s) != "None"]
+        return _type_name(sides[0]) if len(sides) == 1 else None
+    if isinstance(ann, ast.Subscript):
+        if ast.unparse(ann.value) in ("Optional", "typing.Optional"):
+            return _type_name(ann.slice)
+        ann = ann.value
+    if isinstance(ann, ast.Name | ast.Attribute):
+        name = ast.unparse(ann)
+        return name if name.rpartition(".")[2][:1].isupper() else None
+    return None
+
+
+def _made_by(value: ast.expr | None) -> str | None:
+    """The class of ``C(...)`` (a capitalised name), or ``zmq.Socket`` for ``ctx.socket(...)``."""
+    if not isinstance(value, ast.Call):
+        return None
+    if isinstance(value.func, ast.Attribute) and value.func.attr == "socket":
+        return "zmq.Socket"
+    return _type_name(value.func) if isinstance(value.func, ast.Name | ast.Attribute) else None
+
+
+def _records(tree: ast.Module) -> dict[str, set[str]]:
+    """The records a module defines (dataclasses, msgspec Structs) and their fields."""
+    out: dict[str, set[str]] = {}
     for node in ast.walk(tree):
         if not isinstance(node, ast.ClassDef):
             continue
-        if not any("dataclass" in ast.unparse(d) for d in node.decorator_list):
-            continue
-        for stmt in node.body:
-            if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
-                fields.add(stmt.target.id)
-    return fields
-
-
-def foreign_writes(path: Path) -> list[str]:
-    """Assignments, augmented assignments and deletions of ``X.attr`` where ``X`` is not
-    ``self`` (nor ``cls``), except fields of a dataclass the same module defines."""
-    tree = ast.parse(path.read_text())
-    own = _record_fields(tree)
-    targets: list[ast.expr] = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Assign):
-            targets.extend(node.targets)
-        elif isinstance(node, ast.AugAssign | ast.AnnAssign):
-            targets.append(node.target)
-        elif isinstance(node, ast.Delete):
-            targets.extend(node.targets)
-    flat: list[ast.expr] = []
-    while targets:
-        t = targets.pop()
-        if isinstance(t, ast.Tuple | ast.List):
-            targets.extend(t.elts)
-        else:
-            flat.append(t)
-    out = []
-    for t in flat:
-        if not isinstance(t, ast.Attribute):
-            continue
-        owner = t.value
-        if isinstance(owner, ast.Name) and owner.id in ("self", "cls"):
-            continue
-        if (
-            t.attr in own
-            or t.attr in ALLOWED_EVERYWHERE
-            or (path.stem, t.attr) in FOREIGN_WRITES_ALLOWED
-        ):
-            continue
-        out.append(f"{path.name}:{t.lineno}: {ast.unparse(t)}")
+        dataclass = any("dataclass" in ast.unparse(d) for d in node.decorator_list)
+        struct = any(ast.unparse(b).endswith("Struct") for b in node.bases)
+        if dataclass or struct:
+            out[node.name] = {
+                s.target.id
+                for s in node.body
+                if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)
+            }
     return out
 
 
-def test_no_client_module_writes_another_objects_fields() -> None:
-    """A field is written only by methods of the object that holds it (STYLE.md)."""
-    base = PACKAGES["dataserver_client"]
-    found = [w for p in sorted(base.rglob("*.py")) for w in foreign_writes(p)]
+def _field_types(cls: ast.ClassDef) -> dict[str, str]:
+    """The classes of ``self.a`` that a class declares or assigns."""
+    out: dict[str, str] = {}
+    for node in ast.walk(cls):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            name = _type_name(node.annotation)
+            if name and node in cls.body:
+                out[node.target.id] = name
+        targets: list[ast.expr] = []
+        name = None
+        if isinstance(node, ast.AnnAssign):
+            targets, name = [node.target], _type_name(node.annotation) or _made_by(node.value)
+        elif isinstance(node, ast.Assign):
+            targets, name = node.targets, _made_by(node.value)
+        for t in targets:
+            own = isinstance(t, ast.Attribute) and ast.unparse(t.value) == "self"
+            if own and name and isinstance(t, ast.Attribute):
+                out.setdefault(t.attr, name)
+    return out
+
+
+class _Writes(ast.NodeVisitor):
+    """Collects the writes into another object's fields of one module."""
+
+    def __init__(self, path: Path, tree: ast.Module) -> None:
+        self.stem = path.stem
+        self.name = path.name
+        self.records = _records(tree)
+        self.record_fields = set().union(*self.records.values()) if self.records else set()
+        self.modules = {
+            (a.asname or a.name).partition(".")[0]
+            for n in tree.body
+            if isinstance(n, ast.Import)
+            for a in n.names
+        }
+        self.cls: ast.ClassDef | None = None
+        self.fields: dict[str, str] = {}
+        self.local: dict[str, str] = {}
+        self.alias: dict[str, ast.Attribute] = {}
+        self.found: list[str] = []
+
+    def visit_ClassDef(self, node: ast.ClassDef) -> None:
+        outer = self.cls, self.fields
+        self.cls, self.fields = node, _field_types(node)
+        self.generic_visit(node)
+        self.cls, self.fields = outer
+
+    def visit_FunctionDef(self, node: ast.FunctionDef | ast.AsyncFunctionDef) -> None:
+        outer = self.local, self.alias
+        self.local, self.alias = dict(outer[0]), dict(outer[1])
+        args = node.args
+        for a in [*args.posonlyargs, *args.args, *args.kwonlyargs]:
+            name = _type_name(a.annotation)
+            if name:
+                self.local[a.arg] = name
+        for n in ast.walk(node):
+            if not (isinstance(n, ast.Call) and ast.unparse(n.func) == "isinstance"):
+                continue
+            if len(n.args) == 2 and isinstance(n.args[0], ast.Name):
+                name = _type_name(n.args[1])
+                if name:
+                    self.local.setdefault(n.args[0].id, name)
+        self.generic_visit(node)
+        self.local, self.alias = outer
+
+    visit_AsyncFunctionDef = visit_FunctionDef
+
+    def _class_of(self, owner: ast.expr) -> str | None:
+        if isinstance(owner, ast.Name):
+            if owner.id in self.modules:
+                return owner.id
+            return self.local.get(owner.id)
+        if isinstance(owner, ast.Attribute) and ast.unparse(owner.value) == "self":
+            return self.fields.get(owner.attr)
+        return None
+
+    def _own(self, owner: ast.expr) -> bool:
+        if isinstance(owner, ast.Name) and owner.id in ("self", "cls"):
+            return True
+        cls = self._class_of(owner)
+        return self.cls is not None and cls == self.cls.name
+
+    def _check(self, field: ast.Attribute, node: ast.AST, write: str) -> None:
+        owner = field.value
+        if self._own(owner) or field.attr == "__cause__":
+            return  # (exception chaining spelled out is the language's, not an object's)
+        cls = self._class_of(owner)
+        if cls is not None:
+            if cls in self.records or cls in FOREIGN_OWNERS_ALLOWED:
+                return
+        elif field.attr in self.record_fields:
+            return
+        elif _is_socket_option(field.attr):
+            return  # a zmq.Socket's option: see FOREIGN_OWNERS_ALLOWED
+        if (self.stem, write) in PENDING_OTHER_HELPERS:
+            return
+        whose = f" ({cls}'s)" if cls else ""
+        self.found.append(f"{self.name}:{getattr(node, 'lineno', 0)}: {write}{whose}")
+
+    def _container(self, expr: ast.expr) -> ast.Attribute | None:
+        """The field ``x.f`` a container expression (``x.f``, ``x.f[k]``, an alias) is."""
+        while isinstance(expr, ast.Subscript):
+            expr = expr.value
+        if isinstance(expr, ast.Attribute):
+            return expr
+        if isinstance(expr, ast.Name):
+            return self.alias.get(expr.id)
+        return None
+
+    def _target(self, t: ast.expr, node: ast.AST) -> None:
+        if isinstance(t, ast.Tuple | ast.List):
+            for e in t.elts:
+                self._target(e, node)
+        elif isinstance(t, ast.Starred):
+            self._target(t.value, node)
+        elif isinstance(t, ast.Attribute):
+            self._check(t, node, ast.unparse(t))
+        elif isinstance(t, ast.Subscript):
+            field = self._container(t.value)
+            if field is not None:
+                self._check(field, node, ast.unparse(t))
+
+    def _bind(self, t: ast.expr, value: ast.expr | None, ann: ast.expr | None = None) -> None:
+        """Note what a local name holds: a class, or another object's field (an alias)."""
+        if not isinstance(t, ast.Name):
+            return
+        self.alias.pop(t.id, None)
+        name = _type_name(ann) or _made_by(value)
+        if isinstance(value, ast.Call) and ast.unparse(value.func) == "cls" and self.cls:
+            name = self.cls.name  # a classmethod building its own class's instance
+        if name:
+            self.local[t.id] = name
+        inner = value
+        while isinstance(inner, ast.Subscript):
+            inner = inner.value
+        if isinstance(inner, ast.Attribute) and not self._own(inner.value):
+            self.alias[t.id] = inner
+
+    def visit_Assign(self, node: ast.Assign) -> None:
+        for t in node.targets:
+            self._target(t, node)
+            self._bind(t, node.value)
+        self.generic_visit(node)
+
+    def visit_AnnAssign(self, node: ast.AnnAssign) -> None:
+        if node.value is not None:
+            self._target(node.target, node)
+        self._bind(node.target, node.value, node.annotation)
+        self.generic_visit(node)
+
+    def visit_AugAssign(self, node: ast.AugAssign) -> None:
+        self._target(node.target, node)
+        self.generic_visit(node)
+
+    def visit_Delete(self, node: ast.Delete) -> None:
+        for t in node.targets:
+            self._target(t, node)
+        self.generic_visit(node)
+
+    def visit_Call(self, node: ast.Call) -> None:
+        func = node.func
+        if isinstance(func, ast.Attribute) and func.attr in MUTATORS:
+            field = self._container(func.value)
+            if field is not None:
+                self._check(field, node, ast.unparse(func))
+        self.generic_visit(node)
+
+
+def _is_socket_option(name: str) -> bool:
+    return name.upper() in zmq.SocketOption.__members__
+
+
+def foreign_writes(path: Path) -> list[str]:
+    """The writes of ``path``'s code into another object's fields (see above)."""
+    tree = ast.parse(path.read_text())
+    writes = _Writes(path, tree)
+    writes.visit(tree)
+    return writes.found
+
+
+def test_no_module_writes_another_objects_fields() -> None:
+    """A field is written only by methods of the object that holds it, or for a record by the
+    module that defines it (STYLE.md); in both packages."""
+    found = [
+        w
+        for base in PACKAGES.values()
+        for p in sorted(base.rglob("*.py"))
+        for w in foreign_writes(p)
+    ]
     assert not found, "writes into another object's fields:\n" + "\n".join(found)
+
+
+def test_the_ownership_check_sees_calls_subscripts_aliases_and_held_objects(
+    tmp_path: Path,
+) -> None:
+    """What the check above reports, and what it lets be (a guard against a check that
+    silently sees nothing)."""
+    source = tmp_path / "sample.py"
+    source.write_text(
+        """
+from dataclasses import dataclass
+
+
+@dataclass
+class Record:
+    items: list[int]
+
+
+class Owner:
+    def __init__(self, other: Other) -> None:
+        self.other = other
+        self.mine: list[int] = []
+
+    def work(self, rec: Record, peer: Other, k: int) -> None:
+        self.mine.append(1)
+        self.mine[0] = 2
+        rec.items.append(3)
+        self.other.free.append(k)
+        self.other.count = 1
+        peer.table[k] = 4
+        peer.table[k] += 1
+        del peer.table[k]
+        alias = peer.queue
+        alias.append(5)
+        alias[0] = 6
+        mine = self.mine
+        mine.append(7)
+"""
+    )
+    found = [w.split(": ", 1)[1] for w in foreign_writes(source)]
+    assert found == [
+        "self.other.free.append",
+        "self.other.count",
+        "peer.table[k] (Other's)",
+        "peer.table[k] (Other's)",
+        "peer.table[k] (Other's)",
+        "alias.append (Other's)",
+        "alias[0] (Other's)",
+    ]

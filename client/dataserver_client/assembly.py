@@ -123,7 +123,7 @@ class HostBuffers:
                     free.append((tensor, event))
                 else:  # the region itself goes back, to be viewed in another shape
                     del self._region[tensor.untyped_storage().data_ptr()]
-                    self.landing.free.append(region)
+                    self.landing.give(region)
             else:
                 waiting.append((tensor, event))
         self._unsealed = waiting

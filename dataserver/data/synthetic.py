@@ -25,8 +25,8 @@ def _palette(label: int) -> tuple[int, int, int]:
     return r, g, b
 
 
-def generate(seed: int, index: int) -> Sample:
-    """The synthetic image number ``index`` of the set seeded ``seed``."""
+def generate(seed: int, index: int, file: str | None = None) -> Sample:
+    """The synthetic image number ``index`` of the set seeded ``seed``, named ``file``."""
     rng = np.random.default_rng(np.random.SeedSequence([seed, index, 0x5EED]))
     height, width = IMAGE_SIZES[int(rng.integers(len(IMAGE_SIZES)))]
     # A smooth background with coarse texture, cheap to make and JPEG-realistic.
@@ -56,6 +56,7 @@ def generate(seed: int, index: int) -> Sample:
         image,
         np.asarray(boxes, dtype=np.float32).reshape(-1, 4),
         np.asarray(labels, dtype=np.int64),
+        file,
     )
 
 
@@ -79,9 +80,8 @@ class SyntheticDataset:
     def __getitem__(self, index: int) -> Sample:
         if not 0 <= index < self.images:
             raise IndexError(f"index {index} out of range 0..{self.images - 1}")
-        sample = generate(self.seed, index)
-        sample.file = f"{index:012d}.jpg"  # (the name ``dataserver synth`` writes it under)
-        return sample
+        # (named as ``dataserver synth`` writes it)
+        return generate(self.seed, index, file=f"{index:012d}.jpg")
 
     def __repr__(self) -> str:
         return f"SyntheticDataset(images={self.images}, seed={self.seed})"

@@ -215,7 +215,7 @@ class WorkerRouter:
         handle.became_ready(identity, msg.results, msg.local)
         if msg.store is False:  # it logged why; it serves, decoding every source
             self.counters["workers_without_store"] += 1
-        self.scheduler.pace_states = msg.steerable  # (every worker has the same dataset)
+        self.scheduler.pace(msg.steerable)  # (every worker has the same dataset)
         self.by_identity[identity] = handle
         self.ready.append(handle)
         self.pool.mark_ready(handle)

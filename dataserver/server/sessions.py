@@ -148,6 +148,11 @@ class Scheduler:
         self.by_peer: dict[str, dict[bytes, Session]] = {}  # each peer's sessions
         self.refused = ("", "")  # (reason, why) of the last open() that returned None
 
+    def pace(self, steerable: bool) -> None:
+        """Whether the dataset takes control states (``set_control``, as a worker's READY
+        says): a task needing another state than its session's last is then paced."""
+        self.pace_states = steerable
+
     def open(
         self, sid: bytes, identity: bytes, secret: bytes, base: int = 0, peer: str = ""
     ) -> Session | None:

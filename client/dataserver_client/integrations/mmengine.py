@@ -114,7 +114,7 @@ def as_data_batch(batch: Batch, sample_type: type = BaseDataElement) -> DataBatc
     shape = (int(batch.images.shape[-2]), int(batch.images.shape[-1]))
     samples = []
     for target, indices in zip(batch.targets, batch.indices, strict=True):
-        sample = sample_type(
+        sample: BaseDataElement = sample_type(
             metainfo={
                 "img_shape": shape,
                 "ori_shape": shape,
@@ -198,8 +198,8 @@ class DataServerLoader:
     ``as_data_batch``). With ``DataServerHook`` (or ``StitcherFeedbackHook``) registered,
     its state rides in MMEngine's checkpoints.
 
-    ``epoch_callbacks``: functions called with the epoch number just before the loader
-    starts serving that epoch (before its first batch is planned), what
+    ``on_epoch(callback)``: ``callback`` is called with the epoch number just before the
+    loader starts serving that epoch (before its first batch is planned), what
     ``CloseMosaicHook`` uses under ``IterBasedTrainLoop``.
     """
 
@@ -217,8 +217,8 @@ class DataServerLoader:
         self.sampler = EpochSampler(self)
         self.batch_size = client.config.batch_size
         self.sample_type = sample_type or default_sample_type()
-        self.endless = False  # set by DataServerHook under IterBasedTrainLoop
-        self.epoch_callbacks: list[Callable[[int], None]] = []
+        self.endless = False  # set by ``serve_endless`` (DataServerHook, IterBasedTrainLoop)
+        self._epoch_callbacks: list[Callable[[int], None]] = []
 
     def __len__(self) -> int:
         return len(self.client)
@@ -228,12 +228,24 @@ class DataServerLoader:
         # calls iter() when it is built, before a checkpoint is loaded.
         return self._epoch()
 
+    def on_epoch(self, callback: Callable[[int], None]) -> None:
+        """Call ``callback(epoch)`` just before each epoch starts (once, however often it
+        is given)."""
+        if callback not in self._epoch_callbacks:
+            self._epoch_callbacks.append(callback)
+
     def _epoch(self) -> Iterator[DataBatch]:
-        for callback in self.epoch_callbacks:
+        for callback in self._epoch_callbacks:
             callback(self.client.epoch)
         for batch in self.client:
             yield as_data_batch(batch, self.sample_type)
         self.client.set_epoch(self.client.epoch + 1)
+
+    def serve_endless(self, skip: int = 0) -> Iterator[DataBatch | None]:
+        """From now on the loader moves from epoch to epoch itself (the sampler's
+        ``set_epoch`` is ignored): ``endless_batches(skip)``, for ``IterBasedTrainLoop``."""
+        self.endless = True
+        return self.endless_batches(skip)
 
     def endless_batches(self, skip: int = 0) -> Iterator[DataBatch | None]:
         """Every epoch in turn, without end (what ``IterBasedTrainLoop`` wants). The first
@@ -352,8 +364,7 @@ class DataServerHook(Hook):
         if isinstance(loop, IterBasedTrainLoop):
             if not hasattr(loop, "dataloader_iterator"):
                 raise RuntimeError("this MMEngine's IterBasedTrainLoop has no dataloader_iterator")
-            loader.endless = True
-            loop.dataloader_iterator = loader.endless_batches(skip=runner.iter)
+            loop.dataloader_iterator = loader.serve_endless(skip=runner.iter)
 
     @staticmethod
     def loader(runner: Any) -> DataServerLoader:
@@ -458,8 +469,8 @@ class CloseMosaicHook(Hook):
                 "DataServerHook (checkpoints) with CloseMosaicHook instead"
             )
         self._by_loader = isinstance(runner.train_loop, IterBasedTrainLoop)
-        if self._by_loader and self._on_epoch not in loader.epoch_callbacks:
-            loader.epoch_callbacks.append(self._on_epoch)
+        if self._by_loader:
+            loader.on_epoch(self._on_epoch)
         self._client = loader.client
 
     def _on_epoch(self, epoch: int) -> None:
