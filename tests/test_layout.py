@@ -7,8 +7,6 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import zmq
-
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = {
     "dataserver": ROOT / "dataserver",
@@ -117,13 +115,18 @@ def test_the_server_side_never_imports_torch() -> None:
 #   ``d[k] = v`` or ``del d[k]``.
 #
 # A method writing another instance of its own class writes its own kind's fields: allowed.
-# Which class owns ``x`` is read from the code, without running it: a parameter's or local's
-# annotation, ``x = C(...)``, ``isinstance(x, C)``, and for ``self.a`` the class's annotation or
-# assignment of ``a``. Where the class cannot be told, a field that a record of the same module
-# declares is taken as that record's. Limits: an alias through a call (``d = x.items()``), a
-# loop variable, or a container handed over by reference (``self.counts = other.counts``) is
-# not followed; a mutating method of a project class named like a container's (``pop``) on
-# another object's attribute is reported (give the holder a method instead).
+# Which class ``x`` is is read from the code, without running it: annotations (parameters,
+# locals, the class's ``a: T`` or ``self.a: T``), ``x = C(...)`` (``cls(...)``,
+# ``ctx.socket(...)``: a ``zmq.Socket``), ``self.a = param``, ``isinstance(x, C)``, an
+# element of an annotated container (``for x in xs``, ``xs[k]``, ``xs.get(k)``, ``.pop``,
+# ``.values()``, ``.items()``, ``sorted``/``enumerate``/a filtering generator), a method's
+# return annotation. Where it cannot be told, the write is reported: annotate the local, or
+# better give the holder a method. Exemptions are by class (``FOREIGN_OWNERS_ALLOWED``),
+# never by field name. Limits: an alias through a call (``d = x.items()``) or a loop
+# (``for d in x.lists: d.append(v)``), and a container handed over by reference
+# (``self.counts = other.counts``, then ``self.counts[k] += 1``), are not followed; a
+# project class's method named like a container's (``pop``) called on another object's
+# attribute is reported (give the holder a method instead).
 
 MUTATORS = frozenset(
     {
@@ -168,10 +171,12 @@ PENDING_OTHER_HELPERS: dict[tuple[str, str], str] = {
 }
 
 
-def _type_name(ann: ast.expr | None) -> str | None:
-    """The class an annotation names (``C``, ``mod.C``, ``C | None``, ``C[...]``, ``"C"``)."""
-    if ann is None:
-        return None
+SEQUENCES = {"list", "deque", "set", "frozenset", "Sequence", "Iterable", "Iterator", "tuple"}
+MAPPINGS = {"dict", "OrderedDict", "defaultdict", "Mapping", "MutableMapping"}
+
+
+def _unwrap(ann: ast.expr | None) -> ast.expr | None:
+    """An annotation without ``| None``/``Optional`` and quotes: what a value is when set."""
     if isinstance(ann, ast.Constant) and isinstance(ann.value, str):
         try:
             ann = ast.parse(ann.value, mode="eval").body
@@ -179,24 +184,42 @@ def _type_name(ann: ast.expr | None) -> str | None:
             return None
     if isinstance(ann, ast.BinOp) and isinstance(ann.op, ast.BitOr):
         sides = [s for s in (ann.left, ann.right) if ast.unparse(s) != "None"]
-        return _type_name(sides[0]) if len(sides) == 1 else None
+        return _unwrap(sides[0]) if len(sides) == 1 else None
+    if isinstance(ann, ast.Subscript) and ast.unparse(ann.value) in ("Optional", "typing.Optional"):
+        return _unwrap(ann.slice)
+    return ann
+
+
+def _class_name(ann: ast.expr | None) -> str | None:
+    """The class an annotation names (``C``, ``mod.C``, ``C | None``, ``C[...]``, ``"C"``)."""
+    ann = _unwrap(ann)
     if isinstance(ann, ast.Subscript):
-        if ast.unparse(ann.value) in ("Optional", "typing.Optional"):
-            return _type_name(ann.slice)
         ann = ann.value
     if isinstance(ann, ast.Name | ast.Attribute):
         name = ast.unparse(ann)
-        return name if name.rpartition(".")[2][:1].isupper() else None
+        return name if name.rpartition(".")[2].lstrip("_")[:1].isupper() else None
     return None
 
 
-def _made_by(value: ast.expr | None) -> str | None:
-    """The class of ``C(...)`` (a capitalised name), or ``zmq.Socket`` for ``ctx.socket(...)``."""
+def _element(ann: ast.expr | None, key: bool = False) -> ast.expr | None:
+    """What a container annotation holds: a sequence's items, a mapping's values (keys)."""
+    ann = _unwrap(ann)
+    if not isinstance(ann, ast.Subscript):
+        return None
+    kind = ast.unparse(ann.value).rpartition(".")[2]
+    args = ann.slice.elts if isinstance(ann.slice, ast.Tuple) else [ann.slice]
+    if kind in MAPPINGS and len(args) == 2:
+        return args[0] if key else args[1]
+    return args[0] if kind in SEQUENCES and not key else None
+
+
+def _made_by(value: ast.expr | None) -> ast.expr | None:
+    """The class ``C(...)`` makes (a capitalised name), or ``zmq.Socket`` for ``ctx.socket()``."""
     if not isinstance(value, ast.Call):
         return None
     if isinstance(value.func, ast.Attribute) and value.func.attr == "socket":
-        return "zmq.Socket"
-    return _type_name(value.func) if isinstance(value.func, ast.Name | ast.Attribute) else None
+        return ast.parse("zmq.Socket", mode="eval").body
+    return value.func if _class_name(value.func) else None
 
 
 def _records(tree: ast.Module) -> dict[str, set[str]]:
@@ -216,24 +239,31 @@ def _records(tree: ast.Module) -> dict[str, set[str]]:
     return out
 
 
-def _field_types(cls: ast.ClassDef) -> dict[str, str]:
-    """The classes of ``self.a`` that a class declares or assigns."""
-    out: dict[str, str] = {}
-    for node in ast.walk(cls):
-        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-            name = _type_name(node.annotation)
-            if name and node in cls.body:
-                out[node.target.id] = name
-        targets: list[ast.expr] = []
-        name = None
-        if isinstance(node, ast.AnnAssign):
-            targets, name = [node.target], _type_name(node.annotation) or _made_by(node.value)
-        elif isinstance(node, ast.Assign):
-            targets, name = node.targets, _made_by(node.value)
-        for t in targets:
-            own = isinstance(t, ast.Attribute) and ast.unparse(t.value) == "self"
-            if own and name and isinstance(t, ast.Attribute):
-                out.setdefault(t.attr, name)
+def _field_types(cls: ast.ClassDef) -> dict[str, ast.expr]:
+    """What a class's fields hold, as it declares them (``a: T``, ``self.a: T = ...``) or
+    assigns them (``self.a = C(...)``, ``self.a = param`` of an annotated parameter)."""
+    out: dict[str, ast.expr] = {}
+    for s in cls.body:
+        if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name):
+            out[s.target.id] = s.annotation
+    for method in cls.body:
+        if not isinstance(method, ast.FunctionDef):
+            continue
+        params = {a.arg: a.annotation for a in method.args.args if a.annotation is not None}
+        for node in ast.walk(method):
+            targets: list[ast.expr]
+            ann: ast.expr | None
+            if isinstance(node, ast.AnnAssign):
+                targets, ann = [node.target], node.annotation
+            elif isinstance(node, ast.Assign):
+                value = node.value
+                ann = params.get(value.id) if isinstance(value, ast.Name) else _made_by(value)
+                targets = node.targets
+            else:
+                continue
+            for t in targets:
+                if isinstance(t, ast.Attribute) and ast.unparse(t.value) == "self" and ann:
+                    out.setdefault(t.attr, ann)
     return out
 
 
@@ -241,10 +271,10 @@ class _Writes(ast.NodeVisitor):
     """Collects the writes into another object's fields of one module."""
 
     def __init__(self, path: Path, tree: ast.Module) -> None:
-        self.stem = path.stem
-        self.name = path.name
+        self.path = path
         self.records = _records(tree)
-        self.record_fields = set().union(*self.records.values()) if self.records else set()
+        self.classes = {n.name: n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)}
+        self.types = {name: _field_types(c) for name, c in self.classes.items()}
         self.modules = {
             (a.asname or a.name).partition(".")[0]
             for n in tree.body
@@ -252,68 +282,138 @@ class _Writes(ast.NodeVisitor):
             for a in n.names
         }
         self.cls: ast.ClassDef | None = None
-        self.fields: dict[str, str] = {}
-        self.local: dict[str, str] = {}
+        self.local: dict[str, ast.expr] = {}
+        self.narrowed: dict[str, ast.expr] = {}  # isinstance(x, C) in the function
         self.alias: dict[str, ast.Attribute] = {}
         self.found: list[str] = []
 
     def visit_ClassDef(self, node: ast.ClassDef) -> None:
-        outer = self.cls, self.fields
-        self.cls, self.fields = node, _field_types(node)
+        outer, self.cls = self.cls, node
         self.generic_visit(node)
-        self.cls, self.fields = outer
+        self.cls = outer
 
     def visit_FunctionDef(self, node: ast.FunctionDef | ast.AsyncFunctionDef) -> None:
-        outer = self.local, self.alias
-        self.local, self.alias = dict(outer[0]), dict(outer[1])
+        outer = self.local, self.alias, self.narrowed
+        self.local, self.alias, self.narrowed = dict(outer[0]), dict(outer[1]), dict(outer[2])
         args = node.args
         for a in [*args.posonlyargs, *args.args, *args.kwonlyargs]:
-            name = _type_name(a.annotation)
-            if name:
-                self.local[a.arg] = name
-        for n in ast.walk(node):
+            if a.annotation is not None:
+                self.local[a.arg] = a.annotation
+        for n in ast.walk(node):  # isinstance(x, C): x is a C where it is written
             if not (isinstance(n, ast.Call) and ast.unparse(n.func) == "isinstance"):
                 continue
-            if len(n.args) == 2 and isinstance(n.args[0], ast.Name):
-                name = _type_name(n.args[1])
-                if name:
-                    self.local.setdefault(n.args[0].id, name)
+            if len(n.args) == 2 and isinstance(n.args[0], ast.Name) and _class_name(n.args[1]):
+                self.narrowed[n.args[0].id] = n.args[1]
         self.generic_visit(node)
-        self.local, self.alias = outer
+        self.local, self.alias, self.narrowed = outer
 
     visit_AsyncFunctionDef = visit_FunctionDef
 
+    # -- what a value is
+
+    def _type(self, expr: ast.expr) -> ast.expr | None:
+        """The annotation of what ``expr`` evaluates to, where the code says it."""
+        if isinstance(expr, ast.Name):
+            if expr.id == "self" and self.cls is not None:
+                return ast.Name(self.cls.name)
+            return self.local.get(expr.id) or self.narrowed.get(expr.id)
+        if isinstance(expr, ast.Attribute):
+            holder = _class_name(self._type(expr.value))
+            return self.types.get(holder or "", {}).get(expr.attr)
+        if isinstance(expr, ast.Subscript):
+            return _element(self._type(expr.value))
+        if not isinstance(expr, ast.Call):
+            return None
+        func = expr.func
+        if isinstance(func, ast.Name) and func.id == "cls" and self.cls is not None:
+            return ast.Name(self.cls.name)  # a classmethod building its own class's instance
+        if isinstance(func, ast.Name) and func.id in ("list", "sorted") and len(expr.args) == 1:
+            item = self._items(expr.args[0])
+            return ast.Subscript(ast.Name("list"), item) if item else None
+        if isinstance(func, ast.Attribute) and func.attr == "__new__":
+            return func.value if _class_name(func.value) else None
+        if isinstance(func, ast.Attribute):
+            if func.attr in ("get", "pop", "popleft", "setdefault"):
+                return _element(self._type(func.value))
+            made = self.classes.get(_class_name(self._type(func.value)) or "")
+            for method in made.body if made else []:
+                if isinstance(method, ast.FunctionDef) and method.name == func.attr:
+                    return method.returns
+        return _made_by(expr)
+
+    def _items(self, expr: ast.expr) -> ast.expr | None:
+        """The annotation of what iterating ``expr`` yields."""
+        if isinstance(expr, ast.GeneratorExp | ast.ListComp) and len(expr.generators) == 1:
+            loop = expr.generators[0]  # (x for x in xs if ...): what xs holds
+            same = isinstance(loop.target, ast.Name) and ast.unparse(expr.elt) == loop.target.id
+            return self._items(loop.iter) if same else None
+        if isinstance(expr, ast.Call) and len(expr.args) <= 1:
+            func = expr.func
+            if isinstance(func, ast.Attribute) and not expr.args:
+                held = self._type(func.value)
+                if func.attr == "values":
+                    return _element(held)
+                if func.attr == "keys":
+                    return _element(held, key=True)
+                if func.attr == "items":
+                    key, value = _element(held, key=True), _element(held)
+                    return ast.Tuple([key, value]) if key and value else None
+            if isinstance(func, ast.Name) and expr.args:
+                if func.id in ("list", "sorted", "reversed", "tuple"):
+                    return self._items(expr.args[0])
+                if func.id == "enumerate":
+                    item = self._items(expr.args[0])
+                    return ast.Tuple([ast.Name("int"), item]) if item else None
+        held = self._type(expr)
+        kind = ast.unparse(_unwrap(held).value) if isinstance(_unwrap(held), ast.Subscript) else ""  # type: ignore[union-attr]
+        return _element(held, key=kind.rpartition(".")[2] in MAPPINGS)
+
+    def _bind(self, t: ast.expr, ann: ast.expr | None, value: ast.expr | None = None) -> None:
+        """Note what a local name now holds: an annotated value, or another object's field
+        (an alias of it)."""
+        if isinstance(t, ast.Tuple | ast.List):
+            values = value.elts if isinstance(value, ast.Tuple | ast.List) else None
+            anns = ann.elts if isinstance(ann, ast.Tuple) else None
+            for j, e in enumerate(t.elts):
+                v = values[j] if values and j < len(values) else None
+                a = anns[j] if anns and j < len(anns) else (self._type(v) if v else None)
+                self._bind(e, a, v)
+            return
+        if not isinstance(t, ast.Name):
+            return
+        self.alias.pop(t.id, None)
+        self.local.pop(t.id, None)
+        if ann is not None:
+            self.local[t.id] = ann
+        inner = value
+        while isinstance(inner, ast.Subscript):
+            inner = inner.value
+        if isinstance(inner, ast.Attribute) and not self._own(inner.value):
+            self.alias[t.id] = inner
+
+    # -- whose a write is
+
     def _class_of(self, owner: ast.expr) -> str | None:
-        if isinstance(owner, ast.Name):
-            if owner.id in self.modules:
-                return owner.id
-            return self.local.get(owner.id)
-        if isinstance(owner, ast.Attribute) and ast.unparse(owner.value) == "self":
-            return self.fields.get(owner.attr)
-        return None
+        if isinstance(owner, ast.Name) and owner.id in self.modules:
+            return owner.id
+        return _class_name(self._type(owner))
 
     def _own(self, owner: ast.expr) -> bool:
         if isinstance(owner, ast.Name) and owner.id in ("self", "cls"):
             return True
-        cls = self._class_of(owner)
-        return self.cls is not None and cls == self.cls.name
+        return self.cls is not None and self._class_of(owner) == self.cls.name
 
     def _check(self, field: ast.Attribute, node: ast.AST, write: str) -> None:
         owner = field.value
         if self._own(owner) or field.attr == "__cause__":
             return  # (exception chaining spelled out is the language's, not an object's)
         cls = self._class_of(owner)
-        if cls is not None:
-            if cls in self.records or cls in FOREIGN_OWNERS_ALLOWED:
-                return
-        elif field.attr in self.record_fields:
+        if cls in self.records or cls in FOREIGN_OWNERS_ALLOWED:
             return
-        elif _is_socket_option(field.attr):
-            return  # a zmq.Socket's option: see FOREIGN_OWNERS_ALLOWED
-        if (self.stem, write) in PENDING_OTHER_HELPERS:
+        if (self.path.stem, write) in PENDING_OTHER_HELPERS:
             return
         whose = f" ({cls}'s)" if cls else ""
-        self.found.append(f"{self.name}:{getattr(node, 'lineno', 0)}: {write}{whose}")
+        self.found.append(f"{self.path.name}:{getattr(node, 'lineno', 0)}: {write}{whose}")
 
     def _container(self, expr: ast.expr) -> ast.Attribute | None:
         """The field ``x.f`` a container expression (``x.f``, ``x.f[k]``, an alias) is."""
@@ -338,42 +438,34 @@ class _Writes(ast.NodeVisitor):
             if field is not None:
                 self._check(field, node, ast.unparse(t))
 
-    def _bind(self, t: ast.expr, value: ast.expr | None, ann: ast.expr | None = None) -> None:
-        """Note what a local name holds: a class, or another object's field (an alias)."""
-        if not isinstance(t, ast.Name):
-            return
-        self.alias.pop(t.id, None)
-        name = _type_name(ann) or _made_by(value)
-        if isinstance(value, ast.Call) and ast.unparse(value.func) == "cls" and self.cls:
-            name = self.cls.name  # a classmethod building its own class's instance
-        if name:
-            self.local[t.id] = name
-        inner = value
-        while isinstance(inner, ast.Subscript):
-            inner = inner.value
-        if isinstance(inner, ast.Attribute) and not self._own(inner.value):
-            self.alias[t.id] = inner
-
     def visit_Assign(self, node: ast.Assign) -> None:
+        self.generic_visit(node)
         for t in node.targets:
             self._target(t, node)
-            self._bind(t, node.value)
-        self.generic_visit(node)
+            self._bind(t, self._type(node.value), node.value)
 
     def visit_AnnAssign(self, node: ast.AnnAssign) -> None:
+        self.generic_visit(node)
         if node.value is not None:
             self._target(node.target, node)
-        self._bind(node.target, node.value, node.annotation)
-        self.generic_visit(node)
+        self._bind(node.target, node.annotation, node.value)
 
     def visit_AugAssign(self, node: ast.AugAssign) -> None:
-        self._target(node.target, node)
         self.generic_visit(node)
+        self._target(node.target, node)
 
     def visit_Delete(self, node: ast.Delete) -> None:
+        self.generic_visit(node)
         for t in node.targets:
             self._target(t, node)
-        self.generic_visit(node)
+
+    def visit_For(self, node: ast.For | ast.AsyncFor) -> None:
+        self.visit(node.iter)
+        self._bind(node.target, self._items(node.iter))
+        for stmt in [*node.body, *node.orelse]:
+            self.visit(stmt)
+
+    visit_AsyncFor = visit_For
 
     def visit_Call(self, node: ast.Call) -> None:
         func = node.func
@@ -382,10 +474,6 @@ class _Writes(ast.NodeVisitor):
             if field is not None:
                 self._check(field, node, ast.unparse(func))
         self.generic_visit(node)
-
-
-def _is_socket_option(name: str) -> bool:
-    return name.upper() in zmq.SocketOption.__members__
 
 
 def foreign_writes(path: Path) -> list[str]:
@@ -428,6 +516,7 @@ class Owner:
     def __init__(self, other: Other) -> None:
         self.other = other
         self.mine: list[int] = []
+        self.others: list[Other] = []
 
     def work(self, rec: Record, peer: Other, k: int) -> None:
         self.mine.append(1)
@@ -443,15 +532,23 @@ class Owner:
         alias[0] = 6
         mine = self.mine
         mine.append(7)
+        for o in self.others:
+            o.count = 8
+        thing = make()
+        thing.count = 9
+        sock = ctx.socket(1)
+        sock.curve_serverkey = b"key"
 """
     )
     found = [w.split(": ", 1)[1] for w in foreign_writes(source)]
     assert found == [
-        "self.other.free.append",
-        "self.other.count",
+        "self.other.free.append (Other's)",
+        "self.other.count (Other's)",
         "peer.table[k] (Other's)",
         "peer.table[k] (Other's)",
         "peer.table[k] (Other's)",
         "alias.append (Other's)",
         "alias[0] (Other's)",
+        "o.count (Other's)",
+        "thing.count",
     ]
