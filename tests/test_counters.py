@@ -33,7 +33,7 @@ HOLDERS = ("counters", "rejected", "_dropped", "counts")  # what holds a ``Count
 
 
 def _files(root: Path) -> list[Path]:
-    return sorted(p for p in root.rglob("*.py") if "bench" not in p.parts)
+    return sorted(root.rglob("*.py"))
 
 
 def _undeclared(node: ast.Attribute, enums: dict[str, type[StrEnum]]) -> bool:
