@@ -9,7 +9,7 @@ closes the sockets the loop's own thread created. ``serve`` is that loop, for th
 processes (the front and each worker).
 
 ``MessageGuard.run`` calls a message's handler; any exception other than a shutdown is
-counted (``counter["internal"]``), logged once per place with its traceback, and the message
+counted (``internal()``: its owner's ``internal`` counter), logged once per place with its traceback, and the message
 is dropped, so the loop goes on serving everyone else. Input errors (``ProtocolError``) are
 counted by the handlers themselves under their own reasons; what reaches the guard is a bug,
 and a bug in handling one message must not stop a server.
@@ -83,17 +83,19 @@ def inject(site: str) -> None:
 
 
 class MessageGuard:
-    """Runs handlers so that an exception costs one message, not the process."""
+    """Runs handlers so that an exception costs one message, not the process. ``internal``
+    counts one such message (a bound increment of its owner's counters); ``report``, when
+    given, also tells someone (a worker tells its front, over the socket it reports on)."""
 
     def __init__(
         self,
         log: logging.Logger,
-        counter: Counter[str],
+        internal: Callable[[], None],
         report: Callable[[str, BaseException], None] | None = None,
     ) -> None:
         self.log = log
-        self.counter = counter
-        self.report = report  # also tell someone (a worker tells its front)
+        self._internal = internal
+        self._report = report
         self._seen: set[tuple[str, str]] = set()
 
     def run(self, site: str, handler: Callable[..., Any], *args: Any) -> None:
@@ -102,16 +104,16 @@ class MessageGuard:
         except Exception as exc:
             if is_shutdown(exc):
                 raise
-            self.counter["internal"] += 1
+            self._internal()
             key = (site, type(exc).__name__)
             if key in self._seen:
                 self.log.debug("%s: dropped a message (%s: %s)", site, type(exc).__name__, exc)
             else:  # once per place and kind, with the traceback; later ones are counted
                 self._seen.add(key)
                 self.log.error("%s: dropped a message that raised; going on", site, exc_info=True)
-            if self.report is not None:
+            if self._report is not None:
                 try:
-                    self.report(site, exc)
+                    self._report(site, exc)
                 except Exception:  # telling is best effort; the loop goes on regardless
                     self.log.debug("%s: could not report the dropped message", site)
 

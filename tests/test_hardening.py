@@ -313,6 +313,8 @@ def test_a_dying_worker_blames_only_the_task_it_was_running(start_server: Any) -
 
 def test_the_router_blames_the_running_task_not_the_one_before_it(tmp_path: Path) -> None:
     """The front had not yet read task A's DONE when the worker died running B."""
+    from dataserver.counting import Counts
+    from dataserver.server.counts import Count, Reject
     from dataserver.server.pool import WorkerHandle
     from dataserver.server.routing import WorkerRouter
     from dataserver.server.running import RunningSlot
@@ -352,7 +354,7 @@ def test_the_router_blames_the_running_task_not_the_one_before_it(tmp_path: Path
     handle.tasks = deque([a, b])
     slot.set(session.sid, 2)  # B was running
     clients = Clients()
-    router = WorkerRouter(pool, scheduler, clients, Counter(), Counter())  # type: ignore[arg-type]
+    router = WorkerRouter(pool, scheduler, clients, Counts(Count), Counts(Reject))  # type: ignore[arg-type]
     router.reap()
     assert (a.attempts, b.attempts) == (0, 1)
     assert [e.task_id for e in session.queue] == [1, 2]  # both back, in order, A unblamed

@@ -14,7 +14,6 @@ import shutil
 import socket
 import tempfile
 import threading
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +23,11 @@ import pytest
 import torch
 import zmq
 
+from dataserver.counting import Counts
 from dataserver.landing import HEADER, LandingArea, hand_over, land_mac
 from dataserver.protocol import Hello, Task, Welcome, decode
 from dataserver.security import host_proof
+from dataserver.server.counts import WorkerCount
 from dataserver.server.landings import Landings
 from dataserver_client import DataServerClient, DataServerError
 
@@ -216,7 +217,7 @@ def test_a_worker_refuses_a_buffer_not_sealed_against_shrinking_and_other_bad_fd
     tmp_path: Path,
 ) -> None:
     area = LandingArea(1, 4096, 1)
-    counters: Counter[str] = Counter()
+    counters = Counts(WorkerCount)
     landings = Landings(counters)
     regular = tmp_path / "plain"
     regular.write_bytes(bytes(area.map[:HEADER]) + bytes(len(area.map) - HEADER))
@@ -236,7 +237,7 @@ def test_a_worker_refuses_a_buffer_not_sealed_against_shrinking_and_other_bad_fd
         other = LandingArea(1, 4096, 1)  # sealed, but its header holds another token
         assert landings.add(os.dup(other.fd), b"s", area.token) is not None
         other.close()
-        assert counters["landing_refused_fd"] == len(bad) + 2 and not landings.fds()
+        assert counters.get(WorkerCount.LANDING_REFUSED_FD) == len(bad) + 2 and not landings.fds()
         with landings.target(b"s", area.token, 0, 1, area.offset(0), (1, 1, 1, 64)) as dest:
             assert dest is None
         # Through the socket, as a client hands it over: refused, counted, nothing kept.
@@ -248,15 +249,15 @@ def test_a_worker_refuses_a_buffer_not_sealed_against_shrinking_and_other_bad_fd
         socket.send_fds(conn, [hello], [unsealed])
         os.close(unsealed)
         serve(landings)
-        assert counters["landing_refused_fd"] == len(bad) + 3
-        assert counters["landing_registered"] == 0
+        assert counters.get(WorkerCount.LANDING_REFUSED_FD) == len(bad) + 3
+        assert counters.get(WorkerCount.LANDING_REGISTERED) == 0
         assert conn.recv(1) == b""  # the worker hung up on it
         conn.close()
         # The same client with its real (sealed) buffer is taken.
         kept = hand_over(area, b"s", str(tmp_path / "land-x"))
         assert isinstance(kept, socket.socket)
         serve(landings)
-        assert counters["landing_registered"] == 1
+        assert counters.get(WorkerCount.LANDING_REGISTERED) == 1
         kept.close()  # the client goes: the worker lets go of its buffer
         serve(landings)
         with landings.target(b"s", area.token, 0, 1, area.offset(0), (1, 1, 1, 64)) as dest:
@@ -315,15 +316,15 @@ def test_a_peer_of_another_user_is_refused(start_server: Any) -> None:
         assert _as_nobody_hand_over(paths[0]) == 0
     # Where the directory would let it in, SO_PEERCRED refuses it (and counts it).
     d = open_dir()
-    counters: Counter[str] = Counter()
+    counters = Counts(WorkerCount)
     landings = Landings(counters)
     landings.listen(str(d / "land-x"))
     os.chmod(d / "land-x", 0o777)
     try:
         assert _as_nobody_hand_over(str(d / "land-x")) == 1
         serve(landings)
-        assert counters["landing_refused_peer"] == 1
-        assert counters["landing_registered"] == 0 and len(landings.fds()) == 1
+        assert counters.get(WorkerCount.LANDING_REFUSED_PEER) == 1
+        assert counters.get(WorkerCount.LANDING_REGISTERED) == 0 and len(landings.fds()) == 1
     finally:
         landings.close()
         shutil.rmtree(d)
@@ -433,13 +434,13 @@ def test_a_buffer_larger_than_a_worker_lands_into_is_refused_and_the_total_is_bo
     wrote 1,536 MiB of host memory into it. A buffer whose regions are more than a worker
     lands into for one client (2 GiB) is refused at registration, naming why; and the
     buffers a worker keeps are bounded in bytes (the oldest goes first)."""
-    counters: Counter[str] = Counter()
+    counters = Counts(WorkerCount)
     landings = Landings(counters)
     big = LandingArea(8, 6 << 30, 16)  # 48 GiB of regions, none of it written
     try:
         why = landings.add(os.dup(big.fd), b"s", big.token)
         assert why is not None and "more than a worker lands into" in why
-        assert counters["landing_refused_fd"] == 1 and not landings.fds()
+        assert counters.get(WorkerCount.LANDING_REFUSED_FD) == 1 and not landings.fds()
         # An honest buffer (9 regions of 16 x 512 x 512) is taken.
         honest = LandingArea(9, 16 * 3 * 512 * 512, 16)
         assert landings.add(os.dup(honest.fd), b"h", honest.token) is None
@@ -473,7 +474,7 @@ def test_a_task_lands_only_with_its_clients_mac(tmp_path: Path) -> None:
     task carry a MAC of what it composes and where: a task forged or altered by whoever
     relays it is not landed (its pixels go over the socket, where the client checks them)."""
     area = LandingArea(2, 4 * 3 * 8 * 8, 4)
-    counters: Counter[str] = Counter()
+    counters = Counts(WorkerCount)
     landings = Landings(counters)
     session = b"s" * 16
     try:
@@ -481,7 +482,7 @@ def test_a_task_lands_only_with_its_clients_mac(tmp_path: Path) -> None:
         conn = hand_over(area, session, str(tmp_path / "land-x"))
         assert isinstance(conn, socket.socket)
         serve(landings)
-        assert counters["landing_registered"] == 1
+        assert counters.get(WorkerCount.LANDING_REGISTERED) == 1
         shape = (2, 3, 8, 8)
         base = Task(
             session=session,
@@ -523,7 +524,7 @@ def test_a_task_lands_only_with_its_clients_mac(tmp_path: Path) -> None:
             msgspec.structs.replace(honest, task_id=8),  # another task's seal
         ]
         assert not any(lands(t) for t in forged)
-        assert counters["landing_refused_mac"] == len(forged)
+        assert counters.get(WorkerCount.LANDING_REFUSED_MAC) == len(forged)
         conn.close()
     finally:
         landings.close()

@@ -159,15 +159,6 @@ PENDING_OTHER_HELPERS: dict[tuple[str, str], str] = {
     ("client", "batch.manifest['fingerprint']"): "client.py:297, a Batch's manifest filled "
     "after the batch is built",
     ("client", "batch.manifest[key]"): "client.py:420-422, the same",
-    # H1 (declared counters; frozen messages built once; worker.py):
-    ("direct", "self.tracker.rejected"): "direct.py:111, ResultConns hands its dropped "
-    "counts to the ConnTracker's rejected Counter",
-    ("worker", "self.guard.report"): "worker.py:176, the MessageGuard's report monkey-patched",
-    ("worker", "out.task_us"): "worker.py:278, a Result mutated after it is built",
-    ("worker", "result.pixels"): "worker.py:368, the same",
-    ("worker", "result.landed"): "worker.py:368, the same",
-    ("worker", "result.decoded"): "worker.py:448, the same",
-    ("worker", "result.decode_us"): "worker.py:449, the same",
 }
 
 

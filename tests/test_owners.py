@@ -14,10 +14,12 @@ import numpy as np
 import pytest
 import torch
 
+from dataserver.counting import Counts
 from dataserver_client.affinity import Affinity, rendezvous
 from dataserver_client.assembly import DeviceMover, HostBuffers, InflightBatch
 from dataserver_client.book import PlanBook
 from dataserver_client.config import ClientConfig
+from dataserver_client.counts import Count, Reject
 from dataserver_client.dispatch import Sender
 from dataserver_client.epoch import REGULAR, STITCH, BatchPlan, ImagePlan
 from dataserver_client.errors import DataServerError
@@ -287,7 +289,7 @@ def test_handlers_take_parallelism_from_the_welcome_credit() -> None:
     book cuts batches into that many tasks, and a server that drains counts no more."""
     book, _ = _book(prefetch=1, shuffle=False)
     a, b = FakeLink(1, workers=2, credit=8), FakeLink(2, workers=3, credit=20)
-    counters: Counter[str] = Counter()
+    counters = Counts(Count)
     handlers = Handlers(
         book.config,
         book,
@@ -297,13 +299,13 @@ def test_handlers_take_parallelism_from_the_welcome_credit() -> None:
         None,
         Future(),
         counters,
-        Counter(),
+        Counts(Reject),
         fail=lambda exc: None,
         watch=lambda link: None,
         unwatch=lambda link: None,
     )
     handlers.on_bye(cast(ServerLink, b))  # b drains: only a's 8 // 2 run at once
-    assert counters["servers_drained"] == 1
+    assert counters.get(Count.SERVERS_DRAINED) == 1
     assert book.tasks_per_batch(64) == 4
     handlers.on_bye(cast(ServerLink, a))  # none ready: one task at a time
     assert book.tasks_per_batch(64) == 1

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
@@ -15,10 +14,12 @@ import pytest
 import zmq
 from fuzzing import AUTH, SID, task_header
 
+from dataserver.counting import Counts
 from dataserver.hashing import mix64
 from dataserver.protocol import Bye, ErrorMsg, Hello, Task, Welcome
 from dataserver.server.clients import Clients
 from dataserver.server.config import ServerConfig, WorkerConfig
+from dataserver.server.counts import Count, Reject
 from dataserver.server.metrics import ViewCollector
 from dataserver.server.outlet import Outlet
 from dataserver.server.pool import WorkerHandle
@@ -53,6 +54,10 @@ def test_worker_config_round_trips_and_reads_flags() -> None:
 
 
 def _view(**over: object) -> ServerView:
+    counters, rejected = Counts(Count), Counts(Reject)
+    counters.count(Count.SOURCES_DECODED, 1)
+    counters.count(Count.SOURCES_REUSED, 3)
+    rejected.count(Reject.MALFORMED, 2)
     base: dict[str, object] = {
         "server_id": "s",
         "started": 100.0,
@@ -76,8 +81,8 @@ def _view(**over: object) -> ServerView:
         "limits": Limits(1024, 4096, 256, 100, 30.0, 64),
         "store": StoreUsage(1, 10, 1 << 20),
         "sources": "stored",
-        "counters": ServerView.frozen({"sources_decoded": 1, "sources_reused": 3}),
-        "rejected": ServerView.frozen({"malformed": 2}),
+        "counters": ServerView.frozen(counters),
+        "rejected": ServerView.frozen(rejected),
     }
     base.update(over)
     return ServerView(**base)  # type: ignore[arg-type]
@@ -158,8 +163,8 @@ def _welcome(session: bytes, nonce: bytes = b"") -> Welcome:
     )
 
 
-def _clients(draining: bool = False) -> tuple[Clients, FakeOutlet, Counter[str]]:
-    outlet, counters, rejected = FakeOutlet(), Counter[str](), Counter[str]()
+def _clients(draining: bool = False) -> tuple[Clients, FakeOutlet, Counts[Reject]]:
+    outlet, counters, rejected = FakeOutlet(), Counts(Count), Counts(Reject)
     config = SimpleNamespace(
         curve=None,
         max_sessions=4,
@@ -194,7 +199,7 @@ def test_clients_refuse_a_task_before_hello_and_greet_with_the_fronts_welcome() 
     ((identity, refusal),) = outlet.sent
     assert identity == b"peer" and isinstance(refusal, ErrorMsg)
     assert refusal.kind == "unknown_session" and refusal.task_id == 1
-    assert rejected["unknown_session"] == 1
+    assert rejected.get(Reject.UNKNOWN_SESSION) == 1
     clients.on_data(_frames(Hello(session=SID, auth=AUTH)))
     assert outlet.sent[-1] == (b"peer", _welcome(SID))  # the front's, as it is
     clients.on_data(_frames(Task(**task_header(SID))))

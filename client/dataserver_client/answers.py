@@ -8,6 +8,7 @@ from collections import deque
 from collections.abc import Callable
 
 from dataserver.protocol import ErrorMsg, Result
+from dataserver_client.counts import Reject
 from dataserver_client.errors import DataServerError
 from dataserver_client.ledger import TaskRecord
 from dataserver_client.receive import boxes_problem
@@ -61,7 +62,7 @@ def _other_images(rec: TaskRecord, msg: Result) -> bool:
 
 def result_problem(
     rec: TaskRecord, msg: Result, sealed: Callable[[], bool]
-) -> tuple[str, str] | None:
+) -> tuple[Reject, str] | None:
     """What is wrong with ``msg`` as the answer to ``rec``: (the ``rejected`` counter, why),
     or None. ``sealed()``: whether the seal records of a landed answer are in our buffer."""
     no_pixels = rec.land_gen is None if msg.landed else msg.pixels is None
@@ -69,17 +70,17 @@ def result_problem(
         shown = [list(i) for i in msg.images][:4]
         how = " and no pixels" if no_pixels else ""
         return (
-            "wrong_answer",
+            Reject.WRONG_ANSWER,
             f"answered task {msg.task_id} with images {shown}{how}, not those asked",
         )
     if msg.landed and not sealed():
         # "Landed" without the seal records it must write under its lock: the buffer holds
         # whatever was there before (a stale batch), which must never be delivered.
-        return "landed_unsealed", f"task {msg.task_id}: said it landed, wrote no seal"
+        return Reject.LANDED_UNSEALED, f"task {msg.task_id}: said it landed, wrote no seal"
     assert msg.boxes is not None and msg.labels is not None  # (receive checked them)
     problem = boxes_problem(msg.boxes, msg.labels, rec.out_hw)
     if problem is not None:
-        return "bad_boxes", f"task {msg.task_id}: {problem}"
+        return Reject.BAD_BOXES, f"task {msg.task_id}: {problem}"
     return None
 
 

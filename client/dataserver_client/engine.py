@@ -30,20 +30,23 @@ import logging
 import os
 import threading
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
+from functools import partial
 from typing import Any
 
 import numpy as np
 import zmq
 
+from dataserver.counting import Counts
 from dataserver.loop import MessageGuard, inject, is_shutdown
 from dataserver.protocol import Bye, Cancelled, ErrorMsg, Heartbeat, Message, Result, Welcome
 from dataserver.security import session_id
 from dataserver_client.assembly import Delivery, DeviceMover, HostBuffers, landing_area
 from dataserver_client.book import PlanBook, Position
 from dataserver_client.config import ClientConfig
+from dataserver_client.counts import SHOWN, Count, Reject
 from dataserver_client.dispatch import Sender
 from dataserver_client.epoch import BatchPlan
 from dataserver_client.errors import DataServerError, ServerUnreachable
@@ -94,18 +97,9 @@ class Engine(threading.Thread):
         self.book = PlanBook(config, handoff, self.mover, self.buffers)
         self.ledger = self.book.ledger
         self.handshake: Future[DatasetInfo] = Future()
-        self.counters: Counter[str] = Counter(
-            late=0,
-            cancelled=0,
-            results=0,
-            reissued=0,
-            servers_joined=0,
-            servers_left=0,
-            servers_drained=0,
-            servers_lost=0,
-        )
-        self.rejected: Counter[str] = Counter()
-        self.guard = MessageGuard(log, self.rejected)
+        self.counters = Counts(Count, shown=SHOWN)
+        self.rejected = Counts(Reject)
+        self.guard = MessageGuard(log, partial(self.rejected.count, Reject.INTERNAL))
         self.dataset_len = 0
         self.phase = Phase.NEW
         self._commands: deque[tuple[Callable[..., Any], tuple[Any, ...], Future[Any]]] = deque()
@@ -346,7 +340,7 @@ class Engine(threading.Thread):
             case Bye():
                 self.handlers.on_bye(link)
             case _:
-                self.rejected["unexpected_type"] += 1
+                self.rejected.count(Reject.UNEXPECTED_TYPE)
 
     def _check_handshake(self, started: float) -> None:
         if self.handshake.done():  # failed already (a WELCOME refused): the loop is halting
@@ -435,8 +429,8 @@ class Engine(threading.Thread):
     def stats(self) -> dict[str, Any]:
         lookahead = self.book.lookahead.state()
         return {
-            **self.counters,
-            "rejected": dict(self.rejected),
+            **self.counters.snapshot(),
+            "rejected": self.rejected.snapshot(),
             "plan_version": self.book.plan_version,
             "flips": dict(self.book.flips),
             "lookahead": None if lookahead is None else dataclasses.asdict(lookahead),

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
@@ -20,6 +19,7 @@ from typing import Any
 import numpy as np
 import zmq
 
+from dataserver.counting import Counts
 from dataserver.landing import LandingArea
 from dataserver.protocol import Cancelled, ErrorMsg, Message, ProtocolError, Result, Welcome
 from dataserver.tcpinfo import malloc_trim
@@ -27,6 +27,7 @@ from dataserver_client.answers import Deadlines, left_out, result_problem, task_
 from dataserver_client.assembly import HostBuffers
 from dataserver_client.book import PlanBook
 from dataserver_client.config import ClientConfig
+from dataserver_client.counts import ASKED_AGAIN, Count, Reject
 from dataserver_client.dispatch import Sender
 from dataserver_client.errors import DataServerError, NotAuthorized
 from dataserver_client.ledger import TaskRecord
@@ -63,8 +64,8 @@ class Handlers:
         buffers: HostBuffers,
         landing: LandingArea | None,
         handshake: Future[DatasetInfo],
-        counters: Counter[str],
-        rejected: Counter[str],
+        counters: Counts[Count],
+        rejected: Counts[Reject],
         fail: Callable[[BaseException], None],
         watch: Callable[[ServerLink], None],
         unwatch: Callable[[ServerLink], None],
@@ -103,14 +104,16 @@ class Handlers:
                 return
             except WrongAnswer as exc:  # well-formed, for a task we want, and wrong
                 link.heard()
-                self.rejected["wrong_answer"] += 1
+                self.rejected.count(Reject.WRONG_ANSWER)
                 self._bad_server(link, str(exc))
                 continue
             except ProtocolError as exc:
                 link.heard()
-                self.rejected["malformed"] += 1
+                self.rejected.count(Reject.MALFORMED)
                 # The first few are worth a warning; a flood is counted (client.stats()).
-                level = logging.WARNING if self.rejected["malformed"] <= 5 else logging.DEBUG
+                level = (
+                    logging.WARNING if self.rejected.get(Reject.MALFORMED) <= 5 else logging.DEBUG
+                )
                 log.log(level, "dropped a bad message from %s: %s", link.address, exc)
                 if link.server_id:  # after its handshake: a faulty or hostile server
                     self._bad_server(link, f"it sent a message that breaks the protocol: {exc}")
@@ -121,11 +124,11 @@ class Handlers:
 
     def _accepted(self, link: ServerLink, msg: Message, direct: bool) -> bool:
         if link.state is LinkState.BANNED:
-            self.rejected["from_banned_server"] += 1
+            self.rejected.count(Reject.FROM_BANNED_SERVER)
         elif direct and not isinstance(msg, Result):
-            self.rejected["unexpected_type"] += 1  # workers send nothing else
+            self.rejected.count(Reject.UNEXPECTED_TYPE)  # workers send nothing else
         elif getattr(msg, "session", link.session) not in (link.session, None):
-            self.rejected["other_session"] += 1
+            self.rejected.count(Reject.OTHER_SESSION)
         else:
             return True
         return False
@@ -157,22 +160,24 @@ class Handlers:
         link.answered()
         rec = self.ledger.wanted(msg.task_id, msg.plan_version)
         if rec is None:
-            self.counters["late"] += 1  # superseded plan, or a second answer after asking again
+            self.counters.count(
+                Count.LATE
+            )  # superseded plan, or a second answer after asking again
             return
         # Nothing counts as progress before the answer is checked: a server answering
         # what it was not asked must not keep an epoch that goes nowhere alive.
         problem = result_problem(rec, msg, lambda: self._sealed(rec))
         if problem is not None:
-            self.rejected[problem[0]] += 1
+            self.rejected.count(problem[0])
             self._refuse(link, rec, problem[1])
             return
         self.progressed()
         if msg.failed and self.config.on_error == "raise":
             self.book.on_failure(rec, "sample", left_out(link.address, msg))
             return
-        self.counters["results"] += 1
+        self.counters.count(Count.RESULTS)
         if msg.landed:
-            self.counters["results_landed"] += 1
+            self.counters.count(Count.RESULTS_LANDED)
         self.book.on_result(rec, msg)
 
     def _sealed(self, rec: TaskRecord) -> bool:
@@ -199,12 +204,12 @@ class Handlers:
         self._answered(link, msg.task_id)
         rec = self.ledger.wanted(msg.task_id, msg.plan_version)
         if rec is None or rec.link is not link:
-            self.counters["late"] += 1  # (or about a task it was not given: not its to fail)
+            self.counters.count(Count.LATE)  # (or about a task it was not given: not its to fail)
             return
-        if msg.kind in ("maybe_lost", "dropped"):
+        if msg.kind in ASKED_AGAIN:
             # A result that may never arrive (its worker died right after sending it), or
             # one the server would not hold for us: ask again (a late copy is dropped).
-            self.counters[f"asked_again_{msg.kind}"] += 1
+            self.counters.count(ASKED_AGAIN[msg.kind])
             self.ledger.ask_again([rec])
         elif msg.kind == "control_missing":  # it never had our control values: send them
             self.sender.send_control(link)
@@ -213,7 +218,7 @@ class Handlers:
             self.ledger.ask_again([rec])
             link.forget_session()
         elif msg.kind in ("sample", "poison") and msg.index not in (None, *rec.indices):
-            self.rejected["wrong_answer"] += 1  # it blamed a sample the task lacks
+            self.rejected.count(Reject.WRONG_ANSWER)  # it blamed a sample the task lacks
             self._refuse(link, rec, f"blamed sample {msg.index} for task {msg.task_id}")
         else:
             self.progressed()
@@ -242,7 +247,7 @@ class Handlers:
     def on_cancelled(self, link: ServerLink, msg: Cancelled) -> None:
         for tid in msg.task_ids:
             if link.release(tid) is not None:
-                self.counters["cancelled"] += 1
+                self.counters.count(Count.CANCELLED)
             rec = self.ledger.get(tid)
             if rec is not None and rec.link is link:
                 # Cancelled though still wanted: send it again, to another server if any.
@@ -252,7 +257,8 @@ class Handlers:
         """The server is draining (SIGTERM: a scale-down, a rolling update): send it nothing
         more. What it had queued for us comes back CANCELLED and goes to the others; what
         it runs, it finishes."""
-        self.counters["servers_drained"] += link.state is not LinkState.DRAINING
+        if link.state is not LinkState.DRAINING:
+            self.counters.count(Count.SERVERS_DRAINED)
         link.drain()
         self._servers_changed(lookahead=False)
 
@@ -315,13 +321,13 @@ class Handlers:
         for address in addresses:
             if address not in known:
                 log.info("%s joined (discovery)", address)
-                self.counters["servers_joined"] += 1
+                self.counters.count(Count.SERVERS_JOINED)
                 self._watch(self.links.add(address))
         for address, link in known.items():
             if address in addresses:
                 continue
             log.info("%s left (discovery): moving its %d task(s)", address, len(link.owed()))
-            self.counters["servers_left"] += 1
+            self.counters.count(Count.SERVERS_LEFT)
             self._unwatch(link)
             self.links.remove(link)
             self._servers_changed(lookahead=False)
@@ -333,7 +339,7 @@ class Handlers:
             if event.kind is EventKind.NOT_AUTHORIZED:
                 self._fail(NotAuthorized(event.why))
             elif event.kind is EventKind.OVERFLOW:
-                self.rejected["unfinished_message"] += 1
+                self.rejected.count(Reject.UNFINISHED_MESSAGE)
                 if event.link.server_id:  # after its handshake: a faulty or hostile server
                     self._bad_server(event.link, event.why)
                 else:
@@ -342,7 +348,7 @@ class Handlers:
                     self._resets.append(event.link)
             elif event.kind is EventKind.LOST:
                 self._resets.append(event.link)  # (what its connections held goes with them)
-                self.counters["servers_lost"] += 1
+                self.counters.count(Count.SERVERS_LOST)
                 self._servers_changed(lookahead=False)
                 if self.links.any_ready():
                     self._move_tasks(event.link)
@@ -351,7 +357,7 @@ class Handlers:
                 # for, only the server knew. Ask again for what this server still owes.
                 n = self._move_tasks(event.link)
                 if n:
-                    self.counters["asked_again_results_broken"] += n
+                    self.counters.count(Count.ASKED_AGAIN_RESULTS_BROKEN, n)
                     log.info(
                         "%s: a result connection dropped (%s); asked again for %d task(s)",
                         event.link.address,
@@ -366,7 +372,7 @@ class Handlers:
         left, the epoch stops at ``timeout`` with this reason)."""
         if link.state is LinkState.BANNED:
             return
-        self.rejected["bad_server"] += 1
+        self.rejected.count(Reject.BAD_SERVER)
         link.ban(why)
         self._resets.append(link)  # its sockets are closed (``reset_links``)
         self._servers_changed()
@@ -424,7 +430,7 @@ class Handlers:
 
     def _move_tasks(self, link: ServerLink) -> int:
         n = self.ledger.ask_again(self.ledger.records(link.take_outstanding()))
-        self.counters["reissued"] += n
+        self.counters.count(Count.REISSUED, n)
         return n
 
     # ------------------------------------------------------------ timers
@@ -438,7 +444,7 @@ class Handlers:
                 continue
             n = self.ledger.ask_again(self.ledger.records(link.expire(now, limit)), link)
             if n:
-                self.counters["asked_again_deadline"] += n
+                self.counters.count(Count.ASKED_AGAIN_DEADLINE, n)
                 log.info(
                     "%s: %d task(s) unanswered for %.1f s; asked again", link.address, n, limit
                 )

@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +22,7 @@ import msgpack
 import msgspec
 import zmq
 
+from dataserver.counting import Counts
 from dataserver.loop import inject
 from dataserver.protocol import (
     Bye,
@@ -39,6 +40,7 @@ from dataserver.protocol import (
 )
 from dataserver.security import owns, same_secret
 from dataserver.server.config import ServerConfig
+from dataserver.server.counts import Count, Reject
 from dataserver.server.outlet import Outlet
 from dataserver.server.routing import WorkerRouter
 from dataserver.server.sessions import Scheduler, Session, TaskEntry
@@ -107,8 +109,8 @@ class Clients:
         outlet: Outlet,
         workers: WorkerRouter,
         statsview: StatsView,
-        counters: Counter[str],
-        rejected: Counter[str],
+        counters: Counts[Count],
+        rejected: Counts[Reject],
         server_id: str,
         welcome: Callable[[bytes, bytes], Welcome],
         stats: Callable[[], dict[str, Any]],
@@ -137,14 +139,15 @@ class Clients:
         self._peer_of = peer_of
         self._owners: OrderedDict[bytes, str] = OrderedDict()  # identity -> CURVE user id
 
-    def _refuse(self, reason: str, identity: bytes | None, detail: str, **ids: Any) -> None:
+    def _refuse(self, reason: Reject, identity: bytes | None, detail: str, **ids: Any) -> None:
         """Count a refused message; tell its sender why when there is one to tell."""
-        self.rejected[reason] += 1
-        log.debug("rejected (%s): %s", reason, detail)
+        self.rejected.count(reason)
+        log.debug("rejected (%s): %s", reason.value, detail)
         if identity is not None:
-            kind = "protocol" if reason == "malformed" else reason
+            kind = "protocol" if reason is Reject.MALFORMED else reason.value
             self.outlet.send_to(
-                identity, ErrorMsg(message=f"rejected: {reason}: {detail}", kind=kind, **ids)
+                identity,
+                ErrorMsg(message=f"rejected: {reason.value}: {detail}", kind=kind, **ids),
             )
 
     def _owner(self, identity: bytes, frame: Any) -> str | None:
@@ -178,21 +181,23 @@ class Clients:
         sender (never the session's owner) told why unless ``quiet``."""
         session = self.scheduler.sessions.get(msg.session) if msg.session is not None else None
         if session is None:
-            reason, why = "unknown_session", "unknown session: say HELLO first"
+            reason, why = Reject.UNKNOWN_SESSION, "unknown session: say HELLO first"
         elif not same_secret(session.secret, msg.auth):
-            reason, why = "bad_secret", "this message does not carry the session's secret"
+            reason, why = Reject.BAD_SECRET, "this message does not carry the session's secret"
         else:
             self.scheduler.touch(session, identity)
             self._heard(self._source_fd, session.sid)
             return session
         if quiet:  # (a heartbeat or BYE for a session this server forgot is no attack)
-            self.rejected[reason] += reason == "bad_secret"
+            if reason is Reject.BAD_SECRET:
+                self.rejected.count(reason)
         else:
-            more = ids if ids is not None and reason == "unknown_session" else {}
+            unknown = reason is Reject.UNKNOWN_SESSION
+            more = ids if ids is not None and unknown else {}
             self._refuse(
                 reason,
                 identity,
-                why + " (the server may have restarted)" if reason == "unknown_session" else why,
+                why + " (the server may have restarted)" if unknown else why,
                 **more,
             )
         return None
@@ -203,12 +208,15 @@ class Clients:
         try:
             msg = decode(frames[1:])
         except ProtocolError as exc:
-            self._refuse("malformed", identity, str(exc))
+            self._refuse(Reject.MALFORMED, identity, str(exc))
             return
         session_id = getattr(msg, "session", None)
         if self._not_owner(identity, frames[1], session_id):
             self._refuse(
-                "not_owner", identity, "this session id belongs to another key", session=session_id
+                Reject.NOT_OWNER,
+                identity,
+                "this session id belongs to another key",
+                session=session_id,
             )
             return
         self._on_client_message(identity, msg, frames)
@@ -246,13 +254,13 @@ class Clients:
                 self._on_bye(identity, msg)
             case _:
                 self._refuse(
-                    "unexpected_type", identity, f"{msg.TYPE.name} is not sent to a server"
+                    Reject.UNEXPECTED_TYPE, identity, f"{msg.TYPE.name} is not sent to a server"
                 )
 
     def _on_heartbeat(self, identity: bytes, msg: Heartbeat) -> None:
         """A beat: the session (if it names one) is alive; the answer lists where the
         workers' direct results are now."""
-        self.counters["heartbeats"] += 1
+        self.counters.count(Count.HEARTBEATS)
         if msg.session is not None:
             self._authentic(identity, msg, quiet=True)
         results, local = self.workers.result_endpoints()
@@ -262,7 +270,7 @@ class Clients:
     def _on_bye(self, identity: bytes, msg: Bye) -> None:
         if msg.session is not None and self._authentic(identity, msg, quiet=True):
             self.scheduler.close(msg.session)
-            self.counters["sessions_closed"] += 1
+            self.counters.count(Count.SESSIONS_CLOSED)
 
     def _on_hello(self, identity: bytes, msg: Hello, peer: str = "") -> None:
         if self._draining():  # leaving: a new client should not count on us
@@ -270,7 +278,10 @@ class Clients:
             return
         if msg.auth is None:
             self._refuse(
-                "no_secret", identity, "HELLO carries no session secret (auth)", session=msg.session
+                Reject.NO_SECRET,
+                identity,
+                "HELLO carries no session secret (auth)",
+                session=msg.session,
             )
             return
         known = self.scheduler.sessions.get(msg.session)
@@ -278,7 +289,7 @@ class Clients:
             # Someone else's session id: whoever holds it keeps it, and the sender learns
             # nothing but that.
             self._refuse(
-                "not_owner",
+                Reject.NOT_OWNER,
                 identity,
                 "this session id is in use by another client",
                 session=msg.session,
@@ -287,7 +298,7 @@ class Clients:
         base = max(msg.plan_version, msg.control_seq)
         if self.scheduler.open(msg.session, identity, msg.auth, base, peer) is None:
             reason, why = self.scheduler.refused
-            if reason == "session_limit":
+            if reason is Reject.SESSION_LIMIT:
                 why = (
                     f"this server has {len(self.scheduler.sessions)} sessions open, the most "
                     f"it takes (--max-sessions {self.config.max_sessions}), and no peer holds "
@@ -295,7 +306,7 @@ class Clients:
                 )
             self._refuse(reason, identity, why, session=msg.session)
             return
-        self.counters["hellos"] += 1
+        self.counters.count(Count.HELLOS)
         self._heard(self._source_fd, msg.session)
         self.outlet.send_to(identity, self._welcome(msg.session, msg.nonce))
 
@@ -324,7 +335,7 @@ class Clients:
             return
         if not (session.reachable(task.plan_version) and session.reachable(task.control_seq)):
             self._refuse(
-                "sequence",
+                Reject.SEQUENCE,
                 identity,
                 f"plan_version {task.plan_version} / control_seq {task.control_seq}: more than "
                 "this session can have reached",
@@ -334,7 +345,7 @@ class Clients:
         digest = task_digest(task)
         known = self.scheduler.poison_of(task.session, digest)
         if known is not None:  # a copy of a task answered poison: the same answer, not run
-            self.counters["tasks_poisoned_again"] += 1
+            self.counters.count(Count.TASKS_POISONED_AGAIN)
             again = msgspec.structs.replace(
                 known, task_id=task.task_id, plan_version=task.plan_version
             )
@@ -344,7 +355,7 @@ class Clients:
             return
         problem = self._size_problem(task)
         if problem is not None:
-            self._refuse("limit", identity, problem, **ids)
+            self._refuse(Reject.LIMIT, identity, problem, **ids)
             return
         self.outlet.cancel(session, self.scheduler.cancel_older(session, task.plan_version))
         if task.plan_version < session.version or self._draining():
@@ -356,7 +367,7 @@ class Clients:
         over = self.scheduler.over_limit(session, nbytes)
         if over is not None:
             reason, why = over
-            if reason == "queue_bytes":
+            if reason is Reject.QUEUE_BYTES:
                 why += f" (--max-queued-mb {self.config.max_queued_mb})"
             self._refuse(reason, identity, why, **ids)
             return
@@ -364,7 +375,10 @@ class Clients:
             # The CONTROL that names these values never came (this server restarted, or
             # forgot the session): the client sends it again, then the task.
             self._refuse(
-                "control_missing", identity, f"control values {task.control_seq} unknown", **ids
+                Reject.CONTROL_MISSING,
+                identity,
+                f"control values {task.control_seq} unknown",
+                **ids,
             )
             return
         entry = TaskEntry(
@@ -381,7 +395,7 @@ class Clients:
             state=control_state(task, session),
         )
         self.scheduler.admit(session, entry)
-        self.counters["tasks_received"] += 1
+        self.counters.count(Count.TASKS_RECEIVED)
 
     def _asked_again(self, session: Session, task: Task, digest: bytes) -> bool:
         """Whether ``task`` is one still queued or running here, asked again (its deadline
@@ -393,13 +407,13 @@ class Clients:
             # source left out after it killed workers. The new one replaces a queued copy;
             # a running one finishes, and the client takes whichever answer it still wants.
             # (A task is never taken for a duplicate of one with other contents.)
-            self.counters["tasks_replaced"] += 1
+            self.counters.count(Count.TASKS_REPLACED)
             if live.held_by is None:
                 self.scheduler.take(session, lambda e: e is live)
             self.scheduler.finish(live)
             return False
         if live is not None and (live.held_by is None or self.workers.is_running(live)):
-            self.counters["tasks_duplicate"] += 1
+            self.counters.count(Count.TASKS_DUPLICATE)
             return True
         return False
 
@@ -408,13 +422,13 @@ class Clients:
         try:
             msg = decode(frames)
         except ProtocolError as exc:
-            self._refuse("control_malformed", None, str(exc))
+            self._refuse(Reject.CONTROL_MALFORMED, None, str(exc))
             return
         if not isinstance(msg, Control):
-            self._refuse("control_unexpected_type", None, msg.TYPE.name)
+            self._refuse(Reject.CONTROL_UNEXPECTED_TYPE, None, msg.TYPE.name)
             return
         if self._not_owner(None, frames[0], msg.session):
-            self._refuse("control_not_owner", None, "session id belongs to another key")
+            self._refuse(Reject.CONTROL_NOT_OWNER, None, "session id belongs to another key")
             return
         # Published to every server of a client: one entry per server (a handle from the
         # secret this server has for the session, and a keyed tag), under the client's own
@@ -430,9 +444,11 @@ class Clients:
                 self._steer(session, msg)
                 return
         if not matched and any(e[:16] in self.scheduler.closed_handles for e in msg.tags or ()):
-            self.counters["controls_after_close"] += 1  # published before its BYE, came after
+            self.counters.count(Count.CONTROLS_AFTER_CLOSE)  # published before its BYE, came after
             return
-        self.rejected["control_bad_secret" if matched else "control_unknown_session"] += 1
+        self.rejected.count(
+            Reject.CONTROL_BAD_SECRET if matched else Reject.CONTROL_UNKNOWN_SESSION
+        )
 
     def _steer(self, session: Session, msg: Control) -> None:
         """A session's CONTROL (from the data or the control socket; the second copy of
@@ -443,12 +459,12 @@ class Clients:
             # own sockets do not keep order between them; a task that needs its values is
             # answered control_missing and the client sends them again) or replayed:
             # nothing to do, and nothing wrong with the client, so not a rejection.
-            self.counters["controls_overtaken"] += 1
+            self.counters.count(Count.CONTROLS_OVERTAKEN)
             return
         if not (session.reachable(msg.plan_version) and session.reachable(msg.control_seq)):
-            self.rejected["sequence"] += 1  # would cancel everything the session sends after
+            self.rejected.count(Reject.SEQUENCE)  # would cancel everything the session sends after
             return
-        self.counters["controls"] += 1
+        self.counters.count(Count.CONTROLS)
         self.scheduler.steer(session, msg.control_seq, msg.control)
         seq = session.control_seq
         gone = self.scheduler.cancel_older(session, msg.plan_version)

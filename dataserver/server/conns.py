@@ -37,13 +37,14 @@ import os
 import resource
 import socket
 import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import zmq
 
+from dataserver.counting import Counts
+from dataserver.server.counts import Dropped, Reject, Tracked, dropped
 from dataserver.tcpinfo import libc as _c
 from dataserver.tcpinfo import loopback_uid, malloc_trim
 from dataserver.tcpinfo import peer_of as _peer
@@ -133,7 +134,7 @@ def _shutdown(fd: int, peer: bytes) -> bool:
 
 @dataclass
 class Conn:
-    socket: str  # "data" or "control"
+    socket: Tracked
     peer: bytes
     accepted: float
     active: float  # when it last sent an authentic message (control: any bytes)
@@ -158,15 +159,15 @@ class Conn:
 class ConnTracker:
     """Every TCP connection peers hold on the public sockets, by fd; idle ones, ones
     holding more than ``max_unfinished`` bytes of unfinished messages and ones beyond
-    ``limit`` are shut down. Counters (in ``rejected``): ``<socket>_idle_dropped``,
-    ``<socket>_unfinished_dropped``, ``<socket>_over_limit_dropped``. ``live``: whether a
+    ``limit`` are shut down. Counted in ``rejected`` (``counts.dropped``):
+    ``<socket>_idle_dropped``, ``<socket>_unfinished_dropped``, ``<socket>_over_limit_dropped``. ``live``: whether a
     session id is still open (a connection tied to a closed one counts as untied)."""
 
     def __init__(
         self,
         idle_timeout: float,
         limit: int,
-        rejected: Counter[str],
+        rejected: Counts[Reject],
         max_unfinished: int,
         live: Callable[[bytes], bool] = lambda session: False,
         total_unfinished: int = UNFINISHED_TOTAL,
@@ -174,7 +175,7 @@ class ConnTracker:
     ) -> None:
         self.idle_timeout = idle_timeout
         self.limit = limit
-        self.rejected = rejected
+        self._rejected = rejected
         self.max_unfinished = max_unfinished
         self.total_unfinished = total_unfinished
         self.every = every
@@ -189,7 +190,7 @@ class ConnTracker:
         self.trims = 0
         self._warned = False
 
-    def accepted(self, name: str, fd: int, now: float | None = None) -> None:
+    def accepted(self, name: Tracked, fd: int, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
         peer = _peer(fd)
         info = _tcp_info(fd) if peer is not None else None
@@ -235,10 +236,10 @@ class ConnTracker:
         if self.conns.pop(fd, None) is not None:
             self._disconnects += 1
 
-    def _drop(self, fd: int, reason: str) -> None:
+    def _drop(self, fd: int, reason: Dropped) -> None:
         conn = self.conns.pop(fd)
         if _shutdown(fd, conn.peer):
-            self.rejected[f"{conn.socket}_{reason}"] += 1
+            self._rejected.count(dropped(conn.socket, reason))
             log.info("%s connection fd %d: %s; shut down", conn.socket, fd, reason)
 
     def _tied(self, conn: Conn) -> bool:

@@ -29,16 +29,17 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import Counter
 from typing import Any
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from dataserver.counting import Counts
 from dataserver.protocol import Hello, ProtocolError, Result, decode
 from dataserver.security import CLAIM_S, owns, reply_id, start_server_curve
 from dataserver.server.config import bindable
 from dataserver.server.conns import CHECK_S, ConnTracker, peer_socket_options
+from dataserver.server.counts import Reject
 from dataserver.server.outbox import Outbox, tracked
 
 log = logging.getLogger("dataserver.worker")
@@ -57,7 +58,7 @@ class ResultConns:
 
     def __init__(self, sock: zmq.Socket[Any], idle_timeout: float, limit: int) -> None:
         self.lock = threading.Lock()
-        self._dropped: Counter[str] = Counter()  # ``results_<reason>``, since ``take_dropped``
+        self._dropped = Counts(Reject)  # ``results_<reason>``, since ``take_dropped``
         self.tracker = ConnTracker(
             max(idle_timeout, RESULTS_IDLE_MIN),
             limit,
@@ -104,12 +105,10 @@ class ResultConns:
         with self.lock:
             self.tracker.heard(fd, name)
 
-    def take_dropped(self) -> Counter[str]:
+    def take_dropped(self) -> dict[Reject, int]:
         """The connections shut down since the last call, by ``results_<reason>``."""
         with self.lock:
-            out, self._dropped = self._dropped, Counter()
-            self.tracker.rejected = self._dropped
-        return out
+            return self._dropped.take()
 
     def gone(self) -> list[int]:
         """The fds of connections dropped since the last call."""

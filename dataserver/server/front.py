@@ -28,8 +28,8 @@ import shutil
 import tempfile
 import time
 import uuid
-from collections import Counter
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -37,12 +37,22 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from dataserver import adminsock
+from dataserver.counting import Counts
 from dataserver.loop import MessageGuard, StopFlag, serve
 from dataserver.protocol import Bye, ProtocolError, Stats, Welcome, decode
 from dataserver.security import host_proof, start_server_curve
 from dataserver.server.clients import Clients
 from dataserver.server.config import ServerConfig, WorkerConfig, bindable, results_bind
 from dataserver.server.conns import ConnTracker, fd_budget, fd_limit, peer_socket_options
+from dataserver.server.counts import (
+    Count,
+    Reject,
+    Watched,
+    bad_handshake,
+    connections,
+    disconnects,
+    not_authorized,
+)
 from dataserver.server.metrics import ServerMetrics
 from dataserver.server.outbox import Outbox
 from dataserver.server.outlet import Outlet
@@ -79,7 +89,7 @@ class _Poller:
     def __init__(
         self,
         handlers: dict[Any, tuple[str, Callable[[list[Any]], None]]],
-        monitors: dict[Any, str],
+        monitors: dict[Any, Watched],
     ) -> None:
         self.handlers = handlers
         self.monitors = monitors
@@ -144,9 +154,9 @@ class Front:
             config.max_queued_bytes,
         )
         self.outbox = Outbox(config.max_queued_bytes)
-        self.counters: Counter[str] = Counter()
-        self.rejected: Counter[str] = Counter()
-        self.guard = MessageGuard(log, self.rejected)
+        self.counters = Counts(Count)
+        self.rejected = Counts(Reject)
+        self.guard = MessageGuard(log, partial(self.rejected.count, Reject.INTERNAL))
         self.started = time.time()
         self.endpoints: dict[str, str] = {}
         self._stop = StopFlag()  # set from a signal handler, too
@@ -293,7 +303,7 @@ class Front:
                 queued,
                 self.config.drain_seconds,
             )
-            self.counters["drains"] += 1
+            self.counters.count(Count.DRAINS)
         done = self.workers.busy() == 0 and self.scheduler.queued == 0 and not self.outbox.nbytes
         if done or now - self.draining_since > self.config.drain_seconds:
             if not done:
@@ -414,7 +424,7 @@ class Front:
                 return
             self.guard.run(site, handler, frames)
 
-    def _on_monitor(self, monitor: zmq.Socket[Any], name: str) -> None:
+    def _on_monitor(self, monitor: zmq.Socket[Any], name: Watched) -> None:
         for _ in range(DRAIN):  # a flood of connects must not keep the loop from the rest
             try:
                 event = recv_monitor_message(monitor, zmq.NOBLOCK)
@@ -422,17 +432,17 @@ class Front:
                 return
             kind = event["event"]
             if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-                self.rejected[f"{name}_not_authorized"] += 1
+                self.rejected.count(not_authorized(name))
             elif kind in (
                 zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
                 zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL,
             ):
-                self.rejected[f"{name}_bad_handshake"] += 1
+                self.rejected.count(bad_handshake(name))
             elif kind == zmq.EVENT_DISCONNECTED:
-                self.counters[f"{name}_disconnects"] += 1
+                self.counters.count(disconnects(name))
                 self.conns.disconnected(event["value"])
             elif kind == zmq.EVENT_ACCEPTED:
-                self.counters[f"{name}_connections"] += 1
+                self.counters.count(connections(name))
                 self.conns.accepted(name, event["value"])
 
     def _shutdown(self, ctx: zmq.Context[Any]) -> None:
@@ -460,13 +470,13 @@ class Front:
         try:
             msg = decode(frames[1:])
         except ProtocolError:
-            self.rejected["admin_malformed"] += 1
+            self.rejected.count(Reject.ADMIN_MALFORMED)
             return
         if not isinstance(msg, Stats):
-            self.rejected["admin_unexpected_type"] += 1
+            self.rejected.count(Reject.ADMIN_UNEXPECTED_TYPE)
             return
         if not self._admin_rate.take():
-            self.rejected["admin_rate"] += 1
+            self.rejected.count(Reject.ADMIN_RATE)
             return
         self.admin.send_multipart([identity, *Stats(stats=self.stats()).encode()], zmq.NOBLOCK)
 
@@ -494,7 +504,7 @@ class Front:
     def _housekeeping(self) -> None:
         for sid in self.scheduler.expired(self.config.session_ttl):
             log.info("session %s expired", sid.hex())
-            self.counters["sessions_expired"] += 1
+            self.counters.count(Count.SESSIONS_EXPIRED)
             self.scheduler.close(sid)
         why = self.pool.startup_failure()
         if why is not None:
@@ -509,9 +519,9 @@ class Front:
     def view(self) -> ServerView:
         """The server's figures now, read from its collaborators (in the loop's thread)."""
         if self.scheduler.paced:
-            self.counters["tasks_paced"] = self.scheduler.paced
+            self.counters.record(Count.TASKS_PACED, self.scheduler.paced)
         if self.metrics is not None and self.metrics.rate_refused:
-            self.rejected["scrape_rate"] = self.metrics.rate_refused
+            self.rejected.record(Reject.SCRAPE_RATE, self.metrics.rate_refused)
         config, scheduler, pool = self.config, self.scheduler, self.pool
         draining = self.draining_since
         return ServerView(

@@ -14,7 +14,7 @@ import socket
 import stat
 import struct
 import time
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import msgpack
 import numpy as np
 
+from dataserver.counting import Counts
 from dataserver.landing import (
     GEN_AT,
     HEAD,
@@ -36,6 +37,12 @@ from dataserver.landing import (
     peer_uid,
 )
 from dataserver.protocol import Task
+from dataserver.server.counts import (
+    LANDING_REFUSED,
+    LandingRefusal,
+    WorkerCount,
+    landing_refused,
+)
 
 log = logging.getLogger("dataserver.worker")
 
@@ -93,7 +100,7 @@ class Landings:
 
     def __init__(
         self,
-        counters: Counter[str] | None = None,
+        counters: Counts[WorkerCount] | None = None,
         keep: int = KEEP,
         reg_bytes: int = REG_BYTES,
         total_bytes: int = TOTAL_BYTES,
@@ -101,7 +108,7 @@ class Landings:
         self.keep = keep
         self.reg_bytes = reg_bytes
         self.total_bytes = total_bytes
-        self.counters: Counter[str] = counters if counters is not None else Counter()
+        self._counters = counters if counters is not None else Counts(WorkerCount)
         self._regs: OrderedDict[str, _Reg] = OrderedDict()
         self._by_conn: dict[int, str] = {}  # connection fd -> token
         self._pending: OrderedDict[int, socket.socket] = OrderedDict()  # fd -> accepted
@@ -204,9 +211,9 @@ class Landings:
         if self.add(fds[0], session, token, conn, key) is not None:
             conn.close()
 
-    def _refuse(self, kind: str, why: str) -> None:
-        self.counters[f"landing_refused_{kind}"] += 1
-        n = sum(v for k, v in self.counters.items() if k.startswith("landing_refused_"))
+    def _refuse(self, kind: LandingRefusal, why: str) -> None:
+        self._counters.count(landing_refused(kind))
+        n = sum(self._counters.get(name) for name in LANDING_REFUSED)
         log.log(logging.WARNING if n <= 5 else logging.DEBUG, "landing refused: %s", why)
 
     # ------------------------------------------------------------ registrations
@@ -231,7 +238,7 @@ class Landings:
         self._regs[token] = _Reg(session, fd, m, regions, region_bytes, slots, data_at, conn, key)
         if conn is not None:
             self._by_conn[conn.fileno()] = token
-        self.counters["landing_registered"] += 1
+        self._counters.count(WorkerCount.LANDING_REGISTERED)
         while len(self._regs) > self.keep or self._held() > self.total_bytes:
             _, old = self._regs.popitem(last=False)
             if old.conn is not None:

@@ -37,6 +37,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram,
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from dataserver.server.counts import Count, Reject
 from dataserver.server.scrape import ScrapeServer
 from dataserver.server.view import ServerView, StoreUsage
 
@@ -67,7 +68,7 @@ class ViewCollector(Collector):
         yield CounterMetricFamily(
             "dataserver_samples_served",
             "Output images delivered (a stitched image counts once).",
-            value=view.counters.get("images_done", 0),
+            value=view.counters.get(Count.IMAGES_DONE, 0),
         )
         yield GaugeMetricFamily(
             "dataserver_queue_depth",
@@ -90,8 +91,9 @@ class ViewCollector(Collector):
             "Messages and connections refused, by reason.",
             labels=["reason"],
         )
-        for reason, n in sorted(view.rejected.items()):
-            family.add_metric([reason], n)
+        for reason in sorted(Reject):  # (every declared reason counted so far)
+            if reason in view.rejected:
+                family.add_metric([reason.value], view.rejected[reason])
         yield family
         yield CounterMetricFamily(
             "dataserver_worker_restarts",
@@ -106,12 +108,12 @@ def _cache(view: ServerView, usage: StoreUsage) -> Iterator[Metric]:
     yield CounterMetricFamily(
         "dataserver_cache_hits",
         "Sources a task found in the store (or waited for while another worker made them).",
-        value=view.counters.get("sources_reused", 0),
+        value=view.counters.get(Count.SOURCES_REUSED, 0),
     )
     yield CounterMetricFamily(
         "dataserver_cache_misses",
         "Sources decoded and fitted by a worker.",
-        value=view.counters.get("sources_decoded", 0),
+        value=view.counters.get(Count.SOURCES_DECODED, 0),
     )
     yield GaugeMetricFamily(
         "dataserver_cache_bytes", "Bytes of sources the store holds.", value=usage.bytes

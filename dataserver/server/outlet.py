@@ -13,12 +13,13 @@ be built with it.
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import Any
 
 import zmq
 
+from dataserver.counting import Counts
 from dataserver.protocol import Cancelled, ErrorMsg, Message, decode
+from dataserver.server.counts import Count
 from dataserver.server.outbox import Outbox, tracked
 from dataserver.server.sessions import Scheduler, Session, TaskEntry
 
@@ -26,7 +27,7 @@ from dataserver.server.sessions import Scheduler, Session, TaskEntry
 class Outlet:
     """Sends on the front's data (clients) and backend (workers) ROUTER sockets."""
 
-    def __init__(self, scheduler: Scheduler, outbox: Outbox, counters: Counter[str]) -> None:
+    def __init__(self, scheduler: Scheduler, outbox: Outbox, counters: Counts[Count]) -> None:
         self._scheduler = scheduler
         self._outbox = outbox
         self._counters = counters
@@ -45,11 +46,11 @@ class Outlet:
             sock.send_multipart([identity, *frames], zmq.NOBLOCK, copy=False)
             return True
         except zmq.Again:
-            self._counters["send_dropped_full"] += 1
+            self._counters.count(Count.SEND_DROPPED_FULL)
         except zmq.ZMQError as exc:
             if exc.errno != zmq.EHOSTUNREACH:
                 raise
-            self._counters["send_dropped_gone"] += 1
+            self._counters.count(Count.SEND_DROPPED_GONE)
         return False
 
     def send_to(self, identity: bytes, msg: Message) -> None:
@@ -69,12 +70,12 @@ class Outlet:
         the outbox's bounds (beyond them the client is told, and asks again)."""
         if landed:  # no pixels in it: only a header, boxes and labels
             if self._send(self._data, session.identity, frames):
-                self._counters["results_via_front"] += 1
+                self._counters.count(Count.RESULTS_VIA_FRONT)
             return
         nbytes = len(memoryview(frames[3])) if len(frames) > 3 else 0
         refused = self._outbox.refuse(session.sid, nbytes)
         if refused is not None:
-            self._counters["results_dropped"] += 1
+            self._counters.count(Count.RESULTS_DROPPED_FRONT)
             header = decode(frames, with_arrays=False)
             self.reply(
                 session,
@@ -90,7 +91,7 @@ class Outlet:
         image = tracked(frames[3]) if len(frames) > 3 else None
         out = [*frames[:3], image, *frames[4:]] if image is not None else frames
         if self._send(self._data, session.identity, out):
-            self._counters["results_via_front"] += 1
+            self._counters.count(Count.RESULTS_VIA_FRONT)
             if image is not None:
                 self._outbox.sent(session.sid, nbytes, image.tracker)
 
@@ -100,7 +101,7 @@ class Outlet:
             return
         for entry in entries:
             self._scheduler.finish(entry)
-        self._counters["tasks_cancelled"] += len(entries)
+        self._counters.count(Count.TASKS_CANCELLED, len(entries))
         self.reply(
             session,
             Cancelled(

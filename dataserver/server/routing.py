@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from dataserver.counting import Counts
 from dataserver.loop import inject
 from dataserver.protocol import (
     Control,
@@ -31,6 +31,7 @@ from dataserver.protocol import (
     Tally,
     decode,
 )
+from dataserver.server.counts import Count, Reject
 from dataserver.server.pool import WorkerHandle, WorkerPool
 from dataserver.server.running import task_key
 from dataserver.server.sessions import Scheduler, Session, TaskEntry
@@ -66,8 +67,8 @@ class WorkerRouter:
         pool: WorkerPool,
         scheduler: Scheduler,
         clients: Clients,
-        counters: Counter[str],
-        rejected: Counter[str],
+        counters: Counts[Count],
+        rejected: Counts[Reject],
         observe: Observe | None = None,
     ) -> None:
         self.pool = pool
@@ -95,7 +96,7 @@ class WorkerRouter:
             msg = decode(frames[1:], with_arrays=False)
         except ProtocolError as exc:
             log.error("bad message from worker %r: %s", identity, exc)
-            self.rejected["worker_malformed"] += 1
+            self.rejected.count(Reject.WORKER_MALFORMED)
             return
         if isinstance(msg, Ready):
             self._on_ready(identity, msg)
@@ -103,19 +104,23 @@ class WorkerRouter:
         inject("front.backend")
         handle = self.by_identity.get(identity)
         if handle is None:
-            self.rejected["worker_unexpected"] += 1
+            self.rejected.count(Reject.WORKER_UNEXPECTED)
         elif isinstance(msg, ErrorMsg) and msg.task_id is None:
             if msg.kind == "internal":  # the worker's loop dropped a message that raised
-                self.rejected["internal"] += 1
+                self.rejected.count(Reject.INTERNAL)
             log.error("worker %d: %s", handle.slot, msg.message)
         elif isinstance(msg, (Result, ErrorMsg, Done)):
             self._on_answer(handle, msg, frames[1:])
         elif isinstance(msg, Tally):  # its result socket shut connections down
-            for reason in ("idle_dropped", "over_limit_dropped", "unfinished_dropped"):
-                if getattr(msg, reason):
-                    self.rejected[f"results_{reason}"] += getattr(msg, reason)
+            for name, n in (
+                (Reject.RESULTS_IDLE_DROPPED, msg.idle_dropped),
+                (Reject.RESULTS_OVER_LIMIT_DROPPED, msg.over_limit_dropped),
+                (Reject.RESULTS_UNFINISHED_DROPPED, msg.unfinished_dropped),
+            ):
+                if n:
+                    self.rejected.count(name, n)
         else:
-            self.rejected["worker_unexpected"] += 1
+            self.rejected.count(Reject.WORKER_UNEXPECTED)
 
     def _on_answer(
         self, handle: WorkerHandle, msg: Result | ErrorMsg | Done, frames: list[Any]
@@ -128,13 +133,13 @@ class WorkerRouter:
             return
         self._count(msg)
         if isinstance(msg, Done):  # the worker sent the RESULT straight to the client
-            self.counters["results_direct"] += 1
+            self.counters.count(Count.RESULTS_DIRECT)
             handle.sent_direct(entry.session, entry.task_id, entry.plan_version)
             return
         if isinstance(msg, ErrorMsg) and msg.kind == "dropped":
-            self.counters["results_dropped"] += 1
+            self.counters.count(Count.RESULTS_DROPPED_WORKER)
         if session is None:
-            self.counters["results_orphaned"] += 1
+            self.counters.count(Count.RESULTS_ORPHANED)
         elif isinstance(msg, Result):
             self.clients.forward_result(session, frames, bool(msg.landed))
         else:
@@ -152,14 +157,14 @@ class WorkerRouter:
             handle.forgot_control(entry.session)
             resends = entry.resend_control()
             if resends <= 3 and entry.control_seq == session.control_seq:
-                self.counters["controls_resent"] += 1
+                self.counters.count(Count.CONTROLS_RESENT)
                 self._requeue(session, entry)
                 return True
         if msg.kind == "internal" and msg.retry:
             # The worker's loop dropped this task as it raised: once more, then the error.
-            self.rejected["internal"] += 1
+            self.rejected.count(Reject.INTERNAL)
             if entry.blame() < 2 and session is not None:
-                self.counters["tasks_retried"] += 1
+                self.counters.count(Count.TASKS_RETRIED)
                 self._requeue(session, entry)
                 return True
         return False
@@ -172,17 +177,17 @@ class WorkerRouter:
     def _count(self, msg: Result | ErrorMsg | Done) -> None:
         """An answer the client gets: counted, and its timings observed."""
         ok = not isinstance(msg, ErrorMsg)
-        self.counters["tasks_done" if ok else "tasks_failed"] += 1
+        self.counters.count(Count.TASKS_DONE if ok else Count.TASKS_FAILED)
         if isinstance(msg, ErrorMsg):
             return
         if isinstance(msg, Done):
             samples, images = msg.samples, msg.images
         else:
             samples, images = sum(len(i) for i in msg.images), len(msg.images)
-        self.counters["images_done"] += images
+        self.counters.count(Count.IMAGES_DONE, images)
         self.scheduler.charge(msg.session, msg.task_us)
-        self.counters["sources_decoded"] += msg.decoded
-        self.counters["sources_reused"] += max(0, samples - msg.decoded)
+        self.counters.count(Count.SOURCES_DECODED, msg.decoded)
+        self.counters.count(Count.SOURCES_REUSED, max(0, samples - msg.decoded))
         if self._observe is not None:
             self._observe(msg.task_us, msg.decode_us)
 
@@ -191,12 +196,12 @@ class WorkerRouter:
         taken = handle.answered(msg.session, msg.task_id)
         if taken is None:
             log.error("worker %d answered task %s it was not given", handle.slot, msg.task_id)
-            self.rejected["worker_unexpected"] += 1
+            self.rejected.count(Reject.WORKER_UNEXPECTED)
             return None
         lost, entry = taken
         for e in lost:  # answered before this one, but the answer never came
             self.scheduler.finish(e)
-            self.counters["worker_answers_lost"] += 1
+            self.counters.count(Count.WORKER_ANSWERS_LOST)
         self.scheduler.finish(entry)
         return entry
 
@@ -214,7 +219,7 @@ class WorkerRouter:
             return
         handle.became_ready(identity, msg.results, msg.local)
         if msg.store is False:  # it logged why; it serves, decoding every source
-            self.counters["workers_without_store"] += 1
+            self.counters.count(Count.WORKERS_WITHOUT_STORE)
         self.scheduler.pace(msg.steerable)  # (every worker has the same dataset)
         self.by_identity[identity] = handle
         self.ready.append(handle)
@@ -302,7 +307,7 @@ class WorkerRouter:
         log.warning(
             "worker %d (pid %d) died (exit %s); replacing it", handle.slot, handle.pid, code
         )
-        self.counters["worker_deaths"] += 1
+        self.counters.count(Count.WORKER_DEATHS)
         delay = self.pool.forget(handle)
         self._respawn_at[handle.slot] = time.monotonic() + delay
         if handle.identity is not None:
@@ -321,14 +326,14 @@ class WorkerRouter:
                 if entry.blame() >= 2:
                     self._poison(owner, entry, code, running_image)
                     continue
-                self.counters["tasks_retried"] += 1
+                self.counters.count(Count.TASKS_RETRIED)
             self.scheduler.push(owner, entry, front=True)
 
     def _poison(self, session: Session, entry: TaskEntry, code: int | None, image: int) -> None:
         """Answer a task that killed two workers: poison, naming the image of it that was
         being composed when the last one died (and its sample, when it has one)."""
         self.scheduler.finish(entry)
-        self.counters["tasks_poisoned"] += 1
+        self.counters.count(Count.TASKS_POISONED)
         how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
         image = min(image, len(entry.images) - 1)
         indices = entry.images[image]

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dataserver.protocol.messages import pub_handle
+from dataserver.server.counts import Reject
 from dataserver.server.statsview import TokenBucket
 
 # Sessions one connection may hold: a DataServerClient opens one per server on a connection
@@ -146,7 +147,8 @@ class Scheduler:
         self.poisoned: OrderedDict[tuple[bytes, bytes], Any] = OrderedDict()
         self.by_conn: Counter[bytes] = Counter()  # sessions opened on each connection
         self.by_peer: dict[str, dict[bytes, Session]] = {}  # each peer's sessions
-        self.refused = ("", "")  # (reason, why) of the last open() that returned None
+        # (reason, why) of the last open() that returned None
+        self.refused: tuple[Reject, str] = (Reject.SESSION_LIMIT, "")
 
     def pace(self, steerable: bool) -> None:
         """Whether the dataset takes control states (``set_control``, as a worker's READY
@@ -165,7 +167,7 @@ class Scheduler:
         if session is None:
             if self.by_conn[identity] >= SESSIONS_PER_CONNECTION:
                 self.refused = (
-                    "connection_sessions",
+                    Reject.CONNECTION_SESSIONS,
                     f"this connection holds {self.by_conn[identity]} sessions, the most one "
                     f"may ({SESSIONS_PER_CONNECTION})",
                 )
@@ -173,7 +175,7 @@ class Scheduler:
             if len(self.sessions) >= self.max_sessions and not (
                 self._evict_one() or self._evict_from_largest(peer)
             ):
-                self.refused = ("session_limit", "")
+                self.refused = (Reject.SESSION_LIMIT, "")
                 return None
             session = self.sessions[sid] = Session(
                 sid, identity, secret, base=base, conn=identity, peer=peer
@@ -232,16 +234,19 @@ class Scheduler:
         session.identity = identity
         session.last_seen = time.monotonic()
 
-    def over_limit(self, session: Session, nbytes: int) -> tuple[str, str] | None:
+    def over_limit(self, session: Session, nbytes: int) -> tuple[Reject, str] | None:
         """(reason, why) ``nbytes`` more may not be queued for ``session``, or None."""
         if len(session.queue) >= self.max_tasks:
-            return "queue_full", f"{len(session.queue)} tasks queued: the client ignores its credit"
+            return (
+                Reject.QUEUE_FULL,
+                f"{len(session.queue)} tasks queued: the client ignores its credit",
+            )
         if session.queued_bytes + nbytes > self.session_bytes:
             why = f"session queue holds {session.queued_bytes} bytes; at most {self.session_bytes}"
-            return "queue_bytes", why
+            return Reject.QUEUE_BYTES, why
         if self.queued_bytes + nbytes > self.total_bytes:
             return (
-                "queue_bytes",
+                Reject.QUEUE_BYTES,
                 f"queues hold {self.queued_bytes} bytes; at most {self.total_bytes}",
             )
         return None

@@ -6,16 +6,17 @@ usage is read at most once a second, in housekeeping, never per request), and re
 answered at a bounded rate: a token bucket per kind of peer, one for peers on this host
 (loopback or ipc: the health probes) and one for everyone else, so a flood from the network
 cannot silence a probe. Requests over the rate are dropped unanswered and counted as
-``rejected["stats_rate"]``.
+``Reject.STATS_RATE`` (``stats_rate``).
 """
 
 from __future__ import annotations
 
 import ipaddress
 import time
-from collections import Counter
 from typing import Any
 
+from dataserver.counting import Counts
+from dataserver.server.counts import Reject
 from dataserver.server.store import Store
 from dataserver.server.view import StoreUsage
 
@@ -69,7 +70,7 @@ def peer_address(frame: Any) -> str:
 class StatsView:
     """The rate of public STATS answers of one front, and the store usage they report."""
 
-    def __init__(self, rejected: Counter[str], store: Store | None) -> None:
+    def __init__(self, rejected: Counts[Reject], store: Store | None) -> None:
         self._rejected = rejected
         self._store = store
         self._buckets = {
@@ -84,7 +85,7 @@ class StatsView:
         """Whether to answer this STATS request (the frame it came in); counted if not."""
         if self._buckets[is_local(peer_address(frame))].take():
             return True
-        self._rejected["stats_rate"] += 1
+        self._rejected.count(Reject.STATS_RATE)
         return False
 
     def refresh(self, now: float) -> None:

@@ -17,6 +17,9 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
+from dataserver.counting import Counts
+from dataserver.server.counts import Count, Reject
+
 
 @dataclass(frozen=True)
 class StoreUsage:
@@ -70,13 +73,13 @@ class ServerView:
     limits: Limits
     store: StoreUsage | None  # None: the server has no store
     sources: str  # "stored", "fresh:not-deterministic" or "fresh:no-store" (Front.sources)
-    counters: Mapping[str, int]  # read-only copies (``frozen``)
-    rejected: Mapping[str, int]
+    counters: Mapping[str, int]  # read-only copies (``frozen``) of ``Count``s
+    rejected: Mapping[str, int]  # ... of ``Reject``s
 
     @staticmethod
-    def frozen(counter: Mapping[str, int]) -> Mapping[str, int]:
-        """A read-only copy of ``counter`` (taken in the loop's thread)."""
-        return MappingProxyType(dict(counter))
+    def frozen(counts: Counts[Any]) -> Mapping[str, int]:
+        """A read-only copy of ``counts`` (taken in the loop's thread)."""
+        return MappingProxyType(counts.snapshot())
 
     @property
     def worker_restarts(self) -> int:
@@ -86,8 +89,8 @@ class ServerView:
     def _store_stats(self) -> dict[str, Any] | None:
         if self.store is None:
             return None
-        decoded = self.counters.get("sources_decoded", 0)
-        reused = self.counters.get("sources_reused", 0)
+        decoded = self.counters.get(Count.SOURCES_DECODED, 0)
+        reused = self.counters.get(Count.SOURCES_REUSED, 0)
         return {
             "entries": self.store.entries,
             "bytes": self.store.bytes,
@@ -129,7 +132,7 @@ class ServerView:
             },
             "store": self._store_stats(),
             "sources": self.sources,
-            "counters": dict(self.counters),
-            "rejected": dict(self.rejected),
+            "counters": {n.value: self.counters[n] for n in Count if n in self.counters},
+            "rejected": {n.value: self.rejected[n] for n in Reject if n in self.rejected},
             "rejected_total": sum(self.rejected.values()),
         }

@@ -31,15 +31,18 @@ import signal
 import sys
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import cv2
+import msgspec
 import numpy as np
 import zmq
 
+from dataserver.counting import Counts
 from dataserver.data.pipeline import (
     Draw,
     PlanesFor,
@@ -74,6 +77,7 @@ from dataserver.security import reply_id
 from dataserver.server.config import WorkerConfig
 from dataserver.server.conns import fd_limit, results_budget
 from dataserver.server.controls import ControlMissing, ControlStates
+from dataserver.server.counts import Reject, WorkerCount
 from dataserver.server.direct import DirectResults
 from dataserver.server.landings import Landings
 from dataserver.server.memory import keep_large_blocks
@@ -86,6 +90,26 @@ PR_SET_PDEATHSIG = 1
 EXIT_START_FAILED = 3
 POLL_MS = 1000  # the longest the loop waits before it looks at its stop event again
 TALLY_S = 1.0  # the front is told of dropped result connections at most this often
+
+
+@dataclass
+class TaskClock:
+    """What one task spent, for the server's metrics (its RESULT's ``task_us``, ``decoded``
+    and ``decode_us``): started with the task, told of each source made for it."""
+
+    start_ns: int = field(default_factory=time.perf_counter_ns)
+    decoded: int = 0  # sources read and fitted (store misses)
+    _made_us: list[int] = field(default_factory=list)  # microseconds each of them took
+
+    def made(self, us: int) -> None:
+        self.decoded += 1
+        self._made_us.append(us)
+
+    def task_us(self) -> int:
+        return (time.perf_counter_ns() - self.start_ns) // 1000
+
+    def decode_us(self) -> tuple[int, ...] | None:
+        return tuple(self._made_us[: MAX_TASK_IMAGES * MAX_TILES]) or None
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -121,8 +145,7 @@ class Worker:
         self.size = len(dataset)
         self.store = store
         self.running = running
-        self.counters: Counter[str] = Counter()
-        self.guard = MessageGuard(log, self.counters)
+        self.counters = Counts(WorkerCount)
         self.controls = ControlStates(dataset, fresh)
         self._current: Task | None = None  # the task being handled
         self._stop = threading.Event()  # BYE came (or ``stop()``)
@@ -169,16 +192,21 @@ class Worker:
                 log.warning("worker %d: no landing socket at %s: %s", self.worker_id, landing, exc)
         poller = zmq.Poller()
         watched: set[int] = set()
+        # A message that raised is counted here and told to the front (on ``sock``).
+        guard = MessageGuard(
+            log,
+            partial(self.counters.count, WorkerCount.INTERNAL),
+            report=partial(self._report, sock),
+        )
 
         def start() -> None:
             sock.connect(config.backend)
             sock.send_multipart(ready.encode())
-            self.guard.report = lambda site, exc: self._report(sock, site, exc)
             poller.register(sock, zmq.POLLIN)
 
         def turn() -> None:
             nonlocal watched
-            watched = self._turn(poller, watched, sock, results)
+            watched = self._turn(poller, watched, sock, results, guard)
 
         def close() -> None:
             self.landings.close()
@@ -195,6 +223,7 @@ class Worker:
         watched: set[int],
         sock: zmq.Socket[Any],
         results: DirectResults | None,
+        guard: MessageGuard,
     ) -> set[int]:
         """One turn of the loop: messages from the front, and landing hand-overs (polled
         together, so neither waits for the other; a hand-over that came with a task is
@@ -206,16 +235,16 @@ class Worker:
             poller.register(fd, zmq.POLLIN)
         events = dict(poller.poll(POLL_MS))
         if results is not None:
-            self.guard.run("worker.claims", results.read_claims)
+            guard.run("worker.claims", results.read_claims)
             self._tally(sock, results)
         for fd in fds & events.keys():
-            self.guard.run("worker.landing", self.landings.on_readable, fd)
+            guard.run("worker.landing", self.landings.on_readable, fd)
         if sock in events:
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return fds
-            self.guard.run("worker.message", self._on_frames, frames, sock, results)
+            guard.run("worker.message", self._on_frames, frames, sock, results)
         return fds
 
     def _tally(self, sock: zmq.Socket[Any], results: DirectResults) -> None:
@@ -229,9 +258,9 @@ class Worker:
         if dropped:
             tally = Tally(
                 worker=self.worker_id,
-                idle_dropped=dropped["results_idle_dropped"],
-                over_limit_dropped=dropped["results_over_limit_dropped"],
-                unfinished_dropped=dropped["results_unfinished_dropped"],
+                idle_dropped=dropped.get(Reject.RESULTS_IDLE_DROPPED, 0),
+                over_limit_dropped=dropped.get(Reject.RESULTS_OVER_LIMIT_DROPPED, 0),
+                unfinished_dropped=dropped.get(Reject.RESULTS_UNFINISHED_DROPPED, 0),
             )
             sock.send_multipart(tally.encode(), zmq.NOBLOCK)
 
@@ -259,7 +288,7 @@ class Worker:
         try:
             msg = decode(frames)
         except ProtocolError as exc:
-            self.counters["malformed"] += 1
+            self.counters.count(WorkerCount.MALFORMED)
             log.error("worker %d: dropped a bad message from the front: %s", self.worker_id, exc)
             return
         if isinstance(msg, Control):
@@ -272,12 +301,9 @@ class Worker:
             return
         self._current = msg  # named in the report if what follows raises
         inject("worker.task")
-        start = time.perf_counter_ns()
         out = self._run_guarded(msg)
-        if isinstance(out, Result):  # for the server's metrics
-            out.task_us = (time.perf_counter_ns() - start) // 1000
         if isinstance(out, Result) and out.landed:
-            self.counters["results_landed"] += 1
+            self.counters.count(WorkerCount.RESULTS_LANDED)
         if isinstance(out, Result) and results is not None and msg.auth is not None:
             sent = results.send(out, reply_id(msg.auth))
             if sent is True:
@@ -295,7 +321,7 @@ class Worker:
                 self._current = None
                 return
             if isinstance(sent, str):  # over a cap: the client is told, and asks again
-                self.counters["results_dropped"] += 1
+                self.counters.count(WorkerCount.RESULTS_DROPPED)
                 out = ErrorMsg(
                     message=f"result not sent: {sent} (--max-queued-mb)",
                     kind="dropped",
@@ -319,6 +345,7 @@ class Worker:
 
     def run_task(self, task: Task) -> Message:
         """Run one TASK; return its RESULT or ERROR (never raises)."""
+        clock = TaskClock()
         ids: dict[str, Any] = {
             "session": task.session,
             "task_id": task.task_id,
@@ -362,12 +389,11 @@ class Worker:
                 task,
             ) as dest:
                 if dest is None:
-                    return self._compose(task, dataset, ckey, recipe, ids, None)
+                    return self._compose(task, dataset, ckey, recipe, ids, None, clock)
                 if fault("worker.lie_landed"):  # tests: claim it landed, write nothing
-                    result = self._compose(task, dataset, ckey, recipe, ids, None)
-                    result.pixels, result.landed = None, True
-                    return result
-                result = self._compose(task, dataset, ckey, recipe, ids, dest.pixels)
+                    result = self._compose(task, dataset, ckey, recipe, ids, None, clock)
+                    return msgspec.structs.replace(result, pixels=None, landed=True)
+                result = self._compose(task, dataset, ckey, recipe, ids, dest.pixels, clock)
                 dest.seal(task.task_id)  # composed: the client may now believe "landed"
                 return result
         except SampleError as exc:
@@ -387,6 +413,7 @@ class Worker:
         recipe: Recipe,
         ids: dict[str, Any],
         dest: np.ndarray | None,
+        clock: TaskClock,
     ) -> Result:
         """Compose ``task`` into ``dest`` (the client's landing buffer) or a new canvas:
         sources from the store (fitted to the stored size; made and stored on a miss, for
@@ -394,23 +421,19 @@ class Worker:
         stored_hw = recipe.stored_hw
         excluded = set(task.exclude)
         wanted = list(dict.fromkeys(i for i in task.indices if i not in excluded))
-        decoded = 0
-        timings: list[int] = []  # microseconds per source made (for the server's metrics)
         image_of: dict[int, int] = {}  # the first image each source is in (running slot)
         for n, indices in enumerate(task.images):
             for i in indices:
                 image_of.setdefault(i, n)
 
         def make(index: int, planes_for: PlanesFor | None = None) -> Source:
-            nonlocal decoded
-            decoded += 1
             if self.running is not None:  # a death now is blamed on the image it is read for
                 self.running.image(image_of.get(index, 0))
             start = time.perf_counter_ns()
             try:
                 return prepare(dataset, index, stored_hw, planes_for)
             finally:
-                timings.append((time.perf_counter_ns() - start) // 1000)
+                clock.made((time.perf_counter_ns() - start) // 1000)
 
         got: dict[int, Source | None] = {}
         oldest = -1
@@ -441,12 +464,10 @@ class Worker:
             stored = src if src is not None else make(index)  # (a failed one raises again)
             return finished(dataset, index, stored, recipe, draw)
 
-        result = self._compose_with(task, dataset, source, recipe, ids, dest)
+        result = self._compose_with(task, dataset, source, recipe, ids, dest, clock)
         if self.store is not None and not self.store.intact(oldest):
             got.clear()  # the store wrote over a source as we read it: compose from scratch
-            result = self._compose_with(task, dataset, source, recipe, ids, dest)
-        result.decoded = decoded  # sources read and fitted for this task (store misses)
-        result.decode_us = tuple(timings[: MAX_TASK_IMAGES * MAX_TILES]) or None
+            result = self._compose_with(task, dataset, source, recipe, ids, dest, clock)
         return result
 
     def _compose_with(
@@ -457,6 +478,7 @@ class Worker:
         recipe: Recipe,
         ids: dict[str, Any],
         dest: np.ndarray | None,
+        clock: TaskClock,
     ) -> Result:
         out_h, out_w = task.out_hw
         pad = task.pad_value
@@ -508,6 +530,9 @@ class Worker:
             labels=np.concatenate(labels),
             files=tuple(files) if any(files) else None,
             orig_sizes=tuple(origs),
+            decoded=clock.decoded,
+            decode_us=clock.decode_us(),
+            task_us=clock.task_us(),
             **ids,
         )
 

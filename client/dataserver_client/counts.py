@@ -1,0 +1,68 @@
+"""Every counter a client keeps, declared once: what ``client.stats()`` shows, and what may
+be counted (``dataserver.counting.Counts`` takes nothing else).
+
+The engine keeps two ``Counts`` and hands them to its ``Handlers``: ``Count``, events of
+normal work (``client.stats()``'s top level; the first eight show from the start, at 0),
+and ``Reject``, messages refused, by reason (``client.stats()["rejected"]``).
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum, unique
+
+
+@unique
+class Count(StrEnum):
+    """The client's counters of normal work (``client.stats()``)."""
+
+    LATE = "late"  # an answer no longer wanted (superseded plan, a second answer)
+    CANCELLED = "cancelled"  # tasks a server answered CANCELLED
+    RESULTS = "results"
+    REISSUED = "reissued"  # tasks moved off a server that left, was lost or banned
+    SERVERS_JOINED = "servers_joined"  # (discovery)
+    SERVERS_LEFT = "servers_left"  # (discovery)
+    SERVERS_DRAINED = "servers_drained"  # said BYE (SIGTERM)
+    SERVERS_LOST = "servers_lost"
+    RESULTS_LANDED = "results_landed"  # composed straight into our landing buffer
+    # tasks asked again: a server's ERROR said so (``ASKED_AGAIN``), a result connection
+    # broke, the deadline passed
+    ASKED_AGAIN_MAYBE_LOST = "asked_again_maybe_lost"
+    ASKED_AGAIN_DROPPED = "asked_again_dropped"
+    ASKED_AGAIN_RESULTS_BROKEN = "asked_again_results_broken"
+    ASKED_AGAIN_DEADLINE = "asked_again_deadline"
+
+
+# Shown in ``client.stats()`` from the start, at 0.
+SHOWN = (
+    Count.LATE,
+    Count.CANCELLED,
+    Count.RESULTS,
+    Count.REISSUED,
+    Count.SERVERS_JOINED,
+    Count.SERVERS_LEFT,
+    Count.SERVERS_DRAINED,
+    Count.SERVERS_LOST,
+)
+
+# An ERROR's ``kind`` that asks the client to ask again, and what it counts.
+ASKED_AGAIN = {
+    "maybe_lost": Count.ASKED_AGAIN_MAYBE_LOST,  # its worker died right after sending it
+    "dropped": Count.ASKED_AGAIN_DROPPED,  # the server would not hold it for us
+}
+
+
+@unique
+class Reject(StrEnum):
+    """What the client refused, by reason (``client.stats()["rejected"]``)."""
+
+    INTERNAL = "internal"  # a handler raised (a bug): the message dropped
+    MALFORMED = "malformed"
+    UNEXPECTED_TYPE = "unexpected_type"
+    OTHER_SESSION = "other_session"
+    FROM_BANNED_SERVER = "from_banned_server"
+    UNFINISHED_MESSAGE = "unfinished_message"  # a server's message over our bound
+    # a server's answer that is wrong (the server is banned: ``bad_server``)
+    WRONG_ANSWER = "wrong_answer"
+    LANDED_UNSEALED = "landed_unsealed"
+    BAD_BOXES = "bad_boxes"
+    BAD_SERVER = "bad_server"

@@ -1,0 +1,174 @@
+"""Every counter a server keeps, declared once: what ``dataserver stats`` and the metrics
+show, and what may be counted (``dataserver.counting.Counts`` takes nothing else).
+
+The front keeps two ``Counts`` and hands them to its collaborators (router, client
+handlers, outlet, connection tracker, STATS rate): ``Count``, events of normal work
+(``dataserver stats``'s ``counters``), and ``Reject``, messages and connections refused, by
+reason (its ``rejected`` and ``rejected_total``, and the metric
+``dataserver_rejected_messages_total{reason}``). A worker keeps a ``Counts`` of
+``WorkerCount`` for itself (it has no endpoint: what the front must know, a worker tells
+it in messages, and the front counts it under its own names), and one of ``Reject`` for
+its result connections shut down (``results_<reason>_dropped``, sent in TALLY messages).
+
+A family (one counter per socket or kind) is declared member by member; the function that
+names one takes a ``Literal`` of its suffixes, so mypy refuses a suffix not declared.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum, unique
+from typing import Literal, get_args
+
+Watched = Literal["data", "control"]  # the front's public sockets (their monitors)
+Tracked = Literal["data", "control", "results"]  # sockets a ConnTracker judges
+Dropped = Literal["idle_dropped", "over_limit_dropped", "unfinished_dropped"]
+LandingRefusal = Literal["fd", "peer", "silent", "mac"]
+
+
+@unique
+class Count(StrEnum):
+    """The front's counters of normal work (``dataserver stats``'s ``counters``)."""
+
+    # client messages
+    HELLOS = "hellos"
+    HEARTBEATS = "heartbeats"
+    SESSIONS_CLOSED = "sessions_closed"  # BYE
+    SESSIONS_EXPIRED = "sessions_expired"  # silent past the session TTL
+    TASKS_RECEIVED = "tasks_received"
+    TASKS_REPLACED = "tasks_replaced"  # a queued task asked again with other contents
+    TASKS_DUPLICATE = "tasks_duplicate"  # asked again while queued or running
+    TASKS_POISONED_AGAIN = "tasks_poisoned_again"  # a copy of a poison task, answered so
+    CONTROLS = "controls"
+    CONTROLS_OVERTAKEN = "controls_overtaken"  # older than the session's: nothing to do
+    CONTROLS_AFTER_CLOSE = "controls_after_close"  # published before its BYE, came after
+    # tasks and their answers
+    TASKS_DONE = "tasks_done"
+    TASKS_FAILED = "tasks_failed"
+    TASKS_RETRIED = "tasks_retried"  # its worker died, or dropped it as it raised
+    TASKS_POISONED = "tasks_poisoned"  # killed two workers
+    TASKS_CANCELLED = "tasks_cancelled"
+    TASKS_PACED = "tasks_paced"  # (the scheduler's figure, copied in at each report)
+    CONTROLS_RESENT = "controls_resent"  # a worker forgot a session's control values
+    IMAGES_DONE = "images_done"  # metric dataserver_samples_served_total
+    SOURCES_DECODED = "sources_decoded"  # metric dataserver_cache_misses_total
+    SOURCES_REUSED = "sources_reused"  # metric dataserver_cache_hits_total
+    RESULTS_DIRECT = "results_direct"  # a worker sent it straight to the client
+    RESULTS_VIA_FRONT = "results_via_front"
+    RESULTS_ORPHANED = "results_orphaned"  # its session had gone
+    # A result not sent for want of room (the client is told, and asks again): by a worker
+    # on its direct path, over --max-queued-mb there; by the front's outbox.
+    RESULTS_DROPPED_WORKER = "results_dropped_worker"
+    RESULTS_DROPPED_FRONT = "results_dropped_front"
+    SEND_DROPPED_FULL = "send_dropped_full"  # a peer's pipe full: the message dropped
+    SEND_DROPPED_GONE = "send_dropped_gone"  # the peer gone
+    # workers
+    WORKER_DEATHS = "worker_deaths"
+    WORKER_ANSWERS_LOST = "worker_answers_lost"  # a later task answered, this one never
+    WORKERS_WITHOUT_STORE = "workers_without_store"
+    # the front
+    DRAINS = "drains"
+    DATA_CONNECTIONS = "data_connections"
+    CONTROL_CONNECTIONS = "control_connections"
+    DATA_DISCONNECTS = "data_disconnects"
+    CONTROL_DISCONNECTS = "control_disconnects"
+
+
+@unique
+class Reject(StrEnum):
+    """What a server refused, by reason (``dataserver stats``'s ``rejected``, the metric
+    ``dataserver_rejected_messages_total{reason}``). Where the refusal is answered, the
+    reason is also the ERROR's ``kind`` (``malformed``: ``protocol``)."""
+
+    INTERNAL = "internal"  # a handler raised (a bug): the message dropped
+    # the data socket
+    MALFORMED = "malformed"
+    UNEXPECTED_TYPE = "unexpected_type"
+    NOT_OWNER = "not_owner"  # (CURVE) a session id of another key
+    NO_SECRET = "no_secret"
+    UNKNOWN_SESSION = "unknown_session"
+    BAD_SECRET = "bad_secret"
+    SESSION_LIMIT = "session_limit"
+    CONNECTION_SESSIONS = "connection_sessions"
+    SEQUENCE = "sequence"  # a plan or control number the session cannot have reached
+    LIMIT = "limit"  # a task over --max-image-side or --max-task-mb
+    QUEUE_FULL = "queue_full"
+    QUEUE_BYTES = "queue_bytes"
+    CONTROL_MISSING = "control_missing"
+    STATS_RATE = "stats_rate"
+    # the control socket
+    CONTROL_MALFORMED = "control_malformed"
+    CONTROL_UNEXPECTED_TYPE = "control_unexpected_type"
+    CONTROL_NOT_OWNER = "control_not_owner"
+    CONTROL_BAD_SECRET = "control_bad_secret"
+    CONTROL_UNKNOWN_SESSION = "control_unknown_session"
+    # the admin socket, the metrics endpoint
+    ADMIN_MALFORMED = "admin_malformed"
+    ADMIN_UNEXPECTED_TYPE = "admin_unexpected_type"
+    ADMIN_RATE = "admin_rate"
+    SCRAPE_RATE = "scrape_rate"  # (the scrape server's figure, copied in at each report)
+    # workers (this server's own children)
+    WORKER_MALFORMED = "worker_malformed"
+    WORKER_UNEXPECTED = "worker_unexpected"
+    # handshakes (``not_authorized``, ``bad_handshake``)
+    DATA_NOT_AUTHORIZED = "data_not_authorized"
+    CONTROL_NOT_AUTHORIZED = "control_not_authorized"
+    DATA_BAD_HANDSHAKE = "data_bad_handshake"
+    CONTROL_BAD_HANDSHAKE = "control_bad_handshake"
+    # connections shut down (``dropped``): the front's, and the workers' (told by TALLY)
+    DATA_IDLE_DROPPED = "data_idle_dropped"
+    DATA_OVER_LIMIT_DROPPED = "data_over_limit_dropped"
+    DATA_UNFINISHED_DROPPED = "data_unfinished_dropped"
+    CONTROL_IDLE_DROPPED = "control_idle_dropped"
+    CONTROL_OVER_LIMIT_DROPPED = "control_over_limit_dropped"
+    CONTROL_UNFINISHED_DROPPED = "control_unfinished_dropped"
+    RESULTS_IDLE_DROPPED = "results_idle_dropped"
+    RESULTS_OVER_LIMIT_DROPPED = "results_over_limit_dropped"
+    RESULTS_UNFINISHED_DROPPED = "results_unfinished_dropped"
+
+
+@unique
+class WorkerCount(StrEnum):
+    """A worker process's own counters (not exported: see the module's docstring)."""
+
+    INTERNAL = "internal"  # a handler raised (also told to the front: its ``internal``)
+    MALFORMED = "malformed"  # a message from the front that did not decode
+    RESULTS_LANDED = "results_landed"  # composed straight into a client's landing buffer
+    RESULTS_DROPPED = "results_dropped"  # (the front's ``results_dropped_worker``)
+    LANDING_REGISTERED = "landing_registered"
+    LANDING_REFUSED_FD = "landing_refused_fd"  # a bad hand-over or buffer
+    LANDING_REFUSED_PEER = "landing_refused_peer"  # another user's connection
+    LANDING_REFUSED_SILENT = "landing_refused_silent"
+    LANDING_REFUSED_MAC = "landing_refused_mac"  # a task naming a buffer without its MAC
+
+
+def connections(socket: Watched) -> Count:
+    """``<socket>_connections``: connections accepted on a public socket."""
+    return Count(f"{socket}_connections")
+
+
+def disconnects(socket: Watched) -> Count:
+    """``<socket>_disconnects``: connections a public socket lost."""
+    return Count(f"{socket}_disconnects")
+
+
+def not_authorized(socket: Watched) -> Reject:
+    """``<socket>_not_authorized``: a CURVE handshake refused."""
+    return Reject(f"{socket}_not_authorized")
+
+
+def bad_handshake(socket: Watched) -> Reject:
+    """``<socket>_bad_handshake``: a ZMTP handshake that failed (junk, a wrong socket type)."""
+    return Reject(f"{socket}_bad_handshake")
+
+
+def dropped(socket: Tracked, reason: Dropped) -> Reject:
+    """``<socket>_<reason>``: a connection a ConnTracker shut down."""
+    return Reject(f"{socket}_{reason}")
+
+
+def landing_refused(kind: LandingRefusal) -> WorkerCount:
+    """``landing_refused_<kind>``: a landing hand-over or task a worker refused."""
+    return WorkerCount(f"landing_refused_{kind}")
+
+
+LANDING_REFUSED = tuple(landing_refused(kind) for kind in get_args(LandingRefusal))
