@@ -43,6 +43,7 @@ from dataserver.security import host_proof, start_server_curve
 from dataserver.server.clients import Clients
 from dataserver.server.config import ServerConfig, WorkerConfig, bindable, results_bind
 from dataserver.server.conns import ConnTracker, fd_budget, fd_limit, peer_socket_options
+from dataserver.server.memory import memory_room
 from dataserver.server.metrics import ServerMetrics
 from dataserver.server.outbox import Outbox
 from dataserver.server.outlet import Outlet
@@ -50,7 +51,7 @@ from dataserver.server.pool import WorkerPool
 from dataserver.server.routing import PIPELINE, WorkerRouter
 from dataserver.server.sessions import Scheduler
 from dataserver.server.statsview import StatsView, TokenBucket
-from dataserver.server.store import Store, memory_room
+from dataserver.server.store import Store
 from dataserver.server.view import Limits, ServerView
 
 log = logging.getLogger("dataserver.front")
