@@ -19,18 +19,17 @@ import ipaddress
 import json
 import logging
 import os
-import re
 import socket
 import stat
 from pathlib import Path
 from typing import Any
 
+from dataserver.endpoint import tcp_endpoint
 from dataserver.security import read_own_file
 
 log = logging.getLogger("dataserver.admin")
 
 ADMIN_NAME = "admin"
-_TCP = re.compile(r"^tcp://(?P<host>\[[^\]]+\]|[^:/]+):(?P<port>\d+)$")
 
 
 def registry_dir(create: bool = False) -> Path | None:
@@ -63,8 +62,8 @@ def _own_private(path: Path) -> bool:
 
 def port_of(address: str) -> int | None:
     """The TCP port of a ``tcp://HOST:PORT`` address, else None."""
-    match = _TCP.match(address)
-    return int(match["port"]) if match else None
+    tcp = tcp_endpoint(address)
+    return int(tcp.port) if tcp else None
 
 
 def register(data_endpoint: str, admin_endpoint: str) -> Path | None:
@@ -74,18 +73,16 @@ def register(data_endpoint: str, admin_endpoint: str) -> Path | None:
     One file per server (``port-PORT.PID``), saying where its data socket is bound and in
     which network namespace: two servers may hold one port number on two addresses of a
     host, or in two namespaces (nodes played by namespaces share the file system)."""
-    match = _TCP.match(data_endpoint)
+    tcp = tcp_endpoint(data_endpoint)
     where = registry_dir(create=True)
-    if match is None or where is None:
+    if tcp is None or where is None:
         log.info(
             "no admin registry for %s: `dataserver stats` asks over the data port", data_endpoint
         )
         return None
-    entry = json.dumps(
-        {"admin": admin_endpoint, "host": match["host"].strip("[]"), "netns": _netns()}
-    )
-    path = where / f"port-{match['port']}.{os.getpid()}"
-    tmp = where / f".port-{match['port']}.{os.getpid()}"
+    entry = json.dumps({"admin": admin_endpoint, "host": tcp.address, "netns": _netns()})
+    path = where / f"port-{tcp.port}.{os.getpid()}"
+    tmp = where / f".port-{tcp.port}.{os.getpid()}"
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "w") as f:
@@ -113,16 +110,16 @@ def lookup(address: str) -> str | None:
     """The admin endpoint of the server at ``address`` when it runs on this host as this
     user (its registry file, its socket present), else None: a server in this network
     namespace bound to the port on one of ``address``'s IPs, or on every address."""
-    match = _TCP.match(address)
-    if match is None:
+    tcp = tcp_endpoint(address)
+    if tcp is None:
         return None
-    host = match["host"].strip("[]")
+    host = tcp.address
     where = registry_dir()
     if where is None or not _is_this_host(host):
         return None
     ips = _ips_of(host)
     here = _netns()
-    for path in sorted(where.glob(f"port-{match['port']}.*")):
+    for path in sorted(where.glob(f"port-{tcp.port}.*")):
         entry = _read_entry(path)
         if entry is None or entry.get("netns") != here:
             continue

@@ -334,7 +334,7 @@ def test_the_router_blames_the_running_task_not_the_one_before_it(tmp_path: Path
         def retry_due(self, now: float) -> None:
             pass  # (no start of a worker failed here)
 
-    class Clients:
+    class Sends:
         def __init__(self) -> None:
             self.replies: list[Any] = []
 
@@ -353,8 +353,8 @@ def test_the_router_blames_the_running_task_not_the_one_before_it(tmp_path: Path
     a, b = (TaskEntry(session.sid, tid, 1, ((tid,),), []) for tid in (1, 2))
     handle.tasks = deque([a, b])
     slot.set(session.sid, 2)  # B was running
-    clients = Clients()
-    router = WorkerRouter(pool, scheduler, clients, Counts(Count), Counts(Reject))  # type: ignore[arg-type]
+    sends = Sends()
+    router = WorkerRouter(pool, scheduler, sends, Counts(Count), Counts(Reject))  # type: ignore[arg-type]
     router.reap()
     assert (a.attempts, b.attempts) == (0, 1)
     assert [e.task_id for e in session.queue] == [1, 2]  # both back, in order, A unblamed

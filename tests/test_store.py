@@ -529,7 +529,8 @@ def test_a_store_is_sized_within_its_memory_cgroup_and_filled_without_being_kill
         """
         import numpy as np
         from dataserver.data.pipeline import Source
-        from dataserver.server.store import Store, memory_room, store_key
+        from dataserver.server.memory import memory_room
+        from dataserver.server.store import Store, store_key
         size = min(1 << 30, memory_room() // 2)
         s = Store.create(size)
         image = np.zeros((3, 256, 256), np.uint8)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dataserver.endpoint import endpoint_problem
 from dataserver.protocol import MAX_IMAGE_SIDE, MAX_INT
 from dataserver_client.epoch import LAYOUTS, LETTERBOXES, Layout
 from dataserver_client.partners import PARTNER_MODES, WINDOW
@@ -80,8 +81,10 @@ class ClientConfig:
             if addr.startswith("ray://"):  # a Ray data tier: dataserver_client.integrations.ray
                 if not re.fullmatch(r"ray://[A-Za-z0-9_.\-]+", addr):
                     return f"server address {addr!r}: a Ray data tier is ray://NAME"
-            elif not (addr.startswith(("tcp://", "ipc://")) and len(addr) > 6):
+            elif not addr.startswith(("tcp://", "ipc://")):
                 return f"server address {addr!r} is not tcp://HOST:PORT, ipc://PATH or ray://NAME"
+            elif (problem := endpoint_problem(addr)) is not None:
+                return f"server address {addr!r}: {problem}"
         return None
 
     def _image_problem(self) -> str | None:

@@ -47,12 +47,13 @@ from dataserver_client.assembly import Delivery, DeviceMover, HostBuffers, landi
 from dataserver_client.book import PlanBook, Position
 from dataserver_client.config import ClientConfig
 from dataserver_client.counts import SHOWN, Count, Reject
+from dataserver_client.discovery import Discovery
 from dataserver_client.dispatch import Sender
 from dataserver_client.epoch import BatchPlan
 from dataserver_client.errors import DataServerError, ServerUnreachable
 from dataserver_client.handlers import Handlers
 from dataserver_client.handoff import Handoff
-from dataserver_client.links import DatasetInfo, Discovery, EventKind, Links, ServerLink
+from dataserver_client.links import DatasetInfo, EventKind, Links, ServerLink
 from dataserver_client.resume import Deal
 from dataserver_client.sizes import SizeSchedule
 

@@ -18,10 +18,9 @@ Link states (each arrow one ``ServerLink`` method; nothing else writes ``state``
 Every WELCOME is checked once, by ``welcome_problem``, against the first one accepted (the
 dataset the session serves) and this client's settings, at the handshake and after it.
 
-``Discovery`` re-resolves DNS names among the addresses in a thread of its own (a lookup
-may block for seconds); the engine adds and removes links from what it finds. A Ray data
-tier's address, ``ray://NAME``, is a name too: resolving it asks the tier's named actor
-(``dataserver.raytier.tier_addresses``, ray imported only then) for its servers now.
+Which addresses the links are made for is ``discovery.py``'s: the first are its answer at
+the start (``expand_addresses``), and the engine adds and removes links from what it finds
+later.
 """
 
 from __future__ import annotations
@@ -29,12 +28,8 @@ from __future__ import annotations
 import enum
 import hashlib
 import hmac
-import ipaddress
 import logging
 import os
-import re
-import socket
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -43,6 +38,7 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from dataserver.endpoint import tcp_endpoint, tcp_port
 from dataserver.landing import Handover, LandingArea, landing_socket
 from dataserver.protocol import Bye, Heartbeat, Hello, Welcome
 from dataserver.security import (
@@ -55,7 +51,7 @@ from dataserver.security import (
 )
 from dataserver.tcpinfo import bytes_received
 from dataserver_client.config import ClientConfig
-from dataserver_client.errors import DataServerError
+from dataserver_client.discovery import expand_addresses
 
 log = logging.getLogger("dataserver_client")
 
@@ -75,8 +71,6 @@ MONITORED = (
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 )
-_TCP = re.compile(r"^tcp://(?P<host>\[[^\]]+\]|[^:/]+):(?P<port>\d+)$")
-RAY = "ray://"  # a Ray data tier's name (dataserver_client.integrations.ray)
 
 
 class LinkState(enum.IntEnum):
@@ -195,134 +189,15 @@ class LinkEvent:
     why: str = ""
 
 
-def expand_addresses(addresses: str | Sequence[str]) -> list[str]:
-    """Server addresses, with DNS names that resolve to several hosts (a Kubernetes headless
-    Service) expanded into one address per host. IPv4 answers are preferred when a name has
-    both, since a server bound to an IPv4 interface never answers on IPv6. A name that does
-    not resolve stays as it is (ZeroMQ keeps trying it)."""
-    items = [addresses] if isinstance(addresses, str) else list(addresses)
-    out: list[str] = []
-    for addr in items:
-        out.extend(first_answer(addr))
-    return list(dict.fromkeys(out))
-
-
-def first_answer(addr: str) -> list[str]:
-    """What ``addr`` stands for when the client starts: ``resolve``'s answer, or ``addr``
-    itself when a DNS lookup fails; a Ray data tier that cannot be asked is an error (it
-    has no address ZeroMQ could keep trying), one with no server up yet stands for none."""
-    found = resolve(addr)
-    if found is None and addr.startswith(RAY):
-        raise DataServerError(
-            f"{addr}: no such Ray data tier reachable from this process (start it with "
-            "dataserver_client.integrations.ray.DataTier.start, inside this Ray cluster)"
-        )
-    return [addr] if found is None else found
-
-
-def is_name(addr: str) -> bool:
-    """Whether ``addr`` names its host by a DNS name, or is a Ray data tier (``ray://NAME``):
-    what discovery re-resolves."""
-    if addr.startswith(RAY):
-        return True
-    m = _TCP.match(addr)
-    return m is not None and not _is_ip(m["host"].strip("[]")) and m["host"] != "localhost"
-
-
-def resolve(addr: str) -> list[str] | None:
-    """The addresses ``addr`` stands for now: itself unless its host is a DNS name, else
-    one per host the name resolves to (a Ray tier: its servers that are up); None when the
-    lookup fails."""
-    if addr.startswith(RAY):
-        try:
-            from dataserver.raytier import tier_addresses
-        except ImportError as exc:
-            raise DataServerError(f"{addr} needs ray: pip install 'dataserver[ray]'") from exc
-        return tier_addresses(addr[len(RAY) :])
-    m = _TCP.match(addr)
-    if m is None or not is_name(addr):
-        return [addr]
-    try:
-        infos = socket.getaddrinfo(m["host"], int(m["port"]), type=socket.SOCK_STREAM)
-    except (OSError, UnicodeError):
-        return None
-    v4 = sorted({str(i[4][0]) for i in infos if i[0] == socket.AF_INET})
-    v6 = sorted({str(i[4][0]) for i in infos if i[0] == socket.AF_INET6})
-    hosts = v4 or [f"[{h}]" for h in v6]
-    return [f"tcp://{h}:{m['port']}" for h in hosts] or None
-
-
-class Discovery:
-    """Re-resolves the DNS names among the client's addresses every ``interval`` seconds,
-    in a thread of its own; ``take()`` returns the full address list when it changed.
-
-    A name whose lookup fails keeps its last answer (a DNS hiccup must not drop every
-    server); a name that never resolved stands for itself."""
-
-    def __init__(self, specs: Sequence[str], interval: float, wake: Any) -> None:
-        self.specs = list(specs)
-        self.interval = interval
-        self._wake = wake
-        self._answers: dict[str, list[str]] = {a: first_answer(a) for a in self.specs}
-        self.current = self._flatten()
-        self._found: list[str] | None = None
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def _flatten(self) -> list[str]:
-        return list(dict.fromkeys(a for spec in self.specs for a in self._answers[spec]))
-
-    def start(self) -> None:
-        if self.interval > 0 and any(is_name(a) for a in self.specs):
-            self._thread = threading.Thread(
-                target=self._run, name="dataserver-client-discovery", daemon=True
-            )
-            self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            for spec in self.specs:
-                if is_name(spec):
-                    found = resolve(spec)
-                    if found is not None:
-                        self._answers[spec] = found
-            now = self._flatten()
-            if now != self.current:
-                self.current = now
-                with self._lock:
-                    self._found = now
-                self._wake()
-
-    def take(self) -> list[str] | None:
-        """The addresses, if they changed since the last call."""
-        with self._lock:
-            found, self._found = self._found, None
-        return found
-
-    def close(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=1.0)
-
-
-def _is_ip(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
-
-
 def announced_address(data_address: str, announced: str) -> str:
     """Where to connect to an endpoint a server announces (control, worker results): its
     port on the host we reached the server by (it may have bound 0.0.0.0, which is no
     address to connect to)."""
-    m = _TCP.match(data_address)
-    a = re.match(r"^tcp://.*:(?P<port>\d+)$", announced)
-    if m is None or a is None:
+    m = tcp_endpoint(data_address)
+    port = tcp_port(announced)
+    if m is None or port is None:
         return announced
-    return f"tcp://{m['host']}:{a['port']}"
+    return f"tcp://{m.host}:{port}"
 
 
 def _same_host(local: Sequence[str], proof: bytes, nonce: bytes, session: bytes) -> bool:

@@ -12,6 +12,7 @@ from functools import partial
 from typing import Any
 
 from dataserver.data.spec import DEFAULT_SPEC
+from dataserver.endpoint import endpoint_problem, tcp_endpoint
 from dataserver.protocol import MAX_IMAGE_SIDE
 
 DEFAULT_BIND = "tcp://127.0.0.1:5555"
@@ -27,7 +28,6 @@ DEFAULT_DRAIN_SECONDS = 30.0
 DEFAULT_IDLE_TIMEOUT = 30.0
 SESSION_SHARE = 8  # one session may hold at most 1/8 of --max-queued-mb
 _HOST = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[0-9A-Fa-f:.]+|[A-Za-z0-9][A-Za-z0-9.-]*)$")
-_TCP = re.compile(r"^tcp://(?P<host>\[[^\]]+\]|[^:/]+):(?P<port>\d+|\*)$")
 
 
 class ConfigError(ValueError):
@@ -133,51 +133,47 @@ class ServerConfig:
         ``--bind`` (its wildcard ``*`` is 0.0.0.0; an ipc data endpoint means loopback)."""
         if self.metrics_bind is not None:
             return self.metrics_bind.strip("[]")
-        m = _TCP.match(self.bind)
+        m = tcp_endpoint(self.bind, bind=True)
         if m is None:
             return "127.0.0.1"
-        host = m["host"].strip("[]")
+        host = m.address
         return "0.0.0.0" if host == "*" else host
 
     def control_endpoint(self) -> str:
         """``--control-bind``, or the data endpoint's port + 1 (a wildcard stays one)."""
         if self.control_bind is not None:
             return self.control_bind
-        m = _TCP.match(self.bind)
+        m = tcp_endpoint(self.bind, bind=True)
         if m is None:
             if self.bind.startswith("ipc://"):
                 return self.bind + ".control"
             raise ConfigError(f"--bind {self.bind!r}: give --control-bind for this transport")
-        port = m["port"]
+        port = m.port
         next_port = "*" if port in ("*", "0") else str(int(port) + 1)
-        return f"tcp://{m['host']}:{next_port}"
+        return f"tcp://{m.host}:{next_port}"
 
 
 def results_bind(data_bind: str, tmpdir: str) -> str:
     """Where a worker binds its direct-result socket: any free port on the data endpoint's
     interface, or an ipc path next to the backend (``{slot}`` is the worker's slot)."""
-    m = _TCP.match(data_bind)
+    m = tcp_endpoint(data_bind, bind=True)
     if m is not None:
-        return f"tcp://{m['host']}:*"
+        return f"tcp://{m.host}:*"
     return f"ipc://{tmpdir}/results-{{slot}}"
 
 
 def check_endpoint(flag: str, endpoint: str) -> None:
     """Raise ``ConfigError`` unless ``endpoint`` is tcp://HOST:PORT (PORT may be *) or ipc://."""
-    if endpoint.startswith("ipc://") and len(endpoint) > len("ipc://"):
-        return
-    m = _TCP.match(endpoint)
-    if m is None:
-        raise ConfigError(f"{flag} {endpoint!r}: expected tcp://HOST:PORT or ipc://PATH")
-    if m["port"] != "*" and not 0 <= int(m["port"]) <= 65535:
-        raise ConfigError(f"{flag} {endpoint!r}: port out of range")
+    problem = endpoint_problem(endpoint, bind=True)
+    if problem is not None:
+        raise ConfigError(f"{flag} {endpoint!r}: {problem}")
 
 
 def bindable(endpoint: str) -> str:
     """ZeroMQ spells "any free port" as ``*``; accept ``:0`` for it too."""
-    m = _TCP.match(endpoint)
-    if m is not None and m["port"] == "0":
-        return f"tcp://{m['host']}:*"
+    m = tcp_endpoint(endpoint, bind=True)
+    if m is not None and m.port == "0":
+        return f"tcp://{m.host}:*"
     return endpoint
 
 

@@ -53,6 +53,7 @@ from dataserver.server.counts import (
     disconnects,
     not_authorized,
 )
+from dataserver.server.memory import memory_room
 from dataserver.server.metrics import ServerMetrics
 from dataserver.server.outbox import Outbox
 from dataserver.server.outlet import Outlet
@@ -60,7 +61,7 @@ from dataserver.server.pool import WorkerPool
 from dataserver.server.routing import PIPELINE, WorkerRouter
 from dataserver.server.sessions import Scheduler
 from dataserver.server.statsview import StatsView, TokenBucket
-from dataserver.server.store import Store, memory_room
+from dataserver.server.store import Store
 from dataserver.server.view import Limits, ServerView
 
 log = logging.getLogger("dataserver.front")

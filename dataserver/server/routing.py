@@ -3,7 +3,7 @@ queued tasks to the least loaded workers, and what a worker's death does to its 
 
 ``WorkerRouter`` decides; the worker handles (``pool.py``), the scheduler's sessions and
 the task entries change only through their own methods. It reaches clients and workers
-only through the ``Clients`` interface (the front's ``Outlet``, which owns the sends).
+only through the ``Sends`` interface (the front's ``Outlet``, which owns the sends).
 
 A worker runs its tasks in the order it was given them, so an answer for a task tells the
 front that every task given to that worker before it was answered too: an entry older than
@@ -42,8 +42,8 @@ PIPELINE = 2  # tasks a worker holds at once: the one it runs and the next
 MAYBE_LOST_S = 10.0  # a direct result this recent may have died with its worker
 
 
-class Clients(Protocol):
-    """What the router needs to reach sessions and workers (the front's ``Outlet``)."""
+class Sends(Protocol):
+    """What the router needs to send to sessions and workers (the front's ``Outlet``)."""
 
     def reply(self, session: Session, msg: Message) -> None: ...
     def forward_result(self, session: Session, frames: list[Any], landed: bool) -> None: ...
@@ -58,7 +58,7 @@ class WorkerRouter:
     """Routes tasks to worker processes and their answers back to sessions.
 
     Its collaborators come in as arguments: the ``pool`` (processes), the ``scheduler``
-    (sessions, queues, live tasks: changed through its methods), ``clients`` (sending),
+    (sessions, queues, live tasks: changed through its methods), ``sends`` (sending),
     the server's ``counters`` and ``rejected`` counts, and ``observe`` (the metrics' hook,
     None when they are off). It owns which workers are ready and their routing ids."""
 
@@ -66,14 +66,14 @@ class WorkerRouter:
         self,
         pool: WorkerPool,
         scheduler: Scheduler,
-        clients: Clients,
+        sends: Sends,
         counters: Counts[Count],
         rejected: Counts[Reject],
         observe: Observe | None = None,
     ) -> None:
         self.pool = pool
         self.scheduler = scheduler
-        self.clients = clients
+        self.sends = sends
         self.counters = counters
         self.rejected = rejected
         self.by_identity: dict[bytes, WorkerHandle] = {}
@@ -141,9 +141,9 @@ class WorkerRouter:
         if session is None:
             self.counters.count(Count.RESULTS_ORPHANED)
         elif isinstance(msg, Result):
-            self.clients.forward_result(session, frames, bool(msg.landed))
+            self.sends.forward_result(session, frames, bool(msg.landed))
         else:
-            self.clients.reply(session, msg)
+            self.sends.reply(session, msg)
 
     def _again(
         self, handle: WorkerHandle, entry: TaskEntry, session: Session | None, msg: ErrorMsg
@@ -254,7 +254,7 @@ class WorkerRouter:
         session's queue again (and False)."""
         handle.give(entry)
         self._send_control(handle, entry)
-        if self.clients.send_worker(handle.identity or b"", entry.frames):
+        if self.sends.send_worker(handle.identity or b"", entry.frames):
             return True
         handle.take_back(entry)
         session = self.scheduler.sessions.get(entry.session)
@@ -273,7 +273,7 @@ class WorkerRouter:
         msg = Control(
             session=entry.session, control_seq=session.control_seq, control=session.control
         )
-        if self.clients.send_worker(handle.identity or b"", msg.encode()):
+        if self.sends.send_worker(handle.identity or b"", msg.encode()):
             handle.learned_control(entry.session, entry.control_seq)
 
     def _next_entry(self) -> TaskEntry | None:
@@ -283,7 +283,7 @@ class WorkerRouter:
             if session is None:
                 continue
             if entry.plan_version < session.version:
-                self.clients.cancel(session, [entry])
+                self.sends.cancel(session, [entry])
                 continue
             return entry
         return None
@@ -350,7 +350,7 @@ class WorkerRouter:
             image=image,
         )
         self.scheduler.remember_poison(entry, answer)
-        self.clients.reply(session, answer)
+        self.sends.reply(session, answer)
 
     def _warn_recent_direct(self, handle: WorkerHandle) -> None:
         """A worker died: a result it sent straight to a client just before may not have left
@@ -360,7 +360,7 @@ class WorkerRouter:
             session = self.scheduler.sessions.get(sid)
             if when < horizon or session is None:
                 continue
-            self.clients.reply(
+            self.sends.reply(
                 session,
                 ErrorMsg(
                     message="the worker that sent this result died just after; if it did not "

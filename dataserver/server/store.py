@@ -46,7 +46,7 @@ a torn table it may not keep).
 
 Size: memfd pages are not bounded by ``/dev/shm``'s size but by memory (and the memory
 cgroup: past its limit a reservation is met by the OOM killer, not an error), so the front
-sizes the store from what memory there is (``memory_room``).
+sizes the store from what memory there is (``memory.memory_room``).
 """
 
 from __future__ import annotations
@@ -64,7 +64,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -947,50 +946,3 @@ def _copy_at(arena: np.ndarray, parts: list[np.ndarray], offset: int) -> None:
 
 _MAP_POPULATE: int = getattr(mmap, "MAP_POPULATE", 0)  # (Linux; 0: mapped lazily)
 _MADV_POPULATE_READ: int = getattr(mmap, "MADV_POPULATE_READ", 22)  # (Linux >= 5.14)
-
-
-def _cgroup_rooms() -> list[int]:
-    """What each memory cgroup limit above this process leaves free (v1 and v2)."""
-    try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
-    except OSError:
-        return []
-    rooms = []
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        if controllers == "":  # v2
-            bases = [Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/unified")]
-            limit_name, usage_name = "memory.max", "memory.current"
-        elif "memory" in controllers.split(","):
-            bases = [Path("/sys/fs/cgroup/memory")]
-            limit_name, usage_name = "memory.limit_in_bytes", "memory.usage_in_bytes"
-        else:
-            continue
-        for base in bases:
-            d = base / path.lstrip("/")
-            while True:  # the cgroup and every one above it
-                try:
-                    limit = (d / limit_name).read_text().strip()
-                    usage = int((d / usage_name).read_text())
-                    if limit != "max" and int(limit) < 1 << 60:
-                        rooms.append(max(0, int(limit) - usage))
-                except (OSError, ValueError):
-                    pass
-                if d == base:
-                    break
-                d = d.parent
-    return rooms
-
-
-def memory_room() -> int | None:
-    """Bytes of memory this host and every memory cgroup this process is in have free (the
-    least of ``MemAvailable`` and each limit's headroom), or None where none can be read.
-    A store's pages count there, not against ``/dev/shm``'s size."""
-    rooms = _cgroup_rooms()
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                rooms.append(int(line.split()[1]) * 1024)
-    except (OSError, ValueError, IndexError):
-        pass
-    return min(rooms, default=None)

@@ -1,0 +1,193 @@
+"""Composition of a task, in a worker: its sources from the server's store (made and stored on
+a miss), then every output image composed straight into its canvas (the client's landing
+buffer, or a new array), and the RESULT that says what came out.
+
+``Composer`` is the worker's (``worker.py``), which owns the task's messages, its landing
+destination and what an error becomes; nothing here touches a socket.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from dataserver.data.pipeline import (
+    Draw,
+    PlanesFor,
+    Recipe,
+    Source,
+    SourceOf,
+    compose_image,
+    finished,
+    layout_of,
+    prepare,
+)
+from dataserver.data.sample import SampleError
+from dataserver.protocol import MAX_TASK_IMAGES, MAX_TILES, Result, Task
+from dataserver.server.running import RunningSlot
+from dataserver.server.store import Store, index_keys, store_key
+
+
+@dataclass
+class TaskClock:
+    """What one task spent, for the server's metrics (its RESULT's ``task_us``, ``decoded``
+    and ``decode_us``): started with the task, told of each source made for it."""
+
+    start_ns: int = field(default_factory=time.perf_counter_ns)
+    decoded: int = 0  # sources read and fitted (store misses)
+    _made_us: list[int] = field(default_factory=list)  # microseconds each of them took
+
+    def made(self, us: int) -> None:
+        self.decoded += 1
+        self._made_us.append(us)
+
+    def task_us(self) -> int:
+        return (time.perf_counter_ns() - self.start_ns) // 1000
+
+    def decode_us(self) -> tuple[int, ...] | None:
+        return tuple(self._made_us[: MAX_TASK_IMAGES * MAX_TILES]) or None
+
+
+class Composer:
+    """Composes one worker's tasks. ``fingerprint``: the dataset's (its sources' store
+    key); ``store``: the server's (None: none, or unusable); ``running``: where the worker
+    says which image it reads, so that a death is blamed on that image."""
+
+    def __init__(self, fingerprint: str, store: Store | None, running: RunningSlot | None) -> None:
+        self.fingerprint = fingerprint
+        self.store = store
+        self.running = running
+
+    def compose(
+        self,
+        task: Task,
+        dataset: Any,
+        ckey: str,
+        recipe: Recipe,
+        ids: dict[str, Any],
+        dest: np.ndarray | None,
+        clock: TaskClock,
+    ) -> Result:
+        """Compose ``task`` into ``dest`` (the client's landing buffer) or a new canvas:
+        sources from the store (fitted to the stored size; made and stored on a miss, for
+        a deterministic dataset), then ``finished`` (refit, augment: never stored)."""
+        stored_hw = recipe.stored_hw
+        excluded = set(task.exclude)
+        wanted = list(dict.fromkeys(i for i in task.indices if i not in excluded))
+        image_of: dict[int, int] = {}  # the first image each source is in (running slot)
+        for n, indices in enumerate(task.images):
+            for i in indices:
+                image_of.setdefault(i, n)
+
+        def make(index: int, planes_for: PlanesFor | None = None) -> Source:
+            if self.running is not None:  # a death now is blamed on the image it is read for
+                self.running.image(image_of.get(index, 0))
+            start = time.perf_counter_ns()
+            try:
+                return prepare(dataset, index, stored_hw, planes_for)
+            finally:
+                clock.made((time.perf_counter_ns() - start) // 1000)
+
+        got: dict[int, Source | None] = {}
+        oldest = -1
+        if self.store is not None:
+            hwc = layout_of(dataset) == "hwc"  # (its sources' bytes are HWC: a key of its own)
+            parts = (
+                (self.fingerprint, stored_hw, ckey, "hwc")
+                if hwc
+                else (self.fingerprint, stored_hw, ckey)
+            )
+            keys = index_keys(store_key(*parts), wanted)
+            population = len(dataset)  # (the store keeps a subset of a larger dataset)
+            sources, oldest = self.store.fetch(
+                keys,
+                lambda k, into=None: make(wanted[k], into),
+                population,
+                into=True,
+                recent=bool(task.partners),  # a window mosaic's sources are its partners soon
+            )
+            if hwc:  # (the store's views are (3, h, w) bytes)
+                sources = [None if s is None else s.as_hwc() for s in sources]
+            got = dict(zip(wanted, sources, strict=True))
+
+        def source(index: int, draw: Draw = None) -> Source:
+            if index in excluded:  # the client found it kills workers: leave its cell empty
+                raise SampleError(index, "killed worker processes when read; left out")
+            src = got.get(index)
+            stored = src if src is not None else make(index)  # (a failed one raises again)
+            return finished(dataset, index, stored, recipe, draw)
+
+        result = self._compose_with(task, dataset, source, recipe, ids, dest, clock)
+        if self.store is not None and not self.store.intact(oldest):
+            got.clear()  # the store wrote over a source as we read it: compose from scratch
+            result = self._compose_with(task, dataset, source, recipe, ids, dest, clock)
+        return result
+
+    def _compose_with(
+        self,
+        task: Task,
+        dataset: Any,
+        source: SourceOf,
+        recipe: Recipe,
+        ids: dict[str, Any],
+        dest: np.ndarray | None,
+        clock: TaskClock,
+    ) -> Result:
+        out_h, out_w = task.out_hw
+        pad = task.pad_value
+        # Each image is filled with the padding as it is composed (compose_image), unless
+        # it is already (a fresh landing region is all zero) or every pixel is written
+        # anyway (through augment_composed).
+        if dest is None:
+            canvas = np.empty((len(task.images), 3, out_h, out_w), np.uint8)
+            filled = False
+        else:
+            canvas = dest
+            filled = not pad and bool(task.land_zero)
+        skip = task.on_error == "skip"
+        kept: list[tuple[int, ...]] = []
+        failed: list[tuple[int, str]] = []
+        boxes: list[np.ndarray] = []
+        labels: list[np.ndarray] = []
+        meta: dict[int, tuple[str, tuple[int, int]]] = {}  # index -> (file, orig_hw)
+
+        def seen(index: int, draw: Draw = None) -> Source:
+            made = source(index, draw)
+            meta.setdefault(index, (made.file, made.orig_hw))
+            return made
+
+        files: list[str] = []
+        origs: list[tuple[int, int]] = []
+        for n, indices in enumerate(task.images):
+            if self.running is not None:
+                self.running.image(n)
+            done = compose_image(
+                canvas[n], seen, indices, task.grid, task.layout, recipe, skip, dataset, filled
+            )
+            # (under on_error="skip" an image whose every source failed holds no index)
+            kept.append(tuple(done.indices))
+            failed.extend((i, m[:4000]) for i, m in done.failed)
+            boxes.append(done.boxes)
+            labels.append(done.labels)
+            # its anchor's (first source's) file and original size
+            file, orig = meta.get(done.indices[0], ("", (0, 0))) if done.indices else ("", (0, 0))
+            files.append(file)
+            origs.append(orig)
+        return Result(
+            images=tuple(kept),
+            box_counts=tuple(len(b) for b in boxes),
+            failed=tuple(failed),
+            pixels=canvas if dest is None else None,
+            landed=True if dest is not None else None,
+            boxes=np.concatenate(boxes),
+            labels=np.concatenate(labels),
+            files=tuple(files) if any(files) else None,
+            orig_sizes=tuple(origs),
+            decoded=clock.decoded,
+            decode_us=clock.decode_us(),
+            task_us=clock.task_us(),
+            **ids,
+        )
