@@ -337,20 +337,19 @@ class Worker:
         except Exception as exc:
             msg = f"dataset.set_control raised {type(exc).__name__}: {exc}"
             return ErrorMsg(message=msg[:4000], kind="control", **ids)
-        fit_hw = (task.fit_hw[0], task.fit_hw[1])
+        sizes = task.sizes
         recipe = Recipe(
             task.seed,
             task.epoch,
             task.step,
             task.mode,
-            fit_hw,
-            task.stored_hw,
+            sizes,
             values,
             task.pad_value,
             task.letterbox,
             bool(task.partners),
         )
-        shape = (len(task.images), 3, task.out_hw[0], task.out_hw[1])
+        shape = (len(task.images), 3, *sizes.out)
         try:
             with self.landings.target(
                 task.session,
@@ -391,7 +390,7 @@ class Worker:
         """Compose ``task`` into ``dest`` (the client's landing buffer) or a new canvas:
         sources from the store (fitted to the stored size; made and stored on a miss, for
         a deterministic dataset), then ``finished`` (refit, augment: never stored)."""
-        stored_hw = recipe.stored_hw
+        stored = recipe.sizes.stored
         excluded = set(task.exclude)
         wanted = list(dict.fromkeys(i for i in task.indices if i not in excluded))
         decoded = 0
@@ -408,7 +407,7 @@ class Worker:
                 self.running.image(image_of.get(index, 0))
             start = time.perf_counter_ns()
             try:
-                return prepare(dataset, index, stored_hw, planes_for)
+                return prepare(dataset, index, stored, planes_for)
             finally:
                 timings.append((time.perf_counter_ns() - start) // 1000)
 
@@ -417,9 +416,7 @@ class Worker:
         if self.store is not None:
             hwc = layout_of(dataset) == "hwc"  # (its sources' bytes are HWC: a key of its own)
             parts = (
-                (self.fingerprint, stored_hw, ckey, "hwc")
-                if hwc
-                else (self.fingerprint, stored_hw, ckey)
+                (self.fingerprint, stored, ckey, "hwc") if hwc else (self.fingerprint, stored, ckey)
             )
             keys = index_keys(store_key(*parts), wanted)
             population = len(dataset)  # (the store keeps a subset of a larger dataset)
@@ -458,7 +455,7 @@ class Worker:
         ids: dict[str, Any],
         dest: np.ndarray | None,
     ) -> Result:
-        out_h, out_w = task.out_hw
+        out_h, out_w = recipe.sizes.out
         pad = task.pad_value
         # Each image is filled with the padding as it is composed (compose_image), unless
         # it is already (a fresh landing region is all zero) or every pixel is written
