@@ -163,7 +163,7 @@ def main() -> None:
         torch.cuda.set_device(device)
     size = (args.image_size, args.image_size)
     schedule = MultiScale(multiscale_sizes(args.image_size), every=10) if args.multiscale else None
-    largest = schedule.stored_hw if schedule else size
+    largest = schedule.stored if schedule else size
     model, step_fn = build_model(args.model, largest, device, any_size=schedule is not None)
     if distributed:
         model = torch.nn.parallel.DistributedDataParallel(model)

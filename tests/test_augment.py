@@ -13,6 +13,7 @@ from batches import epoch_by_index
 from conftest import wait_until
 
 from dataserver.data.pipeline import augment_rng, compose_one
+from dataserver.protocol import BatchSizes
 from dataserver.server import parse_ready_line
 from dataserver_client import DataServerClient, DataServerError
 
@@ -73,7 +74,7 @@ def test_augment_is_bit_identical_on_any_number_of_workers(start_server: Any) ->
     # index): the augmentation depends on nothing else (not the worker, not the server).
     local = Jitter(32)
     for i in (0, 7, 31):
-        canvas, _ = compose_one(local, [i], 1, (40, 56), (40, 56), 5, 1)
+        canvas, _ = compose_one(local, [i], 1, BatchSizes.of((40, 56)), 5, 1)
         assert canvas.tobytes() == got_a[i][0]
     draws = [augment_rng(5, 1, 7).integers(0, 1 << 30, size=4).tolist() for _ in range(2)]
     assert draws[0] == draws[1] != augment_rng(5, 2, 7).integers(0, 1 << 30, size=4).tolist()

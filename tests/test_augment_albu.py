@@ -19,6 +19,7 @@ pytest.importorskip("albumentations")
 
 from dataserver.data.albu import augmented
 from dataserver.data.pipeline import compose_one
+from dataserver.protocol import BatchSizes
 from dataserver.server import parse_ready_line
 from dataserver_client import DataServerClient
 
@@ -73,13 +74,13 @@ def test_bit_identical_on_1_and_2_workers_and_new_every_epoch(start_server: Any)
     local = augmented(base=BASE)
     plain = augmented(base=BASE).base
     for i in (0, 5, N - 1):
-        canvas, composed = compose_one(local, [i], 1, SIZE, SIZE, SEED, 1)
+        canvas, composed = compose_one(local, [i], 1, BatchSizes.of(SIZE), SEED, 1)
         assert canvas.tobytes() == got[1][0][i][0], i
         assert np.array_equal(composed.boxes, got[1][0][i][1]), i
     unaugmented = [
         i
         for i in range(N)
-        if compose_one(plain, [i], 1, SIZE, SIZE, SEED, 0)[0].tobytes() == got[0][0][i][0]
+        if compose_one(plain, [i], 1, BatchSizes.of(SIZE), SEED, 0)[0].tobytes() == got[0][0][i][0]
     ]
     assert len(unaugmented) <= 0.2 * N, f"indices {unaugmented} came back unaugmented"
 
@@ -109,7 +110,7 @@ def test_the_store_keeps_sources_and_augments_them_anew(start_server: Any) -> No
     assert_boxes_inside(second)
     local = augmented(base=BASE)
     for i in (1, 17):
-        canvas, _ = compose_one(local, [i], 1, SIZE, SIZE, SEED, 1)
+        canvas, _ = compose_one(local, [i], 1, BatchSizes.of(SIZE), SEED, 1)
         assert canvas.tobytes() == second[i][0], i
     # albumentations ran in the workers without loading torch (Guarantee 1)
     pids = [server.pid, *server.worker_pids()]

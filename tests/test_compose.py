@@ -17,6 +17,7 @@ from conftest import Server
 from ds_plugins import FlatDataset, colour_of
 
 from dataserver.data.pipeline import compose_one, flip_of
+from dataserver.protocol import BatchSizes
 from dataserver_client import Batch, DataServerClient
 
 pytestmark = pytest.mark.timeout(180)
@@ -39,8 +40,7 @@ def composed(batch: Batch, pad: int, letterbox: str) -> None:
             DATASET,
             idx,
             2 if stitched else 1,
-            batch.image_size,
-            batch.image_size,
+            BatchSizes.of(batch.image_size),
             batch.manifest["seed"],
             batch.epoch,
             step=batch.step,
@@ -58,13 +58,13 @@ def test_centre_letterbox_places_as_ultralytics_rounds() -> None:
     """A 70x100 image (index 1) in 64x64: fitted to 45x64, rows 10..54 (dh 9.5: top
     round(9.4) = 9), 114 around it; the box shifted down by the same 9 rows."""
     canvas, out = compose_one(
-        DATASET, [1], 1, (64, 64), (64, 64), 0, 0, pad_value=114, letterbox="center"
+        DATASET, [1], 1, BatchSizes.of((64, 64)), 0, 0, pad_value=114, letterbox="center"
     )
     top = round((64 - 45) / 2 - 0.1)
     assert top == 9
     assert (canvas[:, :top] == 114).all() and (canvas[:, top + 45 :] == 114).all()
     assert (canvas[:, top : top + 45].transpose(1, 2, 0) == colour_of(1)).all()
-    plain, base = compose_one(DATASET, [1], 1, (64, 64), (64, 64), 0, 0)
+    plain, base = compose_one(DATASET, [1], 1, BatchSizes.of((64, 64)), 0, 0)
     assert (plain[:, 45:] == 0).all()  # the default: top-left on 0, as before
     assert np.allclose(out.boxes, base.boxes + np.array([0, top, 0, top], np.float32))
 
@@ -93,7 +93,7 @@ def test_centre_letterbox_equals_ultralytics_letterbox() -> None:
         seed = next(s for s in range(64) if not flip_of(s, 0, index))  # (not mirrored)
         for size in [(64, 64), (48, 80)]:
             canvas, _ = compose_one(
-                data, [index], 1, size, size, seed, 0, pad_value=114, letterbox="center"
+                data, [index], 1, BatchSizes.of(size), seed, 0, pad_value=114, letterbox="center"
             )
             theirs = augment.LetterBox(size, auto=False, scale_fill=False, scaleup=True)(
                 image=image.copy()

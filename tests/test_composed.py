@@ -24,6 +24,7 @@ from dataserver.data.composed import composed_rng
 from dataserver.data.mosaic import mosaic4_canvas, mosaic_rng
 from dataserver.data.pipeline import Source, augment_rng, compose_one, in_layout
 from dataserver.data.sample import SampleError
+from dataserver.protocol import BatchSizes
 from dataserver_client import Batch, DataServerClient, DataServerError
 
 pytestmark = pytest.mark.timeout(180)
@@ -50,8 +51,7 @@ def same_as_here(batch: Batch, pad: int) -> None:
             Composed(N),
             idx,
             2 if stitched else 1,
-            batch.image_size,
-            batch.image_size,
+            BatchSizes.of(batch.image_size),
             batch.manifest["seed"],
             batch.epoch,
             step=batch.step,
@@ -67,9 +67,9 @@ def same_as_here(batch: Batch, pad: int) -> None:
 
 def test_the_hook_is_told_what_it_is_given() -> None:
     data = Composed(N)
-    compose_one(data, [5], 1, (48, 64), (48, 64), 3, 2, step=7, letterbox="center")
+    compose_one(data, [5], 1, BatchSizes.of((48, 64)), 3, 2, step=7, letterbox="center")
     canvas, out = compose_one(
-        data, [4, 9, 1, 2], 2, (48, 64), (48, 64), 3, 2, mode="stitch", layout="mosaic"
+        data, [4, 9, 1, 2], 2, BatchSizes.of((48, 64)), 3, 2, mode="stitch", layout="mosaic"
     )
     regular, mosaic = data.seen
     assert regular["mosaic"] is False and regular["border"] == (0, 0)
@@ -91,10 +91,10 @@ def test_its_generator_is_its_own() -> None:
 
 def test_a_wrong_size_is_a_sample_error_naming_the_anchor() -> None:
     with pytest.raises(SampleError, match=r"sample 6: augment_composed returned a 47x64"):
-        compose_one(Composed(N, bad=True), [6], 1, (48, 64), (48, 64), 0, 0)
+        compose_one(Composed(N, bad=True), [6], 1, BatchSizes.of((48, 64)), 0, 0)
     with pytest.raises(SampleError, match=r"sample 8: augment_composed returned a 95x128"):
         compose_one(
-            Composed(N, bad=True), [8, 1, 2, 3], 2, (48, 64), (48, 64), 0, 0, layout="mosaic"
+            Composed(N, bad=True), [8, 1, 2, 3], 2, BatchSizes.of((48, 64)), 0, 0, layout="mosaic"
         )
 
 

@@ -69,7 +69,7 @@ def test_regular_and_stitched_batches_consume_b_and_kb_samples() -> None:
 def test_batch_layout_is_k_times_more_images_at_a_quarter_size() -> None:
     plan = Cursor(np.arange(64), layout(kind="batch"), STITCH, 1).next_plan()
     assert plan is not None
-    assert len(plan.images) == 16 and plan.out_hw == (32, 32)
+    assert len(plan.images) == 16 and plan.sizes.out == (32, 32)
     assert all(t.grid == 1 and len(t.indices) == 1 for t in plan.images)
 
 

@@ -16,6 +16,7 @@ from conftest import Server
 from ds_plugins import FlatDataset
 
 from dataserver.data.pipeline import compose_one
+from dataserver.protocol import BatchSizes
 from dataserver_client import Batch, DataServerClient
 from dataserver_client.epoch import epoch_order
 
@@ -51,8 +52,7 @@ def check_batch(batch: Batch, size: tuple[int, int], seed: int, mode: str) -> No
             DATASET,
             idx,
             2 if stitched else 1,
-            size,
-            size,
+            BatchSizes.of(size),
             seed,
             batch.epoch,
             step=batch.step,
@@ -89,7 +89,7 @@ def test_each_stitched_image_is_a_mosaic_of_four(
     assert indices_of(batches) == epoch_order(N, seed, 0, True).tolist()
     # The centre is random: the four cells are not where a grid would put them.
     grids = [
-        compose_one(DATASET, idx, 2, size, size, seed, 0, mode="stitch")[0]
+        compose_one(DATASET, idx, 2, BatchSizes.of(size), seed, 0, mode="stitch")[0]
         for b in batches
         for idx in b.indices
     ]

@@ -31,6 +31,7 @@ from dataserver.data.pipeline import (
     partner_flip,
     prepare,
 )
+from dataserver.protocol import BatchSizes
 from dataserver_client import Batch, DataServerClient
 from dataserver_client.epoch import epoch_order, shard_of
 from dataserver_client.partners import window_size
@@ -75,8 +76,7 @@ def check_images(batch: Batch, dataset: Any, seed: int) -> None:
             dataset,
             idx,
             2 if batch.mode == "stitch" else 1,
-            SIZE,
-            SIZE,
+            BatchSizes.of(SIZE),
             seed,
             batch.epoch,
             step=batch.step,
@@ -318,7 +318,15 @@ def test_partners_are_augmented_for_their_anchor_and_cell() -> None:
         check_images(b, dataset, seed)
     b = batches[2]
     own, _ = compose_one(
-        dataset, b.indices[0], 2, SIZE, SIZE, seed, 0, step=2, mode="stitch", layout="mosaic"
+        dataset,
+        b.indices[0],
+        2,
+        BatchSizes.of(SIZE),
+        seed,
+        0,
+        step=2,
+        mode="stitch",
+        layout="mosaic",
     )
     assert not np.array_equal(own, b.images[0].numpy())
 
@@ -359,7 +367,7 @@ def test_composition_draws_each_partner_for_its_anchor_and_cell() -> None:
     cell); a partner of two anchors is augmented differently in each; the anchor alone is
     exactly the regular image of that index."""
     dataset = Jitter(16)
-    recipe = Recipe(1, 2, 0, "stitch", SIZE, SIZE, {}, partners=True)
+    recipe = Recipe(1, 2, 0, "stitch", BatchSizes.of(SIZE), {}, partners=True)
     asked: list[tuple[int, Draw]] = []
 
     def source(index: int, draw: Draw = None) -> Source:
@@ -375,7 +383,7 @@ def test_composition_draws_each_partner_for_its_anchor_and_cell() -> None:
     flips = {partner_flip(1, 2, a, t) for a in range(8) for t in (1, 2, 3)}
     assert flips == {True, False}
     alone, _ = compose_one(
-        dataset, (3,), 2, SIZE, SIZE, 1, 2, mode="stitch", layout="mosaic", partners=True
+        dataset, (3,), 2, BatchSizes.of(SIZE), 1, 2, mode="stitch", layout="mosaic", partners=True
     )
-    regular, _ = compose_one(dataset, (3,), 1, SIZE, SIZE, 1, 2, mode="stitch")
+    regular, _ = compose_one(dataset, (3,), 1, BatchSizes.of(SIZE), 1, 2, mode="stitch")
     assert np.array_equal(alone, regular)

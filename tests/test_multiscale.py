@@ -24,6 +24,7 @@ from conftest import Server, wait_until
 from ds_plugins import FlatDataset, colour_of
 
 from dataserver.data.pipeline import compose_one
+from dataserver.protocol import BatchSizes
 from dataserver_client import Batch, DataServerClient, DataServerError, MultiScale, StepSizes
 from dataserver_client.epoch import epoch_order
 from dataserver_client.sizes import MAX_STEPS, schedule_of
@@ -78,14 +79,12 @@ def check_batch(
             DATASET,
             idx,
             2 if stitched else 1,
-            size,
-            size,
+            BatchSizes.of(size, stored=stored),
             batch.manifest["seed"],
             batch.epoch,
             step=batch.step,
             mode=batch.mode,
             layout="mosaic" if mosaic else "grid",
-            stored_hw=stored,
         )
         assert np.array_equal(canvas, image.numpy()), (batch.step, idx)
         assert np.array_equal(composed.boxes, boxes.numpy())
@@ -181,7 +180,7 @@ def schedule(ms: MultiScale, seed: int, epoch: int, steps: int) -> list[tuple[in
 
 def test_a_multiscale_schedule_is_a_pure_function_held_for_every_steps() -> None:
     ms = MultiScale(SIZES, every=3)
-    assert ms.stored_hw == (64, 64) and ms.sizes == tuple(SIZES)
+    assert ms.stored == (64, 64) and ms.sizes == tuple(SIZES)
     assert MultiScale([32, (48, 64)]).sizes == ((32, 32), (48, 64))  # ints are squares
     assert MultiScale(range(32, 65, 32)).sizes == ((32, 32), (64, 64))
     first = schedule(ms, SEED, 0, 24)
@@ -218,7 +217,7 @@ def test_multiscale_batches_follow_the_schedule_the_same_on_every_client(
                 assert len(batches) == N // 2
                 assert sorted(delivered(batches)) == list(range(N))
                 for b in batches:
-                    check_batch(b, ms.size_at(SEED, epoch, b.step), ms.stored_hw)
+                    check_batch(b, ms.size_at(SEED, epoch, b.step), ms.stored)
                     assert b.manifest["source_size"] == [64, 64]
                 run.append([snap(b) for b in batches])
             runs.append(run)
@@ -272,7 +271,7 @@ def test_multiscale_is_bit_identical_on_one_and_two_workers(
             c.set_epoch(0)
             got = []
             for b in c:
-                check_batch(b, ms.size_at(SEED, 0, b.step), ms.stored_hw, stitch)
+                check_batch(b, ms.size_at(SEED, 0, b.step), ms.stored, stitch)
                 got.append(snap(b))
                 if layout != "regular" and b.step == 3:
                     c.set_mode("regular")
@@ -419,7 +418,7 @@ def test_step_sizes_are_the_listed_size_of_each_step_then_the_last() -> None:
     st = StepSizes(STEPS)
     assert len(st) == len(STEPS) and st.steps == tuple(STEPS)
     assert st.sizes == ((32, 32), (48, 64), (64, 48))  # distinct, first seen first
-    assert st.stored_hw == (64, 64)
+    assert st.stored == (64, 64)
     assert st.runs == (((32, 32), 2), ((48, 64), 1), ((64, 48), 3), ((32, 32), 1), ((48, 64), 1))
     for epoch in (0, 3):  # every epoch, any seed
         assert [st.size_at(SEED + epoch, epoch, k) for k in range(len(STEPS))] == STEPS
@@ -444,7 +443,7 @@ def test_step_sizes_are_the_listed_size_of_each_step_then_the_last() -> None:
     assert st == StepSizes(list(STEPS)) and st != StepSizes(STEPS[:-1]) and st != MultiScale(STEPS)
     assert hash(st) == hash(StepSizes(STEPS))
     big = st.stored_at((100, 40))
-    assert big.stored_hw == (100, 64) and big.steps == st.steps and big != st
+    assert big.stored == (100, 64) and big.steps == st.steps and big != st
     assert big.to_state()["stored"] == [100, 64] and schedule_of(big.to_state()) == big
     assert schedule_of(st) is st
 
@@ -496,7 +495,7 @@ def test_step_sizes_batches_come_at_their_sizes_and_a_resume_continues(
             assert [b.image_size for b in batches] == want
             assert sorted(delivered(batches)) == list(range(N))
             for b in batches:
-                check_batch(b, st.size_at(SEED, epoch, b.step), st.stored_hw)
+                check_batch(b, st.size_at(SEED, epoch, b.step), st.stored)
         # One plan a started epoch; the scheduled size changes planned nothing again.
         assert c.stats()["plan_version"] == version + 2
         c.set_epoch(2)
@@ -567,7 +566,7 @@ def test_sources_are_stored_once_at_the_schedules_largest_size(start_server: Any
         second = list(c)
         assert sorted(delivered(second)) == list(range(N))
         for b in second:
-            check_batch(b, ms.size_at(SEED, 1, b.step), ms.stored_hw)
+            check_batch(b, ms.size_at(SEED, 1, b.step), ms.stored)
     assert wait_until(lambda: counters()[1] >= reused + N, 10), counters()
     assert counters()[0] == decoded  # epoch 1 decoded nothing
     assert server.stats()["sources"] == "stored"

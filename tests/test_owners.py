@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from dataserver.counting import Counts
+from dataserver.protocol import BatchSizes
 from dataserver_client.affinity import Affinity, rendezvous
 from dataserver_client.assembly import DeviceMover, HostBuffers, InflightBatch
 from dataserver_client.book import PlanBook
@@ -91,17 +92,20 @@ class FakeServer:
     workers: int = 2
 
 
+SIZES = BatchSizes.of((8, 8))
+
+
 def _batch(n: int = 4, step: int = 0) -> InflightBatch:
-    images = tuple(ImagePlan((i,), 1, (8, 8)) for i in range(n))
-    plan = BatchPlan(step, 1, REGULAR, 0, n, images, (8, 8))
+    images = tuple(ImagePlan((i,), 1) for i in range(n))
+    plan = BatchPlan(step, 1, REGULAR, 0, n, images, SIZES)
     return InflightBatch(plan, torch.zeros((n, 3, 8, 8), dtype=torch.uint8))
 
 
 def test_ledger_queue_send_and_ask_again_in_plan_order() -> None:
     ledger, aff = TaskLedger(), cast(Any, Affinity())
     batch = _batch()
-    a = ledger.add(batch, (0, 1), ((0,), (1,)), 1, (8, 8), 1)
-    b = ledger.add(batch, (2, 3), ((2,), (3,)), 1, (8, 8), 1)
+    a = ledger.add(batch, (0, 1), ((0,), (1,)), 1, SIZES, 1)
+    b = ledger.add(batch, (2, 3), ((2,), (3,)), 1, SIZES, 1)
     assert ledger.pending == 2 and len(ledger) == 2
     link: Any = FakeServer(1)
     assert ledger.pop_pending(link, aff) is a
@@ -119,8 +123,8 @@ def test_ledger_queue_send_and_ask_again_in_plan_order() -> None:
 def test_ledger_forget_with_cancel_names_what_was_sent() -> None:
     ledger, aff = TaskLedger(), cast(Any, Affinity())
     batch = _batch()
-    a = ledger.add(batch, (0,), ((0,),), 1, (8, 8), 1)
-    ledger.add(batch, (1,), ((1,),), 1, (8, 8), 1)
+    a = ledger.add(batch, (0,), ((0,),), 1, SIZES, 1)
+    ledger.add(batch, (1,), ((1,),), 1, SIZES, 1)
     link: Any = FakeServer(1)
     first = ledger.pop_pending(link, aff)
     assert first is a
@@ -134,10 +138,10 @@ def test_ledger_forget_with_cancel_names_what_was_sent() -> None:
 def test_ledger_split_and_probe_find_the_poison() -> None:
     ledger = TaskLedger()
     batch = _batch()
-    rec = ledger.add(batch, (0, 1, 2), ((0,), (1,), (2,)), 1, (8, 8), 1)
+    rec = ledger.add(batch, (0, 1, 2), ((0,), (1,), (2,)), 1, SIZES, 1)
     bad = ledger.split(rec, 1)
     assert bad is not None and bad.slots == (1,) and rec.task_id not in ledger
-    stitched = ledger.add(batch, (3,), ((10, 11),), 2, (8, 8), 1)
+    stitched = ledger.add(batch, (3,), ((10, 11),), 2, SIZES, 1)
     ledger.probe(stitched)
     probes = [r for r in ledger if r.probe_of is stitched]
     assert sorted(p.indices for p in probes) == [(10,), (11,)]
@@ -148,7 +152,7 @@ def test_ledger_split_and_probe_find_the_poison() -> None:
     assert stitched.task_id not in ledger and len(again) == 1 and again[0].exclude == (11,)
     assert again[0].slots == (3,) and again[0].task_id != stitched.task_id
     # A second poison answer while its probes run (a copy asked again): probed once only.
-    twice = ledger.add(batch, (4,), ((20, 21),), 2, (8, 8), 1)
+    twice = ledger.add(batch, (4,), ((20, 21),), 2, SIZES, 1)
     ledger.probe(twice)
     ledger.probe(twice)
     probes = [r for r in ledger if r.probe_of is twice]
@@ -156,7 +160,7 @@ def test_ledger_split_and_probe_find_the_poison() -> None:
     for probe in probes:
         ledger.probe_done(probe, bad=probe.indices == (21,))
     assert [r.exclude for r in ledger if r.images == ((20, 21),)] == [(21,)]
-    alone = ledger.add(batch, (3,), ((12, 13),), 2, (8, 8), 1)
+    alone = ledger.add(batch, (3,), ((12, 13),), 2, SIZES, 1)
     ledger.probe(alone)
     last = None
     for probe in [r for r in ledger if r.probe_of is alone]:

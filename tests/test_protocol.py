@@ -16,6 +16,7 @@ from dataserver import protocol
 from dataserver.protocol import (
     MAGIC,
     MESSAGES,
+    BatchSizes,
     Cancelled,
     Control,
     ErrorMsg,
@@ -75,6 +76,20 @@ def test_typed_fields_are_normalised() -> None:
     res = decode(frames_of(MsgType.RESULT))
     assert isinstance(res, Result) and res.failed == ((6, "bad"),)
     assert res.pixels is not None and res.pixels.shape == (2, 3, 4, 5)
+
+
+@pytest.mark.parametrize("stored", [None, (96, 80)])
+def test_batch_sizes_travel_as_the_task_fields(stored: tuple[int, int] | None) -> None:
+    """``BatchSizes.wire`` gives the fields every client sent (no ``source_hw`` when the
+    stored size is the fit size: the same bytes), and ``Task.sizes`` reads them back."""
+    base = {k: v for k, v in VALID[MsgType.TASK].items() if k not in ("out_hw", "fit_hw")}
+    sizes = BatchSizes.of((32, 24), (64, 48), stored)
+    task = Task(**base, **sizes.wire())
+    by_hand = Task(**base, out_hw=(32, 24), fit_hw=(64, 48), source_hw=stored)
+    assert task.encode() == by_hand.encode()
+    again = decode([bytes(memoryview(f)) for f in task.encode()])
+    assert isinstance(again, Task) and again.sizes == sizes
+    assert sizes.stored == (stored or (64, 48)) and sizes.image_bytes == 3 * 32 * 24
 
 
 def test_arrays_are_received_without_copy() -> None:

@@ -17,7 +17,7 @@ from fuzzing import VALID
 from dataserver.data.pipeline import compose_one
 from dataserver.data.spec import SpecError, dataset_sizes
 from dataserver.data.yolo_set import YoloVal, yolo_set
-from dataserver.protocol import MAGIC, MsgType, ProtocolError, Welcome, decode
+from dataserver.protocol import MAGIC, BatchSizes, MsgType, ProtocolError, Welcome, decode
 from dataserver.protocol.messages import MAX_SIZES
 from dataserver_client import DataServerClient
 
@@ -88,14 +88,14 @@ def test_scaleup_false_places_sources_unscaled_in_a_larger_canvas() -> None:
     """With ``scaleup = False`` a source smaller than the batch's size is placed as it is
     (centred on the padding, boxes moved by the offset); with the default it is enlarged."""
     kept, composed = compose_one(
-        _Small(False), [0], 1, (64, 96), (64, 96), 0, 0, pad_value=114, letterbox="center"
+        _Small(False), [0], 1, BatchSizes.of((64, 96)), 0, 0, pad_value=114, letterbox="center"
     )
     top, left = round((64 - 20) / 2 - 0.1), round((96 - 30) / 2 - 0.1)
     assert (kept[:, top : top + 20, left : left + 30] == 200).all()
     assert (kept == 200).sum() == 3 * 20 * 30 and (kept == 114).sum() == kept.size - 3 * 600
     assert composed.boxes.tolist() == [[3 + left, 4 + top, 9 + left, 10 + top]]
     grown, _ = compose_one(
-        _Small(True), [0], 1, (64, 96), (64, 96), 0, 0, pad_value=114, letterbox="center"
+        _Small(True), [0], 1, BatchSizes.of((64, 96)), 0, 0, pad_value=114, letterbox="center"
     )
     assert (grown == 200).sum() == 3 * 64 * 96
 

@@ -10,6 +10,7 @@ import pytest
 from dataserver.data.pipeline import Source, compose_into, compose_one, fit, flip_of, place, read
 from dataserver.data.sample import Sample, SampleError, as_sample
 from dataserver.data.transforms import decode_image, fit_size, grid_side
+from dataserver.protocol import BatchSizes
 
 
 def sample(h: int, w: int, boxes: list[list[int]] | list[list[float]], value: int = 255) -> Sample:
@@ -147,7 +148,7 @@ def test_compose_one_fits_to_the_image_size_then_into_cells() -> None:
                 "labels": [i],
             }
 
-    image, got = compose_one(Three(), [0, 1, 2], 2, (64, 64), (64, 64), seed=0, epoch=0)
+    image, got = compose_one(Three(), [0, 1, 2], 2, BatchSizes.of((64, 64)), seed=0, epoch=0)
     # Each source is fitted to 64 x 64 first (32 x 64), then into its 32 x 32 cell (16 x 32).
     assert image.shape == (3, 64, 64)
     assert (image[:, :16, :32] == 10).all() and (image[:, :16, 32:] == 20).all()

@@ -39,6 +39,7 @@ from dataserver.data.yolo import (
     warped_extent,
     yolo_hyp,
 )
+from dataserver.protocol import BatchSizes
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -522,7 +523,7 @@ def test_a_mosaic_built_only_where_the_warp_reads_is_the_same_bytes(aug: YoloAug
     for anchor in range(24):
         indices = [anchor, (anchor + 5) % 32, (anchor + 11) % 32, (anchor + 17) % 32]
         outs = [
-            compose_one(ds, indices, 2, (96, 128), (96, 128), 7, 1, mode="stitch",
+            compose_one(ds, indices, 2, BatchSizes.of((96, 128)), 7, 1, mode="stitch",
                         layout="mosaic", pad_value=114, letterbox="center", partners=True)
             for ds in (whole, regional)
         ]  # fmt: skip

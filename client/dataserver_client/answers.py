@@ -78,7 +78,7 @@ def result_problem(
         # whatever was there before (a stale batch), which must never be delivered.
         return Reject.LANDED_UNSEALED, f"task {msg.task_id}: said it landed, wrote no seal"
     assert msg.boxes is not None and msg.labels is not None  # (receive checked them)
-    problem = boxes_problem(msg.boxes, msg.labels, rec.out_hw)
+    problem = boxes_problem(msg.boxes, msg.labels, rec.sizes.out)
     if problem is not None:
         return Reject.BAD_BOXES, f"task {msg.task_id}: {problem}"
     return None

@@ -352,7 +352,7 @@ class DeviceMover:
             feedback_seq=0,
             skipped=len(inflight.skipped),
             skipped_indices=list(inflight.skipped),
-            image_size=plan.fit_hw,
+            image_size=plan.sizes.fit,
             partners=plan.partners,
             manifest=manifest if manifest is not None else {},
             files=files,
@@ -378,7 +378,7 @@ def landing_area(config: ClientConfig) -> LandingArea | None:
     memfd: no name on the file system), unless ``shared_memory`` is off."""
     if not config.shared_memory:
         return None
-    h, w = config.sizes.stored_hw  # the largest size of the schedule
+    h, w = config.sizes.stored  # the largest size of the schedule
     try:
         return LandingArea(config.prefetch + 5, config.batch_size * 3 * h * w, config.batch_size)
     except (OSError, ValueError) as exc:

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dataserver.protocol import MAX_TASK_IMAGES, Result
+from dataserver.protocol import MAX_TASK_IMAGES, BatchSizes, Result
 from dataserver.protocol.messages import DEFAULT_TASK_BYTES
 from dataserver_client.affinity import Affinity
 from dataserver_client.assembly import Delivery, DeviceMover, HostBuffers, InflightBatch
@@ -142,10 +142,10 @@ class PlanBook:
         ``--max-task-mb``): batches are cut into tasks that fit."""
         self._task_bytes = max(1, nbytes)
 
-    def images_per_task(self, out_hw: tuple[int, int]) -> int:
-        """The most images of ``out_hw`` one task may hold (at least one: a server that
+    def images_per_task(self, sizes: BatchSizes) -> int:
+        """The most images of ``sizes.out`` one task may hold (at least one: a server that
         cannot take one image of that size is declined at its WELCOME)."""
-        return max(1, min(MAX_TASK_IMAGES, self._task_bytes // (3 * out_hw[0] * out_hw[1])))
+        return max(1, min(MAX_TASK_IMAGES, self._task_bytes // sizes.image_bytes))
 
     # ------------------------------------------------------------ tasks
 
@@ -163,7 +163,7 @@ class PlanBook:
         longer planned)."""
         batch = self.batch_of(rec)
         if batch is None or not rec.consecutive:
-            return np.empty((len(rec.slots), 3, *rec.out_hw), np.uint8)
+            return np.empty((len(rec.slots), 3, *rec.sizes.out), np.uint8)
         first = rec.slots[0]
         return batch.array[first : first + len(rec.slots)]
 
@@ -370,7 +370,7 @@ class PlanBook:
         their sources belong to changes (several servers), else evenly. ``batch``: one made
         already (a rebuild), else a new one under the current control values."""
         if batch is None:
-            host = self._buffers.take((len(plan.images), 3, *plan.out_hw))
+            host = self._buffers.take((len(plan.images), 3, *plan.sizes.out))
             batch = InflightBatch(plan, host, self.control_seq, self.control)
         images = plan.images
         n = len(images)
@@ -386,7 +386,7 @@ class PlanBook:
             else:
                 segments.append((j, j + 1))
         parts = self.tasks_per_batch(n)
-        most = self.images_per_task(plan.out_hw)
+        most = self.images_per_task(plan.sizes)
         for start, stop in segments:
             share = max(1, round(parts * (stop - start) / n), -(-(stop - start) // most))
             for run in split_runs(stop - start, share):
@@ -396,7 +396,7 @@ class PlanBook:
                     slots,
                     tuple(images[j].indices for j in slots),
                     images[0].grid,
-                    plan.out_hw,
+                    plan.sizes,
                     self.plan_version,
                     prefer=servers[start],
                     keys=tuple(keys[j] for j in slots) if servers[start] is not None else (),
@@ -512,7 +512,7 @@ class PlanBook:
         if sizes is not None:
             # Sources stay stored at the size the schedule so far stored them at (or
             # larger): a new size is composed from what the stores hold, not decoded anew.
-            self.sizes = sizes.stored_at(self.sizes.stored_hw)
+            self.sizes = sizes.stored_at(self.sizes.stored)
         if self.cursor is not None:
             taken = self._handoff.taken()
             self._handoff.drop_from(taken, self.plan_version)
@@ -530,7 +530,7 @@ class PlanBook:
         manifest's control values, delivered to the Future this returns, never to the
         trainer's stream of batches."""
         plan = replace(plan, plan_version=self.plan_version)
-        host = self._buffers.take((len(plan.images), 3, *plan.out_hw))
+        host = self._buffers.take((len(plan.images), 3, *plan.sizes.out))
         batch = InflightBatch(plan, host, self.control_seq, control, inline=True, on_error=on_error)
         future = self.rebuilds.add(batch)
         self.plan_tasks(plan, batch)
@@ -552,7 +552,7 @@ class PlanBook:
             self.ledger.forget(_of_batch(old), cancel=True)
             self._buffers.give(old.host)
             plan = replace(old.plan, plan_version=self.plan_version)
-            host = self._buffers.take((len(plan.images), 3, *plan.out_hw))
+            host = self._buffers.take((len(plan.images), 3, *plan.sizes.out))
             batch = old.again(plan, host, self.control_seq)
             self.rebuilds.replace(old, batch)
             self.plan_tasks(plan, batch)

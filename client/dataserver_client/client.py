@@ -337,7 +337,7 @@ class DataServerClient:
         if problem is not None:
             raise ValueError(f"set_image_size: {problem}")
         self._check_open()
-        problem = self._side_problem([*sizes.sizes, sizes.stored_hw])
+        problem = self._side_problem([*sizes.sizes, sizes.stored])
         if problem is not None:  # what the servers would refuse, refused here, at the call
             raise ValueError(f"set_image_size: {problem}")
         self._feedback_seq += 1
@@ -395,7 +395,7 @@ class DataServerClient:
         self._check_open()
         self._check_dataset(manifest)
         plan, values, on_error = plan_of(manifest, self.dataset_len)
-        for key, hw in (("image_size", plan.fit_hw), ("source_size", plan.stored_hw)):
+        for key, hw in (("image_size", plan.sizes.fit), ("source_size", plan.sizes.stored)):
             problem = self._side_problem([hw])
             if problem is not None:
                 raise ValueError(f"manifest {key!r}: {problem}")

@@ -57,7 +57,7 @@ class Sender:
             if not link.send(task.encode()):
                 ledger.unsent(rec)  # not connected after all: try again shortly
                 return
-            link.sent(rec.task_id, len(rec.images) * 3 * rec.out_hw[0] * rec.out_hw[1])
+            link.sent(rec.task_id, len(rec.images) * rec.sizes.image_bytes)
             ledger.sent(rec, link, generation)
 
     def _task(self, rec: TaskRecord, link: ServerLink) -> tuple[Task, int | None]:
@@ -88,9 +88,6 @@ class Sender:
             seed=plan.seed,
             images=rec.images,
             grid=rec.grid,
-            out_hw=rec.out_hw,
-            fit_hw=plan.fit_hw,
-            source_hw=plan.stored_hw if plan.stored_hw != plan.fit_hw else None,
             on_error=batch.on_error or cfg.on_error,
             control_seq=book.control_seq,
             control=batch.control if batch.inline else None,
@@ -102,6 +99,7 @@ class Sender:
             partners=int(plan.partners and rec.probe_of is None),
             pad_value=plan.pad_value,
             letterbox=plan.letterbox,
+            **rec.sizes.wire(),
             **land,
         )
         if land:
@@ -120,7 +118,7 @@ class Sender:
         if where is None:
             return None
         region, generation, offset = where
-        return region, generation, offset + rec.slots[0] * 3 * rec.out_hw[0] * rec.out_hw[1]
+        return region, generation, offset + rec.slots[0] * rec.sizes.image_bytes
 
     def cancel(self) -> None:
         """Ask servers to drop queued tasks the plan no longer wants (by id: the rest of

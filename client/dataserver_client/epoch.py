@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dataserver.protocol.batchsizes import BatchSizes
 from dataserver_client.partners import WINDOW, is_mosaic, partner_positions, window_size
 from dataserver_client.sizes import SizeSchedule, schedule_of
 
@@ -122,18 +123,18 @@ class Layout:
 
 @dataclass(frozen=True)
 class ImagePlan:
-    """One output image: its source indices (cell order), grid side and size."""
+    """One output image: its source indices (cell order) and grid side (its size is its
+    batch's: ``BatchPlan.sizes.out``)."""
 
     indices: tuple[int, ...]
     grid: int
-    out_hw: tuple[int, int]
 
 
 @dataclass(frozen=True)
 class BatchPlan:
     """Batch ``step`` of the epoch under ``plan_version``: shard positions [start, stop).
-    ``image_size``: the batch's size (none: ``out_hw``); ``source_hw``: what sources are
-    fitted to first, as the servers' stores keep them (none: ``image_size``);
+    ``sizes``: its output size, its image size (what sources are fitted into) and the size
+    the servers' stores keep sources at (``BatchSizes``: carried to the tasks as they are);
     ``layout``: "grid" or "mosaic" (how the servers compose an image of several);
     ``partners``: a window mosaic (each image's first index its anchor, the one shard
     position it consumes; the rest its partners; an image of one index a regular image)."""
@@ -144,23 +145,13 @@ class BatchPlan:
     start: int
     stop: int
     images: tuple[ImagePlan, ...]
-    out_hw: tuple[int, int]
+    sizes: BatchSizes
     epoch: int = 0
     seed: int = 0
-    image_size: tuple[int, int] | None = None
-    source_hw: tuple[int, int] | None = None
     layout: str = "grid"
     partners: bool = False  # a window mosaic: each image's indices[0] its anchor (consumed)
     pad_value: int = 0  # (the layout's; a rebuilt batch: its manifest's)
     letterbox: str = "top-left"
-
-    @property
-    def fit_hw(self) -> tuple[int, int]:
-        return self.image_size if self.image_size is not None else self.out_hw
-
-    @property
-    def stored_hw(self) -> tuple[int, int]:
-        return self.source_hw if self.source_hw is not None else self.fit_hw
 
 
 def split_runs(n: int, parts: int) -> list[range]:
@@ -182,14 +173,14 @@ def cut_images(
     ``image_size``, and their size."""
     h, w = image_size
     if mode == REGULAR:
-        return tuple(ImagePlan((int(i),), 1, (h, w)) for i in indices), (h, w)
+        return tuple(ImagePlan((int(i),), 1) for i in indices), (h, w)
     g = layout.grid
     if layout.stitch_layout == "batch":
         small = (h // g, w // g)
-        return tuple(ImagePlan((int(i),), 1, small) for i in indices), small
+        return tuple(ImagePlan((int(i),), 1) for i in indices), small
     k = layout.stitch_k
     groups = [tuple(int(i) for i in indices[j : j + k]) for j in range(0, len(indices), k)]
-    return tuple(ImagePlan(grp, g, (h, w)) for grp in groups), (h, w)
+    return tuple(ImagePlan(grp, g) for grp in groups), (h, w)
 
 
 def window_images(
@@ -197,7 +188,6 @@ def window_images(
     start: int,
     stop: int,
     layout: Layout,
-    image_size: tuple[int, int],
     seed: int,
     epoch: int,
 ) -> tuple[ImagePlan, ...]:
@@ -210,10 +200,10 @@ def window_images(
     for position in range(start, stop):
         anchor = int(shard[position])
         if not is_mosaic(seed, epoch, position, layout.mosaic_p):
-            out.append(ImagePlan((anchor,), layout.grid, image_size))
+            out.append(ImagePlan((anchor,), layout.grid))
             continue
         others = partner_positions(seed, epoch, position, n, window)
-        out.append(ImagePlan((anchor, *(int(shard[q]) for q in others)), layout.grid, image_size))
+        out.append(ImagePlan((anchor, *(int(shard[q]) for q in others)), layout.grid))
     return tuple(out)
 
 
@@ -267,12 +257,10 @@ class Cursor:
         mosaic = mode == STITCH and self.layout.stitch_layout == "mosaic"
         partners = mosaic and self.layout.window
         if partners:
-            images = window_images(
-                self.shard, start, stop, self.layout, size, self.seed, self.epoch
-            )
-            out_hw = size
+            images = window_images(self.shard, start, stop, self.layout, self.seed, self.epoch)
+            out = size
         else:
-            images, out_hw = cut_images(self.shard[start:stop], self.layout, mode, size)
+            images, out = cut_images(self.shard[start:stop], self.layout, mode, size)
         return BatchPlan(
             step,
             self.plan_version,
@@ -280,11 +268,9 @@ class Cursor:
             start,
             stop,
             images,
-            out_hw,
+            BatchSizes.of(out, size, self.sizes.stored),
             epoch=self.epoch,
             seed=self.seed,
-            image_size=size,
-            source_hw=self.sizes.stored_hw,
             layout="mosaic" if mosaic else "grid",
             partners=partners,
             pad_value=self.layout.pad_value,

@@ -17,9 +17,10 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
+from dataserver.protocol.batchsizes import BatchSizes
 from dataserver_client.assembly import InflightBatch
 
 if TYPE_CHECKING:
@@ -42,7 +43,7 @@ class TaskRecord:
     slots: tuple[int, ...]  # the batch slots of its images, in order (-1: a probe's)
     images: tuple[tuple[int, ...], ...]  # each image's source indices, in cell order
     grid: int
-    out_hw: tuple[int, int]
+    sizes: BatchSizes  # its batch's (a probe's: its output size PROBE_HW)
     plan_version: int
     link: ServerLink | None = None  # the server it was last sent to, or None
     land_gen: int | None = None  # the landing generation it was last sent to land with
@@ -121,7 +122,7 @@ class TaskLedger:
         slots: tuple[int, ...],
         images: tuple[tuple[int, ...], ...],
         grid: int,
-        out_hw: tuple[int, int],
+        sizes: BatchSizes,
         plan_version: int,
         *,
         prefer: ServerLink | None = None,
@@ -137,7 +138,7 @@ class TaskLedger:
             slots,
             images,
             grid,
-            out_hw,
+            sizes,
             plan_version,
             prefer=prefer,
             keys=keys,
@@ -269,18 +270,18 @@ class TaskLedger:
         image number, every image is asked again on its own (None)."""
         self.done(rec)
         pairs = list(zip(rec.slots, rec.images, strict=True))
-        batch, grid, out_hw, version = rec.batch, rec.grid, rec.out_hw, rec.plan_version
+        batch, grid, sizes, version = rec.batch, rec.grid, rec.sizes, rec.plan_version
         if image is None or not 0 <= image < len(pairs):
             for slot, one in reversed(pairs):
-                self.add(batch, (slot,), (one,), grid, out_hw, version, queue="first")
+                self.add(batch, (slot,), (one,), grid, sizes, version, queue="first")
             return None
         rest = pairs[:image] + pairs[image + 1 :]
         if rest:
             slots = tuple(slot for slot, _ in rest)
             images = tuple(one for _, one in rest)
-            self.add(batch, slots, images, grid, out_hw, version, queue="first")
+            self.add(batch, slots, images, grid, sizes, version, queue="first")
         slot, one = pairs[image]
-        return self.add(batch, (slot,), (one,), grid, out_hw, version, queue="no")
+        return self.add(batch, (slot,), (one,), grid, sizes, version, queue="no")
 
     def probe(self, rec: TaskRecord) -> None:
         """A stitched task killed two workers and on_error is "skip": find which of its
@@ -298,7 +299,7 @@ class TaskLedger:
                 (-1,),
                 ((index,),),
                 1,
-                PROBE_HW,
+                replace(rec.sizes, out=PROBE_HW),
                 rec.plan_version,
                 probe_of=rec,
                 queue="first",
@@ -322,7 +323,7 @@ class TaskLedger:
             # send of the parent (one asked again, still running) cannot be taken for it.
             self.done(parent)
             again = self.add(
-                parent.batch, parent.slots, parent.images, parent.grid, parent.out_hw,
+                parent.batch, parent.slots, parent.images, parent.grid, parent.sizes,
                 parent.plan_version, keys=parent.keys, queue="first",
             )  # fmt: skip
             again.exclude = tuple(dict.fromkeys(parent.poisoned))

@@ -147,18 +147,18 @@ def welcome_problem(
             f"servers disagree on the dataset's sizes: {dataset.address} announces "
             f"{len(dataset.sizes)}, {address} {len(msg.sizes)}",
         )
-    if max(config.sizes.stored_hw) > msg.max_image_side:
+    if max(config.sizes.stored) > msg.max_image_side:
         return WelcomeProblem(
             Problem.IMAGE_SIDE,
             f"{address} serves images of at most {msg.max_image_side} pixels a side "
-            f"(its --max-image-side); this client asks for {config.sizes.stored_hw}",
+            f"(its --max-image-side); this client asks for {config.sizes.stored}",
         )
-    one = 3 * config.sizes.stored_hw[0] * config.sizes.stored_hw[1]
+    one = 3 * config.sizes.stored[0] * config.sizes.stored[1]
     if one > msg.max_task_bytes:
         return WelcomeProblem(
             Problem.IMAGE_SIDE,
             f"{address} takes tasks of at most {msg.max_task_bytes} bytes (its "
-            f"--max-task-mb); one image of {config.sizes.stored_hw} takes {one}",
+            f"--max-task-mb); one image of {config.sizes.stored} takes {one}",
         )
     return None
 

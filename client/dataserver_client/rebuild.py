@@ -19,7 +19,7 @@ import math
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
-from dataserver.protocol import MAX_IMAGE_SIDE, MAX_INT, control_problem
+from dataserver.protocol import MAX_IMAGE_SIDE, MAX_INT, BatchSizes, control_problem
 from dataserver_client.epoch import LETTERBOXES, MODES, REGULAR, BatchPlan, ImagePlan, Layout
 from dataserver_client.partners import CONSUME, PARTNER_MODES, WINDOW
 from dataserver_client.sizes import schedule_of
@@ -43,8 +43,8 @@ def manifest_of(batch: InflightBatch, layout: Layout, on_error: str) -> dict[str
         "mode": plan.mode,
         "stitch_layout": layout.stitch_layout,
         "stitch_k": layout.stitch_k,
-        "image_size": list(plan.fit_hw),
-        "source_size": list(plan.stored_hw),
+        "image_size": list(plan.sizes.fit),
+        "source_size": list(plan.sizes.stored),
         "indices": [list(image.indices) for image in plan.images],
         "control_seq": batch.control_seq,
         # (a copy: the batch's values are the plan book's own, which a caller's edit of
@@ -91,12 +91,12 @@ def _size(manifest: dict[str, Any], key: str) -> tuple[int, int]:
 def _sizes(manifest: dict[str, Any], grid: int) -> tuple[tuple[int, int], tuple[int, int]]:
     """The manifest's image size and source size (what sources are stored at: never
     smaller), checked."""
-    fit_hw, stored_hw = _size(manifest, "image_size"), _size(manifest, "source_size")
-    if min(fit_hw) < grid:
-        raise ValueError(f"manifest 'image_size' {fit_hw} is too small for its grid")
-    if stored_hw[0] < fit_hw[0] or stored_hw[1] < fit_hw[1]:
-        raise ValueError(f"manifest 'source_size' {stored_hw} is smaller than 'image_size'")
-    return fit_hw, stored_hw
+    fit, stored = _size(manifest, "image_size"), _size(manifest, "source_size")
+    if min(fit) < grid:
+        raise ValueError(f"manifest 'image_size' {fit} is too small for its grid")
+    if stored[0] < fit[0] or stored[1] < fit[1]:
+        raise ValueError(f"manifest 'source_size' {stored} is smaller than 'image_size'")
+    return fit, stored
 
 
 def _images(manifest: dict[str, Any], k: int, per_image: int) -> list[tuple[int, ...]]:
@@ -148,7 +148,7 @@ def plan_of(manifest: Any, dataset_len: int) -> tuple[BatchPlan, dict[str, Any],
     ):
         raise ValueError(f"manifest 'stitch_k' {k!r} does not fit stitch_layout {layout!r}")
     grid = 1 if mode == REGULAR or layout == "batch" else math.isqrt(k)
-    fit_hw, stored_hw = _sizes(manifest, grid)
+    fit, stored = _sizes(manifest, grid)
     _count(manifest, "control_seq")
     images = _images(manifest, k, grid * grid)
     if max(max(image) for image in images) >= dataset_len:
@@ -161,10 +161,10 @@ def plan_of(manifest: Any, dataset_len: int) -> tuple[BatchPlan, dict[str, Any],
     if on_error not in ("raise", "skip"):
         raise ValueError(f"manifest 'on_error' must be 'raise' or 'skip', got {on_error!r}")
     pad_value, letterbox = _padding(manifest)
-    out_hw = fit_hw
+    out = fit
     if mode != REGULAR and layout == "batch":
         side = math.isqrt(k)
-        out_hw = (fit_hw[0] // side, fit_hw[1] // side)
+        out = (fit[0] // side, fit[1] // side)
     count = sum(len(image) for image in images)
     plan = BatchPlan(
         step=_count(manifest, "step"),
@@ -172,12 +172,10 @@ def plan_of(manifest: Any, dataset_len: int) -> tuple[BatchPlan, dict[str, Any],
         mode=str(mode),
         start=0,
         stop=count,
-        images=tuple(ImagePlan(image, grid, out_hw) for image in images),
-        out_hw=out_hw,
+        images=tuple(ImagePlan(image, grid) for image in images),
+        sizes=BatchSizes.of(out, fit, stored),
         epoch=_count(manifest, "epoch"),
         seed=_count(manifest, "seed"),
-        image_size=fit_hw,
-        source_hw=stored_hw,
         layout="mosaic" if layout == "mosaic" and mode != REGULAR else "grid",
         partners=_partners(manifest, layout, mode),
         pad_value=pad_value,

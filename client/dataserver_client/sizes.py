@@ -9,7 +9,7 @@ prepared at that size already). ``set_image_size`` replaces the schedule from th
 batch on (an unscheduled change: the batches prefetched at the old size are planned again).
 
 What the servers' stores keep: every source fitted once to the schedule's largest size
-(``stored_hw``), then fitted into each batch's size as it is composed (never stored). One
+(``stored``), then fitted into each batch's size as it is composed (never stored). One
 copy of each source whatever the number of sizes, so a store that holds the dataset at the
 largest size serves every size from the second epoch on; the price is one resize of a
 fitted source per use (far less than a decode) and pixels that went through two
@@ -76,7 +76,7 @@ class FixedSize:
         return (self.hw,)
 
     @property
-    def stored_hw(self) -> tuple[int, int]:
+    def stored(self) -> tuple[int, int]:
         return _widest(self.hw, self.store_at)
 
     def size_at(self, seed: int, epoch: int, step: int) -> tuple[int, int]:
@@ -86,9 +86,9 @@ class FixedSize:
         return FixedSize(self.hw, _widest(hw, self.store_at))
 
     def to_state(self) -> list[int] | dict[str, Any]:
-        if self.stored_hw == self.hw:
+        if self.stored == self.hw:
             return [self.hw[0], self.hw[1]]
-        return {"size": list(self.hw), "stored": list(self.stored_hw)}
+        return {"size": list(self.hw), "stored": list(self.stored)}
 
 
 class MultiScale:
@@ -113,7 +113,7 @@ class MultiScale:
         self.store_at: tuple[int, int] | None = None
 
     @property
-    def stored_hw(self) -> tuple[int, int]:
+    def stored(self) -> tuple[int, int]:
         """The size sources are fitted to and stored at: the largest height and width."""
         widest = max(h for h, _ in self.sizes), max(w for _, w in self.sizes)
         return _widest(widest, self.store_at)
@@ -135,16 +135,16 @@ class MultiScale:
     def to_state(self) -> dict[str, Any]:
         state: dict[str, Any] = {"sizes": [[h, w] for h, w in self.sizes], "every": self.every}
         if self.store_at is not None:
-            state["stored"] = list(self.stored_hw)
+            state["stored"] = list(self.stored)
         return state
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, MultiScale):
             return NotImplemented
-        return (self.sizes, self.every, self.stored_hw) == (
+        return (self.sizes, self.every, self.stored) == (
             other.sizes,
             other.every,
-            other.stored_hw,
+            other.stored,
         )
 
     def __hash__(self) -> int:
@@ -162,7 +162,7 @@ class StepSizes:
     as Ultralytics' rect validation has them). Known ahead, as ``MultiScale``: the
     prefetch plans each batch at its size, so a change of size costs no batch planned
     again (``set_image_size`` before each batch would). Sources are stored at the largest
-    height and width (``stored_hw``).
+    height and width (``stored``).
 
     Held as runs of equal sizes (its state too: ``{"steps": [[h, w, count], ...]}``). A
     job-wide state (gathered or merged) carries rank 0's schedule for every rank: lists
@@ -239,7 +239,7 @@ class StepSizes:
         return tuple(dict.fromkeys(hw for hw, _ in self.runs))
 
     @property
-    def stored_hw(self) -> tuple[int, int]:
+    def stored(self) -> tuple[int, int]:
         """The size sources are fitted to and stored at: the largest height and width."""
         widest = max(h for h, _ in self.sizes), max(w for _, w in self.sizes)
         return _widest(widest, self.store_at)
@@ -259,13 +259,13 @@ class StepSizes:
     def to_state(self) -> dict[str, Any]:
         state: dict[str, Any] = {"steps": [[h, w, n] for (h, w), n in self.runs]}
         if self.store_at is not None:
-            state["stored"] = list(self.stored_hw)
+            state["stored"] = list(self.stored)
         return state
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, StepSizes):
             return NotImplemented
-        return (self.runs, self.stored_hw) == (other.runs, other.stored_hw)
+        return (self.runs, self.stored) == (other.runs, other.stored)
 
     def __hash__(self) -> int:
         return hash(self.runs)

@@ -37,6 +37,7 @@ from torch.utils.data import DataLoader, Dataset, get_worker_info
 from dataserver.bench.cpu import machine_cpu, others_share
 from dataserver.data.pipeline import compose_one
 from dataserver.data.spec import build_dataset, parse_spec
+from dataserver.protocol import BatchSizes
 from dataserver.server.memory import keep_large_blocks
 
 Item = tuple[torch.Tensor, np.ndarray, np.ndarray]
@@ -72,7 +73,9 @@ class PipelineDataset(Dataset[Item]):
 
     def __getitem__(self, index: int) -> Item:
         size = self.image_size
-        canvas, out = compose_one(self._ds(), [index], 1, size, size, self.seed, self.epoch)
+        canvas, out = compose_one(
+            self._ds(), [index], 1, BatchSizes.of(size), self.seed, self.epoch
+        )
         return torch.from_numpy(canvas), out.boxes, out.labels
 
 
@@ -146,14 +149,14 @@ def single_run(
     ds = build_dataset(parse_spec(spec, spec_args))
     n = len(ds)
     for i in range(WARMUP_IMAGES):
-        compose_one(ds, [(rank + i * ranks) % n], 1, image_size, image_size, 0, 0)
+        compose_one(ds, [(rank + i * ranks) % n], 1, BatchSizes.of(image_size), 0, 0)
     print("ready", flush=True)
     start_at = float(sys.stdin.readline())
     time.sleep(max(0.0, start_at - time.monotonic()))
     cpu0, start = time.process_time(), time.monotonic()
     done = 0
     while time.monotonic() - start < seconds:
-        compose_one(ds, [(rank + done * ranks) % n], 1, image_size, image_size, 0, 0)
+        compose_one(ds, [(rank + done * ranks) % n], 1, BatchSizes.of(image_size), 0, 0)
         done += 1
     end, cpu1 = time.monotonic(), time.process_time()
     return {"images": done, "start": start, "end": end, "cpu_s": cpu1 - cpu0}

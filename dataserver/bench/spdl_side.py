@@ -30,6 +30,7 @@ import numpy as np
 
 from dataserver.data.pipeline import compose_one
 from dataserver.data.spec import build_dataset, parse_spec
+from dataserver.protocol import BatchSizes
 
 Item = tuple[int, np.ndarray, np.ndarray, np.ndarray]
 
@@ -50,7 +51,7 @@ def _init(spec: str, spec_args: str | None, size: tuple[int, int]) -> None:
 
 def load(index: int) -> Item:
     """One image: read, fit, flip, place into a zero (3, H, W) canvas."""
-    canvas, out = compose_one(_DATASET, [index], 1, _SIZE, _SIZE, 0, 0)
+    canvas, out = compose_one(_DATASET, [index], 1, BatchSizes.of(_SIZE), 0, 0)
     return index, canvas, out.boxes, out.labels
 
 
@@ -84,7 +85,7 @@ def _executor(args: argparse.Namespace, size: tuple[int, int]) -> Executor | Non
 def check_pixels(images: Any, order: list[int]) -> int:
     """How many images of a batch equal ``compose_one``'s for their index (all, or raise)."""
     for row, index in enumerate(order):
-        canvas, _ = compose_one(_DATASET, [index], 1, _SIZE, _SIZE, 0, 0)
+        canvas, _ = compose_one(_DATASET, [index], 1, BatchSizes.of(_SIZE), 0, 0)
         if not np.array_equal(images[row].numpy(), canvas):
             raise AssertionError(f"spdl: image {index} differs from compose_one's")
     return len(order)

@@ -7,7 +7,7 @@ keeps only for a dataset that says its ``__getitem__`` is a pure function of the
 epoch, index) and the batch's parameters, and never stored.
 
 1. ``read``: the dataset's sample, checked (``SampleError`` names the index).
-2. ``fit``: resized to fit the stored size (the task's ``source_hw``: the largest size of a
+2. ``fit``: resized to fit the stored size (``BatchSizes.stored``: the largest size of a
    multi-scale schedule, else the image size), keeping its aspect ratio, as CHW planes
    (``Source``). The expensive, mode-independent part: the same fitted source serves a
    regular image, a cell of a stitched one or a mosaic, every epoch, every size of the
@@ -41,6 +41,7 @@ from dataserver.data.composed import Hook, after_composition, composed_rng, hook
 from dataserver.data.sample import Sample, SampleError, as_sample
 from dataserver.data.transforms import fit_size, keep_valid
 from dataserver.hashing import MASK64, mix64
+from dataserver.protocol.batchsizes import BatchSizes
 
 
 @dataclass(slots=True)
@@ -132,7 +133,7 @@ PlanesFor = Callable[[int, int, int, int], "np.ndarray | None"]
 
 def fit(
     sample: Sample,
-    fit_hw: Sequence[int],
+    hw: Sequence[int],
     scaleup: bool = True,
     planes_for: PlanesFor | None = None,
     hwc: bool = False,
@@ -142,7 +143,7 @@ def fit(
     it gives one; boxes scaled by the exact per-axis factors, clipped, degenerate ones
     dropped."""
     height, width = sample.image.shape[:2]
-    new_h, new_w = fit_size(height, width, int(fit_hw[0]), int(fit_hw[1]), scaleup)
+    new_h, new_w = fit_size(height, width, int(hw[0]), int(hw[1]), scaleup)
     resize = (new_h, new_w) != (height, width)
     place = None
     if planes_for is not None:
@@ -183,20 +184,20 @@ def _scaled(
 
 
 def prepare(
-    dataset: Any, index: int, fit_hw: Sequence[int], planes_for: PlanesFor | None = None
+    dataset: Any, index: int, hw: Sequence[int], planes_for: PlanesFor | None = None
 ) -> Source:
-    """``read`` then ``fit`` in the dataset's layout (``layout_of``): what a worker does
-    on a store miss."""
+    """``read`` then ``fit`` into ``hw`` (the stored size) in the dataset's layout
+    (``layout_of``): what a worker does on a store miss."""
     hwc = layout_of(dataset) == "hwc"
-    return fit(read(dataset, index), fit_hw, scales_up(dataset), planes_for, hwc)
+    return fit(read(dataset, index), hw, scales_up(dataset), planes_for, hwc)
 
 
-def refit(source: Source, fit_hw: Sequence[int], scaleup: bool = True) -> Source:
-    """``source`` (fitted to the stored size) fitted into ``fit_hw``, keeping its aspect
+def refit(source: Source, hw: Sequence[int], scaleup: bool = True) -> Source:
+    """``source`` (fitted to the stored size) fitted into ``hw``, keeping its aspect
     ratio (``scaleup=False``: only shrunk), in its layout; itself when it fits exactly
     already."""
     height, width = source.hw
-    new_h, new_w = fit_size(height, width, int(fit_hw[0]), int(fit_hw[1]), scaleup)
+    new_h, new_w = fit_size(height, width, int(hw[0]), int(hw[1]), scaleup)
     if (new_h, new_w) == (height, width):
         return source
     if source.hwc:
@@ -236,8 +237,7 @@ class Recipe:
     epoch: int
     step: int
     mode: str
-    fit_hw: tuple[int, int]  # the batch's image size
-    stored_hw: tuple[int, int]  # the size sources are fitted to first (what the store keeps)
+    sizes: BatchSizes  # the batch's output, fit (its image size) and stored sizes
     control: dict[str, Any]  # the session's control values (``augment``'s params)
     pad_value: int = 0  # every pixel no source covers
     letterbox: str = "top-left"  # where a source smaller than its cell sits: or "center"
@@ -249,7 +249,7 @@ class Recipe:
             "epoch": self.epoch,
             "step": self.step,
             "mode": self.mode,
-            "image_size": self.fit_hw,
+            "image_size": self.sizes.fit,
             "control": MappingProxyType(self.control),  # (the worker's own: read-only)
             "index": index,
             "seed": self.seed,
@@ -288,11 +288,12 @@ def augmented(
         raise SampleError(index, f"augment raised {type(exc).__name__}: {exc}") from None
     out = as_sample(index, raw, "augment")
     height, width = out.image.shape[:2]
-    if height > recipe.fit_hw[0] or width > recipe.fit_hw[1]:
+    fit_h, fit_w = recipe.sizes.fit
+    if height > fit_h or width > fit_w:
         raise SampleError(
             index,
             f"augment returned a {height}x{width} image, larger than the image size "
-            f"{recipe.fit_hw[0]}x{recipe.fit_hw[1]}",
+            f"{fit_h}x{fit_w}",
         )
     if source.hwc:
         planes = np.ascontiguousarray(out.image)
@@ -486,10 +487,10 @@ def in_layout(source: Source, hwc: bool) -> Source:
 
 
 def finished(dataset: Any, index: int, stored: Source, recipe: Recipe, draw: Draw = None) -> Source:
-    """A source as stored (fitted to ``recipe.stored_hw``) made ready to compose: fitted
+    """A source as stored (fitted to ``recipe.sizes.stored``) made ready to compose: fitted
     into the batch's size, then augmented (``draw``: see ``augmented``). Never stored."""
-    grow = scales_up(dataset)
-    source = stored if recipe.stored_hw == recipe.fit_hw else refit(stored, recipe.fit_hw, grow)
+    sizes, grow = recipe.sizes, scales_up(dataset)
+    source = stored if sizes.stored == sizes.fit else refit(stored, sizes.fit, grow)
     return augmented(dataset, index, source, recipe, draw)
 
 
@@ -620,15 +621,13 @@ def compose_one(
     dataset: Any,
     indices: Sequence[int],
     grid: int,
-    out_hw: Sequence[int],
-    fit_hw: Sequence[int],
+    sizes: BatchSizes,
     seed: int,
     epoch: int,
     *,
     step: int = 0,
     mode: str = "regular",
     layout: str = "grid",
-    stored_hw: Sequence[int] | None = None,
     control: dict[str, Any] | None = None,
     pad_value: int = 0,
     letterbox: str = "top-left",
@@ -637,24 +636,13 @@ def compose_one(
     """One output image straight from the dataset (no store): what the DataLoader baseline
     and the tests run. Bit-identical to what a worker sends for the same task
     (``partners``: the task's flag, a window mosaic)."""
-    canvas = np.full((3, int(out_hw[0]), int(out_hw[1])), pad_value, dtype=np.uint8)
-    fit_size_hw = (int(fit_hw[0]), int(fit_hw[1]))
-    stored = fit_size_hw if stored_hw is None else (int(stored_hw[0]), int(stored_hw[1]))
+    canvas = np.full((3, *sizes.out), pad_value, dtype=np.uint8)
     recipe = Recipe(
-        seed,
-        epoch,
-        step,
-        mode,
-        fit_size_hw,
-        stored,
-        dict(control or {}),
-        pad_value,
-        letterbox,
-        partners,
+        seed, epoch, step, mode, sizes, dict(control or {}), pad_value, letterbox, partners
     )
 
     def source(i: int, draw: Draw = None) -> Source:
-        return finished(dataset, i, prepare(dataset, i, stored), recipe, draw)
+        return finished(dataset, i, prepare(dataset, i, sizes.stored), recipe, draw)
 
     composed = compose_image(canvas, source, indices, grid, layout, recipe, False, dataset)
     return canvas, composed

@@ -10,11 +10,14 @@ No socket code lives here. Nothing is ever pickled. A message is a list of ZeroM
 - ``wire.py``: the envelope (frames, sizes, array descriptors against buffers).
 - ``fields.py``: field types (type and range of one header field, as msgspec constraints).
 - ``messages.py``: one msgspec Struct per message type; ``decode`` returns the right one.
+- ``batchsizes.py``: ``BatchSizes``, a batch's output, fit and stored sizes as one value
+  (a TASK's ``out_hw``, ``fit_hw``, ``source_hw``), from the client's plan to the pipeline.
 
 ``decode`` raises ``ProtocolError`` and nothing else, whatever the input; receivers count
 and drop it.
 """
 
+from dataserver.protocol.batchsizes import BatchSizes
 from dataserver.protocol.fields import (
     MAX_CONTROL_BYTES,
     MAX_CONTROL_DEPTH,
@@ -74,6 +77,7 @@ __all__ = [
     "MAX_TILES",
     "MESSAGES",
     "PROTOCOL_VERSION",
+    "BatchSizes",
     "Bye",
     "Cancelled",
     "Control",

@@ -36,6 +36,7 @@ import msgspec
 import numpy as np
 from msgspec import Meta, Struct
 
+from dataserver.protocol.batchsizes import BatchSizes
 from dataserver.protocol.fields import (
     MAX_LABEL,
     T32,
@@ -272,8 +273,9 @@ class Welcome(Message, kw_only=True):
 
 class Task(Message, kw_only=True):
     """Compose a run of output images of one batch: image i from the sources
-    ``images[i]``, each source fitted into ``source_hw`` (what the server's store keeps;
-    none: ``fit_hw``), then into ``fit_hw`` (the batch's image size) when that is smaller,
+    ``images[i]`` at ``out_hw``, each source fitted into ``source_hw`` (what the server's
+    store keeps; none: ``fit_hw``), then into ``fit_hw`` (the batch's image size) when that
+    is smaller (the three as one value: ``sizes``, ``batchsizes.BatchSizes``),
     then given to the dataset's ``augment`` (never stored), then composed: ``layout``
     "grid" puts them in grid x grid cells (row-major), "mosaic" around a random centre
     (``dataserver/data/mosaic.py``). ``step`` and ``mode`` are the batch's (``augment``
@@ -347,10 +349,10 @@ class Task(Message, kw_only=True):
                 raise ProtocolError(f"field 'control': {problem}")
 
     @property
-    def stored_hw(self) -> tuple[int, int]:
-        """The size sources are fitted to before any other step (what the store keeps)."""
-        hw = self.source_hw if self.source_hw is not None else self.fit_hw
-        return (hw[0], hw[1])
+    def sizes(self) -> BatchSizes:
+        """The output, fit and stored sizes its fields ``out_hw``, ``fit_hw`` and
+        ``source_hw`` say (``batchsizes.py``)."""
+        return BatchSizes.from_wire(self.out_hw, self.fit_hw, self.source_hw)
 
     @property
     def indices(self) -> tuple[int, ...]:

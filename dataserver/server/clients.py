@@ -316,13 +316,14 @@ class Clients:
         ``--max-image-side``, and the output (images x 3 x H x W) within ``--max-task-mb``
         (a few bytes of TASK asked for 64 images of 4096^2: a 3 GiB canvas in a worker)."""
         side = self.config.max_image_side
-        for name, hw in (("image", task.out_hw), ("fit", task.fit_hw), ("stored", task.stored_hw)):
+        sizes = task.sizes
+        for name, hw in (("image", sizes.out), ("fit", sizes.fit), ("stored", sizes.stored)):
             if max(hw) > side:
                 return f"{name} size {hw[0]}x{hw[1]} exceeds this server's --max-image-side {side}"
-        out_bytes = len(task.images) * 3 * task.out_hw[0] * task.out_hw[1]
+        out_bytes = task.canvas_bytes()
         if out_bytes > self.config.max_task_bytes:
             return (
-                f"a task of {len(task.images)} images of {task.out_hw[0]}x{task.out_hw[1]} "
+                f"a task of {len(task.images)} images of {sizes.out[0]}x{sizes.out[1]} "
                 f"takes {out_bytes >> 20} MiB, more than this server's --max-task-mb "
                 f"{self.config.max_task_mb}"
             )

@@ -74,7 +74,7 @@ class Composer:
         """Compose ``task`` into ``dest`` (the client's landing buffer) or a new canvas:
         sources from the store (fitted to the stored size; made and stored on a miss, for
         a deterministic dataset), then ``finished`` (refit, augment: never stored)."""
-        stored_hw = recipe.stored_hw
+        stored = recipe.sizes.stored
         excluded = set(task.exclude)
         wanted = list(dict.fromkeys(i for i in task.indices if i not in excluded))
         image_of: dict[int, int] = {}  # the first image each source is in (running slot)
@@ -87,7 +87,7 @@ class Composer:
                 self.running.image(image_of.get(index, 0))
             start = time.perf_counter_ns()
             try:
-                return prepare(dataset, index, stored_hw, planes_for)
+                return prepare(dataset, index, stored, planes_for)
             finally:
                 clock.made((time.perf_counter_ns() - start) // 1000)
 
@@ -96,9 +96,7 @@ class Composer:
         if self.store is not None:
             hwc = layout_of(dataset) == "hwc"  # (its sources' bytes are HWC: a key of its own)
             parts = (
-                (self.fingerprint, stored_hw, ckey, "hwc")
-                if hwc
-                else (self.fingerprint, stored_hw, ckey)
+                (self.fingerprint, stored, ckey, "hwc") if hwc else (self.fingerprint, stored, ckey)
             )
             keys = index_keys(store_key(*parts), wanted)
             population = len(dataset)  # (the store keeps a subset of a larger dataset)
@@ -117,8 +115,8 @@ class Composer:
             if index in excluded:  # the client found it kills workers: leave its cell empty
                 raise SampleError(index, "killed worker processes when read; left out")
             src = got.get(index)
-            stored = src if src is not None else make(index)  # (a failed one raises again)
-            return finished(dataset, index, stored, recipe, draw)
+            kept = src if src is not None else make(index)  # (a failed one raises again)
+            return finished(dataset, index, kept, recipe, draw)
 
         result = self._compose_with(task, dataset, source, recipe, ids, dest, clock)
         if self.store is not None and not self.store.intact(oldest):
@@ -136,7 +134,7 @@ class Composer:
         dest: np.ndarray | None,
         clock: TaskClock,
     ) -> Result:
-        out_h, out_w = task.out_hw
+        out_h, out_w = recipe.sizes.out
         pad = task.pad_value
         # Each image is filled with the padding as it is composed (compose_image), unless
         # it is already (a fresh landing region is all zero) or every pixel is written

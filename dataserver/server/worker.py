@@ -331,20 +331,19 @@ class Worker:
         except Exception as exc:
             msg = f"dataset.set_control raised {type(exc).__name__}: {exc}"
             return ErrorMsg(message=msg[:4000], kind="control", **ids)
-        fit_hw = (task.fit_hw[0], task.fit_hw[1])
+        sizes = task.sizes
         recipe = Recipe(
             task.seed,
             task.epoch,
             task.step,
             task.mode,
-            fit_hw,
-            task.stored_hw,
+            sizes,
             values,
             task.pad_value,
             task.letterbox,
             bool(task.partners),
         )
-        shape = (len(task.images), 3, task.out_hw[0], task.out_hw[1])
+        shape = (len(task.images), 3, *sizes.out)
         try:
             with self.landings.target(
                 task.session,

@@ -277,7 +277,7 @@ class DataServerDataModule(pl.LightningDataModule):
             kwargs.update(shuffle=False, drop_last=False)
             size = kwargs.get("image_size")
             if isinstance(size, MultiScale | StepSizes):
-                kwargs["image_size"] = size.stored_hw
+                kwargs["image_size"] = size.stored
         return kwargs
 
     def setup(self, stage: str) -> None:
