@@ -11,7 +11,7 @@ faults on fresh memory, and a batch the trainer keeps is never overwritten.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -276,6 +276,43 @@ class InflightBatch:
         self.dropped.add(slot)
         self.skipped.extend(indices[:1] if self.plan.partners else indices)
         self.pending -= 1
+
+
+class Sealing:
+    """Complete batches waiting for their landing buffer's seal: a late writer (a worker
+    of a task asked again) is in it this moment, and no batch is delivered while one may
+    be. Each leaves once its buffer seals (``sealed``); the plan book delivers it then."""
+
+    def __init__(self, buffers: HostBuffers) -> None:
+        self._buffers = buffers
+        self._waiting: list[InflightBatch] = []
+
+    def __contains__(self, batch: object) -> bool:
+        return any(each is batch for each in self._waiting)
+
+    def __iter__(self) -> Iterator[InflightBatch]:
+        return iter(list(self._waiting))
+
+    def seal(self, batch: InflightBatch) -> bool:
+        """Seal ``batch``'s buffer: True when sealed (deliver it now); else it waits here."""
+        if self._buffers.seal(batch.host):
+            return True
+        self._waiting.append(batch)
+        return False
+
+    def sealed(self) -> list[InflightBatch]:
+        """The waiting batches whose buffers seal now, in the order they came (they leave)."""
+        return self.drop(lambda batch: self._buffers.seal(batch.host))
+
+    def drop(self, which: Callable[[InflightBatch], bool]) -> list[InflightBatch]:
+        """Forget the waiting batches ``which`` picks, and return them (their buffers are
+        the caller's to give back)."""
+        kept: list[InflightBatch] = []
+        gone: list[InflightBatch] = []
+        for batch in self._waiting:
+            (gone if which(batch) else kept).append(batch)
+        self._waiting = kept
+        return gone
 
 
 @dataclass

@@ -41,16 +41,19 @@ import zmq
 from dataserver.loop import MessageGuard, inject, is_shutdown
 from dataserver.protocol import Bye, Cancelled, ErrorMsg, Heartbeat, Message, Result, Welcome
 from dataserver.security import session_id
+from dataserver_client.affinity import Affinity
 from dataserver_client.assembly import Delivery, DeviceMover, HostBuffers, landing_area
-from dataserver_client.book import PlanBook, Position
+from dataserver_client.batch import Batch
+from dataserver_client.book import PlanBook
 from dataserver_client.config import ClientConfig
 from dataserver_client.dispatch import Sender
 from dataserver_client.epoch import BatchPlan
 from dataserver_client.errors import DataServerError, ServerUnreachable
 from dataserver_client.handlers import Handlers
 from dataserver_client.handoff import Handoff
-from dataserver_client.links import DatasetInfo, Discovery, EventKind, Links, ServerLink
-from dataserver_client.resume import Deal
+from dataserver_client.ledger import TaskLedger
+from dataserver_client.links import DatasetInfo, Discovery, EventKind, Links, LinkState, ServerLink
+from dataserver_client.resume import Deal, Position
 from dataserver_client.sizes import SizeSchedule
 
 log = logging.getLogger("dataserver_client")
@@ -91,8 +94,9 @@ class Engine(threading.Thread):
         self.mover = DeviceMover(config.device)
         self.landing = landing_area(config)
         self.buffers = HostBuffers(config.device, keep=config.prefetch + 4, landing=self.landing)
-        self.book = PlanBook(config, handoff, self.mover, self.buffers)
-        self.ledger = self.book.ledger
+        self.ledger = TaskLedger()
+        self.affinity: Affinity[ServerLink] = Affinity()
+        self.book = PlanBook(config, handoff, self.mover, self.buffers, self.ledger, self.affinity)
         self.handshake: Future[DatasetInfo] = Future()
         self.counters: Counter[str] = Counter(
             late=0,
@@ -138,6 +142,11 @@ class Engine(threading.Thread):
                     raise self.dead_error() from None
                 if time.monotonic() > deadline:
                     raise DataServerError("the client's I/O thread did not answer") from None
+
+    def hand_over(self, delivery: Delivery) -> Batch:
+        """Called in the trainer's thread: a delivered batch, its current stream made to
+        wait for the batch's device copy (``DeviceMover.hand_over``)."""
+        return self.mover.hand_over(delivery)
 
     def dead_error(self) -> DataServerError:
         return self.handoff.dead_error()
@@ -187,11 +196,19 @@ class Engine(threading.Thread):
             links = Links(ctx, self.config, self.curve, standing, self.landing)
             self.links = links
             self.sender = Sender(
-                self.config, self.publisher, self.book, links, self.buffers, self.landing
+                self.config,
+                self.publisher,
+                self.book,
+                self.ledger,
+                self.affinity,
+                links,
+                self.buffers,
+                self.landing,
             )
             self.handlers = Handlers(
                 self.config,
                 self.book,
+                self.ledger,
                 links,
                 self.sender,
                 self.buffers,
@@ -409,6 +426,21 @@ class Engine(threading.Thread):
     def mode(self) -> str:
         return self.book.mode
 
+    def size_schedule(self) -> SizeSchedule:
+        """The size schedule from the next batch on."""
+        return self.book.sizes
+
+    def max_image_side(self) -> int | None:
+        """The least ``--max-image-side`` of the servers in use (met, neither draining nor
+        banned), as their WELCOMEs announced it; None: none is."""
+        sides = [
+            link.welcome_msg.max_image_side
+            for link in self.links.met()
+            if link.welcome_msg is not None
+            and link.state not in (LinkState.DRAINING, LinkState.BANNED)
+        ]
+        return min(sides) if sides else None
+
     def snapshot(self) -> Position:
         return self.book.position()
 
@@ -433,12 +465,12 @@ class Engine(threading.Thread):
         self.book.restore(mode, control, control_seq, sizes)
 
     def stats(self) -> dict[str, Any]:
-        lookahead = self.book.lookahead.state()
+        lookahead = self.book.lookahead_state()
         return {
             **self.counters,
             "rejected": dict(self.rejected),
             "plan_version": self.book.plan_version,
-            "flips": dict(self.book.flips),
+            "flips": self.book.flips(),
             "lookahead": None if lookahead is None else dataclasses.asdict(lookahead),
             "skipped_poison_images": self.ledger.skipped_poison,
             "task_deadline_s": round(self.handlers.deadlines.value, 3),
