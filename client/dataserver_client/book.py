@@ -81,8 +81,7 @@ class PlanBook:
         self._plans: dict[int, BatchPlan] = {}  # the current mode's plans, from step taken on
         self._inflight: dict[int, InflightBatch] = {}  # their batches being answered, by step
         self._sealing = Sealing(buffers)  # complete, waiting for their buffer's seal
-        self._rebuilds = Rebuilds()  # batches rebuilt from a manifest (``client.rebuild``)
-        self._sealing_rebuilds = Sealing(buffers)  # (apart: no plan of the epoch's touches it)
+        self._rebuilds = Rebuilds(buffers, ledger)  # batches rebuilt from a manifest
         self._pacing = Pacing(config.world_size)
         wanted = config.lookahead and self._layout.stitch_k > 1
         self._lookahead = Lookahead(wanted, self._layout, handoff, self)
@@ -157,21 +156,7 @@ class PlanBook:
         batch = self.batch_of(rec)
         if batch is None:
             return
-        assert result.boxes is not None and result.labels is not None
-        pixels = result.pixels
-        if pixels is not None and not np.shares_memory(pixels, batch.array):
-            for j, slot in enumerate(rec.slots):  # received apart: slots not consecutive
-                batch.array[slot] = pixels[j]
-        batch.answer(
-            rec.slots,
-            result.images,
-            result.box_counts,
-            result.boxes,
-            result.labels,
-            result.failed,
-            result.files,
-            result.orig_sizes,
-        )
+        batch.answer(rec.slots, result)
         self._maybe_finish(batch)
 
     def on_failure(
@@ -199,8 +184,7 @@ class PlanBook:
         if batch is None:
             return
         if skip and kind in ("sample", "poison"):
-            for slot, indices in zip(rec.slots, rec.images, strict=True):
-                batch.drop(slot, list(indices))
+            batch.drop(rec.slots, rec.images)
             self._maybe_finish(batch)
             return
         self.fail_batch(batch, error)
@@ -210,8 +194,7 @@ class PlanBook:
         batch = self.batch_of(parent) if parent is not None else None
         if parent is None or batch is None:
             return
-        for slot, indices in zip(parent.slots, parent.images, strict=True):
-            batch.drop(slot, list(indices))
+        batch.drop(parent.slots, parent.images)
         self._maybe_finish(batch)
 
     # ------------------------------------------------------------ batches
@@ -221,7 +204,7 @@ class PlanBook:
         if not batch.complete:
             return
         if batch in self._rebuilds:
-            sealed = self._sealing_rebuilds.seal(batch)
+            sealed = self._rebuilds.seal(batch)
         else:
             if batch is not self._lookahead.batch:
                 del self._inflight[batch.plan.step]
@@ -238,10 +221,7 @@ class PlanBook:
         lookahead, kept until a flip promotes it (the trainer gets an error only then) or
         the step passes; else the trainer."""
         if batch in self._rebuilds:
-            if isinstance(item, DataServerError):
-                self._rebuilds.failed(batch, item)
-            else:
-                self._rebuilds.finished(batch, item)
+            self._rebuilds.finished(batch, item)
             return
         if batch is self._lookahead.batch:
             self._lookahead.finished(item)
@@ -253,7 +233,7 @@ class PlanBook:
 
     def retry_seals(self) -> None:
         """Deliver the complete batches whose buffers could not be sealed before."""
-        for batch in [*self._sealing_rebuilds.sealed(), *self._sealing.sealed()]:
+        for batch in [*self._rebuilds.sealed(), *self._sealing.sealed()]:
             self._deliver(batch)
 
     def fail_batch(self, batch: InflightBatch, error: DataServerError) -> None:
@@ -407,7 +387,7 @@ class PlanBook:
         )
         self._cursor.jump(step, position, self._mode)
         self._handoff.begin(step, self.plan_version)
-        self._replan_rebuilds()
+        self._rebuilds.replan(self.plan_version, self.control_seq, self.plan_tasks)
         return len(shard)
 
     def flip(self, mode: str) -> bool:
@@ -443,7 +423,7 @@ class PlanBook:
             position = first.start if first is not None else self._cursor.position
             self._drop_plans()
             self._cursor.rewind(taken, position, mode, self.plan_version, self.sizes)
-        self._replan_rebuilds()
+        self._rebuilds.replan(self.plan_version, self.control_seq, self.plan_tasks)
         return self.plan_version
 
     # ------------------------------------------------------------ rebuilds
@@ -453,31 +433,11 @@ class PlanBook:
         manifest's control values, delivered to the Future this returns, never to the
         trainer's stream of batches."""
         plan = replace(plan, plan_version=self.plan_version)
-        host = self._buffers.take((len(plan.images), 3, *plan.out_hw))
-        batch = InflightBatch(plan, host, self.control_seq, control, inline=True, on_error=on_error)
-        future = self._rebuilds.add(batch)
-        self.plan_tasks(plan, batch)
-        return future
+        return self._rebuilds.start(plan, self.control_seq, control, on_error, self.plan_tasks)
 
     def abandon_rebuild(self, future: Any) -> None:
         """The trainer stopped waiting for a rebuild: drop its tasks and buffer."""
-        batch = self._rebuilds.abandon(future)
-        if batch is not None:
-            self._ledger.forget(_of_batch(batch), cancel=True)
-            self._sealing_rebuilds.drop(lambda b: b is batch)
-            self._buffers.give(batch.host)
-
-    def _replan_rebuilds(self) -> None:
-        """The plan moved on (a steer, a new epoch): the servers drop tasks of older plans,
-        so the batches being rebuilt are asked again under this one."""
-        for old in self._rebuilds.pending():
-            self._ledger.forget(_of_batch(old), cancel=True)
-            self._buffers.give(old.host)
-            plan = replace(old.plan, plan_version=self.plan_version)
-            host = self._buffers.take((len(plan.images), 3, *plan.out_hw))
-            batch = old.again(plan, host, self.control_seq)
-            self._rebuilds.replace(old, batch)
-            self.plan_tasks(plan, batch)
+        self._rebuilds.abandon(future)
 
     def _drop_plans(self) -> None:
         sealing = self._sealing.drop(lambda b: True)
