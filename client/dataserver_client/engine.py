@@ -13,7 +13,9 @@ mode, steering), ``TaskLedger`` (ledger.py: wanted tasks, the send queue), ``Aff
 (dispatch.py: tasks, cancels, controls out), ``Handlers`` (handlers.py: what each message,
 link event and discovery change does; the answer deadlines and the last progress). This loop
 routes each socket and message to its handler and passes ids and values between them; it
-never writes their fields.
+never writes their fields. It makes the ledger and the affinity and hands them to the book,
+the sender and the handlers, which share them; the facade (client.py) reaches the parts
+only through the engine's commands (``call``) and ``hand_over``.
 
 No message can stop this thread: a message that does not decode is counted and dropped,
 and every handler runs under a ``MessageGuard`` (an exception costs that message, counted as
