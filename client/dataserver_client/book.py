@@ -29,13 +29,7 @@ import numpy as np
 
 from dataserver.protocol import Result
 from dataserver_client.affinity import Affinity
-from dataserver_client.assembly import (
-    Delivery,
-    DeviceMover,
-    HostBuffers,
-    InflightBatch,
-    Sealing,
-)
+from dataserver_client.assembly import Delivery, DeviceMover, HostBuffers, InflightBatch, Sealing
 from dataserver_client.config import ClientConfig
 from dataserver_client.epoch import REGULAR, BatchPlan, Cursor
 from dataserver_client.errors import DataServerError
@@ -44,12 +38,11 @@ from dataserver_client.ledger import TaskLedger, TaskRecord
 from dataserver_client.lookahead import Lookahead, LookaheadState
 from dataserver_client.pacing import Pacing
 from dataserver_client.rebuild import Rebuilds, manifest_of
-from dataserver_client.resume import Position, epoch_shard
+from dataserver_client.resume import Deal, Position, epoch_shard
 from dataserver_client.sizes import SizeSchedule
 
 if TYPE_CHECKING:
     from dataserver_client.links import ServerLink
-    from dataserver_client.resume import Deal
 
 
 class PlanBook:
