@@ -28,6 +28,7 @@ from dataserver_client.handlers import Handlers
 from dataserver_client.handoff import Handoff, Stuck
 from dataserver_client.ledger import TaskLedger
 from dataserver_client.links import Links, LinkState, ServerLink
+from dataserver_client.pacing import Pacing
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -187,25 +188,29 @@ def test_affinity_routes_by_weight_and_forgets_servers_gone() -> None:
 # ------------------------------------------------------------ plan book
 
 
-def _book(**kw: object) -> tuple[PlanBook, Handoff]:
+def _book(**kw: Any) -> tuple[PlanBook, Handoff, TaskLedger]:
     cfg = ClientConfig(
-        addresses=("tcp://127.0.0.1:1",),
-        batch_size=4,
-        image_size=(16, 16),
-        stitch_k=4,
-        device=torch.device("cpu"),
-        **kw,  # type: ignore[arg-type]
+        **{
+            "addresses": ("tcp://127.0.0.1:1",),
+            "batch_size": 4,
+            "image_size": (16, 16),
+            "stitch_k": 4,
+            "device": torch.device("cpu"),
+            **kw,
+        }
     )
     cpu = torch.device("cpu")
     handoff: Handoff = Handoff()
-    book = PlanBook(cfg, handoff, DeviceMover(cpu), HostBuffers(cpu, keep=4))
-    return book, handoff
+    ledger = TaskLedger()
+    buffers = HostBuffers(cpu, keep=4)
+    book = PlanBook(cfg, handoff, DeviceMover(cpu), buffers, ledger, Affinity())
+    return book, handoff, ledger
 
 
-def _answer_all(book: PlanBook) -> None:
+def _answer_all(book: PlanBook, ledger: TaskLedger) -> None:
     from dataserver.protocol import Result
 
-    for rec in list(book.ledger):
+    for rec in list(ledger):
         n = len(rec.slots)
         result = Result(
             session=b"s" * 16,
@@ -222,39 +227,53 @@ def _answer_all(book: PlanBook) -> None:
 def test_book_plans_prefetch_batches_and_delivers_in_order() -> None:
     """The first batch is cut for every worker slot, the batches behind it one task each,
     up to ``prefetch`` ahead of the trainer."""
-    book, handoff = _book(prefetch=4, shuffle=False)
+    book, handoff, ledger = _book(prefetch=4, shuffle=False)
     assert book.start_epoch(0, 40) == 40
     book.fill()  # (2 slots, the share before any WELCOME)
-    assert Counter(r.step for r in book.ledger) == {0: 2, 1: 1, 2: 1, 3: 1}
-    _answer_all(book)
+    assert Counter(r.step for r in ledger) == {0: 2, 1: 1, 2: 1, 3: 1}
+    _answer_all(book, ledger)
     first = handoff.take(1.0, lambda: True)
     assert not isinstance(first, DataServerError)
     assert first.batch.step == 0 and first.batch.indices == [[0], [1], [2], [3]]
     book.fill()  # one taken, three more ready: planned up to 4 beyond the trainer
-    assert Counter(r.step for r in book.ledger) == {4: 2}
+    assert Counter(r.step for r in ledger) == {4: 2}
     assert book.fill(deeper=0) is False  # (nothing left to plan: 4 ahead)
 
 
 def test_book_steer_replans_from_the_first_batch_not_taken() -> None:
-    book, _ = _book(prefetch=4, shuffle=False)
+    book, _, ledger = _book(prefetch=4, shuffle=False)
     book.start_epoch(0, 40)
     book.fill()
     version = book.steer(STITCH, None)
-    assert book.mode == STITCH and version == book.plan_version and len(book.ledger) == 0
+    assert book.mode == STITCH and version == book.plan_version and len(ledger) == 0
     book.fill()
-    steps = sorted({r.step for r in book.ledger})
-    assert steps == [0, 1, 2] and all(len(r.images[0]) == 4 for r in book.ledger)
+    steps = sorted({r.step for r in ledger})
+    assert steps == [0, 1, 2] and all(len(r.images[0]) == 4 for r in ledger)
     assert book.position().step == 0 and book.position().mode == STITCH
 
 
 def test_book_fails_a_batch_through_the_handoff() -> None:
-    book, handoff = _book(prefetch=1, shuffle=False)
+    book, handoff, ledger = _book(prefetch=1, shuffle=False)
     book.start_epoch(0, 4)
     book.fill()
-    rec = next(iter(book.ledger))
+    rec = next(iter(ledger))
     book.on_failure(rec, "request", DataServerError("refused"))
     assert isinstance(handoff.take(1.0, lambda: True), DataServerError)
-    assert len(book.ledger) == 0
+    assert len(ledger) == 0
+
+
+def test_pacing_cuts_for_the_whole_share_only_with_nothing_in_flight() -> None:
+    """An idle rank's batch goes to every slot of its share; behind batches in flight, a
+    batch gets its part of the share over the depth; a segment of one server is never
+    cut across another's."""
+    pacing = Pacing(world_size=2)
+    pacing.servers(slots=16, task_bytes=None)  # a share of 8 slots for this rank
+    assert pacing.share() == 8
+    assert pacing.tasks_per_batch(64, depth=4, busy=False) == 8
+    assert pacing.tasks_per_batch(64, depth=4, busy=True) == 2
+    a, b = object(), object()
+    runs = pacing.cut([a] * 4 + [b] * 4, (16, 16), depth=4, busy=True)
+    assert [tuple(run) for run in runs] == [(0, 1, 2, 3), (4, 5, 6, 7)]
 
 
 # ------------------------------------------------------------ handlers
@@ -291,12 +310,13 @@ class FakeLinks:
 def test_handlers_take_parallelism_from_the_welcome_credit() -> None:
     """Each ready server runs half its credit at once (the rest waits queued there): the
     book cuts batches into that many tasks, and a server that drains counts no more."""
-    book, _ = _book(prefetch=1, shuffle=False)
+    book, _, ledger = _book(prefetch=1, shuffle=False, batch_size=64)
     a, b = FakeLink(1, workers=2, credit=8), FakeLink(2, workers=3, credit=20)
     counters = Counts(Count)
     handlers = Handlers(
-        book.config,
+        ClientConfig(addresses=("tcp://127.0.0.1:1",), device=torch.device("cpu")),
         book,
+        ledger,
         cast(Links, FakeLinks(a, b)),
         cast(Sender, None),
         HostBuffers(torch.device("cpu"), keep=4),
@@ -310,6 +330,10 @@ def test_handlers_take_parallelism_from_the_welcome_credit() -> None:
     )
     handlers.on_bye(cast(ServerLink, b))  # b drains: only a's 8 // 2 run at once
     assert counters.get(Count.SERVERS_DRAINED) == 1
-    assert book.tasks_per_batch(64) == 4
+    book.start_epoch(0, 64)
+    book.fill()  # (nothing in flight: the batch is cut for the whole share)
+    assert len(ledger) == 4
     handlers.on_bye(cast(ServerLink, a))  # none ready: one task at a time
-    assert book.tasks_per_batch(64) == 1
+    book.start_epoch(0, 64)
+    book.fill()
+    assert len(ledger) == 1

@@ -11,7 +11,7 @@ faults on fresh memory, and a batch the trainer keeps is never overwritten.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from dataserver.landing import LandingArea
+from dataserver.protocol import Result
 from dataserver_client.batch import Batch
 from dataserver_client.config import ClientConfig
 from dataserver_client.epoch import BatchPlan
@@ -224,27 +225,26 @@ class InflightBatch:
             plan, host, control_seq, self.control, inline=self.inline, on_error=self.on_error
         )
 
-    def answer(
-        self,
-        slots: tuple[int, ...],
-        images: tuple[tuple[int, ...], ...],
-        counts: tuple[int, ...],
-        boxes: np.ndarray,
-        labels: np.ndarray,
-        failed: Sequence[tuple[int, str]] = (),
-        files: Sequence[str] | None = None,
-        orig_sizes: Sequence[tuple[int, int]] | None = None,
-    ) -> None:
-        """The slots of one answer are in: their pixels already in place (received straight
-        into the buffer); ``images`` their indices, ``boxes`` and ``labels`` theirs in slot
-        order, ``counts`` of them a slot (kept as views: ``deliver`` copies them all once).
-        ``failed``: the sources the answer left out (on_error="skip"), counted as skipped.
-        ``files``, ``orig_sizes``: each image's anchor's file and original (h, w), when the
-        server said (as the RESULT carries them).
+    def answer(self, slots: tuple[int, ...], result: Result) -> None:
+        """The RESULT for ``slots`` is in: its pixels in place (received straight into the
+        buffer, else copied here: slots that are not consecutive); its images' indices,
+        and their boxes and labels in slot order, ``box_counts`` of them a slot (kept as
+        views: ``deliver`` copies them all once). ``failed``: the sources the answer left
+        out (on_error="skip"), counted as skipped. ``files``, ``orig_sizes``: each image's
+        anchor's file and original (h, w), when the server said.
         A slot with no indices (every source failed) is left out. In a window mosaic
         (``plan.partners``) only anchors count: a slot whose anchor failed is left out and
         its anchor skipped; a partner that failed leaves its mosaic a tile short, and is
         not skipped (it was not consumed: it fails again where it is an anchor)."""
+        assert result.boxes is not None and result.labels is not None
+        self._place(slots, result.pixels)
+        images, counts, boxes, labels = (
+            result.images,
+            result.box_counts,
+            result.boxes,
+            result.labels,
+        )
+        failed, files, orig_sizes = result.failed, result.files, result.orig_sizes
         window = self.plan.partners
         if not window:
             self.skipped.extend(i for i, _ in failed)
@@ -270,12 +270,56 @@ class InflightBatch:
                 self.orig_sizes[slot] = (int(h), int(w))
         self.pending -= len(slots)
 
-    def drop(self, slot: int, indices: list[int]) -> None:
-        """Leave slot out (on_error="skip"): its samples are counted as skipped (in a window
-        mosaic its anchor alone: the partners were not consumed)."""
-        self.dropped.add(slot)
-        self.skipped.extend(indices[:1] if self.plan.partners else indices)
-        self.pending -= 1
+    def _place(self, slots: tuple[int, ...], pixels: np.ndarray | None) -> None:
+        """Copy an answer's pixels into its slots, unless received there already."""
+        if pixels is not None and not np.shares_memory(pixels, self.array):
+            for j, slot in enumerate(slots):
+                self.array[slot] = pixels[j]
+
+    def drop(self, slots: tuple[int, ...], images: tuple[tuple[int, ...], ...]) -> None:
+        """Leave ``slots`` out (on_error="skip"): ``images``, their samples, are counted as
+        skipped (in a window mosaic each anchor alone: the partners were not consumed)."""
+        for slot, indices in zip(slots, images, strict=True):
+            self.dropped.add(slot)
+            self.skipped.extend(indices[:1] if self.plan.partners else indices)
+            self.pending -= 1
+
+
+class Sealing:
+    """Complete batches waiting for their landing buffer's seal: a late writer (a worker
+    of a task asked again) is in it this moment, and no batch is delivered while one may
+    be. Each leaves once its buffer seals (``sealed``); the plan book delivers it then."""
+
+    def __init__(self, buffers: HostBuffers) -> None:
+        self._buffers = buffers
+        self._waiting: list[InflightBatch] = []
+
+    def __contains__(self, batch: object) -> bool:
+        return any(each is batch for each in self._waiting)
+
+    def __iter__(self) -> Iterator[InflightBatch]:
+        return iter(list(self._waiting))
+
+    def seal(self, batch: InflightBatch) -> bool:
+        """Seal ``batch``'s buffer: True when sealed (deliver it now); else it waits here."""
+        if self._buffers.seal(batch.host):
+            return True
+        self._waiting.append(batch)
+        return False
+
+    def sealed(self) -> list[InflightBatch]:
+        """The waiting batches whose buffers seal now, in the order they came (they leave)."""
+        return self.drop(lambda batch: self._buffers.seal(batch.host))
+
+    def drop(self, which: Callable[[InflightBatch], bool]) -> list[InflightBatch]:
+        """Forget the waiting batches ``which`` picks, and return them (their buffers are
+        the caller's to give back)."""
+        kept: list[InflightBatch] = []
+        gone: list[InflightBatch] = []
+        for batch in self._waiting:
+            (gone if which(batch) else kept).append(batch)
+        self._waiting = kept
+        return gone
 
 
 @dataclass

@@ -6,21 +6,23 @@ import dataclasses
 import logging
 import time
 import weakref
-import zlib
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-import msgpack
 import torch
 
 from dataserver.protocol import control_problem
 from dataserver_client.assembly import Delivery
 from dataserver_client.batch import Batch
-from dataserver_client.book import Position, epoch_shard
+from dataserver_client.collectives import (
+    all_reduce_mean,
+    default_rank_world,
+    gather_ranks,
+    in_process_group,
+)
 from dataserver_client.config import (
     MAX_DATASET_LEN,
     ClientConfig,
-    default_rank_world,
     resolve_device,
     size_problem,
 )
@@ -28,16 +30,16 @@ from dataserver_client.engine import Engine
 from dataserver_client.epoch import MODES, REGULAR, STITCH, shard_size
 from dataserver_client.errors import DataServerError
 from dataserver_client.handoff import Handoff, Stuck
-from dataserver_client.links import LinkState
 from dataserver_client.metrics import ClientMetrics
 from dataserver_client.rebuild import plan_of
 from dataserver_client.resume import (
     CONFIG_KEYS,
     DEALT_VERSION,
-    RANK_KEYS,
     STATE_VERSION,
     Deal,
+    Position,
     check_state,
+    epoch_shard,
     merge_states,
     plan_resume,
 )
@@ -291,9 +293,7 @@ class DataServerClient:
         self._engine.wake()  # a batch was taken: there is room to plan another
         if isinstance(item, DataServerError):
             raise item
-        batch = dataclasses.replace(
-            self._engine.mover.hand_over(item), feedback_seq=self._feedback_seq
-        )
+        batch = dataclasses.replace(self._engine.hand_over(item), feedback_seq=self._feedback_seq)
         batch.manifest["fingerprint"] = self.fingerprint
         self._metrics.taken(now - started, batch.num_samples, now)
         return batch
@@ -310,7 +310,7 @@ class DataServerClient:
         """
         value = float(ratio)
         if sync:
-            value = _all_reduce_mean(value, self.config.device)
+            value = all_reduce_mean(value, self.config.device)
         mode = STITCH if value < self.config.stitch_threshold else REGULAR
         self._steer(mode, None)
         return mode
@@ -347,16 +347,7 @@ class DataServerClient:
         """A size of ``sizes`` the servers in use would refuse: a side above the smallest of
         their ``--max-image-side`` (as their WELCOMEs announced it)."""
 
-        def smallest() -> int | None:
-            sides = [
-                link.welcome_msg.max_image_side
-                for link in self._engine.links.met()
-                if link.welcome_msg is not None
-                and link.state not in (LinkState.DRAINING, LinkState.BANNED)
-            ]
-            return min(sides) if sides else None
-
-        side: int | None = self._engine.call(smallest)
+        side: int | None = self._engine.call(self._engine.max_image_side)
         for hw in sizes:
             if side is not None and max(hw) > side:
                 return f"image size {tuple(hw)} exceeds the servers' --max-image-side {side}"
@@ -382,7 +373,7 @@ class DataServerClient:
         """The size schedule from the next batch on: (h, w), a ``MultiScale`` or a
         ``StepSizes``."""
         self._check_open()
-        sizes: SizeSchedule = self._engine.call(lambda: self._engine.book.sizes)
+        sizes: SizeSchedule = self._engine.call(self._engine.size_schedule)
         return sizes if isinstance(sizes, MultiScale | StepSizes) else sizes.hw
 
     def rebuild(self, manifest: dict[str, Any]) -> Batch:
@@ -414,7 +405,7 @@ class DataServerClient:
                         f"rebuild of epoch {plan.epoch} step {plan.step}: no answer within "
                         f"{self.config.timeout + 10.0:g} s"
                     ) from None
-        batch: Batch = self._engine.mover.hand_over(delivery)
+        batch: Batch = self._engine.hand_over(delivery)
         # Named as the manifest names it: its layout and control_seq, not this client's.
         for key in ("stitch_layout", "stitch_k", "control_seq"):
             batch.manifest[key] = manifest[key]
@@ -497,22 +488,14 @@ class DataServerClient:
             **where_state,
         }
         if self._gathering(gather):
-            state["ranks"] = _gather_ranks(state, self.config.device)
+            state["ranks"] = gather_ranks(state, self.config.device)
         return state
 
     def _gathering(self, gather: bool | None) -> bool:
         if gather is False:
             return False
-        import torch.distributed as dist
-
-        ready = dist.is_available() and dist.is_initialized()
         cfg = self.config
-        ours = (
-            ready
-            and cfg.world_size > 1
-            and dist.get_world_size() == cfg.world_size
-            and dist.get_rank() == cfg.rank
-        )
+        ours = cfg.world_size > 1 and in_process_group(cfg.rank, cfg.world_size)
         if gather and not ours:
             raise ValueError(
                 "state_dict(gather=True) needs torch.distributed initialised with this "
@@ -623,47 +606,6 @@ def iterate_epochs(client: DataServerClient, first_epoch: int = 0) -> Iterator[B
         client.set_epoch(epoch)
         yield from client
         epoch += 1
-
-
-def _all_reduce_mean(value: float, device: torch.device) -> float:
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return value
-    on = device if dist.get_backend() == "nccl" else torch.device("cpu")
-    t = torch.tensor([value], dtype=torch.float64, device=on)
-    dist.all_reduce(t)
-    return float(t.item()) / dist.get_world_size()
-
-
-def _gather_ranks(state: dict[str, Any], device: torch.device) -> list[dict[str, Any]]:
-    """Every rank's ``RANK_KEYS`` of its state, by rank (a collective). Sent as msgpack in
-    uint8 tensors: nothing is pickled, not even between the trainer's own ranks."""
-    import torch.distributed as dist
-
-    deal = state["deal"]  # ranks compare a checksum of it, not its bytes
-    plan = None if deal is None else zlib.crc32(deal["undelivered"])
-    mine = {**{k: state[k] for k in RANK_KEYS}, "epoch": state["epoch"], "plan": plan}
-    payload = msgpack.packb(mine)
-    on = device if dist.get_backend() == "nccl" else torch.device("cpu")
-    world = dist.get_world_size()
-    size = torch.tensor([len(payload)], dtype=torch.int64, device=on)
-    sizes = [torch.zeros_like(size) for _ in range(world)]
-    dist.all_gather(sizes, size)
-    lengths = [int(s.item()) for s in sizes]
-    buf = torch.zeros(max(lengths), dtype=torch.uint8, device=on)
-    buf[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(on)
-    bufs = [torch.empty_like(buf) for _ in range(world)]
-    dist.all_gather(bufs, buf)
-    entries = [
-        msgpack.unpackb(b[:n].cpu().numpy().tobytes()) for b, n in zip(bufs, lengths, strict=True)
-    ]
-    if any(e["epoch"] != mine["epoch"] or e["plan"] != mine["plan"] for e in entries):
-        raise DataServerError(
-            "state_dict: the ranks are in different epochs (or plans); a job-wide state "
-            "needs every rank in one epoch"
-        )
-    return [{k: e[k] for k in RANK_KEYS} for e in entries]
 
 
 def _load_curve(

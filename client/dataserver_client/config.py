@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 import re
 from dataclasses import dataclass, field
 
@@ -166,19 +165,6 @@ def size_problem(sizes: SizeSchedule, grid: int) -> str | None:
         if min(h, w) < grid:
             return f"image size {(h, w)} is too small for a {grid}x{grid} stitch"
     return None
-
-
-def default_rank_world() -> tuple[int, int]:
-    """(rank, world_size) from torch.distributed when initialised, else env RANK and
-    WORLD_SIZE (as torchrun sets them), else (0, 1)."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    try:
-        return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    except ValueError:
-        raise ValueError("environment RANK and WORLD_SIZE must be integers") from None
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:

@@ -1,7 +1,8 @@
 """What the client sends: tasks to the servers with free credit (landing straight into our
 buffer where a worker on this host can), cancels of tasks the plan no longer wants, and
 the session's CONTROL. Decides nothing about the plan: it reads the plan book and the
-ledger through their methods and tells the ledger and the links what went where."""
+ledger (the engine's, given to it with the affinity that picks a task's server) through
+their methods and tells the ledger and the links what went where."""
 
 from __future__ import annotations
 
@@ -13,10 +14,11 @@ import msgspec
 from dataserver.landing import LandingArea, land_mac
 from dataserver.protocol import Control, Task, steer_tag
 from dataserver.protocol.messages import MAX_TAGS
+from dataserver_client.affinity import Affinity
 from dataserver_client.assembly import HostBuffers
 from dataserver_client.book import PlanBook
 from dataserver_client.config import ClientConfig
-from dataserver_client.ledger import TaskRecord
+from dataserver_client.ledger import TaskLedger, TaskRecord
 from dataserver_client.links import Links, LinkState, ServerLink
 
 MAX_CANCEL = 4096  # task ids per CONTROL
@@ -30,6 +32,8 @@ class Sender:
         config: ClientConfig,
         publisher: bytes,
         book: PlanBook,
+        ledger: TaskLedger,
+        affinity: Affinity[ServerLink],
         links: Links,
         buffers: HostBuffers,
         landing: LandingArea | None,
@@ -37,19 +41,21 @@ class Sender:
         self._config = config
         self._publisher = publisher  # the id published CONTROLs go under
         self._book = book
+        self._ledger = ledger
+        self._affinity = affinity
         self._links = links
         self._buffers = buffers
         self._landing = landing
 
     def dispatch(self) -> None:
         """Send waiting tasks while some server has free credit for them."""
-        ledger = self._book.ledger
+        ledger = self._ledger
         skip: set[ServerLink] = set()  # links with nothing they should take now
         while ledger.pending:
             link = self._links.best(skip)
             if link is None:
                 return
-            rec = ledger.pop_pending(link, self._book.affinity)
+            rec = ledger.pop_pending(link, self._affinity)
             if rec is None:
                 skip.add(link)
                 continue
@@ -124,7 +130,7 @@ class Sender:
         """Ask servers to drop queued tasks the plan no longer wants (by id: the rest of
         the plan stands, so its version does not change)."""
         by_link: dict[ServerLink, list[int]] = {}
-        for link, task_id in self._book.ledger.take_cancels():
+        for link, task_id in self._ledger.take_cancels():
             if link.owes(task_id):
                 by_link.setdefault(link, []).append(task_id)
         for link, ids in by_link.items():

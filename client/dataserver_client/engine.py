@@ -13,7 +13,9 @@ mode, steering), ``TaskLedger`` (ledger.py: wanted tasks, the send queue), ``Aff
 (dispatch.py: tasks, cancels, controls out), ``Handlers`` (handlers.py: what each message,
 link event and discovery change does; the answer deadlines and the last progress). This loop
 routes each socket and message to its handler and passes ids and values between them; it
-never writes their fields.
+never writes their fields. It makes the ledger and the affinity and hands them to the book,
+the sender and the handlers, which share them; the facade (client.py) reaches the parts
+only through the engine's commands (``call``) and ``hand_over``.
 
 No message can stop this thread: a message that does not decode is counted and dropped,
 and every handler runs under a ``MessageGuard`` (an exception costs that message, counted as
@@ -43,8 +45,10 @@ from dataserver.counting import Counts
 from dataserver.loop import MessageGuard, inject, is_shutdown
 from dataserver.protocol import Bye, Cancelled, ErrorMsg, Heartbeat, Message, Result, Welcome
 from dataserver.security import session_id
+from dataserver_client.affinity import Affinity
 from dataserver_client.assembly import Delivery, DeviceMover, HostBuffers, landing_area
-from dataserver_client.book import PlanBook, Position
+from dataserver_client.batch import Batch
+from dataserver_client.book import PlanBook
 from dataserver_client.config import ClientConfig
 from dataserver_client.counts import SHOWN, Count, Reject
 from dataserver_client.discovery import Discovery
@@ -53,8 +57,9 @@ from dataserver_client.epoch import BatchPlan
 from dataserver_client.errors import DataServerError, ServerUnreachable
 from dataserver_client.handlers import Handlers
 from dataserver_client.handoff import Handoff
-from dataserver_client.links import DatasetInfo, EventKind, Links, ServerLink
-from dataserver_client.resume import Deal
+from dataserver_client.ledger import TaskLedger
+from dataserver_client.links import DatasetInfo, EventKind, Links, LinkState, ServerLink
+from dataserver_client.resume import Deal, Position
 from dataserver_client.sizes import SizeSchedule
 
 log = logging.getLogger("dataserver_client")
@@ -95,8 +100,9 @@ class Engine(threading.Thread):
         self.mover = DeviceMover(config.device)
         self.landing = landing_area(config)
         self.buffers = HostBuffers(config.device, keep=config.prefetch + 4, landing=self.landing)
-        self.book = PlanBook(config, handoff, self.mover, self.buffers)
-        self.ledger = self.book.ledger
+        self.ledger = TaskLedger()
+        self.affinity: Affinity[ServerLink] = Affinity()
+        self.book = PlanBook(config, handoff, self.mover, self.buffers, self.ledger, self.affinity)
         self.handshake: Future[DatasetInfo] = Future()
         self.counters = Counts(Count, shown=SHOWN)
         self.rejected = Counts(Reject)
@@ -133,6 +139,11 @@ class Engine(threading.Thread):
                     raise self.dead_error() from None
                 if time.monotonic() > deadline:
                     raise DataServerError("the client's I/O thread did not answer") from None
+
+    def hand_over(self, delivery: Delivery) -> Batch:
+        """Called in the trainer's thread: a delivered batch, its current stream made to
+        wait for the batch's device copy (``DeviceMover.hand_over``)."""
+        return self.mover.hand_over(delivery)
 
     def dead_error(self) -> DataServerError:
         return self.handoff.dead_error()
@@ -182,11 +193,19 @@ class Engine(threading.Thread):
             links = Links(ctx, self.config, self.curve, standing, self.landing)
             self.links = links
             self.sender = Sender(
-                self.config, self.publisher, self.book, links, self.buffers, self.landing
+                self.config,
+                self.publisher,
+                self.book,
+                self.ledger,
+                self.affinity,
+                links,
+                self.buffers,
+                self.landing,
             )
             self.handlers = Handlers(
                 self.config,
                 self.book,
+                self.ledger,
                 links,
                 self.sender,
                 self.buffers,
@@ -404,6 +423,21 @@ class Engine(threading.Thread):
     def mode(self) -> str:
         return self.book.mode
 
+    def size_schedule(self) -> SizeSchedule:
+        """The size schedule from the next batch on."""
+        return self.book.sizes
+
+    def max_image_side(self) -> int | None:
+        """The least ``--max-image-side`` of the servers in use (met, neither draining nor
+        banned), as their WELCOMEs announced it; None: none is."""
+        sides = [
+            link.welcome_msg.max_image_side
+            for link in self.links.met()
+            if link.welcome_msg is not None
+            and link.state not in (LinkState.DRAINING, LinkState.BANNED)
+        ]
+        return min(sides) if sides else None
+
     def snapshot(self) -> Position:
         return self.book.position()
 
@@ -428,12 +462,12 @@ class Engine(threading.Thread):
         self.book.restore(mode, control, control_seq, sizes)
 
     def stats(self) -> dict[str, Any]:
-        lookahead = self.book.lookahead.state()
+        lookahead = self.book.lookahead_state()
         return {
             **self.counters.snapshot(),
             "rejected": self.rejected.snapshot(),
             "plan_version": self.book.plan_version,
-            "flips": dict(self.book.flips),
+            "flips": self.book.flips(),
             "lookahead": None if lookahead is None else dataclasses.asdict(lookahead),
             "skipped_poison_images": self.ledger.skipped_poison,
             "task_deadline_s": round(self.handlers.deadlines.value, 3),

@@ -1,8 +1,8 @@
 """What each message from a server, and each change in the set of servers, does to the
 session: the handlers the engine routes messages, link events and discovery changes to.
 
-``Handlers`` decides; the owners apply. It gets its collaborators as arguments (the plan book
-and its ledger, the links, the sender, the buffers) and changes them only through their
+``Handlers`` decides; the owners apply. It gets its collaborators as arguments (the plan book,
+the task ledger, the links, the sender, the buffers) and changes them only through their
 methods; the counters it is given it increments. It owns the answer ``Deadlines`` and the
 time of the last progress (the "no progress for ``timeout``" check). No thread of its own:
 every method runs in the engine's I/O thread.
@@ -30,7 +30,7 @@ from dataserver_client.config import ClientConfig
 from dataserver_client.counts import ASKED_AGAIN, Count, Reject
 from dataserver_client.dispatch import Sender
 from dataserver_client.errors import DataServerError, NotAuthorized
-from dataserver_client.ledger import TaskRecord
+from dataserver_client.ledger import TaskLedger, TaskRecord
 from dataserver_client.links import (
     DatasetInfo,
     EventKind,
@@ -59,6 +59,7 @@ class Handlers:
         self,
         config: ClientConfig,
         book: PlanBook,
+        ledger: TaskLedger,
         links: Links,
         sender: Sender,
         buffers: HostBuffers,
@@ -72,7 +73,7 @@ class Handlers:
     ) -> None:
         self.config = config
         self.book = book
-        self.ledger = book.ledger
+        self.ledger = ledger
         self.links = links
         self.sender = sender
         self.buffers = buffers
@@ -411,22 +412,10 @@ class Handlers:
         ready = self.links.ready()
         # A server's credit (WELCOME) is what its workers run plus as many again queued
         # there for them: half of it runs at once.
-        self.book.set_parallelism(max(1, sum(lk.credit // 2 for lk in ready)))
+        slots = sum(lk.credit // 2 for lk in ready)
         budgets = [lk.welcome_msg.max_task_bytes for lk in ready if lk.welcome_msg is not None]
-        if budgets:
-            self.book.set_task_bytes(min(budgets))
-        self.book.affinity.set_ready(ready)
-        self.ledger.unprefer(set(self.book.affinity.live()))
-        if lookahead and self.config.lookahead:
-            # Lookahead composes the next batch in both modes from the same sources: worth
-            # it only where every server keeps the sources it decoded (a store); without
-            # one, it would decode them twice. Off, flips replan (zero stale either way).
-            stores = self.links.stores()
-            if self.book.lookahead.enabled and not stores:
-                log.info("a server keeps no store of sources (--cache-gb 0): lookahead is off")
-                self.book.set_lookahead(False)
-            elif not self.book.lookahead.enabled and stores and self.config.stitch_k > 1:
-                self.book.set_lookahead(True)
+        stores = self.links.stores() if lookahead else None
+        self.book.servers_changed(ready, slots, min(budgets) if budgets else None, stores)
 
     def _move_tasks(self, link: ServerLink) -> int:
         n = self.ledger.ask_again(self.ledger.records(link.take_outstanding()))

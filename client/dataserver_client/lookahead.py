@@ -25,6 +25,7 @@ not taken planned again, counted as ``replanned``).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -34,6 +35,8 @@ from dataserver_client.errors import DataServerError
 
 if TYPE_CHECKING:
     from dataserver_client.handoff import Handoff
+
+log = logging.getLogger("dataserver_client")
 
 Finished = Delivery | DataServerError
 
@@ -121,15 +124,16 @@ class Plans(Protocol):
 class Lookahead:
     """Batch ``taken`` planned in the other mode: its plan, its batch while being answered
     or sealed, its result once finished; and what a flip does with it. Off unless
-    ``enabled`` (the config asks for it and the servers keep stores) and armed by ``rate``
-    (the trainer steers the mode often). ``flips`` counts what the flips did: promoted
+    ``enabled`` (the config asks for it and the servers keep stores: ``stores_kept``) and
+    armed by ``rate`` (the trainer steers the mode often). ``flips`` counts what the flips did: promoted
     (served by the lookahead batch), promoted_ready (it was complete already), replanned
     (no lookahead batch: planned again)."""
 
     def __init__(
-        self, enabled: bool, layout: Layout, handoff: Handoff[Delivery], plans: Plans
+        self, wanted: bool, layout: Layout, handoff: Handoff[Delivery], plans: Plans
     ) -> None:
-        self.enabled = enabled
+        self._wanted = wanted  # the config asks for it, and the layout stitches
+        self.enabled = wanted
         self.rate = SteerRate()
         self.flips = {"promoted": 0, "promoted_ready": 0, "replanned": 0}
         self._layout = layout
@@ -192,10 +196,17 @@ class Lookahead:
         """A mode flip with no lookahead batch to serve it: everything was planned again."""
         self.flips["replanned"] += 1
 
-    def enable(self, on: bool) -> None:
-        """On or off (the servers keep stores of sources, or not); off drops its batch."""
-        self.enabled = on
-        if not on and self._plan is not None:
+    def stores_kept(self, kept: bool) -> None:
+        """Whether every server keeps a store of the sources it decoded (``serve
+        --cache-gb``): the lookahead composes the next batch in both modes from the same
+        sources, worth it only where they are kept (without a store, it would decode them
+        twice). Off, it drops its batch and flips replan (zero stale either way)."""
+        if not self._wanted or kept == self.enabled:
+            return
+        if not kept:
+            log.info("a server keeps no store of sources (--cache-gb 0): lookahead is off")
+        self.enabled = kept
+        if not kept and self._plan is not None:
             self.drop()
 
     def depth(self, prefetch: int) -> int:

@@ -16,17 +16,23 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from dataserver.protocol import MAX_IMAGE_SIDE, MAX_INT, BatchSizes, control_problem
+from dataserver_client.assembly import Delivery, InflightBatch, Sealing
 from dataserver_client.epoch import LETTERBOXES, MODES, REGULAR, BatchPlan, ImagePlan, Layout
 from dataserver_client.partners import CONSUME, PARTNER_MODES, WINDOW
 from dataserver_client.sizes import schedule_of
 
 if TYPE_CHECKING:
-    from dataserver_client.assembly import Delivery, InflightBatch
+    from dataserver_client.assembly import HostBuffers
     from dataserver_client.errors import DataServerError
+    from dataserver_client.ledger import TaskLedger
+
+    PlanTasks = Callable[[BatchPlan, InflightBatch], object]
 
 MANIFEST_VERSION = 1
 MAX_MANIFEST_IMAGES = 1 << 16
@@ -185,40 +191,75 @@ def plan_of(manifest: Any, dataset_len: int) -> tuple[BatchPlan, dict[str, Any],
 
 
 class Rebuilds:
-    """The batches being rebuilt, each with the Future its caller waits on (owned by the
-    plan book; the I/O thread is the only caller)."""
+    """The batches being rebuilt (``client.rebuild``), each with the Future its caller waits
+    on: their buffers, their tasks in the ledger, their seals. Owned by the plan book, which
+    plans their tasks (``plan_tasks``) and delivers them; apart from the epoch's batches, so
+    no plan of the epoch's touches them. The I/O thread is the only caller."""
 
-    def __init__(self) -> None:
+    def __init__(self, buffers: HostBuffers, ledger: TaskLedger) -> None:
+        self._buffers = buffers
+        self._ledger = ledger
         self._futures: dict[int, tuple[InflightBatch, Future[Delivery]]] = {}
+        self._sealing = Sealing(buffers)
 
     def __contains__(self, batch: object) -> bool:
         return id(batch) in self._futures and self._futures[id(batch)][0] is batch
 
-    def add(self, batch: InflightBatch) -> Future[Delivery]:
+    def start(
+        self,
+        plan: BatchPlan,
+        control_seq: int,
+        control: dict[str, Any],
+        on_error: str,
+        tasks: PlanTasks,
+    ) -> Future[Delivery]:
+        """Rebuild ``plan`` with the manifest's ``control`` values and ``on_error`` (its
+        tasks carry them: the session's own stand); ``tasks`` plans its tasks."""
+        host = self._buffers.take((len(plan.images), 3, *plan.sizes.out))
+        batch = InflightBatch(plan, host, control_seq, control, inline=True, on_error=on_error)
         future: Future[Delivery] = Future()
         self._futures[id(batch)] = (batch, future)
+        tasks(plan, batch)
         return future
 
-    def pending(self) -> list[InflightBatch]:
-        """The batches still being answered (not those complete and being sealed)."""
-        return [batch for batch, _ in self._futures.values() if not batch.complete]
+    def replan(self, plan_version: int, control_seq: int, tasks: PlanTasks) -> None:
+        """The plan moved on (a steer, a new epoch): the servers drop tasks of older plans,
+        so the batches still being answered are asked again under ``plan_version``."""
+        for old, future in [v for v in self._futures.values() if not v[0].complete]:
+            self._drop(old)
+            plan = replace(old.plan, plan_version=plan_version)
+            host = self._buffers.take((len(plan.images), 3, *plan.sizes.out))
+            batch = old.again(plan, host, control_seq)
+            del self._futures[id(old)]
+            self._futures[id(batch)] = (batch, future)
+            tasks(plan, batch)
 
-    def replace(self, old: InflightBatch, new: InflightBatch) -> None:
-        _, future = self._futures.pop(id(old))
-        self._futures[id(new)] = (new, future)
+    def seal(self, batch: InflightBatch) -> bool:
+        """Seal a complete batch's buffer: True to deliver it now; else it waits."""
+        return self._sealing.seal(batch)
 
-    def finished(self, batch: InflightBatch, delivery: Delivery) -> None:
+    def sealed(self) -> list[InflightBatch]:
+        """The complete batches whose buffers seal now (``Sealing.sealed``)."""
+        return self._sealing.sealed()
+
+    def finished(self, batch: InflightBatch, item: Delivery | DataServerError) -> None:
+        """``batch`` is delivered (or failed): its Future has it."""
         _, future = self._futures.pop(id(batch))
-        future.set_result(delivery)
+        if isinstance(item, Delivery):
+            future.set_result(item)
+        else:
+            future.set_exception(item)
 
-    def failed(self, batch: InflightBatch, error: DataServerError) -> None:
-        _, future = self._futures.pop(id(batch))
-        future.set_exception(error)
-
-    def abandon(self, future: Future[Delivery]) -> InflightBatch | None:
-        """The caller stopped waiting (a timeout): forget its batch, and return it."""
+    def abandon(self, future: Future[Delivery]) -> None:
+        """The caller stopped waiting (a timeout): drop its batch's tasks and buffer."""
         for key, (batch, each) in list(self._futures.items()):
             if each is future:
                 del self._futures[key]
-                return batch
-        return None
+                self._drop(batch)
+                return
+
+    def _drop(self, batch: InflightBatch) -> None:
+        """Forget ``batch``'s tasks (cancelled on the servers), its seal, its buffer."""
+        self._ledger.forget(lambda rec: rec.batch is batch, cancel=True)
+        self._sealing.drop(lambda each: each is batch)
+        self._buffers.give(batch.host)

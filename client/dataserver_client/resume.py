@@ -1,6 +1,7 @@
-"""Resume states: what a ``state_dict`` holds, the job-wide view of one, and elastic resume
-(loading a state saved by a job of N ranks into a job of M ranks). Pure: no sockets, no
-threads, no torch.
+"""Resume states: where the trainer stands (``Position``, the plan book's snapshot), what a
+``state_dict`` holds, the job-wide view of one, and elastic resume (loading a state saved by
+a job of N ranks into a job of M ranks); and this rank's shard of an epoch (``epoch_shard``,
+its share of a deal). Pure: no sockets, no threads, no torch.
 
 **The global view of an epoch.** A job of N ranks reads the epoch's order padded or
 trimmed as DistributedSampler does (``epoch.global_order``: N x shard_size positions);
@@ -30,15 +31,18 @@ from __future__ import annotations
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 import numpy as np
 
 from dataserver.protocol import MAX_INT, control_problem
 from dataserver.protocol.messages import MAX_SEQ
-from dataserver_client.epoch import MODES, shard_size
+from dataserver_client.epoch import MODES, epoch_order, global_order, shard_of, shard_size
 from dataserver_client.sizes import schedule_of
+
+if TYPE_CHECKING:
+    from dataserver_client.config import ClientConfig
 
 STATE_VERSION = 1  # a state of a normal epoch: what clients without elastic resume read too
 DEALT_VERSION = 2  # a state of a dealt epoch: older clients must refuse it, not misread it
@@ -138,6 +142,41 @@ def rank_positions(total: int, world_size: int, rank: int, deal: Deal | None) ->
     if deal is None:
         return np.arange(rank, total, world_size)
     return deal.share(rank, world_size)
+
+
+def epoch_shard(
+    config: ClientConfig, dataset_len: int, epoch: int, deal: Deal | None = None
+) -> tuple[np.ndarray, int]:
+    """This rank's shard of ``epoch`` (its share of ``deal``, with one) and its spare (see
+    ``epoch.Cursor``). The costliest step of starting an epoch (a permutation of the whole
+    dataset: about 1 s for 2**24 samples), and pure: the client runs it in the trainer's
+    thread, so the I/O thread never stops serving heartbeats and results for it. The shard
+    holds no view of the whole order (with several ranks, only this rank's part is kept)."""
+    order = epoch_order(dataset_len, config.seed, epoch, config.shuffle)
+    if deal is None:
+        shard = shard_of(order, config.rank, config.world_size, config.drop_last)
+        return np.ascontiguousarray(shard), 0  # (a strided view would keep the order)
+    whole = global_order(order, deal.plan_world, config.drop_last)
+    return whole[deal.share(config.rank, config.world_size)], deal.spare(
+        config.rank, config.world_size
+    )
+
+
+@dataclass(frozen=True)
+class Position:
+    """Where the trainer stands (the plan book's ``position``, what a state is made of):
+    the first batch it has not taken (its position in this rank's share of the epoch's
+    deal, when the epoch has one), and the plan's values."""
+
+    epoch: int
+    position: int
+    step: int
+    mode: str
+    control: dict[str, Any]
+    control_seq: int
+    deal: dict[str, Any] | None
+    share: int | None  # samples in this rank's share of the epoch (None: no epoch yet)
+    image_size: list[int] | dict[str, Any]  # the size schedule, as a state holds it
 
 
 def undelivered(
