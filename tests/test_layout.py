@@ -150,18 +150,6 @@ FOREIGN_OWNERS_ALLOWED: dict[str, str] = {
     "sys": "sys.path and sys.modules are the interpreter's import state, there to be set",
 }
 
-# Writes that other parts of issue 26 remove while this test is extended (module stem, the
-# write as ast.unparse spells it): each with where it is and whose work removes it.
-PENDING_OTHER_HELPERS: dict[tuple[str, str], str] = {
-    # H3 (narrowing PlanBook; book.py, client.py):
-    ("book", "batch.array[slot]"): "book.py:210, the book copies a result's "
-    "pixels received apart into an InflightBatch's array (InflightBatch.answer could)",
-    ("client", "batch.manifest['fingerprint']"): "client.py:297, a Batch's manifest filled "
-    "after the batch is built",
-    ("client", "batch.manifest[key]"): "client.py:420-422, the same",
-}
-
-
 SEQUENCES = {"list", "deque", "set", "frozenset", "Sequence", "Iterable", "Iterator", "tuple"}
 MAPPINGS = {"dict", "OrderedDict", "defaultdict", "Mapping", "MutableMapping"}
 
@@ -400,8 +388,6 @@ class _Writes(ast.NodeVisitor):
             return  # (exception chaining spelled out is the language's, not an object's)
         cls = self._class_of(owner)
         if cls in self.records or cls in FOREIGN_OWNERS_ALLOWED:
-            return
-        if (self.path.stem, write) in PENDING_OTHER_HELPERS:
             return
         whose = f" ({cls}'s)" if cls else ""
         self.found.append(f"{self.path.name}:{getattr(node, 'lineno', 0)}: {write}{whose}")

@@ -293,8 +293,12 @@ class DataServerClient:
         self._engine.wake()  # a batch was taken: there is room to plan another
         if isinstance(item, DataServerError):
             raise item
-        batch = dataclasses.replace(self._engine.hand_over(item), feedback_seq=self._feedback_seq)
-        batch.manifest["fingerprint"] = self.fingerprint
+        handed = self._engine.hand_over(item)
+        batch = dataclasses.replace(
+            handed,
+            feedback_seq=self._feedback_seq,
+            manifest={**handed.manifest, "fingerprint": self.fingerprint},
+        )
         self._metrics.taken(now - started, batch.num_samples, now)
         return batch
 
@@ -407,12 +411,12 @@ class DataServerClient:
                     ) from None
         batch: Batch = self._engine.hand_over(delivery)
         # Named as the manifest names it: its layout and control_seq, not this client's.
-        for key in ("stitch_layout", "stitch_k", "control_seq"):
-            batch.manifest[key] = manifest[key]
+        named = {key: manifest[key] for key in ("stitch_layout", "stitch_k", "control_seq")}
         for key, absent in (("mosaic_partners", "consume"), ("mosaic_p", 1.0)):
-            batch.manifest[key] = manifest.get(key, absent)
-        batch.manifest["fingerprint"] = self.fingerprint
-        return batch
+            named[key] = manifest.get(key, absent)
+        return dataclasses.replace(
+            batch, manifest={**batch.manifest, **named, "fingerprint": self.fingerprint}
+        )
 
     def _check_dataset(self, manifest: Any) -> None:
         """A manifest must name this client's dataset: without its fingerprint, another
