@@ -337,3 +337,66 @@ def test_handlers_take_parallelism_from_the_welcome_credit() -> None:
     book.start_epoch(0, 64)
     book.fill()
     assert len(ledger) == 1
+
+
+@dataclass(eq=False)
+class AnsweringLink(FakeLink):
+    """A ``FakeLink`` that is also told of its answers (``Handlers.on_result``)."""
+
+    session: bytes = b"s" * 16
+    address: str = "tcp://127.0.0.1:1"
+
+    def release(self, task_id: int) -> float | None:
+        return None
+
+    def answered(self) -> None:
+        pass
+
+
+def test_a_late_answer_after_the_task_expired_there_is_late_not_wrong() -> None:
+    """A task that expired at server A is asked again at B; A's answer then comes after
+    all, its pixels not received (the task is no longer A's): it is counted late, and A is
+    not banned for answering "with no pixels" (it did nothing wrong)."""
+    from dataserver.protocol import Result
+
+    book, _, ledger = _book(prefetch=1, shuffle=False)
+    a = AnsweringLink(1, workers=2, credit=8)
+    b = AnsweringLink(2, workers=2, credit=8)
+    counters, rejected = Counts(Count), Counts(Reject)
+    handlers = Handlers(
+        ClientConfig(addresses=("tcp://127.0.0.1:1",), device=torch.device("cpu")),
+        book,
+        ledger,
+        cast(Links, FakeLinks(a, b)),
+        cast(Sender, None),
+        HostBuffers(torch.device("cpu"), keep=4),
+        None,
+        Future(),
+        counters,
+        rejected,
+        fail=lambda exc: None,
+        watch=lambda link: None,
+        unwatch=lambda link: None,
+    )
+    book.start_epoch(0, 16)
+    book.fill()
+    affinity: Affinity[ServerLink] = Affinity()
+    rec = ledger.pop_pending(cast(ServerLink, a), affinity)
+    assert rec is not None
+    assert ledger.ask_again([rec], away_from=cast(ServerLink, a)) == 1  # A let it expire
+    assert ledger.pop_pending(cast(ServerLink, b), affinity) is rec  # now B's
+    late = Result(
+        session=a.session,
+        task_id=rec.task_id,
+        plan_version=rec.plan_version,
+        images=rec.images,
+        box_counts=(0,) * len(rec.images),
+        pixels=None,  # (not received: the task is B's)
+        boxes=np.zeros((0, 4), np.float32),
+        labels=np.zeros((0,), np.int64),
+    )
+    handlers.on_result(cast(ServerLink, a), late)
+    assert counters.get(Count.LATE) == 1
+    assert rejected.get(Reject.WRONG_ANSWER) == 0
+    assert a.state is LinkState.READY
+    assert ledger.wanted(rec.task_id, rec.plan_version) is rec  # still B's to answer
