@@ -26,10 +26,14 @@ pytestmark = pytest.mark.timeout(60)
 ROOT = Path(__file__).resolve().parent.parent
 SIDES: dict[Path, tuple[type[StrEnum], ...]] = {
     ROOT / "dataserver": (Count, Reject, WorkerCount),
-    ROOT / "client" / "dataserver_client": (client_counts.Count, client_counts.Reject),
+    ROOT / "client" / "dataserver_client": (
+        client_counts.Count,
+        client_counts.Reject,
+        client_counts.Flip,
+    ),
 }
 COUNTING = {"count", "record"}  # the methods of ``Counts`` that name a counter
-HOLDERS = ("counters", "rejected", "_dropped", "counts")  # what holds a ``Counts`` here
+HOLDERS = ("counters", "rejected", "_dropped", "counts", "flips")  # what holds a ``Counts`` here
 
 
 def _files(root: Path) -> list[Path]:
@@ -162,6 +166,7 @@ def test_every_declared_client_name_is_exported(synthetic_server: Server) -> Non
         stats = client.stats()
         assert set(client_counts.SHOWN) <= stats.keys()
         assert stats["rejected"] == {}
+        assert stats["flips"] == {name.value: 0 for name in client_counts.Flip}
         engine = client._engine
 
         def count_everything() -> None:

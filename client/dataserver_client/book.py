@@ -106,7 +106,7 @@ class PlanBook:
 
     def flips(self) -> dict[str, int]:
         """What the mode flips did (``Lookahead.flips``)."""
-        return dict(self._lookahead.flips)
+        return self._lookahead.flips.snapshot()
 
     def lookahead_state(self) -> LookaheadState | None:
         """The lookahead batch, if one is planned."""

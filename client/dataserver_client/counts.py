@@ -3,7 +3,8 @@ be counted (``dataserver.counting.Counts`` takes nothing else).
 
 The engine keeps two ``Counts`` and hands them to its ``Handlers``: ``Count``, events of
 normal work (``client.stats()``'s top level; the first eight show from the start, at 0),
-and ``Reject``, messages refused, by reason (``client.stats()["rejected"]``).
+and ``Reject``, messages refused, by reason (``client.stats()["rejected"]``). The
+lookahead keeps a third, ``Flip``: what the mode flips did (``client.stats()["flips"]``).
 """
 
 from __future__ import annotations
@@ -66,3 +67,12 @@ class Reject(StrEnum):
     LANDED_UNSEALED = "landed_unsealed"
     BAD_BOXES = "bad_boxes"
     BAD_SERVER = "bad_server"
+
+
+@unique
+class Flip(StrEnum):
+    """What the mode flips did (``client.stats()["flips"]``, every one from the start)."""
+
+    PROMOTED = "promoted"  # served by the lookahead batch
+    PROMOTED_READY = "promoted_ready"  # ... which was complete already
+    REPLANNED = "replanned"  # no lookahead batch: planned again

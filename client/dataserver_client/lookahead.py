@@ -29,7 +29,9 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from dataserver.counting import Counts
 from dataserver_client.assembly import Delivery, InflightBatch
+from dataserver_client.counts import Flip
 from dataserver_client.epoch import REGULAR, STITCH, BatchPlan, Cursor, Layout
 from dataserver_client.errors import DataServerError
 
@@ -125,9 +127,8 @@ class Lookahead:
     """Batch ``taken`` planned in the other mode: its plan, its batch while being answered
     or sealed, its result once finished; and what a flip does with it. Off unless
     ``enabled`` (the config asks for it and the servers keep stores: ``stores_kept``) and
-    armed by ``rate`` (the trainer steers the mode often). ``flips`` counts what the flips did: promoted
-    (served by the lookahead batch), promoted_ready (it was complete already), replanned
-    (no lookahead batch: planned again)."""
+    armed by ``rate`` (the trainer steers the mode often). ``flips`` counts what the flips
+    did (``counts.Flip``)."""
 
     def __init__(
         self, wanted: bool, layout: Layout, handoff: Handoff[Delivery], plans: Plans
@@ -135,7 +136,7 @@ class Lookahead:
         self._wanted = wanted  # the config asks for it, and the layout stitches
         self.enabled = wanted
         self.rate = SteerRate()
-        self.flips = {"promoted": 0, "promoted_ready": 0, "replanned": 0}
+        self.flips = Counts(Flip, shown=Flip)
         self._layout = layout
         self._handoff = handoff
         self._book = plans
@@ -194,7 +195,7 @@ class Lookahead:
 
     def replanned(self) -> None:
         """A mode flip with no lookahead batch to serve it: everything was planned again."""
-        self.flips["replanned"] += 1
+        self.flips.count(Flip.REPLANNED)
 
     def stores_kept(self, kept: bool) -> None:
         """Whether every server keeps a store of the sources it decoded (``serve
@@ -304,9 +305,9 @@ class Lookahead:
         new, new_ready = self._batch, self._ready
         self._hold(primary, old, old_ready)
         self._book.adopt(promoted, new if new_ready is None else None)
-        self.flips["promoted"] += 1
+        self.flips.count(Flip.PROMOTED)
         if new_ready is not None:
-            self.flips["promoted_ready"] += 1
+            self.flips.count(Flip.PROMOTED_READY)
             self._handoff.put(taken, promoted.plan_version, new_ready)
         self._book.switch(mode, taken + 1, promoted.stop)
         return True
