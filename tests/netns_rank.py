@@ -28,8 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
-
-from dataserver_client import DataServerClient
+from clients import make_client
 
 
 def digest(batch: Any) -> str:
@@ -55,14 +54,13 @@ def emit(item: dict[str, Any]) -> None:
 def epoch(address: str, args: argparse.Namespace, run: str, go: Path | None) -> None:
     """One epoch from a fresh client; a record per batch, then the client's stats."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    client = DataServerClient(
+    client = make_client(
         address,
         batch_size=args.batch_size,
         image_size=(32, 32),
         seed=11,
         rank=rank,
         world_size=world,
-        device="cpu",
         timeout=60.0,
         discovery_interval=args.interval,
     )
