@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent / "plugins"))  # clients, when run by hand
+
 import torch.distributed as dist
 from clients import make_client
 

@@ -18,6 +18,8 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent / "plugins"))  # clients, when run by hand
+
 from clients import make_client
 
 
