@@ -49,8 +49,10 @@ from pathlib import Path
 from typing import Any
 
 TESTS = Path(__file__).resolve().parent
+sys.path.insert(0, str(TESTS / "plugins"))  # clients, when run as a script
 sys.path.insert(0, str(TESTS))  # conftest and test_netns, when run as a script
 
+from clients import make_client  # noqa: E402
 from conftest import Server, free_port  # noqa: E402
 from test_netns import Host, NsServer  # noqa: E402
 
@@ -495,14 +497,13 @@ def run_chaos(cfg: ChaosConfig) -> dict[str, Any]:
         )
         if host is None:
             say(f"link flaps: SKIPPED ({no_netns})")
-        client = DataServerClient(
+        client = make_client(
             [s.address for s in slots],
             batch_size=cfg.batch_size,
             image_size=(cfg.image_side, cfg.image_side),
             seed=cfg.seed,
             rank=0,
             world_size=1,
-            device="cpu",
             timeout=cfg.timeout,
         )
         steer = Steering()

@@ -17,8 +17,10 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "plugins"))  # clients
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # conftest, fuzz_targets
 
+from clients import make_client
 from conftest import Server
 from fuzz_targets import (
     FakeServer,
@@ -51,11 +53,10 @@ def main() -> int:
         fake = FakeServer(welcome, eighth)
         fake.start()
         failed_epochs = epochs = 0
-        with DataServerClient(
+        with make_client(
             [server.address, fake.address],
             batch_size=4,
             image_size=(32, 32),
-            device="cpu",
             timeout=60,
         ) as client:
             while not fake.done.is_set():
@@ -69,7 +70,7 @@ def main() -> int:
         sent["client"] = fake.sent
         sent["data"] = run_data_port(server.address, args.messages - sum(sent.values()))
         stats = server.stats()
-        with DataServerClient(server.address, batch_size=8, image_size=(32, 32), device="cpu") as c:
+        with make_client(server.address, batch_size=8, image_size=(32, 32)) as c:
             server_ok = exact_epoch(c, 0)
         alive = server.proc.poll() is None and stats["workers_started"] == 2
     finally:

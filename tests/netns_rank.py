@@ -27,9 +27,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
+sys.path.insert(0, str(Path(__file__).resolve().parent / "plugins"))  # clients, when run by hand
 
-from dataserver_client import DataServerClient
+import torch.distributed as dist
+from clients import make_client
 
 
 def digest(batch: Any) -> str:
@@ -55,14 +56,13 @@ def emit(item: dict[str, Any]) -> None:
 def epoch(address: str, args: argparse.Namespace, run: str, go: Path | None) -> None:
     """One epoch from a fresh client; a record per batch, then the client's stats."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    client = DataServerClient(
+    client = make_client(
         address,
         batch_size=args.batch_size,
         image_size=(32, 32),
         seed=11,
         rank=rank,
         world_size=world,
-        device="cpu",
         timeout=60.0,
         discovery_interval=args.interval,
     )

@@ -10,16 +10,17 @@ import numpy as np
 import pytest
 from aug_plugins import Jitter, untold
 from batches import epoch_by_index
+from clients import make_client
 from conftest import wait_until
 
 from dataserver.data.pipeline import augment_rng, compose_one
 from dataserver.protocol import BatchSizes
 from dataserver.server import parse_ready_line
-from dataserver_client import DataServerClient, DataServerError
+from dataserver_client import DataServerError
 
 pytestmark = pytest.mark.timeout(180)
 
-KW: dict[str, Any] = {"batch_size": 4, "image_size": (40, 56), "device": "cpu", "seed": 5}
+KW: dict[str, Any] = {"batch_size": 4, "image_size": (40, 56), "seed": 5}
 
 
 def ready_fields(server: Any) -> dict[str, str]:
@@ -33,7 +34,7 @@ def test_a_random_getitem_is_not_frozen_by_the_store(start_server: Any) -> None:
     server = start_server("--dataset", "aug_plugins:painted", "--dataset-args", '{"n": 32}')
     assert ready_fields(server)["sources"] == "fresh:not-deterministic"
     assert server.stats()["sources"] == "fresh:not-deterministic"
-    with DataServerClient(server.address, **KW) as client:
+    with make_client(server.address, **KW) as client:
         first = epoch_by_index(client, 0)
         second = epoch_by_index(client, 1)
     assert sorted(first) == sorted(second) == list(range(32))
@@ -47,7 +48,7 @@ def test_a_deterministic_dataset_is_stored_and_says_so(start_server: Any) -> Non
     assert ready_fields(server)["sources"] == "stored"
     off = start_server("--dataset", "aug_plugins:jitter", "--cache-gb", "0", workers=1)
     assert ready_fields(off)["sources"] == "fresh:no-store"
-    with DataServerClient(server.address, **KW) as client:
+    with make_client(server.address, **KW) as client:
         first = epoch_by_index(client, 0)
         second = epoch_by_index(client, 1)
     # (a worker's DONE reaches the front after its result reached us: wait for the last)
@@ -63,7 +64,7 @@ def test_a_deterministic_dataset_is_stored_and_says_so(start_server: Any) -> Non
 def test_augment_is_bit_identical_on_any_number_of_workers(start_server: Any) -> None:
     one = start_server("--dataset", "aug_plugins:jitter", workers=1)
     two = start_server("--dataset", "aug_plugins:jitter", "--cache-gb", "0", workers=2)
-    with DataServerClient(one.address, **KW) as a, DataServerClient(two.address, **KW) as b:
+    with make_client(one.address, **KW) as a, make_client(two.address, **KW) as b:
         for epoch in (0, 1):
             got_a, got_b = epoch_by_index(a, epoch), epoch_by_index(b, epoch)
             assert sorted(got_a) == sorted(got_b) == list(range(32))
@@ -82,7 +83,7 @@ def test_augment_is_bit_identical_on_any_number_of_workers(start_server: Any) ->
 
 def test_augment_is_told_epoch_step_mode_size_and_control(start_server: Any) -> None:
     server = start_server("--dataset", "aug_plugins:jitter", workers=2)
-    with DataServerClient(server.address, prefetch=3, **KW) as client:
+    with make_client(server.address, prefetch=3, **KW) as client:
         client.set_epoch(3)
         it = iter(client)
         first = next(it)
@@ -106,14 +107,14 @@ def test_augment_is_told_epoch_step_mode_size_and_control(start_server: Any) -> 
 
 def test_a_bad_augment_is_a_sample_error_naming_the_index(start_server: Any) -> None:
     server = start_server("--dataset", "aug_plugins:bad_augment", workers=2)
-    with DataServerClient(server.address, on_error="skip", shuffle=False, **KW) as client:
+    with make_client(server.address, on_error="skip", shuffle=False, **KW) as client:
         client.set_epoch(0)
         delivered = [i for batch in client for idx in batch.indices for i in idx]
         skipped_total = 16 - len(delivered)
     assert sorted(delivered) == [i for i in range(16) if i not in (3, 5, 6)]
     assert skipped_total == 3
     one_each = {**KW, "batch_size": 1}
-    with DataServerClient(server.address, shuffle=False, **one_each) as client:
+    with make_client(server.address, shuffle=False, **one_each) as client:
         client.set_epoch(0)
         messages = []
         it = iter(client)

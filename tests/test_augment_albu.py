@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from batches import Epoch
 from batches import epoch_by_index as each_index
+from clients import make_client
 from conftest import wait_until
 
 pytest.importorskip("albumentations")
@@ -31,7 +32,7 @@ SEED = 7
 BASE = f"synthetic:images={N},seed=2"
 ARGS = json.dumps({"base": BASE})
 DATASET = ("--dataset", "dataserver.data.albu:augmented", "--dataset-args", ARGS)
-KW: dict[str, Any] = {"batch_size": 4, "image_size": SIZE, "device": "cpu", "seed": SEED}
+KW: dict[str, Any] = {"batch_size": 4, "image_size": SIZE, "seed": SEED}
 
 
 def epoch_by_index(client: DataServerClient, epoch: int) -> Epoch:
@@ -58,7 +59,7 @@ def test_bit_identical_on_1_and_2_workers_and_new_every_epoch(start_server: Any)
     one = start_server(*DATASET, "--cache-gb", "0", workers=1)
     two = start_server(*DATASET, "--cache-gb", "0", workers=2)
     got: dict[int, list[Epoch]] = {}
-    with DataServerClient(one.address, **KW) as a, DataServerClient(two.address, **KW) as b:
+    with make_client(one.address, **KW) as a, make_client(two.address, **KW) as b:
         for epoch in (0, 1):
             got[epoch] = [epoch_by_index(a, epoch), epoch_by_index(b, epoch)]
             by_one, by_two = got[epoch]
@@ -97,7 +98,7 @@ def test_the_store_keeps_sources_and_augments_them_anew(start_server: Any) -> No
     server = start_server(*DATASET, "--cache-gb", "0.1", workers=2)
     line = next(x for x in server.lines if x.startswith("dataserver ready"))
     assert parse_ready_line(line)["sources"] == "stored"
-    with DataServerClient(server.address, **KW) as client:
+    with make_client(server.address, **KW) as client:
         first = epoch_by_index(client, 0)
         second = epoch_by_index(client, 1)
     # (a worker's DONE reaches the front after its result reached us: wait for the last)

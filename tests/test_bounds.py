@@ -22,6 +22,7 @@ from typing import Any
 import msgspec
 import pytest
 import zmq
+from clients import make_client
 from conftest import Server, run_epoch_collecting_errors, wait_until
 from fuzz_targets import welcome_of
 from zmtp import (
@@ -35,7 +36,6 @@ from zmtp import (
 
 from dataserver.protocol import ErrorMsg, Heartbeat, Hello, Stats, decode
 from dataserver.tcpinfo import loopback_uid
-from dataserver_client import DataServerClient
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -49,9 +49,7 @@ def host_port(endpoint: str) -> tuple[str, int]:
 
 def honest_epoch(server: Server, epoch: int = 0) -> list[int]:
     """One whole epoch of an honest client; the indices delivered (sorted)."""
-    with DataServerClient(
-        server.address, batch_size=4, image_size=(32, 32), device="cpu", timeout=60
-    ) as client:
+    with make_client(server.address, batch_size=4, image_size=(32, 32), timeout=60) as client:
         delivered, errors = run_epoch_collecting_errors(client, epoch)
     assert not errors, errors
     return sorted(delivered)
@@ -244,8 +242,8 @@ def test_connections_to_a_workers_result_port_cannot_take_its_fds(coco_dir: Any)
             lambda: server.stats()["rejected"].get("results_over_limit_dropped", 0) >= 1100 - 768,
             10,
         ), server.stats()["rejected"]
-        with DataServerClient(  # a local job: its results come by the workers' ipc sockets
-            server.address, batch_size=4, image_size=(64, 64), device="cpu", timeout=60
+        with make_client(  # a local job: its results come by the workers' ipc sockets
+            server.address, batch_size=4, image_size=(64, 64), timeout=60
         ) as client:
             for epoch in range(2):
                 delivered, errors = run_epoch_collecting_errors(client, epoch)
@@ -394,9 +392,8 @@ def test_a_servers_endless_message_is_cut_off_in_the_trainer(start_server: Any) 
     thread.start()
     before = rss_mib(os.getpid())
     try:
-        with DataServerClient(
-            [server.address, hostile], batch_size=4, image_size=(32, 32), device="cpu",
-            timeout=60,
+        with make_client(
+            [server.address, hostile], batch_size=4, image_size=(32, 32), timeout=60,
         ) as client:  # fmt: skip
             delivered, errors = run_epoch_collecting_errors(client, 0)
             assert closed.wait(30), f"not cut off after {sent} MiB"

@@ -10,14 +10,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from clients import make_client
 
 from dataserver.data.spec import SpecError, dataset_categories
 from dataserver.data.synthetic import SyntheticDataset
-from dataserver_client import DataServerClient
 
 pytestmark = pytest.mark.timeout(120)
 
-KW: dict[str, Any] = {"device": "cpu", "timeout": 10.0}
+KW: dict[str, Any] = {"timeout": 10.0}
 
 
 def named(categories: list[list[Any]]) -> tuple[str, ...]:
@@ -27,26 +27,26 @@ def named(categories: list[list[Any]]) -> tuple[str, ...]:
 
 def test_synthetic_and_coco_announce_theirs(start_server: Any, coco_dir: Path) -> None:
     synthetic = start_server("--dataset", "synthetic:images=16", workers=1)
-    with DataServerClient(synthetic.address, **KW) as client:
+    with make_client(synthetic.address, **KW) as client:
         assert client.categories == [(c, f"class{c}") for c in range(1, 81)]
         labels = {int(x) for t in next(iter(client)).targets for x in t["labels"]}
         assert labels <= {c for c, _ in client.categories}
     annotations = coco_dir / "annotations.json"
     doc = json.loads(annotations.read_text())
     coco = start_server("--dataset", f"coco:{annotations}", workers=1)
-    with DataServerClient(coco.address, **KW) as client:
+    with make_client(coco.address, **KW) as client:
         want = [(c["id"], c["name"]) for c in doc["categories"]]
         assert client.categories == want and want[0][0] == 1  # COCO ids, unchanged
 
 
 def test_a_plugin_announces_its_own_or_none(start_server: Any) -> None:
     server = start_server(*named([[3, "cat"], [0, "background"], [9, "dog"]]), workers=1)
-    with DataServerClient(server.address, **KW) as client:
+    with make_client(server.address, **KW) as client:
         assert client.categories == [(3, "cat"), (0, "background"), (9, "dog")]
         client.categories.append((1, "x"))  # (a copy)
         assert len(client.categories) == 3
     flat = start_server("--dataset", "ds_plugins:flat", workers=1)
-    with DataServerClient(flat.address, **KW) as client:
+    with make_client(flat.address, **KW) as client:
         assert client.categories == []
 
 
@@ -54,9 +54,9 @@ def test_servers_that_disagree_are_refused(start_server: Any) -> None:
     a = start_server(*named([[1, "cat"], [2, "dog"]]), workers=1)
     b = start_server(*named([[1, "cat"], [2, "wolf"]]), workers=1)
     with pytest.raises(Exception, match="servers disagree on the dataset's categories"):
-        DataServerClient([a.address, b.address], **KW)
+        make_client([a.address, b.address], **KW)
     c = start_server(*named([[1, "cat"], [2, "dog"]]), workers=1)
-    with DataServerClient([a.address, c.address], **KW) as client:
+    with make_client([a.address, c.address], **KW) as client:
         assert client.categories == [(1, "cat"), (2, "dog")]
 
 

@@ -9,8 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from dataserver_client import DataServerClient
+from clients import make_client
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -58,9 +57,7 @@ def test_coco_drops_crowd_and_empty_boxes(start_server: Any, tmp_path: Path) -> 
     server = start_server(
         "--dataset", f"coco:{tmp_path / 'annotations.json'}:{tmp_path}", workers=1
     )
-    with DataServerClient(
-        server.address, batch_size=2, image_size=(480, 640), shuffle=False, device="cpu"
-    ) as c:
+    with make_client(server.address, batch_size=2, image_size=(480, 640), shuffle=False) as c:
         c.set_epoch(0)
         batch = next(iter(c))
     first = batch.targets[0]
@@ -75,9 +72,7 @@ def test_coco_drops_crowd_and_empty_boxes(start_server: Any, tmp_path: Path) -> 
 
 
 def test_stats_prints_a_live_servers_counters(synthetic_server: Any) -> None:
-    with DataServerClient(
-        synthetic_server.address, batch_size=8, image_size=(32, 32), device="cpu"
-    ) as c:
+    with make_client(synthetic_server.address, batch_size=8, image_size=(32, 32)) as c:
         c.set_epoch(0)
         list(c)
     proc = run("stats", synthetic_server.address, "--json")

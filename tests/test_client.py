@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 import torch
+from clients import make_client
 
 from dataserver_client import Batch, DataServerClient
 
@@ -23,9 +24,7 @@ def flat_indices(batches: list[Batch]) -> list[int]:
 
 
 def test_batches_have_the_documented_fields(synthetic_server: Any) -> None:
-    with DataServerClient(
-        synthetic_server.address, batch_size=8, image_size=(96, 128), device="cpu"
-    ) as client:
+    with make_client(synthetic_server.address, batch_size=8, image_size=(96, 128)) as client:
         assert client.num_samples == 96 and len(client) == 12
         batches = epoch_batches(client, 0)
     b = batches[0]
@@ -45,10 +44,10 @@ def test_batches_have_the_documented_fields(synthetic_server: Any) -> None:
 
 
 def test_exactly_once_and_order_fixed_by_seed_and_epoch(synthetic_server: Any) -> None:
-    kw: dict[str, Any] = {"batch_size": 10, "image_size": (64, 64), "seed": 5, "device": "cpu"}
+    kw: dict[str, Any] = {"batch_size": 10, "image_size": (64, 64), "seed": 5}
     with (
-        DataServerClient(synthetic_server.address, **kw) as a,
-        DataServerClient(synthetic_server.address, **kw) as b,
+        make_client(synthetic_server.address, **kw) as a,
+        make_client(synthetic_server.address, **kw) as b,
     ):
         e0 = flat_indices(epoch_batches(a, 0))
         assert sorted(e0) == list(range(96))  # every index exactly once
@@ -56,20 +55,19 @@ def test_exactly_once_and_order_fixed_by_seed_and_epoch(synthetic_server: Any) -
         assert flat_indices(epoch_batches(b, 0)) == e0  # same (seed, epoch): same order
         e1 = flat_indices(epoch_batches(a, 1))
         assert sorted(e1) == list(range(96)) and e1 != e0  # a new order for a new epoch
-    with DataServerClient(synthetic_server.address, **{**kw, "seed": 6}) as c:
+    with make_client(synthetic_server.address, **{**kw, "seed": 6}) as c:
         assert flat_indices(epoch_batches(c, 0)) != e0
 
 
 def test_two_ranks_get_disjoint_shards_that_cover_the_dataset(synthetic_server: Any) -> None:
     seen = []
     for rank in (0, 1):
-        with DataServerClient(
+        with make_client(
             synthetic_server.address,
             batch_size=8,
             image_size=(64, 64),
             rank=rank,
             world_size=2,
-            device="cpu",
         ) as client:
             assert client.num_samples == 48
             seen.append(flat_indices(epoch_batches(client, 3)))
@@ -83,16 +81,14 @@ def test_rank_and_world_size_default_from_the_environment(
 ) -> None:
     monkeypatch.setenv("RANK", "2")
     monkeypatch.setenv("WORLD_SIZE", "4")
-    with DataServerClient(
-        synthetic_server.address, batch_size=8, image_size=(32, 32), device="cpu"
-    ) as client:
+    with make_client(synthetic_server.address, batch_size=8, image_size=(32, 32)) as client:
         assert (client.config.rank, client.config.world_size) == (2, 4)
         assert client.num_samples == 24
 
 
 def test_drop_last(synthetic_server: Any) -> None:
-    with DataServerClient(
-        synthetic_server.address, batch_size=10, image_size=(32, 32), drop_last=True, device="cpu"
+    with make_client(
+        synthetic_server.address, batch_size=10, image_size=(32, 32), drop_last=True
     ) as client:
         batches = epoch_batches(client, 0)
     assert [len(b) for b in batches] == [10] * 9
@@ -102,8 +98,8 @@ def test_two_clients_at_once_are_both_served(synthetic_server: Any) -> None:
     results: dict[int, list[int]] = {}
 
     def run(seed: int) -> None:
-        with DataServerClient(
-            synthetic_server.address, batch_size=4, image_size=(64, 64), seed=seed, device="cpu"
+        with make_client(
+            synthetic_server.address, batch_size=4, image_size=(64, 64), seed=seed
         ) as c:
             results[seed] = flat_indices(epoch_batches(c, 0))
 
@@ -121,9 +117,7 @@ def test_bit_identical_batches_from_one_and_two_workers(start_server: Any) -> No
     two = start_server("--dataset", "synthetic:images=40,seed=9", workers=2)
     outs = []
     for server in (one, two):
-        with DataServerClient(
-            server.address, batch_size=6, image_size=(80, 112), seed=4, device="cpu"
-        ) as c:
+        with make_client(server.address, batch_size=6, image_size=(80, 112), seed=4) as c:
             outs.append(epoch_batches(c, 2))
     for a, b in zip(*outs, strict=True):
         assert a.indices == b.indices
@@ -135,22 +129,22 @@ def test_bit_identical_batches_from_one_and_two_workers(start_server: Any) -> No
 def test_coco_dataset_from_jpeg_files(start_server: Any, coco_dir: Any) -> None:
     server = start_server("--dataset", f"coco:{coco_dir / 'annotations.json'}", workers=2)
     assert server.samples == 48
-    with DataServerClient(server.address, batch_size=8, image_size=(128, 128), device="cpu") as c:
+    with make_client(server.address, batch_size=8, image_size=(128, 128)) as c:
         batches = epoch_batches(c, 0)
     assert sorted(flat_indices(batches)) == list(range(48))
     assert sum(len(t["boxes"]) for b in batches for t in b.targets) > 48 * 5  # many objects
 
 
 def test_resume_mid_epoch_continues_with_the_remaining_samples(synthetic_server: Any) -> None:
-    kw: dict[str, Any] = {"batch_size": 8, "image_size": (32, 32), "seed": 1, "device": "cpu"}
-    with DataServerClient(synthetic_server.address, **kw) as full:
+    kw: dict[str, Any] = {"batch_size": 8, "image_size": (32, 32), "seed": 1}
+    with make_client(synthetic_server.address, **kw) as full:
         expected = flat_indices(epoch_batches(full, 0))
-    with DataServerClient(synthetic_server.address, **kw) as first:
+    with make_client(synthetic_server.address, **kw) as first:
         first.set_epoch(0)
         it = iter(first)
         head = [next(it) for _ in range(5)]
         state = first.state_dict()
-    with DataServerClient(synthetic_server.address, **kw) as second:
+    with make_client(synthetic_server.address, **kw) as second:
         second.load_state_dict(state)
         tail = list(second)
     assert [b.step for b in tail] == list(range(5, 12))
@@ -159,9 +153,7 @@ def test_resume_mid_epoch_continues_with_the_remaining_samples(synthetic_server:
 
 def test_close_leaves_no_threads_behind(synthetic_server: Any) -> None:
     before = {t.ident for t in threading.enumerate()}
-    client = DataServerClient(
-        synthetic_server.address, batch_size=4, image_size=(32, 32), device="cpu"
-    )
+    client = make_client(synthetic_server.address, batch_size=4, image_size=(32, 32))
     client.set_epoch(0)
     next(iter(client))
     client.close()
@@ -170,9 +162,7 @@ def test_close_leaves_no_threads_behind(synthetic_server: Any) -> None:
 
 
 def test_iterator_protocol_continues_and_a_new_iter_restarts(synthetic_server: Any) -> None:
-    with DataServerClient(
-        synthetic_server.address, batch_size=8, image_size=(32, 32), device="cpu"
-    ) as c:
+    with make_client(synthetic_server.address, batch_size=8, image_size=(32, 32)) as c:
         c.set_epoch(0)
         it = iter(c)
         head = [next(it), next(it)]
@@ -186,9 +176,7 @@ def test_iterator_protocol_continues_and_a_new_iter_restarts(synthetic_server: A
 
 
 def test_cpu_buffers_are_reused_only_after_the_trainer_lets_go(synthetic_server: Any) -> None:
-    with DataServerClient(
-        synthetic_server.address, batch_size=8, image_size=(48, 48), device="cpu"
-    ) as c:
+    with make_client(synthetic_server.address, batch_size=8, image_size=(48, 48)) as c:
         c.set_epoch(0)
         kept = list(c)  # every batch held at once: no buffer may be reused under them
         copies = [b.images.clone() for b in kept]

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 import zmq
+from clients import make_client
 from conftest import Server
 from fuzz_targets import welcome_of
 
@@ -32,7 +33,7 @@ from dataserver_client.resume import (
 pytestmark = pytest.mark.timeout(180)
 
 N = 48
-KW: dict[str, Any] = dict(batch_size=4, image_size=(32, 32), device="cpu", shared_memory=False)
+KW: dict[str, Any] = dict(batch_size=4, image_size=(32, 32), shared_memory=False)
 
 # What a fake server answers to one TASK: (images, box_counts, failed, boxes, labels).
 Answer = tuple[tuple[tuple[int, ...], ...], tuple[int, ...], tuple[tuple[int, str], ...], Any, Any]
@@ -217,7 +218,7 @@ def check_exactly_once_from_real(client: DataServerClient, fake: FakeServer) -> 
 def test_failed_claims_under_raise_raise_naming_the_sample() -> None:
     fake = FakeServer(claims_failed)
     try:
-        with DataServerClient(fake.address, timeout=10, **KW) as c:
+        with make_client(fake.address, timeout=10, **KW) as c:
             c.set_epoch(0)
             it = iter(c)
             with pytest.raises(DataServerError) as err:
@@ -233,7 +234,7 @@ def test_failed_claims_under_raise_raise_naming_the_sample() -> None:
 def test_failed_claims_under_skip_are_skipped_and_counted() -> None:
     fake = FakeServer(claims_failed)
     try:
-        with DataServerClient(fake.address, timeout=10, on_error="skip", **KW) as c:
+        with make_client(fake.address, timeout=10, on_error="skip", **KW) as c:
             batches = epoch(c)
             delivered = [i for b in batches for idx in b.indices for i in idx]
             skipped = [i for b in batches for i in b.skipped_indices]
@@ -251,7 +252,7 @@ def test_bad_boxes_or_labels_drop_the_server_and_the_real_one_finishes(
 ) -> None:
     fake = fake_beside(real, answer)
     try:
-        with DataServerClient([fake.address, real.address], timeout=20, **KW) as c:
+        with make_client([fake.address, real.address], timeout=20, **KW) as c:
             check_exactly_once_from_real(c, fake)
             assert c.stats()["rejected"]["bad_boxes"] == 1
     finally:
@@ -263,7 +264,7 @@ def error_from_the_only_server(answer: Callable[[Task], Answer]) -> tuple[str, s
     epoch fails within its timeout (3 s), not at the backstop."""
     fake = FakeServer(answer)
     try:
-        with DataServerClient(fake.address, timeout=3, **KW) as c:
+        with make_client(fake.address, timeout=3, **KW) as c:
             c.set_epoch(0)
             started = time.monotonic()
             with pytest.raises(DataServerError) as err:
@@ -286,7 +287,7 @@ def test_bad_boxes_from_the_only_server_fail_naming_it() -> None:
 def test_results_for_indices_not_asked_drop_the_server(real: Server) -> None:
     fake = fake_beside(real, wrong_indices)
     try:
-        with DataServerClient([fake.address, real.address], timeout=20, **KW) as c:
+        with make_client([fake.address, real.address], timeout=20, **KW) as c:
             check_exactly_once_from_real(c, fake)
             assert c.stats()["rejected"]["wrong_answer"] == 1
             assert fake.tasks <= 8  # dropped at its first answer, not asked 20k times
@@ -309,7 +310,7 @@ def test_a_welcome_announcing_too_many_samples_is_refused(size: int) -> None:
     try:
         started = time.monotonic()
         with pytest.raises(DataServerError) as err:
-            DataServerClient(fake.address, timeout=10, **KW)
+            make_client(fake.address, timeout=10, **KW)
         assert time.monotonic() - started < 10
         assert fake.address in str(err.value) and str(size) in str(err.value)
         assert "max_dataset_len" in str(err.value)
@@ -326,7 +327,7 @@ def test_servers_disagreeing_at_the_handshake_fail_it_without_killing_the_io_thr
     a, b = FakeServer(honest, fingerprint="one"), FakeServer(honest, fingerprint="another")
     try:
         with caplog.at_level(logging.ERROR), pytest.raises(DataServerError) as err:
-            DataServerClient([a.address, b.address], timeout=10, **KW)
+            make_client([a.address, b.address], timeout=10, **KW)
         assert "disagree on the dataset" in str(err.value)
         assert not [r for r in caplog.records if "I/O thread failed" in r.getMessage()]
     finally:
@@ -338,11 +339,11 @@ def test_max_dataset_len_is_the_clients_to_set() -> None:
     fake = FakeServer(honest, dataset_len=N)
     try:
         with pytest.raises(DataServerError, match=f"{N} samples"):
-            DataServerClient(fake.address, timeout=10, max_dataset_len=N - 1, **KW)
-        with DataServerClient(fake.address, timeout=10, max_dataset_len=N, **KW) as c:
+            make_client(fake.address, timeout=10, max_dataset_len=N - 1, **KW)
+        with make_client(fake.address, timeout=10, max_dataset_len=N, **KW) as c:
             assert c.dataset_len == N
         with pytest.raises(ValueError, match="max_dataset_len"):
-            DataServerClient(fake.address, max_dataset_len=0, **KW)
+            make_client(fake.address, max_dataset_len=0, **KW)
     finally:
         fake.close()
 
@@ -351,7 +352,7 @@ def test_max_dataset_len_is_the_clients_to_set() -> None:
 
 
 def test_every_field_of_a_loaded_state_is_checked(real: Server) -> None:
-    with DataServerClient(real.address, **KW) as c:
+    with make_client(real.address, **KW) as c:
         c.set_epoch(2)
         it = iter(c)
         next(it)
@@ -443,7 +444,7 @@ def test_a_server_breaking_the_protocol_is_dropped_and_the_epoch_completes(
     beside a healthy server); the epoch completes, exactly once, from the real one."""
     fake = fake_beside(real, honest, reply)
     try:
-        with DataServerClient([fake.address, real.address], timeout=20, **KW) as c:
+        with make_client([fake.address, real.address], timeout=20, **KW) as c:
             check_exactly_once_from_real(c, fake)
             assert c.stats()["rejected"]["malformed"] >= 1
             assert fake.tasks <= 8
@@ -463,7 +464,7 @@ def test_a_server_cancelling_every_task_does_not_get_it_back_at_once(real: Serve
     the same tasks 35,050 times in 5 s). The epoch completes, exactly once."""
     fake = fake_beside(real, honest, cancels_everything)
     try:
-        with DataServerClient([fake.address, real.address], timeout=20, **KW) as c:
+        with make_client([fake.address, real.address], timeout=20, **KW) as c:
             started = time.monotonic()
             batches = epoch(c)
             took = time.monotonic() - started
@@ -498,7 +499,7 @@ def test_a_server_announcing_another_dataset_mid_epoch_is_dropped(real: Server) 
 
     fake = fake_beside(real, honest, reannounce)
     try:
-        with DataServerClient([fake.address, real.address], timeout=20, **KW) as c:
+        with make_client([fake.address, real.address], timeout=20, **KW) as c:
             c.set_epoch(0)
             batches = list(c)
             got = sorted(i for b in batches for idx in b.indices for i in idx)

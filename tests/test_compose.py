@@ -13,18 +13,19 @@ from typing import Any
 import numpy as np
 import pytest
 from batches import flat_servers, snap
+from clients import make_client
 from conftest import Server
 from ds_plugins import FlatDataset, colour_of
 
 from dataserver.data.pipeline import compose_one, flip_of
 from dataserver.protocol import BatchSizes
-from dataserver_client import Batch, DataServerClient
+from dataserver_client import Batch
 
 pytestmark = pytest.mark.timeout(180)
 
 N = 24
 DATASET = FlatDataset(N)
-KW: dict[str, Any] = {"device": "cpu", "timeout": 20.0}
+KW: dict[str, Any] = {"timeout": 20.0}
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +109,7 @@ def test_pad_and_letterbox_on_servers(servers: dict[int, Server], shared_memory:
     runs = []
     for workers in (1, 2):
         got = []
-        with DataServerClient(
+        with make_client(
             servers[workers].address,
             batch_size=3,
             image_size=(48, 64),
@@ -137,7 +138,7 @@ def test_state_and_manifest_carry_them(servers: dict[int, Server]) -> None:
     state saved before they existed means the defaults. ``client.rebuild`` composes a
     manifest with its own values, whatever the rebuilding client's."""
     address = servers[2].address
-    with DataServerClient(
+    with make_client(
         address, batch_size=4, image_size=(40, 40), pad_value=114, letterbox="center", **KW
     ) as client:
         it = iter(client)
@@ -145,7 +146,7 @@ def test_state_and_manifest_carry_them(servers: dict[int, Server]) -> None:
         kept = (snap(first), first.manifest)
         state = client.state_dict()
         assert (state["pad_value"], state["letterbox"]) == (114, "center")
-    with DataServerClient(address, batch_size=4, image_size=(40, 40), **KW) as other:
+    with make_client(address, batch_size=4, image_size=(40, 40), **KW) as other:
         with pytest.raises(ValueError, match="pad_value, letterbox"):
             other.load_state_dict(state)
         old = {k: v for k, v in other.state_dict().items() if k not in ("pad_value", "letterbox")}
@@ -173,4 +174,4 @@ def test_state_and_manifest_carry_them(servers: dict[int, Server]) -> None:
 )
 def test_bad_values_are_refused_at_the_call(kwargs: dict[str, Any], named: str) -> None:
     with pytest.raises(ValueError, match=named):
-        DataServerClient("tcp://127.0.0.1:9", **kwargs, **KW)
+        make_client("tcp://127.0.0.1:9", **kwargs, **KW)

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 from batches import snap
+from clients import make_client
 from compose_plugins import Composed
 from conftest import Server
 from ds_plugins import colour_of
@@ -25,12 +26,12 @@ from dataserver.data.mosaic import mosaic4_canvas, mosaic_rng
 from dataserver.data.pipeline import Source, augment_rng, compose_one, in_layout
 from dataserver.data.sample import SampleError
 from dataserver.protocol import BatchSizes
-from dataserver_client import Batch, DataServerClient, DataServerError
+from dataserver_client import Batch, DataServerError
 
 pytestmark = pytest.mark.timeout(180)
 
 N = 24
-KW: dict[str, Any] = {"device": "cpu", "timeout": 20.0, "stitch_layout": "mosaic"}
+KW: dict[str, Any] = {"timeout": 20.0, "stitch_layout": "mosaic"}
 
 
 @pytest.fixture(scope="module")
@@ -164,7 +165,7 @@ def test_hook_on_servers_is_bit_identical(servers: dict[Any, Server]) -> None:
     runs = []
     for workers in (1, 2):
         got = []
-        with DataServerClient(
+        with make_client(
             servers[workers].address,
             batch_size=3,
             image_size=(48, 64),
@@ -191,11 +192,11 @@ def test_hook_on_servers_is_bit_identical(servers: dict[Any, Server]) -> None:
 def test_a_bad_hook_fails_the_batch_naming_the_anchor(servers: dict[Any, Server]) -> None:
     bad = servers["bad"].address
     with (
-        DataServerClient(bad, batch_size=2, image_size=(32, 32), **KW) as c,
+        make_client(bad, batch_size=2, image_size=(32, 32), **KW) as c,
         pytest.raises(DataServerError, match=r"sample \d+: augment_composed returned"),
     ):
         next(iter(c))
-    with DataServerClient(
+    with make_client(
         servers["bad"].address, batch_size=2, image_size=(32, 32), on_error="skip", **KW
     ) as c:
         batch = next(iter(c))

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, get_args
 
 import pytest
+from clients import make_client
 from conftest import Server
 
 from dataserver.counting import Counts
@@ -18,7 +19,6 @@ from dataserver.server import counts as server_counts
 from dataserver.server.counts import Count, Reject, WorkerCount
 from dataserver.server.metrics import ViewCollector
 from dataserver.server.view import Limits, ServerView
-from dataserver_client import DataServerClient
 from dataserver_client import counts as client_counts
 
 pytestmark = pytest.mark.timeout(60)
@@ -160,9 +160,7 @@ def test_every_declared_server_name_is_exported() -> None:
 def test_every_declared_client_name_is_exported(synthetic_server: Server) -> None:
     """``client.stats()`` shows every counter at its top level and every rejection reason
     in ``rejected``; the first ones from the start."""
-    with DataServerClient(
-        synthetic_server.address, batch_size=8, image_size=(32, 32), device="cpu"
-    ) as client:
+    with make_client(synthetic_server.address, batch_size=8, image_size=(32, 32)) as client:
         stats = client.stats()
         assert set(client_counts.SHOWN) <= stats.keys()
         assert stats["rejected"] == {}

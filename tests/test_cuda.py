@@ -7,8 +7,7 @@ from typing import Any
 
 import pytest
 import torch
-
-from dataserver_client import DataServerClient
+from clients import make_client
 
 pytestmark = [
     pytest.mark.timeout(120),
@@ -18,10 +17,10 @@ pytestmark = [
 
 def test_batches_arrive_on_the_gpu_identical_to_cpu(synthetic_server: Any) -> None:
     kw: dict[str, Any] = {"batch_size": 8, "image_size": (64, 96), "seed": 3}
-    with DataServerClient(synthetic_server.address, device="cpu", **kw) as c:
+    with make_client(synthetic_server.address, **kw) as c:
         c.set_epoch(0)
         cpu = list(c)
-    with DataServerClient(synthetic_server.address, device="cuda", **kw) as c:
+    with make_client(synthetic_server.address, device="cuda", **kw) as c:
         assert c.config.device.index is not None  # pinned to the current device
         c.set_epoch(0)
         for a, b in zip(cpu, c, strict=True):
@@ -40,7 +39,7 @@ def test_batches_arrive_on_the_gpu_identical_to_cpu(synthetic_server: Any) -> No
 
 
 def test_feedback_works_with_batches_on_the_gpu(synthetic_server: Any) -> None:
-    with DataServerClient(
+    with make_client(
         synthetic_server.address, batch_size=4, image_size=(64, 64), device="cuda"
     ) as c:
         c.set_epoch(0)

@@ -19,6 +19,7 @@ import msgpack
 import numpy as np
 import pytest
 import torch
+from clients import make_client
 from conftest import PLUGINS, Server, free_port, server_env
 
 from dataserver_client import DataServerClient
@@ -37,7 +38,7 @@ pytestmark = pytest.mark.timeout(240)
 
 N = 151  # samples of the test dataset (padded to 152 for 2 and 4 ranks)
 SEED = 7  # as tests/plugins/elastic_rank.py
-KW: dict[str, Any] = {"batch_size": 3, "image_size": (32, 32), "seed": SEED, "device": "cpu"}
+KW: dict[str, Any] = {"batch_size": 3, "image_size": (32, 32), "seed": SEED}
 
 
 # ------------------------------------------------------------------ the rule, pure
@@ -293,12 +294,12 @@ def test_merged_states_resume_elastically_twice_and_exactly_at_one_size(
     delivered: list[int] = []
     states = []
     for r, count in enumerate([3, 2]):  # not in lockstep: rank 0 is a batch ahead
-        with DataServerClient(addr, rank=r, world_size=2, **KW) as c:
+        with make_client(addr, rank=r, world_size=2, **KW) as c:
             c.set_epoch(1)
             delivered += take(c, iter(c), count, {1: STITCH})
             states.append(c.state_dict())
     with (
-        DataServerClient(addr, rank=0, world_size=3, **KW) as c,
+        make_client(addr, rank=0, world_size=3, **KW) as c,
         pytest.raises(ValueError, match="merge_states"),
     ):
         c.load_state_dict(states[1])  # one rank's state cannot say what the others took
@@ -308,7 +309,7 @@ def test_merged_states_resume_elastically_twice_and_exactly_at_one_size(
     # 2 -> 3 ranks (a list of states is merged by load_state_dict itself).
     dealt_states = []
     for j in range(3):
-        with DataServerClient(addr, rank=j, world_size=3, **KW) as c:
+        with make_client(addr, rank=j, world_size=3, **KW) as c:
             c.load_state_dict(states)
             assert c.mode == STITCH  # rank 0's mode
             delivered += take(c, iter(c), 1, {})
@@ -316,16 +317,16 @@ def test_merged_states_resume_elastically_twice_and_exactly_at_one_size(
     assert all(s["version"] == 2 and s["deal"]["count"] == 152 - 24 for s in dealt_states)
 
     # Same size (3 -> 3): rank 1 goes on exactly as an unbroken run of its share does.
-    with DataServerClient(addr, rank=1, world_size=3, **KW) as c:
+    with make_client(addr, rank=1, world_size=3, **KW) as c:
         c.load_state_dict(states)
         unbroken = samples(c)
-    with DataServerClient(addr, rank=1, world_size=3, **KW) as c:
+    with make_client(addr, rank=1, world_size=3, **KW) as c:
         c.load_state_dict(dealt_states[1])
         assert samples(c) == unbroken[1:]
 
     # 3 -> 2 ranks, from a state of an elastic epoch: every sample still exactly once.
     for j in range(2):
-        with DataServerClient(addr, rank=j, world_size=2, **KW) as c:
+        with make_client(addr, rank=j, world_size=2, **KW) as c:
             c.load_state_dict(DataServerClient.merge_states(dealt_states))
             delivered += [i for b in samples(c) for i in b]
     g = global_order(epoch_order(N, SEED, 1, True), 2, False)
@@ -335,22 +336,22 @@ def test_merged_states_resume_elastically_twice_and_exactly_at_one_size(
 def test_a_state_of_other_data_or_another_job_is_refused(
     flat_server: Server, start_server: Any
 ) -> None:
-    with DataServerClient(flat_server.address, rank=0, world_size=2, **KW) as c:
+    with make_client(flat_server.address, rank=0, world_size=2, **KW) as c:
         c.set_epoch(1)
         next(iter(c))
         s0 = c.state_dict()
-    with DataServerClient(flat_server.address, rank=1, world_size=2, **KW) as c:
+    with make_client(flat_server.address, rank=1, world_size=2, **KW) as c:
         c.set_epoch(1)
         s1 = c.state_dict()
     job = DataServerClient.merge_states([s0, s1])
     with (
-        DataServerClient(flat_server.address, rank=0, world_size=3, **{**KW, "seed": 8}) as c,
+        make_client(flat_server.address, rank=0, world_size=3, **{**KW, "seed": 8}) as c,
         pytest.raises(ValueError, match="seed"),
     ):
         c.load_state_dict(job)
     other = start_server("--dataset", "ds_plugins:flat", "--dataset-args", json.dumps({"n": 152}))
     with (
-        DataServerClient(other.address, rank=0, world_size=3, **KW) as c,
+        make_client(other.address, rank=0, world_size=3, **KW) as c,
         pytest.raises(ValueError, match="fingerprint"),
     ):
         c.load_state_dict(job)
@@ -358,7 +359,7 @@ def test_a_state_of_other_data_or_another_job_is_refused(
         DataServerClient.merge_states([s0, s0])
     with pytest.raises(ValueError, match="epoch"):
         DataServerClient.merge_states([s0, {**s1, "epoch": 2}])
-    with DataServerClient(flat_server.address, rank=2, world_size=3, **KW) as c:
+    with make_client(flat_server.address, rank=2, world_size=3, **KW) as c:
         with pytest.raises(ValueError, match="position"):
             c.load_state_dict(
                 {**job, "ranks": [{**job["ranks"][0], "position": 999}, job["ranks"][1]]}

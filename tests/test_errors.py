@@ -12,9 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from clients import make_client
 from conftest import free_port, run_epoch_collecting_errors, server_env
 
-from dataserver_client import DataServerClient, DataServerError, ServerUnreachable
+from dataserver_client import DataServerError, ServerUnreachable
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -34,9 +35,7 @@ def test_bad_samples_raise_naming_index_and_file_and_the_server_keeps_serving(
     start_server: Any, broken_coco: Path
 ) -> None:
     server = start_server("--dataset", f"coco:{broken_coco / 'annotations.json'}")
-    with DataServerClient(
-        server.address, batch_size=4, image_size=(64, 64), device="cpu"
-    ) as client:
+    with make_client(server.address, batch_size=4, image_size=(64, 64)) as client:
         delivered, errors = run_epoch_collecting_errors(client, 0)
     assert len(errors) == 2
     by_index = {e.index: e for e in errors}
@@ -47,9 +46,7 @@ def test_bad_samples_raise_naming_index_and_file_and_the_server_keeps_serving(
     # The batches without a bad sample were all delivered.
     assert len(delivered) + 8 == 48 and not {3, 10} & set(delivered)
     # The same server serves the next client, who skips the bad samples and counts them.
-    with DataServerClient(
-        server.address, batch_size=4, image_size=(64, 64), on_error="skip", device="cpu"
-    ) as client:
+    with make_client(server.address, batch_size=4, image_size=(64, 64), on_error="skip") as client:
         client.set_epoch(0)
         batches = list(client)
     got = sorted(i for b in batches for idx in b.indices for i in idx)
@@ -64,9 +61,7 @@ def test_user_dataset_exception_reaches_the_trainer(start_server: Any) -> None:
     server = start_server(
         "--dataset", "ds_plugins:failing", "--dataset-args", json.dumps({"n": 16, "bad": [5]})
     )
-    with DataServerClient(
-        server.address, batch_size=4, image_size=(32, 32), shuffle=False, device="cpu"
-    ) as client:
+    with make_client(server.address, batch_size=4, image_size=(32, 32), shuffle=False) as client:
         client.set_epoch(0)
         it = iter(client)
         assert next(it).indices == [[0], [1], [2], [3]]
@@ -82,17 +77,17 @@ def test_unreachable_server_raises_within_timeout_naming_it() -> None:
     address = f"tcp://127.0.0.1:{free_port()}"
     start = time.monotonic()
     with pytest.raises(ServerUnreachable, match=address.replace(".", r"\.")):
-        DataServerClient(address, timeout=1.5, device="cpu")
+        make_client(address, timeout=1.5)
     assert time.monotonic() - start < 10
 
 
 def test_invalid_client_arguments_are_named() -> None:
     with pytest.raises(ValueError, match="stitch_k must be a square"):
-        DataServerClient("tcp://127.0.0.1:1", stitch_k=5, device="cpu")
+        make_client("tcp://127.0.0.1:1", stitch_k=5)
     with pytest.raises(ValueError, match="on_error"):
-        DataServerClient("tcp://127.0.0.1:1", on_error="ignore", device="cpu")
+        make_client("tcp://127.0.0.1:1", on_error="ignore")
     with pytest.raises(ValueError, match="not tcp://HOST:PORT"):
-        DataServerClient("localhost:5555", device="cpu")
+        make_client("localhost:5555")
 
 
 def serve_fails(*args: str) -> subprocess.CompletedProcess[str]:

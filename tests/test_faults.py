@@ -11,9 +11,10 @@ from typing import Any
 
 import pytest
 import torch
+from clients import make_client
 from conftest import Server, free_port, wait_until
 
-from dataserver_client import Batch, DataServerClient, DataServerError
+from dataserver_client import Batch, DataServerError
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -36,13 +37,12 @@ def test_killed_workers_are_replaced_and_the_epoch_is_exact_and_identical(
         "batch_size": 8,
         "image_size": (48, 64),
         "seed": 2,
-        "device": "cpu",
         "prefetch": 2,
     }
-    with DataServerClient(server.address, **kw) as c:
+    with make_client(server.address, **kw) as c:
         c.set_epoch(0)
         reference = list(c)
-    with DataServerClient(server.address, **kw) as c:
+    with make_client(server.address, **kw) as c:
         c.set_epoch(0)
         got = []
         for n, batch in enumerate(c):
@@ -65,8 +65,8 @@ def test_poison_sample_is_named_and_can_be_skipped(start_server: Any) -> None:
     server = start_server(
         "--dataset", "ds_plugins:poison", "--dataset-args", json.dumps({"n": 24, "index": 7})
     )
-    with DataServerClient(
-        server.address, batch_size=4, image_size=(32, 32), shuffle=False, device="cpu", timeout=30
+    with make_client(
+        server.address, batch_size=4, image_size=(32, 32), shuffle=False, timeout=30
     ) as c:
         c.set_epoch(0)
         it = iter(c)
@@ -75,13 +75,12 @@ def test_poison_sample_is_named_and_can_be_skipped(start_server: Any) -> None:
             next(it)
         assert info.value.index == 7
         assert next(it).indices == [[8], [9], [10], [11]]
-    with DataServerClient(
+    with make_client(
         server.address,
         batch_size=4,
         image_size=(32, 32),
         shuffle=False,
         on_error="skip",
-        device="cpu",
     ) as c:
         c.set_epoch(0)
         batches = list(c)
@@ -95,13 +94,12 @@ def test_a_poison_sample_in_a_stitched_image_costs_only_itself(start_server: Any
     server = start_server(
         "--dataset", "ds_plugins:poison", "--dataset-args", json.dumps({"n": 24, "index": 7})
     )
-    with DataServerClient(
+    with make_client(
         server.address,
         batch_size=2,
         image_size=(64, 64),
         shuffle=False,
         on_error="skip",
-        device="cpu",
     ) as c:
         c.set_mode("stitch")
         c.set_epoch(0)
@@ -117,9 +115,7 @@ def test_a_poison_sample_in_a_stitched_image_costs_only_itself(start_server: Any
 def test_a_killed_server_s_tasks_move_to_the_other(start_server: Any) -> None:
     a = start_server(*SLOW, workers=2)
     b = start_server(*SLOW, workers=2)
-    with DataServerClient(
-        [a.address, b.address], batch_size=8, image_size=(32, 32), device="cpu", timeout=20
-    ) as c:
+    with make_client([a.address, b.address], batch_size=8, image_size=(32, 32), timeout=20) as c:
         c.set_epoch(0)
         got = []
         start = time.monotonic()
@@ -140,9 +136,7 @@ def test_a_server_restarted_on_the_same_port_is_picked_up_again(start_server: An
     first = Server(*SLOW, *bind[2:], workers=2, bind=bind[1])
     replacement: Server | None = None
     try:
-        with DataServerClient(
-            first.address, batch_size=8, image_size=(32, 32), device="cpu", timeout=30
-        ) as c:
+        with make_client(first.address, batch_size=8, image_size=(32, 32), timeout=30) as c:
             c.set_epoch(0)
             got = []
             for n, batch in enumerate(c):
@@ -161,9 +155,7 @@ def test_a_server_restarted_on_the_same_port_is_picked_up_again(start_server: An
 
 def test_the_client_raises_when_its_only_server_stays_away(start_server: Any) -> None:
     server = start_server(*SLOW, workers=1)
-    with DataServerClient(
-        server.address, batch_size=8, image_size=(32, 32), device="cpu", timeout=3
-    ) as c:
+    with make_client(server.address, batch_size=8, image_size=(32, 32), timeout=3) as c:
         c.set_epoch(0)
         it = iter(c)
         next(it)

@@ -10,8 +10,9 @@ from typing import Any
 
 import pytest
 import torch
+from clients import make_client
 
-from dataserver_client import Batch, DataServerClient
+from dataserver_client import Batch
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -35,9 +36,7 @@ def test_control_reaches_the_dataset_before_the_next_batch(start_server: Any) ->
     """The seed's scenario: a flag set with control() after batch t is seen by every sample
     of every batch from t + 1 on, and by none before."""
     server = start_server("--dataset", "ds_plugins:flag", "--dataset-args", json.dumps({"n": 256}))
-    with DataServerClient(
-        server.address, batch_size=8, image_size=(32, 32), prefetch=4, device="cpu"
-    ) as c:
+    with make_client(server.address, batch_size=8, image_size=(32, 32), prefetch=4) as c:
         c.set_epoch(0)
         it = iter(c)
         seen = []
@@ -57,13 +56,12 @@ def test_control_reaches_the_dataset_before_the_next_batch(start_server: Any) ->
 
 def test_random_feedback_is_never_stale_and_every_index_comes_once(flat_server: Any) -> None:
     rng = random.Random(7)
-    with DataServerClient(
+    with make_client(
         flat_server.address,
         batch_size=5,
         image_size=(64, 64),
         prefetch=3,
         stitch_threshold=0.5,
-        device="cpu",
     ) as c:
         for epoch in range(2):
             c.set_epoch(epoch)
@@ -88,9 +86,7 @@ def test_random_feedback_is_never_stale_and_every_index_comes_once(flat_server: 
 
 
 def test_set_mode_switches_shapes_immediately(flat_server: Any) -> None:
-    with DataServerClient(
-        flat_server.address, batch_size=4, image_size=(64, 96), prefetch=3, device="cpu"
-    ) as c:
+    with make_client(flat_server.address, batch_size=4, image_size=(64, 96), prefetch=3) as c:
         c.set_epoch(0)
         it = iter(c)
         assert next(it).images.shape == (4, 3, 64, 96)
@@ -106,11 +102,11 @@ def test_set_mode_switches_shapes_immediately(flat_server: Any) -> None:
 def test_order_is_the_same_whatever_the_switches(flat_server: Any) -> None:
     """Re-planning gives samples back in order: the concatenated index stream of an epoch
     is the same with and without mode switches."""
-    kw: dict[str, Any] = {"batch_size": 6, "image_size": (32, 32), "seed": 3, "device": "cpu"}
-    with DataServerClient(flat_server.address, **kw) as plain:
+    kw: dict[str, Any] = {"batch_size": 6, "image_size": (32, 32), "seed": 3}
+    with make_client(flat_server.address, **kw) as plain:
         plain.set_epoch(1)
         reference = indices_of(list(plain))
-    with DataServerClient(flat_server.address, **kw, prefetch=4) as switching:
+    with make_client(flat_server.address, **kw, prefetch=4) as switching:
         switching.set_epoch(1)
         batches = []
         for n, b in enumerate(switching):
@@ -125,9 +121,7 @@ def test_same_feedback_gives_bit_identical_batches_on_1_and_2_workers(start_serv
     runs = []
     for server in (one, two):
         rng = random.Random(11)
-        with DataServerClient(
-            server.address, batch_size=4, image_size=(64, 64), prefetch=3, device="cpu"
-        ) as c:
+        with make_client(server.address, batch_size=4, image_size=(64, 64), prefetch=3) as c:
             c.set_epoch(0)
             out = []
             for b in c:

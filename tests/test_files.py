@@ -12,6 +12,7 @@ from typing import Any
 import cv2
 import numpy as np
 import pytest
+from clients import make_client
 from compose_plugins import Meta
 
 from dataserver.data.sample import SampleError, as_sample
@@ -20,7 +21,7 @@ from dataserver_client import Batch, DataServerClient
 
 pytestmark = pytest.mark.timeout(150)
 
-KW: dict[str, Any] = {"device": "cpu", "timeout": 20.0, "stitch_layout": "mosaic"}
+KW: dict[str, Any] = {"timeout": 20.0, "stitch_layout": "mosaic"}
 
 
 def epochs(client: DataServerClient, n: int) -> list[Batch]:
@@ -45,7 +46,7 @@ def test_coco_names_its_files_and_sizes(
     doc = json.loads(annotations.read_text())
     by_index = {i: e for i, e in enumerate(doc["images"])}
     server = start_server("--dataset", f"coco:{annotations}", workers=2)
-    with DataServerClient(
+    with make_client(
         server.address, batch_size=4, image_size=(64, 64), shared_memory=shared_memory, **KW
     ) as client:
         for batch in epochs(client, 2):  # (the second epoch from the store)
@@ -60,21 +61,21 @@ def test_coco_names_its_files_and_sizes(
 
 def test_synthetic_and_a_plugin(start_server: Any) -> None:
     synthetic = start_server("--dataset", "synthetic:images=24,seed=5", workers=1)
-    with DataServerClient(synthetic.address, batch_size=4, image_size=(64, 64), **KW) as c:
+    with make_client(synthetic.address, batch_size=4, image_size=(64, 64), **KW) as c:
         for batch in epochs(c, 1):
             for idx, file, size in zip(batch.indices, batch.files, batch.orig_sizes, strict=True):
                 assert file == f"{idx[0]:012d}.jpg"
                 assert size == generate(5, idx[0]).image.shape[:2]
     plugin = start_server("--dataset", "compose_plugins:meta", workers=2)
     data = Meta(32)
-    with DataServerClient(plugin.address, batch_size=4, image_size=(40, 40), **KW) as c:
+    with make_client(plugin.address, batch_size=4, image_size=(40, 40), **KW) as c:
         for batch in epochs(c, 2):
             for idx, file, size in zip(batch.indices, batch.files, batch.orig_sizes, strict=True):
                 h, w = data[idx[0]]["image"].shape[:2]
                 assert file == f"flat/{idx[0]}.png"
                 assert size == ((2 * h, 2 * w) if idx[0] % 2 == 0 else (h, w))
     flat = start_server("--dataset", "ds_plugins:flat", workers=1)
-    with DataServerClient(flat.address, batch_size=4, image_size=(40, 40), **KW) as c:
+    with make_client(flat.address, batch_size=4, image_size=(40, 40), **KW) as c:
         batch = next(iter(c))
         assert batch.files == [""] * 4 and all(min(s) > 0 for s in batch.orig_sizes)
 

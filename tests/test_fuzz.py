@@ -15,6 +15,7 @@ import os
 from typing import Any
 
 import pytest
+from clients import make_client
 from conftest import Server
 from fuzz_targets import (
     FakeServer,
@@ -55,7 +56,7 @@ def test_fuzzed_messages_on_every_server_socket_cost_nothing_but_themselves(
     assert rejected.get("malformed", 0) > COUNT // 4, rejected
     assert rejected.get("control_malformed", 0) > 0, rejected
     # The server still serves a whole epoch, exactly once, to a new client.
-    with DataServerClient(server.address, batch_size=8, image_size=(32, 32), device="cpu") as c:
+    with make_client(server.address, batch_size=8, image_size=(32, 32)) as c:
         assert epoch_indices(c, 0) == list(range(48))
         assert c.stats()["rejected"] == {}
 
@@ -67,11 +68,10 @@ def test_fuzzed_messages_from_a_hostile_server_cost_the_client_nothing_but_thems
     fake = FakeServer(welcome_of(server.address), COUNT)
     fake.start()
     failed_epochs = 0
-    with DataServerClient(
+    with make_client(
         [server.address, fake.address],
         batch_size=4,
         image_size=(32, 32),
-        device="cpu",
         timeout=60,
     ) as client:
         epoch = 0

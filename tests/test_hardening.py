@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from clients import make_client
 from conftest import Server, free_port, server_env, wait_until
 from fuzz_targets import welcome_of
 
@@ -27,7 +28,7 @@ pytestmark = pytest.mark.timeout(180)
 
 FLAT = ("--dataset", "ds_plugins:flat", "--dataset-args", json.dumps({"n": 64}))
 SLOW = ("--dataset", "ds_plugins:slow", "--dataset-args", json.dumps({"n": 96, "ms": 10}))
-SMALL: dict[str, Any] = {"batch_size": 8, "image_size": (32, 32), "device": "cpu"}
+SMALL: dict[str, Any] = {"batch_size": 8, "image_size": (32, 32)}
 
 
 def indices(batches: list[Batch]) -> list[int]:
@@ -47,7 +48,7 @@ def test_a_server_handler_that_raises_costs_one_message_and_the_epoch_is_exact(
     start_server: Any, site: str
 ) -> None:
     server = start_server(*FLAT, env={"DATASERVER_INJECT_FAULTS": f"{site}:9"})
-    with DataServerClient(server.address, timeout=60, **SMALL) as client:
+    with make_client(server.address, timeout=60, **SMALL) as client:
         start = time.monotonic()
         got = epoch(client)
         elapsed = time.monotonic() - start
@@ -74,7 +75,7 @@ def test_a_client_handler_that_raises_costs_one_message_and_the_epoch_is_exact(
 ) -> None:
     configure_faults("client.result:3")
     try:
-        with DataServerClient(synthetic_server.address, timeout=60, **SMALL) as client:
+        with make_client(synthetic_server.address, timeout=60, **SMALL) as client:
             assert indices(epoch(client)) == list(range(96))
             stats = client.stats()
     finally:
@@ -91,10 +92,10 @@ def test_the_client_refuses_at_the_call_what_the_wire_would_refuse(
 ) -> None:
     address = synthetic_server.address
     with pytest.raises(ValueError, match=r"seed must be in 0\.\.2\*\*63-1, got -1"):
-        DataServerClient(address, seed=-1, **{**SMALL, "device": "cpu"})
+        make_client(address, seed=-1, **SMALL)
     with pytest.raises(ValueError, match="exceeds 16384 pixels"):
-        DataServerClient(address, image_size=(20000, 64), device="cpu")
-    with DataServerClient(address, **SMALL) as client:
+        make_client(address, image_size=(20000, 64))
+    with make_client(address, **SMALL) as client:
         with pytest.raises(ValueError, match="key 1 is not a string"):
             client.control(weights={1: 0.5})
         with pytest.raises(ValueError, match="nested deeper than 8"):
@@ -111,12 +112,12 @@ def test_a_server_refusing_the_session_fails_at_once_naming_its_flag(start_serve
     server = start_server(*FLAT, "--max-image-side", "256", "--max-sessions", "1", workers=1)
     start = time.monotonic()
     with pytest.raises(DataServerError, match="--max-image-side"):
-        DataServerClient(server.address, image_size=(512, 512), device="cpu", timeout=30)
+        make_client(server.address, image_size=(512, 512), timeout=30)
     assert time.monotonic() - start < 5
-    with DataServerClient(server.address, timeout=30, **SMALL) as first:
+    with make_client(server.address, timeout=30, **SMALL) as first:
         start = time.monotonic()
         with pytest.raises(DataServerError, match="--max-sessions 1"):
-            DataServerClient(server.address, timeout=30, **SMALL)
+            make_client(server.address, timeout=30, **SMALL)
         assert time.monotonic() - start < 5  # the server's words at once, not the timeout
         assert indices(epoch(first)) == list(range(64))
 
@@ -136,7 +137,7 @@ def test_results_lost_on_the_direct_path_are_asked_again(start_server: Any) -> N
     server = start_server(*SLOW, "--cache-gb", "0", workers=2)  # every epoch as slow
     ports = _ports(welcome_of(server.address).results)
     assert len(ports) == 2
-    with DataServerClient(server.address, timeout=30, **SMALL) as client:
+    with make_client(server.address, timeout=30, **SMALL) as client:
         assert indices(epoch(client)) == list(range(96))  # connected, warm
         client.set_epoch(1)
         got, killed = [], 0
@@ -167,7 +168,7 @@ def test_every_server_lost_at_once_and_only_one_back_gets_all_the_tasks() -> Non
     servers = [Server(*SLOW, workers=2, bind=f"tcp://127.0.0.1:{p}") for p in ports]
     back: Server | None = None
     try:
-        with DataServerClient([s.address for s in servers], timeout=30, **SMALL) as client:
+        with make_client([s.address for s in servers], timeout=30, **SMALL) as client:
             client.set_epoch(0)
             got = []
             start = time.monotonic()
@@ -196,7 +197,7 @@ def test_poison_probes_that_find_no_poisonous_source_do_not_loop(start_server: A
         "0",
     )
     kw: dict[str, Any] = {**SMALL, "batch_size": 2, "shuffle": False, "timeout": 60}
-    with DataServerClient(server.address, on_error="skip", **kw) as client:
+    with make_client(server.address, on_error="skip", **kw) as client:
         client.set_mode("stitch")
         start = time.monotonic()
         got = epoch(client)
@@ -205,7 +206,7 @@ def test_poison_probes_that_find_no_poisonous_source_do_not_loop(start_server: A
         assert sum(b.skipped for b in got) == 4
         assert sorted(i for b in got for i in b.skipped_indices) == [4, 5, 6, 7]
         assert client.stats()["skipped_poison_images"] == 1
-    with DataServerClient(server.address, **kw) as client:
+    with make_client(server.address, **kw) as client:
         client.set_mode("stitch")
         client.set_epoch(0)
         it = iter(client)
@@ -217,7 +218,7 @@ def test_poison_probes_that_find_no_poisonous_source_do_not_loop(start_server: A
 def test_calls_after_the_io_thread_died_raise_at_once_with_the_cause(
     synthetic_server: Server,
 ) -> None:
-    client = DataServerClient(synthetic_server.address, timeout=30, **SMALL)
+    client = make_client(synthetic_server.address, timeout=30, **SMALL)
     try:
         configure_faults("client.loop:1")
         assert wait_until(lambda: not client._engine.is_alive(), 5)
@@ -241,7 +242,7 @@ def test_calls_after_the_io_thread_died_raise_at_once_with_the_cause(
 def test_close_never_closes_descriptors_the_io_thread_may_still_poll(
     synthetic_server: Server,
 ) -> None:
-    client = DataServerClient(synthetic_server.address, **SMALL)
+    client = make_client(synthetic_server.address, **SMALL)
     engine = client._engine
     threading.Thread(target=engine.call, args=(time.sleep, 7.0), daemon=True).start()
     time.sleep(0.3)  # the I/O thread is now stuck in that command
@@ -287,7 +288,7 @@ def test_a_dying_worker_blames_only_the_task_it_was_running(start_server: Any) -
     )
     kw: dict[str, Any] = {**SMALL, "batch_size": 4, "shuffle": False, "timeout": 60}
     named: Counter[int | None] = Counter()
-    with DataServerClient(server.address, **kw) as client:
+    with make_client(server.address, **kw) as client:
         for n in range(3):
             client.set_epoch(n)
             it = iter(client)

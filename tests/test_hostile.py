@@ -12,12 +12,12 @@ from typing import Any
 import msgpack
 import pytest
 import zmq
+from clients import make_client
 from conftest import wait_until
 from fuzzing import AUTH, task_header
 
 from dataserver import protocol
 from dataserver.protocol import MAGIC, MsgType
-from dataserver_client import DataServerClient
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -83,7 +83,7 @@ def test_hostile_traffic_is_rejected_counted_and_the_server_keeps_serving(
 ) -> None:
     server = start_server("--dataset", "synthetic:images=48,seed=1")
     # A well-behaved client is in the middle of an epoch while the attack runs.
-    good = DataServerClient(server.address, batch_size=4, image_size=(32, 32), device="cpu")
+    good = make_client(server.address, batch_size=4, image_size=(32, 32))
     good.set_epoch(0)
     good_iter = iter(good)
     first = [next(good_iter) for _ in range(3)]
@@ -195,7 +195,7 @@ def test_hostile_traffic_is_rejected_counted_and_the_server_keeps_serving(
     rest = list(good_iter)
     good.close()
     assert sorted(i for b in first + rest for idx in b.indices for i in idx) == list(range(48))
-    with DataServerClient(server.address, batch_size=8, image_size=(32, 32), device="cpu") as c:
+    with make_client(server.address, batch_size=8, image_size=(32, 32)) as c:
         c.set_epoch(1)
         assert sorted(i for b in c for idx in b.indices for i in idx) == list(range(48))
     assert server.proc.poll() is None and server.stats()["workers_alive"] == 2

@@ -8,8 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from dataserver_client import DataServerClient
+from clients import make_client
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -33,18 +32,14 @@ def test_unpicklable_dataset_is_served(start_server: Any) -> None:
     server = start_server(
         "--dataset", "ds_plugins:no_pickle", "--dataset-args", json.dumps({"n": 24})
     )
-    with DataServerClient(
-        server.address, batch_size=8, image_size=(64, 64), device="cpu"
-    ) as client:
+    with make_client(server.address, batch_size=8, image_size=(64, 64)) as client:
         client.set_epoch(0)
         indices = sorted(i for b in client for idx in b.indices for i in idx)
     assert indices == list(range(24))
 
 
 def test_server_processes_map_no_torch_and_no_cuda(synthetic_server: Any) -> None:
-    with DataServerClient(
-        synthetic_server.address, batch_size=8, image_size=(64, 64), device="cpu"
-    ) as client:
+    with make_client(synthetic_server.address, batch_size=8, image_size=(64, 64)) as client:
         client.set_epoch(0)
         assert sum(len(b) for b in client) == 96  # the workers have run real tasks
     pids = [synthetic_server.pid, *synthetic_server.worker_pids()]

@@ -22,6 +22,7 @@ import msgspec
 import pytest
 import torch
 import zmq
+from clients import make_client
 
 from dataserver.counting import Counts
 from dataserver.landing import HEADER, LandingArea, hand_over, land_mac
@@ -35,7 +36,7 @@ pytestmark = pytest.mark.timeout(120)
 
 NOBODY = 65534
 FLAT = ("--dataset", "ds_plugins:flat", "--dataset-args", json.dumps({"n": 64}))
-KW: dict[str, Any] = {"batch_size": 8, "image_size": (48, 64), "seed": 4, "device": "cpu"}
+KW: dict[str, Any] = {"batch_size": 8, "image_size": (48, 64), "seed": 4}
 
 
 def batches(client: DataServerClient, epoch: int = 0) -> list[tuple[Any, torch.Tensor, Any]]:
@@ -83,11 +84,11 @@ def test_results_land_in_a_nameless_buffer_and_equal_those_over_the_socket(
     start_server: Any,
 ) -> None:
     server = start_server(*FLAT)
-    with DataServerClient(server.address, shared_memory=False, **KW) as c:
+    with make_client(server.address, shared_memory=False, **KW) as c:
         sent = batches(c)
         assert c.stats().get("results_landed", 0) == 0
         assert c._engine.landing is None
-    with DataServerClient(server.address, **KW) as c:
+    with make_client(server.address, **KW) as c:
         area = c._engine.landing
         assert area is not None
         assert os.readlink(f"/proc/self/fd/{area.fd}").startswith("/memfd:")
@@ -112,7 +113,7 @@ def test_no_buffer_and_no_landing_for_a_server_not_proven_to_share_the_host(
     """Without ipc endpoints (so without the host token beside them) a server is treated
     as remote: the buffer is handed to none of its workers, and no task names it."""
     server = start_server(*FLAT, "--no-local-results")
-    with DataServerClient(server.address, **KW) as c:
+    with make_client(server.address, **KW) as c:
         got = batches(c)
         assert c._engine.links is not None
         for link in c._engine.links.links:
@@ -129,11 +130,11 @@ def test_letterboxed_and_stitched_batches_land_exactly_in_fresh_and_reused_regio
     does not clear it) or reused (the worker clears it): more batches than regions, both
     modes, compared with the socket path."""
     server = start_server("--dataset", "synthetic:images=96,seed=2", workers=2)
-    kw: dict[str, Any] = {"batch_size": 4, "image_size": (64, 64), "seed": 1, "device": "cpu"}
+    kw: dict[str, Any] = {"batch_size": 4, "image_size": (64, 64), "seed": 1}
 
     def run(shared: bool) -> list[tuple[Any, torch.Tensor]]:
         out = []
-        with DataServerClient(server.address, shared_memory=shared, **kw) as c:
+        with make_client(server.address, shared_memory=shared, **kw) as c:
             for epoch, mode in ((0, "regular"), (1, "stitch")):
                 c.set_mode(mode)
                 c.set_epoch(epoch)
@@ -306,7 +307,7 @@ def test_a_peer_of_another_user_is_refused(start_server: Any) -> None:
         pytest.skip("needs root to act as uid 65534")
     # A real worker's landing socket is in the server's 0700 directory: not even reachable.
     server = start_server(*FLAT)
-    with DataServerClient(server.address, **KW) as c:
+    with make_client(server.address, **KW) as c:
         c.set_epoch(0)
         next(iter(c))
         assert c._engine.links is not None
@@ -379,7 +380,7 @@ def test_a_fifo_planted_in_dev_shm_does_not_hang_a_new_client(start_server: Any)
         done: list[Any] = []
 
         def construct() -> None:
-            with DataServerClient(server.address, **KW) as c:
+            with make_client(server.address, **KW) as c:
                 c.set_epoch(0)
                 done.append(next(iter(c)).images.shape)
 
@@ -396,9 +397,9 @@ def test_a_server_that_says_landed_without_writing_is_dropped_and_the_epoch_is_e
 ) -> None:
     honest = start_server(*FLAT)
     liar = start_server(*FLAT, env={"DATASERVER_INJECT_FAULTS": "worker.lie_landed:1"})
-    with DataServerClient(honest.address, shared_memory=False, **KW) as c:
+    with make_client(honest.address, shared_memory=False, **KW) as c:
         reference = batches(c) + batches(c, 1)
-    with DataServerClient([liar.address, honest.address], **KW) as c:
+    with make_client([liar.address, honest.address], **KW) as c:
         got = batches(c) + batches(c, 1)
         stats = c.stats()
     assert_same(reference, got)
@@ -411,7 +412,7 @@ def test_with_only_a_lying_server_the_client_fails_instead_of_delivering_stale_i
     start_server: Any,
 ) -> None:
     liar = start_server(*FLAT, env={"DATASERVER_INJECT_FAULTS": "worker.lie_landed:1"})
-    with DataServerClient(liar.address, timeout=4.0, **KW) as c:
+    with make_client(liar.address, timeout=4.0, **KW) as c:
         c.set_epoch(0)
         with pytest.raises(DataServerError, match="landed"):
             for _ in c:
@@ -561,7 +562,7 @@ def test_the_host_token_never_goes_on_the_wire(start_server: Any) -> None:
     assert w2.local_proof == host_proof(token, n2, b"proof-probe-0000") != w1.local_proof
     assert w3.local_proof == b""  # no nonce, no proof: not taken for local
     # A client on the host still proves it and lands.
-    with DataServerClient(server.address, batch_size=4, image_size=(32, 32), device="cpu") as c:
+    with make_client(server.address, batch_size=4, image_size=(32, 32)) as c:
         c.set_epoch(0)
         assert sum(len(b) for b in c) == 8
         assert c.stats().get("results_landed", 0) >= 1

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from clients import make_client
 
 from dataserver_client import Batch, DataServerClient
 
@@ -20,14 +21,13 @@ N = 150  # not a multiple of a batch in either mode: the epoch ends with partial
 
 
 def client_for(server: Any, lookahead: bool, **kw: Any) -> DataServerClient:
-    return DataServerClient(
+    return make_client(
         server.address,
         batch_size=4,
         image_size=(64, 64),
         stitch_k=4,
         seed=11,
         prefetch=3,
-        device="cpu",
         lookahead=lookahead,
         **kw,
     )
@@ -150,14 +150,13 @@ def test_two_servers_flip_exactly_and_keep_each_sample_in_one_store(start_server
     a = start_server("--dataset", f"synthetic:images={N},seed=5", workers=2)
     b = start_server("--dataset", f"synthetic:images={N},seed=5", workers=2)
     alone = start_server("--dataset", f"synthetic:images={N},seed=5", workers=2)
-    with DataServerClient(
+    with make_client(
         [a.address, b.address],
         batch_size=4,
         image_size=(64, 64),
         stitch_k=4,
         seed=11,
         prefetch=3,
-        device="cpu",
     ) as c:
         two = run_flipping(c, epoch=2, wait_ready=False)
         assert c.stats()["flips"]["promoted"] == len(two) - 1
@@ -200,14 +199,13 @@ def test_a_one_time_set_mode_composes_no_twins_and_keeps_the_depth(
     after the close every image composed is one delivered."""
     n = 400
     server = start_server("--dataset", f"synthetic:images={n},seed=5", workers=2)
-    with DataServerClient(
+    with make_client(
         server.address,
         batch_size=4,
         image_size=(64, 64),
         stitch_k=4,
         stitch_layout="mosaic",
         seed=3,
-        device="cpu",
     ) as c:
         assert c.config.prefetch == 4
         c.set_mode("stitch")
@@ -238,9 +236,7 @@ def test_a_trainer_that_stops_steering_goes_back_to_no_lookahead(start_server: A
     from conftest import wait_until
 
     server = start_server("--dataset", f"synthetic:images={N},seed=5", workers=2)
-    with DataServerClient(
-        server.address, batch_size=2, image_size=(32, 32), stitch_k=4, seed=1, device="cpu"
-    ) as c:
+    with make_client(server.address, batch_size=2, image_size=(32, 32), stitch_k=4, seed=1) as c:
         c.set_epoch(0)
         it = iter(c)
         batches = []

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import zmq
+from clients import make_client
 from conftest import PLUGINS, server_env
 from fuzz_targets import welcome_of as fetch_welcome
 from fuzzing import AUTH, task_header
@@ -18,7 +19,6 @@ from fuzzing import AUTH, task_header
 from dataserver import protocol
 from dataserver.protocol import MsgType
 from dataserver.security import reply_id
-from dataserver_client import DataServerClient
 
 MB = 1 << 20
 
@@ -88,9 +88,7 @@ def test_soak_2000_batches_memory_is_flat_on_both_sides(start_server: Any) -> No
 @pytest.mark.timeout(120)
 def test_a_client_that_stops_reading_is_bounded(start_server: Any) -> None:
     server = start_server("--dataset", "synthetic:images=64,seed=0")
-    with DataServerClient(
-        server.address, batch_size=8, image_size=(256, 256), prefetch=2, device="cpu"
-    ) as c:
+    with make_client(server.address, batch_size=8, image_size=(256, 256), prefetch=2) as c:
         c.set_epoch(0)
         next(iter(c))
         time.sleep(2.0)  # the trainer stalls: nothing more is planned than prefetch allows
@@ -128,7 +126,7 @@ def test_a_client_that_ignores_credit_and_never_reads_is_capped(start_server: An
         sock.close(linger=0)
         ctx.term()
     # ... and everyone else is still served.
-    with DataServerClient(server.address, batch_size=8, image_size=(32, 32), device="cpu") as c:
+    with make_client(server.address, batch_size=8, image_size=(32, 32)) as c:
         c.set_epoch(0)
         assert sum(len(b) for b in c) == 64
 
@@ -162,7 +160,7 @@ def test_twenty_thousand_sessions_asking_the_largest_tasks_leave_the_server_tree
     # plus the store of prepared sources (--cache-gb) once.
     canvas = 3 * side * side
     bound = tree_rss(pids) + len(pids) * (queued_mb * MB + 2 * canvas) + cache_mb * MB + 64 * MB
-    honest = DataServerClient(server.address, batch_size=8, image_size=(64, 64), device="cpu")
+    honest = make_client(server.address, batch_size=8, image_size=(64, 64))
     ctx = zmq.Context()
     socks: list[zmq.Socket[Any]] = []
 
@@ -234,7 +232,7 @@ def test_twenty_thousand_sessions_asking_the_largest_tasks_leave_the_server_tree
         full = stats["sessions"] == 256
         assert full or gone, stats["sessions"]
         time.sleep(5.5)
-        with DataServerClient(server.address, batch_size=8, image_size=(64, 64), device="cpu") as c:
+        with make_client(server.address, batch_size=8, image_size=(64, 64)) as c:
             c.set_epoch(1)
             assert sorted(i for b in c for idx in b.indices for i in idx) == list(range(64))
         assert server.stats()["sessions_evicted"] >= 1 or not full
@@ -291,7 +289,7 @@ def test_a_client_cuts_its_batches_into_tasks_that_fit_the_budget(start_server: 
         "--dataset", "synthetic:images=64,seed=3", "--max-image-side", "256",
         "--max-task-mb", "1", workers=2,
     )  # fmt: skip
-    with DataServerClient(server.address, batch_size=16, image_size=(256, 256), device="cpu") as c:
+    with make_client(server.address, batch_size=16, image_size=(256, 256)) as c:
         c.set_epoch(0)
         batches = list(c)
     assert sorted(i for b in batches for idx in b.indices for i in idx) == list(range(64))

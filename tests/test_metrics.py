@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import zmq
+from clients import make_client
 from conftest import server_env, wait_until
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
@@ -84,11 +85,10 @@ def test_both_endpoints_serve_their_metrics(start_server: Any) -> None:
     )
     port = server.stats()["metrics_port"]
     assert isinstance(port, int) and port > 0
-    with DataServerClient(
+    with make_client(
         server.address,
         batch_size=4,
         image_size=(64, 64),
-        device="cpu",
         shuffle=False,
         metrics_port=0,
     ) as client:
@@ -198,9 +198,7 @@ def test_without_a_store_there_are_no_cache_metrics(start_server: Any) -> None:
 
 def test_metrics_are_off_by_default(synthetic_server: Any) -> None:
     assert synthetic_server.stats()["metrics_port"] is None
-    with DataServerClient(
-        synthetic_server.address, batch_size=4, image_size=(32, 32), device="cpu"
-    ) as client:
+    with make_client(synthetic_server.address, batch_size=4, image_size=(32, 32)) as client:
         stats = client.stats()
         assert stats["metrics_port"] is None
         assert stats["data_wait"]["count"] == 0 and stats["data_wait"]["p50_ms"] is None
@@ -210,11 +208,11 @@ def test_metrics_are_off_by_default(synthetic_server: Any) -> None:
 
 
 def test_two_clients_in_one_process_each_serve_their_own(synthetic_server: Any) -> None:
-    kwargs: dict[str, Any] = {"batch_size": 4, "image_size": (32, 32), "device": "cpu"}
+    kwargs: dict[str, Any] = {"batch_size": 4, "image_size": (32, 32)}
     address = synthetic_server.address
     with (
-        DataServerClient(address, rank=0, world_size=2, metrics_port=0, **kwargs) as a,
-        DataServerClient(address, rank=1, world_size=2, metrics_port=0, **kwargs) as b,
+        make_client(address, rank=0, world_size=2, metrics_port=0, **kwargs) as a,
+        make_client(address, rank=1, world_size=2, metrics_port=0, **kwargs) as b,
     ):
         take(a, 3)
         take(b, 1)
@@ -227,7 +225,7 @@ def test_two_clients_in_one_process_each_serve_their_own(synthetic_server: Any) 
             value(fa, wait, "_count", rank="1")
         # A port that is taken is a clear error at construction.
         with pytest.raises(OSError, match="metrics_port"):
-            DataServerClient(address, metrics_port=a.stats()["metrics_port"], **kwargs)
+            make_client(address, metrics_port=a.stats()["metrics_port"], **kwargs)
 
 
 def test_a_taken_metrics_port_makes_serve_exit_with_one_line() -> None:
@@ -271,4 +269,4 @@ def test_a_bad_metrics_port_is_refused() -> None:
     )
     assert proc.returncode == 2 and "--metrics-port" in proc.stderr
     with pytest.raises(ValueError, match="metrics_port"):
-        DataServerClient("tcp://127.0.0.1:1", metrics_port=-1, device="cpu")
+        make_client("tcp://127.0.0.1:1", metrics_port=-1)

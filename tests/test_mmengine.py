@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from clients import make_client
 
 pytest.importorskip("mmengine")
 
@@ -57,11 +58,11 @@ def test_two_epochs_feedback_reaches_the_next_batch_every_step(
     tmp_path: Path, start_server: Any
 ) -> None:
     from mmengine.structures import BaseDataElement, InstanceData
-    from mmengine_job import RecordHook, make_client, make_runner, scripted_ratio
+    from mmengine_job import RecordHook, job_client, make_runner, scripted_ratio
 
     server = start_server("--dataset", f"synthetic:images={N_IMAGES},seed=2", workers=3)
     record = RecordHook()
-    with make_client(server.address) as client:
+    with job_client(server.address) as client:
         runner = make_runner(client, str(tmp_path), "epoch", 2, [record], name="two-epochs")
         assert len(runner.train_dataloader) == N_IMAGES // 4
         runner.train()
@@ -128,11 +129,11 @@ class ControlHook:
 def test_a_control_flag_from_a_hook_reaches_the_dataset_for_the_next_batch(
     tmp_path: Path, start_server: Any
 ) -> None:
-    from mmengine_job import RecordHook, make_client, make_runner
+    from mmengine_job import RecordHook, job_client, make_runner
 
     server = start_server("--dataset", "ds_plugins:flag", "--dataset-args", '{"n": 32}', workers=2)
     record = RecordHook()
-    with make_client(server.address) as client:
+    with job_client(server.address) as client:
         # IterBasedTrainLoop over more than one epoch (the loader goes on by itself).
         runner = make_runner(
             client,
@@ -244,12 +245,12 @@ def test_killed_and_resumed_from_a_checkpoint_mid_epoch_equals_an_unbroken_run(
 
 
 def test_the_loader_rejects_what_it_cannot_serve(start_server: Any) -> None:
-    from mmengine_job import make_client
+    from mmengine_job import job_client
 
     server = start_server("--dataset", "synthetic:images=8,seed=1", workers=1)
     with pytest.raises(TypeError, match="DataServerClient"):
         DataServerLoader(object())  # type: ignore[arg-type]
-    with make_client(server.address) as client:
+    with job_client(server.address) as client:
         loader = DataServerLoader(client, metainfo={"classes": ("a", "b")})
         assert loader.dataset.metainfo == {"classes": ("a", "b")}
         assert len(loader.dataset) == 8 and len(loader.sampler) == 8 and len(loader) == 2
@@ -284,11 +285,10 @@ def test_another_rank_resumes_from_rank_0s_state(start_server: Any) -> None:
     server = start_server("--dataset", f"synthetic:images={N_IMAGES},seed=4", workers=2)
 
     def client(rank: int, world_size: int = 2) -> DataServerClient:
-        return DataServerClient(
+        return make_client(
             server.address,
             batch_size=4,
             image_size=(64, 64),
-            device="cpu",
             rank=rank,
             world_size=world_size,
         )
@@ -333,7 +333,7 @@ def test_resume_from_an_epoch_end_checkpoint_starts_the_next_epoch(
     """MMEngine's default CheckpointHook saves after each epoch: the resumed run's next
     epoch is the unbroken run's, in the mode the last feedback chose; and a checkpoint
     loaded with ``load_from`` alone (weights, no resume) leaves the loader alone."""
-    from mmengine_job import RecordHook, make_client, make_runner
+    from mmengine_job import RecordHook, job_client, make_runner
 
     # 12 images: batches of steps 0, 1, 2, and step 2's feedback asks for stitching, so
     # the checkpoint after epoch 0 holds a pending switch.
@@ -343,7 +343,7 @@ def test_resume_from_an_epoch_end_checkpoint_starts_the_next_epoch(
         work: Path, epochs: int, resume: bool = False, load_from: str | None = None
     ) -> list[Any]:
         record = RecordHook()
-        with make_client(server.address) as client:
+        with job_client(server.address) as client:
             runner = make_runner(
                 client,
                 str(work),
@@ -427,16 +427,15 @@ def test_a_multiscale_client_trains_and_img_shape_follows_each_batch(
     ``pad_shape`` and ``batch_input_shape`` are its batch's ``image_size``, the schedule's."""
     from mmengine_job import THRESHOLD, make_runner
 
-    from dataserver_client import DataServerClient, MultiScale
+    from dataserver_client import MultiScale
 
     server = start_server("--dataset", f"synthetic:images={N_IMAGES},seed=2", workers=2)
     schedule = MultiScale([48, 64, (80, 64)], every=2)
     record = shape_hook()
-    with DataServerClient(
+    with make_client(
         server.address,
         batch_size=4,
         image_size=schedule,
-        device="cpu",
         seed=5,
         stitch_threshold=THRESHOLD,
     ) as client:
@@ -498,8 +497,8 @@ def test_close_mosaic_hook_switches_to_regular_at_its_epoch(
     record = shape_hook()
 
     def client() -> DataServerClient:
-        return DataServerClient(
-            server.address, batch_size=4, image_size=(64, 64), device="cpu", seed=5,
+        return make_client(
+            server.address, batch_size=4, image_size=(64, 64), seed=5,
             stitch_layout="mosaic",
         )  # fmt: skip
 
@@ -527,9 +526,9 @@ def test_close_mosaic_hook_switches_to_regular_at_its_epoch(
         both = mosaic_runner(c, tmp_path / "b", "epoch", 1, [StitcherFeedbackHook(), hook], "x")
         with pytest.raises(ValueError, match="StitcherFeedbackHook"):
             both.train()
-    from mmengine_job import make_client
+    from mmengine_job import job_client
 
-    with make_client(server.address) as c:
+    with job_client(server.address) as c:
         spatial = mosaic_runner(c, tmp_path / "c", "epoch", 1, [CloseMosaicHook(1)], "y")
         with pytest.raises(ValueError, match="stitch_layout='mosaic'"):
             spatial.train()

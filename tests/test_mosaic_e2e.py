@@ -12,19 +12,20 @@ from typing import Any
 import numpy as np
 import pytest
 from batches import flat_servers, snap
+from clients import make_client
 from conftest import Server
 from ds_plugins import FlatDataset
 
 from dataserver.data.pipeline import compose_one
 from dataserver.protocol import BatchSizes
-from dataserver_client import Batch, DataServerClient
+from dataserver_client import Batch
 from dataserver_client.epoch import epoch_order
 
 pytestmark = pytest.mark.timeout(150)
 
 N = 42  # 5 stitched batches of 2 x 4 samples, then one image of the 2 left
 DATASET = FlatDataset(N)
-KW: dict[str, Any] = {"device": "cpu", "timeout": 20.0, "stitch_layout": "mosaic", "stitch_k": 4}
+KW: dict[str, Any] = {"timeout": 20.0, "stitch_layout": "mosaic", "stitch_k": 4}
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +78,7 @@ def test_each_stitched_image_is_a_mosaic_of_four(
     servers: dict[int, Server], size: tuple[int, int]
 ) -> None:
     seed = 4
-    with DataServerClient(servers[2].address, batch_size=2, image_size=size, seed=seed, **KW) as c:
+    with make_client(servers[2].address, batch_size=2, image_size=size, seed=seed, **KW) as c:
         c.set_mode("stitch")
         c.set_epoch(0)
         batches = list(c)
@@ -103,7 +104,7 @@ def steered_epoch(
     """One epoch with ``set_mode(flips[step])`` called after batch ``step``, each next
     batch checked to honour it; the batches and the client's stats."""
     size = (64, 64)
-    with DataServerClient(
+    with make_client(
         address, batch_size=2, image_size=size, seed=seed, prefetch=prefetch, **KW
     ) as c:
         c.set_epoch(epoch)
@@ -144,7 +145,7 @@ def test_close_mosaic_is_honoured_by_the_next_batch(servers: dict[int, Server]) 
     """Mosaic on for epoch 0 until its step 2, closed there (the next batch is regular,
     one sample an image), and closed between epochs for all of epoch 1."""
     seed, size = 5, (64, 64)
-    with DataServerClient(
+    with make_client(
         servers[2].address, batch_size=2, image_size=size, seed=seed, prefetch=4, **KW
     ) as c:
         c.set_mode("stitch")
@@ -176,4 +177,4 @@ def test_mosaic_batches_are_bit_identical_on_one_and_two_workers(
 @pytest.mark.parametrize("k", [1, 9, 16])
 def test_a_mosaic_takes_four_samples(servers: dict[int, Server], k: int) -> None:
     with pytest.raises(ValueError, match=r"stitch_layout='mosaic' takes 4 samples.*stitch_k=4"):
-        DataServerClient(servers[2].address, **{**KW, "stitch_k": k})
+        make_client(servers[2].address, **{**KW, "stitch_k": k})

@@ -18,6 +18,7 @@ import pytest
 import torch
 from aug_plugins import Jitter
 from batches import flat_servers, snap
+from clients import make_client
 from conftest import Server
 from ds_plugins import FlatDataset
 
@@ -43,7 +44,6 @@ B = 4
 SIZE = (64, 64)
 FLAT = FlatDataset(N)
 KW: dict[str, Any] = {
-    "device": "cpu",
     "timeout": 20.0,
     "batch_size": B,
     "image_size": SIZE,
@@ -111,7 +111,7 @@ def check_window(batches: list[Batch], order: list[int], seed: int) -> None:
 
 def test_an_epoch_is_n_outputs_in_mosaic_and_regular_mode(servers: dict[int, Server]) -> None:
     seed = 3
-    with DataServerClient(servers[2].address, seed=seed, **KW) as c:
+    with make_client(servers[2].address, seed=seed, **KW) as c:
         assert len(c) == math.ceil(N / B) == 11
         c.set_mode("stitch")
         assert len(c) == 11  # (a "consume" mosaic epoch would be 3)
@@ -128,7 +128,7 @@ def test_an_epoch_is_n_outputs_in_mosaic_and_regular_mode(servers: dict[int, Ser
         order = shard(seed, 0)
         first = batches[0].indices[0]
         assert any(order.index(p) > order.index(first[0]) for p in first[1:])
-    with DataServerClient(servers[2].address, seed=seed, drop_last=True, **KW) as c:
+    with make_client(servers[2].address, seed=seed, drop_last=True, **KW) as c:
         c.set_mode("stitch")
         assert len(c) == N // B == 10
         c.set_epoch(1)
@@ -139,7 +139,7 @@ def test_two_ranks_anchor_their_own_shards(servers: dict[int, Server]) -> None:
     seed = 5
     got = []
     for rank in (0, 1):
-        with DataServerClient(servers[2].address, seed=seed, rank=rank, world_size=2, **KW) as c:
+        with make_client(servers[2].address, seed=seed, rank=rank, world_size=2, **KW) as c:
             c.set_mode("stitch")
             assert len(c) == math.ceil(N / 2 / B)
             c.set_epoch(2)
@@ -154,7 +154,7 @@ def steered(
 ) -> tuple[list[Batch], dict[str, Any]]:
     """One epoch with ``set_mode(flips[step])`` after batch ``step``; its batches and the
     client's stats."""
-    with DataServerClient(address, seed=seed, prefetch=3, **{**KW, **kw}) as c:
+    with make_client(address, seed=seed, prefetch=3, **{**KW, **kw}) as c:
         c.set_epoch(1)
         mode, got = "regular", []
         for batch in c:
@@ -197,11 +197,11 @@ def test_flips_deliver_each_anchor_once_and_are_the_same_on_one_and_two_workers(
 
 def test_resume_counts_anchors(servers: dict[int, Server]) -> None:
     seed = 11
-    with DataServerClient(servers[2].address, seed=seed, **KW) as c:
+    with make_client(servers[2].address, seed=seed, **KW) as c:
         c.set_mode("stitch")
         c.set_epoch(0)
         whole = [snap(b) for b in c]
-    with DataServerClient(servers[1].address, seed=seed, **KW) as c:
+    with make_client(servers[1].address, seed=seed, **KW) as c:
         c.set_mode("stitch")
         c.set_epoch(0)
         it = iter(c)
@@ -209,7 +209,7 @@ def test_resume_counts_anchors(servers: dict[int, Server]) -> None:
         state = c.state_dict()
     assert state["mosaic_partners"] == "window" and state["mosaic_p"] == 1.0
     assert state["position"] == 3 * B  # anchors, not 4 x anchors
-    with DataServerClient(servers[2].address, seed=seed, **KW) as c:
+    with make_client(servers[2].address, seed=seed, **KW) as c:
         c.load_state_dict(state)
         assert len(c) == 11
         rest = [snap(b) for b in c]
@@ -217,7 +217,7 @@ def test_resume_counts_anchors(servers: dict[int, Server]) -> None:
     assert [i[0] for b in whole for i in b["indices"]] == shard(seed, 0)
     consume = {**KW, "mosaic_partners": "consume"}
     with (
-        DataServerClient(servers[2].address, seed=seed, **consume) as c,
+        make_client(servers[2].address, seed=seed, **consume) as c,
         pytest.raises(ValueError, match="mosaic_partners"),
     ):
         c.load_state_dict(state)
@@ -226,14 +226,14 @@ def test_resume_counts_anchors(servers: dict[int, Server]) -> None:
 def test_elastic_resume_delivers_the_remaining_anchors_once(servers: dict[int, Server]) -> None:
     seed, taken, states = 13, [], []
     for rank, steps in ((0, 2), (1, 3)):
-        with DataServerClient(servers[2].address, seed=seed, rank=rank, world_size=2, **KW) as c:
+        with make_client(servers[2].address, seed=seed, rank=rank, world_size=2, **KW) as c:
             c.set_mode("stitch")
             c.set_epoch(0)
             it = iter(c)
             taken += anchors([next(it) for _ in range(steps)])
             states.append(c.state_dict(gather=False))
     job = DataServerClient.merge_states(states)
-    with DataServerClient(servers[2].address, seed=seed, rank=0, world_size=1, **KW) as c:
+    with make_client(servers[2].address, seed=seed, rank=0, world_size=1, **KW) as c:
         c.load_state_dict(job)
         rest = list(c)
     assert all(b.mode == "stitch" and b.partners for b in rest)
@@ -242,7 +242,7 @@ def test_elastic_resume_delivers_the_remaining_anchors_once(servers: dict[int, S
 
 def test_mosaic_p_mixes_mosaics_and_regular_images(servers: dict[int, Server]) -> None:
     seed = 17
-    with DataServerClient(servers[2].address, seed=seed, mosaic_p=0.5, **KW) as c:
+    with make_client(servers[2].address, seed=seed, mosaic_p=0.5, **KW) as c:
         c.set_mode("stitch")
         c.set_epoch(0)
         batches = list(c)
@@ -262,7 +262,7 @@ def test_a_failing_partner_leaves_a_three_tile_mosaic() -> None:
     args = ("--dataset", "ds_plugins:failing", "--dataset-args", json.dumps({"n": n, "bad": [bad]}))
     server = Server(*args, workers=1)
     try:
-        with DataServerClient(server.address, seed=seed, on_error="skip", **KW) as c:
+        with make_client(server.address, seed=seed, on_error="skip", **KW) as c:
             c.set_mode("stitch")
             c.set_epoch(0)
             batches = list(c)
@@ -288,7 +288,7 @@ def test_a_partner_that_kills_workers_is_left_out_not_its_anchor() -> None:
     server = Server(*args, workers=2)
     try:
         kw = {**KW, "timeout": 60.0, "batch_size": 2}
-        with DataServerClient(server.address, seed=seed, on_error="skip", **kw) as c:
+        with make_client(server.address, seed=seed, on_error="skip", **kw) as c:
             c.set_mode("stitch")
             c.set_epoch(0)
             batches = list(c)
@@ -307,7 +307,7 @@ def test_partners_are_augmented_for_their_anchor_and_cell() -> None:
     args = ("--dataset", "aug_plugins:jitter", "--dataset-args", json.dumps({"n": n}))
     server = Server(*args, workers=2)
     try:
-        with DataServerClient(server.address, seed=seed, **KW) as c:
+        with make_client(server.address, seed=seed, **KW) as c:
             c.set_mode("stitch")
             c.set_epoch(0)
             batches = list(c)
@@ -346,12 +346,12 @@ def test_bad_parameters_are_refused_by_name(
     servers: dict[int, Server], kw: dict[str, Any], match: str
 ) -> None:
     with pytest.raises(ValueError, match=match):
-        DataServerClient(servers[1].address, **{**KW, **kw})
+        make_client(servers[1].address, **{**KW, **kw})
 
 
 def test_consume_stays_the_default(servers: dict[int, Server]) -> None:
     kw = {k: v for k, v in KW.items() if k != "mosaic_partners"}
-    with DataServerClient(servers[1].address, seed=1, **kw) as c:
+    with make_client(servers[1].address, seed=1, **kw) as c:
         c.set_mode("stitch")
         assert len(c) == math.ceil(N / (4 * B))
         c.set_epoch(0)

@@ -20,12 +20,13 @@ import numpy as np
 import pytest
 import torch
 from batches import flat_servers, snap
+from clients import make_client
 from conftest import Server, wait_until
 from ds_plugins import FlatDataset, colour_of
 
 from dataserver.data.pipeline import compose_one
 from dataserver.protocol import BatchSizes
-from dataserver_client import Batch, DataServerClient, DataServerError, MultiScale, StepSizes
+from dataserver_client import Batch, DataServerError, MultiScale, StepSizes
 from dataserver_client.epoch import epoch_order
 from dataserver_client.sizes import MAX_STEPS, schedule_of
 
@@ -35,7 +36,7 @@ N = 48
 DATASET = FlatDataset(N)
 SIZES = [(32, 32), (48, 64), (64, 48)]
 SEED = 2  # a seed whose schedule changes within epoch 0 and differs in epoch 1 (asserted)
-KW: dict[str, Any] = {"device": "cpu", "timeout": 20.0}
+KW: dict[str, Any] = {"timeout": 20.0}
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +112,7 @@ def test_set_image_size_is_honoured_by_the_very_next_batch(
     feedback_seq counting the calls; the epoch still delivers each index once, in the
     epoch's order, as if the size had never changed."""
     changes = {0: (40, 40), 2: (48, 64), 3: (96, 80), 7: (32, 48), 8: (64, 64)}
-    with DataServerClient(
+    with make_client(
         servers[2].address, batch_size=3, image_size=(32, 32), prefetch=prefetch, seed=1, **KW
     ) as c:
         assert c.image_size == (32, 32)
@@ -142,7 +143,7 @@ def test_sizes_and_mode_flips_together_are_each_honoured_at_once(
     """Random steering (mode flips, through the lookahead, and size changes) on most
     steps: every next batch has the mode and size last asked for; exactly once holds."""
     rnd = random.Random(17 if layout == "spatial" else 18)
-    with DataServerClient(
+    with make_client(
         servers[2].address,
         batch_size=2,
         image_size=(48, 48),
@@ -206,7 +207,7 @@ def test_multiscale_batches_follow_the_schedule_the_same_on_every_client(
     ms = MultiScale(SIZES, every=3)
     runs = []
     for server in (servers[2], servers[2]):
-        with DataServerClient(
+        with make_client(
             server.address, batch_size=2, image_size=ms, seed=SEED, prefetch=4, **KW
         ) as c:
             assert c.image_size == ms
@@ -230,7 +231,7 @@ def test_ranks_take_the_same_size_at_the_same_step(servers: dict[int, Server]) -
     ms = MultiScale(SIZES, every=3)
     per_rank = []
     for rank in (0, 1):
-        with DataServerClient(
+        with make_client(
             servers[2].address,
             batch_size=2,
             image_size=ms,
@@ -257,7 +258,7 @@ def test_multiscale_is_bit_identical_on_one_and_two_workers(
     runs = []
     for workers in (1, 2):
         stitch = "spatial" if layout == "regular" else layout
-        with DataServerClient(
+        with make_client(
             servers[workers].address,
             batch_size=2,
             image_size=ms,
@@ -298,13 +299,13 @@ def test_bad_sizes_are_refused_naming_what_is_wrong(servers: dict[int, Server]) 
     with pytest.raises(ValueError, match="sequence of sizes"):
         MultiScale("32")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="image_size"):
-        DataServerClient(servers[2].address, image_size=(0, 32), **KW)
+        make_client(servers[2].address, image_size=(0, 32), **KW)
     with pytest.raises(ValueError, match="exceeds 16384"):
-        DataServerClient(servers[2].address, image_size=MultiScale([32, 20000]), **KW)
+        make_client(servers[2].address, image_size=MultiScale([32, 20000]), **KW)
     # Beyond what these servers compose (--max-image-side 4096): known once they answered.
     with pytest.raises(DataServerError, match=r"at most 4096 pixels a side.*--max-image-side"):
-        DataServerClient(servers[2].address, image_size=MultiScale([32, (64, 5000)]), **KW)
-    with DataServerClient(servers[2].address, batch_size=2, image_size=(32, 32), **KW) as c:
+        make_client(servers[2].address, image_size=MultiScale([32, (64, 5000)]), **KW)
+    with make_client(servers[2].address, batch_size=2, image_size=(32, 32), **KW) as c:
         with pytest.raises(ValueError, match=r"set_image_size must be positive"):
             c.set_image_size((0, 5))
         with pytest.raises(ValueError, match=r"set_image_size must be an int or \(h, w\)"):
@@ -331,7 +332,7 @@ def test_a_state_carries_the_size_set_and_a_resume_keeps_it(servers: dict[int, S
     another size that loads it goes on at (48, 64) with exactly the remaining samples,
     bit-identical to the unbroken run, and keeps the size in the next epoch."""
     kw = {"batch_size": 3, "seed": 5, **KW}
-    with DataServerClient(servers[2].address, image_size=(32, 32), **kw) as c:
+    with make_client(servers[2].address, image_size=(32, 32), **kw) as c:
         c.set_epoch(0)
         it = iter(c)
         first = [snap(next(it)) for _ in range(3)]
@@ -341,7 +342,7 @@ def test_a_state_carries_the_size_set_and_a_resume_keeps_it(servers: dict[int, S
         rest = [snap(b) for b in it]
     assert schedule_of(state["image_size"]).sizes == ((48, 64),) and state["position"] == 15
     state = msgpack.unpackb(msgpack.packb(state))
-    with DataServerClient(servers[1].address, image_size=(40, 40), **kw) as c:
+    with make_client(servers[1].address, image_size=(40, 40), **kw) as c:
         c.load_state_dict(state)
         assert c.image_size == (48, 64)
         resumed = [snap(b) for b in c]
@@ -357,7 +358,7 @@ def test_an_elastic_resume_keeps_the_size(servers: dict[int, Server]) -> None:
     """A world_size 1 state at (48, 64) loaded by 2 ranks: together they deliver exactly
     the undelivered samples, every batch at (48, 64)."""
     kw = {"batch_size": 3, "seed": 6, **KW}
-    with DataServerClient(servers[2].address, image_size=(32, 32), **kw) as c:
+    with make_client(servers[2].address, image_size=(32, 32), **kw) as c:
         c.set_epoch(2)
         it = iter(c)
         taken = delivered([next(it) for _ in range(2)])
@@ -367,7 +368,7 @@ def test_an_elastic_resume_keeps_the_size(servers: dict[int, Server]) -> None:
     assert state["world_size"] == 1 and schedule_of(state["image_size"]).sizes == ((48, 64),)
     parts, steps = [], []
     for rank in (0, 1):
-        with DataServerClient(
+        with make_client(
             servers[2].address, image_size=(64, 64), rank=rank, world_size=2, **kw
         ) as c:
             c.load_state_dict(state)
@@ -387,7 +388,7 @@ def test_a_multiscale_state_round_trips(servers: dict[int, Server]) -> None:
     unbroken run."""
     ms = MultiScale(SIZES, every=2)
     kw = {"batch_size": 2, "seed": SEED, **KW}
-    with DataServerClient(servers[2].address, image_size=(40, 40), **kw) as c:
+    with make_client(servers[2].address, image_size=(40, 40), **kw) as c:
         c.set_epoch(1)
         it = iter(c)
         head = [snap(next(it)) for _ in range(2)]
@@ -400,7 +401,7 @@ def test_a_multiscale_state_round_trips(servers: dict[int, Server]) -> None:
     assert schedule_of(saved) == ms
     assert [b["image_size"] for b in head[2:]] == [ms.size_at(SEED, 1, s) for s in range(2, 7)]
     state = json.loads(json.dumps(state))
-    with DataServerClient(servers[1].address, image_size=(32, 32), **kw) as c:
+    with make_client(servers[1].address, image_size=(32, 32), **kw) as c:
         c.load_state_dict(state)
         assert c.image_size == ms
         resumed = [snap(b) for b in c]
@@ -486,7 +487,7 @@ def test_step_sizes_batches_come_at_their_sizes_and_a_resume_continues(
     st = StepSizes(STEPS)
     kw = {"batch_size": 2, "seed": SEED, **KW}
     want = [st.size_at(SEED, 0, k) for k in range(N // 2)]
-    with DataServerClient(servers[2].address, image_size=st, prefetch=4, **kw) as c:
+    with make_client(servers[2].address, image_size=st, prefetch=4, **kw) as c:
         assert c.image_size == st
         version = c.stats()["plan_version"]
         for epoch in (0, 1):
@@ -506,7 +507,7 @@ def test_step_sizes_batches_come_at_their_sizes_and_a_resume_continues(
     assert state["step"] == 5 and schedule_of(state["image_size"]) == st
     assert [b["image_size"] for b in head] == STEPS[:5]
     state = json.loads(json.dumps(state))
-    with DataServerClient(servers[1].address, image_size=(40, 40), **kw) as c:
+    with make_client(servers[1].address, image_size=(40, 40), **kw) as c:
         c.load_state_dict(state)
         assert c.image_size == st
         resumed = [snap(b) for b in c]
@@ -520,7 +521,7 @@ def test_step_sizes_set_before_the_epoch_and_refused_beyond_the_servers(
 ) -> None:
     """``set_image_size(StepSizes)`` before an epoch starts is the schedule of its steps
     from 0; a listed size the servers would refuse is refused at the call."""
-    with DataServerClient(servers[2].address, batch_size=4, image_size=(32, 32), **KW) as c:
+    with make_client(servers[2].address, batch_size=4, image_size=(32, 32), **KW) as c:
         with pytest.raises(ValueError, match=r"\(64, 4097\).*--max-image-side 4096"):
             c.set_image_size(StepSizes([32, (64, 4097)]))
         with pytest.raises(ValueError, match="too small for a 2x2 stitch"):
@@ -553,7 +554,7 @@ def test_sources_are_stored_once_at_the_schedules_largest_size(start_server: Any
         return got.get("sources_decoded", 0), got.get("sources_reused", 0)
 
     ms = MultiScale(SIZES, every=1)
-    with DataServerClient(server.address, batch_size=4, image_size=ms, seed=SEED, **KW) as c:
+    with make_client(server.address, batch_size=4, image_size=ms, seed=SEED, **KW) as c:
         c.set_epoch(0)
         first = list(c)
         assert sorted(delivered(first)) == list(range(N))

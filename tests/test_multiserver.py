@@ -6,9 +6,8 @@ from typing import Any
 
 import pytest
 import torch
+from clients import make_client
 from conftest import wait_until
-
-from dataserver_client import DataServerClient
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -21,9 +20,7 @@ def idle(server: Any) -> bool:
 def test_client_spreads_tasks_over_two_servers(start_server: Any) -> None:
     a = start_server("--dataset", "synthetic:images=64,seed=2", workers=2)
     b = start_server("--dataset", "synthetic:images=64,seed=2", workers=2)
-    with DataServerClient(
-        [a.address, b.address], batch_size=8, image_size=(64, 64), device="cpu"
-    ) as client:
+    with make_client([a.address, b.address], batch_size=8, image_size=(64, 64)) as client:
         client.set_epoch(0)
         batches = list(client)
         assert wait_until(lambda: idle(a) and idle(b), 10)
@@ -40,7 +37,7 @@ def test_client_spreads_tasks_over_two_servers(start_server: Any) -> None:
     tasks = [a.stats()["counters"]["tasks_done"], b.stats()["counters"]["tasks_done"]]
     assert per_server == {a.address: tasks[0], b.address: tasks[1]}
     # Same batches as from one server alone.
-    with DataServerClient(a.address, batch_size=8, image_size=(64, 64), device="cpu") as single:
+    with make_client(a.address, batch_size=8, image_size=(64, 64)) as single:
         single.set_epoch(0)
         for x, y in zip(batches, single, strict=True):
             assert x.indices == y.indices and torch.equal(x.images, y.images)
@@ -50,7 +47,7 @@ def test_servers_with_different_datasets_are_refused(start_server: Any) -> None:
     a = start_server("--dataset", "synthetic:images=64,seed=2", workers=1)
     b = start_server("--dataset", "synthetic:images=64,seed=3", workers=1)
     with pytest.raises(Exception, match="servers disagree on the dataset"):
-        DataServerClient([a.address, b.address], device="cpu", timeout=5)
+        make_client([a.address, b.address], timeout=5)
 
 
 @pytest.mark.parametrize(
@@ -66,7 +63,7 @@ def test_results_come_straight_from_workers_or_through_the_front(
 ) -> None:
     direct = transport is not None
     server = start_server("--dataset", "synthetic:images=48,seed=2", *flags, workers=2)
-    with DataServerClient(server.address, batch_size=8, image_size=(64, 64), device="cpu") as c:
+    with make_client(server.address, batch_size=8, image_size=(64, 64)) as c:
         c.set_epoch(0)
         assert sorted(i for b in c for idx in b.indices for i in idx) == list(range(48))
         endpoints = c._engine.links.links[0].result_endpoints if c._engine.links else set()

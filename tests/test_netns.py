@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from clients import make_client
 from conftest import Server, wait_until
 from netns_nodes import Cluster, NsServer, Ranks, ip, publish, start_node_servers
 
-from dataserver_client import DataServerClient
 from dataserver_client.epoch import epoch_order, shard_of
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.netns]
@@ -74,11 +74,10 @@ def test_a_server_cut_off_mid_epoch_hands_over_and_is_taken_back(
     remote = NsServer(host.ns, *dataset, workers=2, bind=f"tcp://{host.there_ip}:0")
     try:
         local = start_server(*dataset, workers=2)
-        with DataServerClient(
+        with make_client(
             [remote.address, local.address],
             batch_size=8,
             image_size=(32, 32),
-            device="cpu",
             timeout=30,
         ) as c:
             c.set_epoch(0)
@@ -128,9 +127,7 @@ def test_a_link_that_flaps_mid_epoch_costs_time_not_samples(host: Host) -> None:
     dataset = ("--dataset", "ds_plugins:slow", "--dataset-args", json.dumps({"n": 96, "ms": 15}))
     remote = NsServer(host.ns, *dataset, workers=2, bind=f"tcp://{host.there_ip}:0")
     try:
-        with DataServerClient(
-            remote.address, batch_size=8, image_size=(32, 32), device="cpu", timeout=30
-        ) as c:
+        with make_client(remote.address, batch_size=8, image_size=(32, 32), timeout=30) as c:
             c.set_epoch(0)
             got = []
             start = time.monotonic()

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from clients import make_client
 
 from dataserver_client import DataServerClient
 
@@ -26,10 +27,8 @@ def server() -> Iterator[Any]:
     s.stop()
 
 
-def make_client(server: Any, **kwargs: Any) -> DataServerClient:
-    return DataServerClient(
-        server.address, batch_size=4, image_size=(64, 64), device="cpu", **kwargs
-    )
+def client_of(server: Any, **kwargs: Any) -> DataServerClient:
+    return make_client(server.address, batch_size=4, image_size=(64, 64), **kwargs)
 
 
 def projected(taken: int, consumed: int, mode: str, drop_last: bool = False) -> int:
@@ -42,7 +41,7 @@ def projected(taken: int, consumed: int, mode: str, drop_last: bool = False) -> 
 def test_len_is_the_epoch_in_the_current_mode_and_follows_switches(
     server: Any, drop_last: bool
 ) -> None:
-    with make_client(server, drop_last=drop_last) as client:
+    with client_of(server, drop_last=drop_last) as client:
         assert len(client) == projected(0, 0, "regular", drop_last)
         client.set_mode("stitch")
         assert len(client) == projected(0, 0, "stitch", drop_last)
@@ -64,13 +63,13 @@ def test_len_is_the_epoch_in_the_current_mode_and_follows_switches(
 
 
 def test_len_after_a_loaded_state_counts_the_whole_epoch(server: Any) -> None:
-    with make_client(server) as client:
+    with client_of(server) as client:
         it = iter(client)
         for _ in range(3):
             next(it)
         client.set_mode("stitch")
         state = client.state_dict()
-    with make_client(server) as client:
+    with client_of(server) as client:
         client.load_state_dict(state)
         assert len(client) == 3 + math.ceil((N - 12) / 16)
         rest = list(client)
@@ -79,7 +78,7 @@ def test_len_after_a_loaded_state_counts_the_whole_epoch(server: Any) -> None:
 
 def test_tqdm_over_the_client_stays_sensible_under_mode_switches(server: Any) -> None:
     tqdm = pytest.importorskip("tqdm").tqdm
-    with make_client(server) as client:
+    with client_of(server) as client:
         # Plain tqdm(client): its total is len() when the bar starts; stitching ends the
         # epoch early, the count never passes the total and every batch is counted.
         out = io.StringIO()

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from clients import make_client
 from conftest import wait_until
 
 pytestmark = [
@@ -176,19 +177,17 @@ def tiers(rig: Rig) -> Iterator[Callable[..., Any]]:
 
 
 def client_for(address: str, **kw: Any) -> Any:
-    from dataserver_client import DataServerClient
 
     kw = {
         "batch_size": 8,
         "image_size": (32, 32),
         "rank": 0,
         "world_size": 1,
-        "device": "cpu",
         "discovery_interval": 0.2,
         "timeout": 60.0,
         **kw,
     }
-    return DataServerClient(address, **kw)
+    return make_client(address, **kw)
 
 
 def exactly_once(indices: list[int], n: int) -> None:

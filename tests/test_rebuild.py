@@ -17,6 +17,7 @@ from typing import Any
 import msgpack
 import pytest
 from batches import snap
+from clients import make_client
 from conftest import Server
 from ds_plugins import colour_of
 
@@ -27,7 +28,7 @@ pytestmark = pytest.mark.timeout(180)
 
 N = 40
 SIZES = [(32, 32), (48, 64), (64, 48)]
-KW: dict[str, Any] = {"device": "cpu", "timeout": 20.0}
+KW: dict[str, Any] = {"timeout": 20.0}
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +80,7 @@ def test_a_rebuilt_batch_is_bit_identical_from_any_client(
 ) -> None:
     settings, flips = CONFIGS[name]
     seed = 11
-    with DataServerClient(
+    with make_client(
         servers[2].address, batch_size=2, seed=seed, prefetch=3, **settings, **KW
     ) as c:
         if -1 in flips:
@@ -107,7 +108,7 @@ def test_a_rebuilt_batch_is_bit_identical_from_any_client(
         check_rebuilt(c, recorded[::2])
     # Another client of the same server: another seed, size, layout and mode, mid-epoch.
     other_layout = "spatial" if settings.get("stitch_layout") == "mosaic" else "mosaic"
-    with DataServerClient(
+    with make_client(
         servers[2].address,
         batch_size=3,
         seed=99,
@@ -138,7 +139,7 @@ def test_a_rebuild_uses_the_manifests_control_values_not_the_current_ones(
 ) -> None:
     address = servers["merge"].address
     kw = {"batch_size": 2, "image_size": (48, 48), "seed": 3, "prefetch": 3, **KW}
-    with DataServerClient(address, **kw) as c:
+    with make_client(address, **kw) as c:
         c.set_epoch(0)
         it = iter(c)
         plain = next(it)
@@ -174,7 +175,7 @@ def test_a_rebuild_uses_the_manifests_control_values_not_the_current_ones(
         for b in rest:
             merge_pixel(b, 50, 3)
         assert sorted(indices_of([first, after, *rest])) == list(range(32))
-    with DataServerClient(address, **kw) as fresh:  # one that never set any values
+    with make_client(address, **kw) as fresh:  # one that never set any values
         check_rebuilt(fresh, recorded)
         fresh.set_epoch(0)
         merge_pixel(next(iter(fresh)), 0, 0)
@@ -184,7 +185,7 @@ def test_rebuilding_does_not_disturb_the_running_epoch(servers: dict[Any, Server
     """Rebuilds of earlier batches between the epoch's own (with mode flips): every batch
     honours the latest steering, steps run on, the epoch delivers each index once."""
     seed = 21
-    with DataServerClient(
+    with make_client(
         servers[2].address, batch_size=2, image_size=(48, 48), seed=seed, prefetch=4, **KW
     ) as c:
         c.set_epoch(0)
@@ -212,7 +213,7 @@ def test_rebuilds_from_another_thread_while_the_trainer_steers(
     batches, flips modes and sizes (each a new plan: the rebuilds in flight are planned
     again): every rebuild is right, and the epoch is exactly once and never stale."""
     seed = 8
-    with DataServerClient(
+    with make_client(
         servers[2].address, batch_size=2, image_size=(48, 48), seed=seed, prefetch=3, **KW
     ) as c:
         c.set_epoch(1)
@@ -259,7 +260,7 @@ def test_a_manifest_is_plain_data(servers: dict[Any, Server]) -> None:
     """JSON and msgpack round-trip it unchanged; the JSON copy rebuilds the batch, on
     another server of the same dataset too."""
     ms = MultiScale(SIZES, every=1)
-    with DataServerClient(
+    with make_client(
         servers[2].address, batch_size=3, image_size=ms, stitch_layout="mosaic", seed=4, **KW
     ) as c:
         c.set_mode("stitch")
@@ -298,7 +299,7 @@ def test_a_manifest_is_plain_data(servers: dict[Any, Server]) -> None:
     assert json.loads(text) == manifest
     assert msgpack.unpackb(msgpack.packb(manifest)) == manifest
     for workers in (1, 2):
-        with DataServerClient(servers[workers].address, image_size=(32, 32), **KW) as other:
+        with make_client(servers[workers].address, image_size=(32, 32), **KW) as other:
             assert snap(other.rebuild(json.loads(text))) == want
             assert snap(other.rebuild(msgpack.unpackb(msgpack.packb(manifest)))) == want
 
@@ -359,7 +360,7 @@ BAD: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
 
 
 def test_a_bad_manifest_is_refused_naming_its_field(servers: dict[Any, Server]) -> None:
-    with DataServerClient(servers[2].address, batch_size=2, image_size=(48, 64), seed=1, **KW) as c:
+    with make_client(servers[2].address, batch_size=2, image_size=(48, 64), seed=1, **KW) as c:
         c.set_epoch(0)
         it = iter(c)
         batch = next(it)

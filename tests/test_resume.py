@@ -12,9 +12,8 @@ from typing import Any
 import msgpack
 import pytest
 import torch
+from clients import make_client
 from conftest import PLUGINS, server_env
-
-from dataserver_client import DataServerClient
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -50,9 +49,7 @@ def test_resume_in_a_new_process_continues_exactly(
 
 
 def test_state_is_small_plain_versioned_data(synthetic_server: Any) -> None:
-    with DataServerClient(
-        synthetic_server.address, batch_size=8, image_size=(32, 32), device="cpu"
-    ) as c:
+    with make_client(synthetic_server.address, batch_size=8, image_size=(32, 32)) as c:
         c.set_epoch(4)
         it = iter(c)
         next(it)
@@ -69,13 +66,9 @@ def test_state_is_small_plain_versioned_data(synthetic_server: Any) -> None:
 
 
 def test_mismatched_state_is_refused(synthetic_server: Any) -> None:
-    with DataServerClient(
-        synthetic_server.address, batch_size=8, image_size=(32, 32), device="cpu"
-    ) as c:
+    with make_client(synthetic_server.address, batch_size=8, image_size=(32, 32)) as c:
         state = c.state_dict()
-    with DataServerClient(
-        synthetic_server.address, batch_size=4, image_size=(32, 32), device="cpu"
-    ) as c:
+    with make_client(synthetic_server.address, batch_size=4, image_size=(32, 32)) as c:
         with pytest.raises(ValueError, match="batch_size"):
             c.load_state_dict(state)
         with pytest.raises(ValueError, match="version"):

@@ -15,12 +15,13 @@ from typing import Any
 
 import pytest
 import zmq
+from clients import make_client
 from fuzzing import task_header
 
 from dataserver import protocol
 from dataserver.admin import fetch_stats
 from dataserver.protocol import MsgType
-from dataserver_client import DataServerClient, DataServerError, NotAuthorized
+from dataserver_client import DataServerError, NotAuthorized
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -91,7 +92,7 @@ class Relay:
 
 def epoch_indices(address: str, **options: Any) -> list[int]:
     """One epoch's indices, sorted, from a client of ``address``."""
-    with DataServerClient(address, batch_size=8, image_size=(32, 32), device="cpu", **options) as c:
+    with make_client(address, batch_size=8, image_size=(32, 32), **options) as c:
         c.set_epoch(0)
         return sorted(i for b in c for idx in b.indices for i in idx)
 
@@ -215,10 +216,10 @@ def test_unknown_key_gets_a_clear_error_within_its_timeout(start_server: Any, ke
     server = curve_server(start_server, keys, "--dataset", "synthetic:images=48,seed=1")
     start = time.monotonic()
     with pytest.raises(NotAuthorized, match=f"not authorized by {server.address}"):
-        DataServerClient(server.address, device="cpu", timeout=10, **client_keys(keys, "intruder"))
+        make_client(server.address, timeout=10, **client_keys(keys, "intruder"))
     assert time.monotonic() - start < 10
     with pytest.raises(DataServerError, match=server.address.replace(".", r"\.")):
-        DataServerClient(server.address, device="cpu", timeout=2)  # no CURVE at all
+        make_client(server.address, timeout=2)  # no CURVE at all
     assert server.proc.poll() is None  # the server itself is unharmed and serves others
     assert epoch_indices(server.address, **client_keys(keys)) == list(range(48))
     stats = subprocess.run(
@@ -270,9 +271,7 @@ def test_a_session_is_bound_to_the_key_that_opened_it(start_server: Any, keys: P
     server = curve_server(
         start_server, keys, "--dataset", "ds_plugins:flat", "--dataset-args", '{"n": 48}'
     )
-    victim = DataServerClient(
-        server.address, batch_size=8, image_size=(32, 32), device="cpu", **client_keys(keys)
-    )
+    victim = make_client(server.address, batch_size=8, image_size=(32, 32), **client_keys(keys))
     session = next(iter(victim._engine.links or ())).session
     welcome = welcome_over_curve(server.address, keys, "intruder")
     ctx = zmq.Context()

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import zmq
+from clients import make_client
 from fuzzing import task_header
 
 from dataserver import protocol
@@ -52,8 +53,8 @@ def connected(ctx: zmq.Context[Any], kind: int, address: str) -> zmq.Socket[Any]
 
 
 def job(address: str, control: dict[str, Any] | None, **kwargs: Any) -> list[str]:
-    with DataServerClient(
-        address, batch_size=8, image_size=(32, 32), device="cpu", seed=1, timeout=20, **kwargs
+    with make_client(
+        address, batch_size=8, image_size=(32, 32), seed=1, timeout=20, **kwargs
     ) as client:
         if control:
             client.control(**control)
@@ -119,8 +120,8 @@ def test_a_long_job_outlives_many_sessions_passing_through_its_worker(
     long_merge = ("--dataset", "ds_plugins:merge", "--dataset-args", '{"n": 256}')
     server = start_server(*long_merge, workers=1)
     reference = job(start_server(*long_merge, workers=1).address, {"tint": 55})
-    with DataServerClient(
-        server.address, batch_size=8, image_size=(32, 32), device="cpu", seed=1, timeout=20
+    with make_client(
+        server.address, batch_size=8, image_size=(32, 32), seed=1, timeout=20
     ) as client:
         client.control(tint=55)
         client.set_epoch(0)
@@ -176,8 +177,8 @@ def test_knowing_a_session_id_is_not_enough_to_act_for_it(start_server: Any) -> 
     stop = threading.Event()
     sent = 0
     try:
-        with DataServerClient(
-            server.address, batch_size=8, image_size=(32, 32), device="cpu", seed=1, timeout=20
+        with make_client(
+            server.address, batch_size=8, image_size=(32, 32), seed=1, timeout=20
         ) as victim:
             victim.control(tint=9)
             # The leak the issue describes, given for free: its id on this server.
@@ -277,9 +278,7 @@ def test_two_honest_jobs_and_a_hostile_client_on_one_server(start_server: Any) -
     from fuzz_targets import run_control_port, run_data_port
 
     def make(address: str) -> DataServerClient:
-        return DataServerClient(
-            address, batch_size=8, image_size=(32, 32), device="cpu", seed=2, timeout=30
-        )
+        return make_client(address, batch_size=8, image_size=(32, 32), seed=2, timeout=30)
 
     def run_a(client: DataServerClient) -> list[str]:
         client.control(tint=100, label_shift=2)

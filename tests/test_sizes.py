@@ -12,6 +12,7 @@ import cv2
 import msgpack
 import numpy as np
 import pytest
+from clients import make_client
 from fuzzing import VALID
 
 from dataserver.data.pipeline import compose_one
@@ -19,7 +20,6 @@ from dataserver.data.spec import SpecError, dataset_sizes
 from dataserver.data.yolo_set import YoloVal, yolo_set
 from dataserver.protocol import MAGIC, BatchSizes, MsgType, ProtocolError, Welcome, decode
 from dataserver.protocol.messages import MAX_SIZES
-from dataserver_client import DataServerClient
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -144,8 +144,8 @@ def test_client_reads_the_sizes(start_server: Any, tmp_path: Path) -> None:
     args = json.dumps({"annotations": str(path), "mode": "val", "imgsz": 64})
     val = start_server("--dataset", "dataserver.data.yolo_set:yolo_set", "--dataset-args", args)
     plain = start_server("--dataset", f"coco:{path}")
-    kw: dict[str, Any] = {"batch_size": 2, "image_size": (96, 96), "device": "cpu"}
-    with DataServerClient(val.address, **kw) as client:
+    kw: dict[str, Any] = {"batch_size": 2, "image_size": (96, 96)}
+    with make_client(val.address, **kw) as client:
         assert client.sizes == [(50, 100), (30, 40), (100, 50)]
-    with DataServerClient(plain.address, **kw) as client:
+    with make_client(plain.address, **kw) as client:
         assert client.sizes == []

@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 import torch
+from clients import make_client
 
 from dataserver.data.transforms import fit_size
-from dataserver_client import DataServerClient
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -55,8 +55,8 @@ def check_cell(
 @pytest.mark.parametrize(("k", "grid"), [(4, 2), (9, 3)])
 def test_spatial_stitch_cells_and_boxes_match_indices(flat_server: Any, k: int, grid: int) -> None:
     H, W = 180, 240
-    with DataServerClient(
-        flat_server.address, batch_size=3, image_size=(H, W), stitch_k=k, device="cpu", prefetch=2
+    with make_client(
+        flat_server.address, batch_size=3, image_size=(H, W), stitch_k=k, prefetch=2
     ) as c:
         c.set_mode("stitch")
         c.set_epoch(0)
@@ -88,12 +88,11 @@ def test_spatial_stitch_cells_and_boxes_match_indices(flat_server: Any, k: int, 
 
 
 def test_batch_layout_gives_k_times_more_images_at_cell_size(flat_server: Any) -> None:
-    with DataServerClient(
+    with make_client(
         flat_server.address,
         batch_size=3,
         image_size=(128, 160),
         stitch_layout="batch",
-        device="cpu",
     ) as c:
         c.set_mode("stitch")
         c.set_epoch(0)
@@ -111,9 +110,7 @@ def test_batch_layout_gives_k_times_more_images_at_cell_size(flat_server: Any) -
 
 
 def test_drop_last_drops_a_short_stitched_batch(flat_server: Any) -> None:
-    with DataServerClient(
-        flat_server.address, batch_size=3, image_size=(64, 64), drop_last=True, device="cpu"
-    ) as c:
+    with make_client(flat_server.address, batch_size=3, image_size=(64, 64), drop_last=True) as c:
         c.set_mode("stitch")
         c.set_epoch(0)
         batches = list(c)

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from clients import make_client
 
 from dataserver_client.stitcher import small_object_loss_ratio
 from dataserver_client.tinydet import TinyDetector
@@ -87,11 +88,9 @@ def test_torchvision_faster_rcnn_probe_reports_a_ratio(start_server: Any) -> Non
     sys.path.insert(0, str(ROOT / "examples"))
     from train_detector import build_model
 
-    from dataserver_client import DataServerClient
-
     server = start_server("--dataset", "synthetic:images=16,seed=0", workers=1)
     model, step = build_model("fasterrcnn", (384, 384), torch.device("cpu"))
-    with DataServerClient(server.address, batch_size=2, image_size=(384, 384), device="cpu") as c:
+    with make_client(server.address, batch_size=2, image_size=(384, 384)) as c:
         c.set_epoch(0)
         batch = next(iter(c))
         loss, ratio = step(model, batch.images, batch.targets)

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import pytest
 import zmq
+from clients import make_client
 from conftest import TESTS, server_env, wait_until
 
 from dataserver import protocol
@@ -33,7 +34,6 @@ from dataserver.data.pipeline import Source, fit
 from dataserver.data.sample import Sample
 from dataserver.protocol import MsgType, Ready, Result, decode
 from dataserver.server.store import SEALS, Store, StoreUnusable, _layout, store_key
-from dataserver_client import DataServerClient
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -559,7 +559,7 @@ def test_a_store_is_sized_within_its_memory_cgroup_and_filled_without_being_kill
 
 
 def epoch_of(address: str, epoch: int) -> list[Any]:
-    with DataServerClient(address, batch_size=8, image_size=(64, 64), device="cpu") as c:
+    with make_client(address, batch_size=8, image_size=(64, 64)) as c:
         c.set_epoch(epoch)
         return list(c)
 
@@ -640,10 +640,10 @@ DRIVER_HEAD = textwrap.dedent(
     sys.path.insert(0, {str(TESTS)!r})
     from conftest import Server, wait_until
     from fuzz_targets import welcome_of
-    from dataserver_client import DataServerClient
+    from clients import make_client
 
     def epoch(address, e):
-        with DataServerClient(address, batch_size=8, image_size=(64, 64), device="cpu") as c:
+        with make_client(address, batch_size=8, image_size=(64, 64)) as c:
             c.set_epoch(e)
             return sorted(i for b in c for idx in b.indices for i in idx)
     """

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from clients import make_client
 from conftest import Server, server_env, wait_until
 
 pytestmark = pytest.mark.timeout(300)
@@ -160,11 +161,12 @@ def test_sigterm_drains_a_server_under_a_running_epoch(
 
 
 def test_a_draining_server_takes_no_new_client_and_reports_it(start_server: Any) -> None:
-    from dataserver_client import DataServerClient
 
     a = start_server(*SIM, "--drain-seconds", "20", workers=1)
     b = start_server(*SIM, "--drain-seconds", "20", workers=1)
-    with DataServerClient([a.address, b.address], batch_size=4, image_size=(32, 32)) as busy:
+    with make_client(
+        [a.address, b.address], batch_size=4, image_size=(32, 32), device=None
+    ) as busy:
         busy.set_epoch(0)
         it = iter(busy)
         next(it)
@@ -173,7 +175,9 @@ def test_a_draining_server_takes_no_new_client_and_reports_it(start_server: Any)
     assert a.proc.returncode == 0
     # A client that meets only a draining server gets its handshake from the others.
     c = start_server(*SIM, "--drain-seconds", "20", workers=1)
-    with DataServerClient([b.address, c.address], batch_size=4, image_size=(32, 32)) as client:
+    with make_client(
+        [b.address, c.address], batch_size=4, image_size=(32, 32), device=None
+    ) as client:
         client.set_epoch(0)
         next(iter(client))
         c.drain()

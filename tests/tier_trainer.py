@@ -18,7 +18,9 @@ import sys
 import time
 from pathlib import Path
 
-from dataserver_client import DataServerClient
+sys.path.insert(0, str(Path(__file__).resolve().parent / "plugins"))  # clients, when run by hand
+
+from clients import make_client
 
 
 def digest(batch: object) -> str:
@@ -40,14 +42,13 @@ def main() -> int:
     p.add_argument("--mode-every", type=int, default=0, help="flip the mode every N steps")
     p.add_argument("--go", default=None)
     args = p.parse_args()
-    client = DataServerClient(
+    client = make_client(
         args.address.split(","),
         batch_size=args.batch_size,
         image_size=(args.image_size, args.image_size),
         seed=7,
         rank=0,
         world_size=1,
-        device="cpu",
         timeout=60.0,
         discovery_interval=args.interval,
     )

@@ -12,8 +12,7 @@ import os
 import sys
 
 import torch.distributed as dist
-
-from dataserver_client import DataServerClient
+from clients import make_client
 
 
 def main() -> None:
@@ -24,9 +23,7 @@ def main() -> None:
     steps: list[int] = []
     indices: list[int] = []
     decisions: list[str] = []
-    with DataServerClient(
-        address, batch_size=4, image_size=(32, 32), prefetch=3, device="cpu"
-    ) as c:
+    with make_client(address, batch_size=4, image_size=(32, 32), prefetch=3) as c:
         assert (c.config.rank, c.config.world_size) == (rank, 2)
         c.set_epoch(0)
         for batch in c:

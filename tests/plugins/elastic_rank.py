@@ -21,8 +21,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from clients import make_client
 
-from dataserver_client import Batch, DataServerClient
+from dataserver_client import Batch
 
 SEED = 7
 
@@ -52,9 +53,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     result: dict[str, Any] = {"rank": rank, "world": world, "batches": [], "next_epoch": []}
-    with DataServerClient(
-        address, batch_size=3, image_size=(32, 32), seed=SEED, prefetch=3, device="cpu"
-    ) as c:
+    with make_client(address, batch_size=3, image_size=(32, 32), seed=SEED, prefetch=3) as c:
         if role == "old":
             take = int(sys.argv[5]) + (int(sys.argv[6]) if rank == 0 else 0)
             c.set_epoch(1)

@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 import torch
+from clients import make_client
 from mmengine.hooks import Hook
 from mmengine.model import BaseModel
 from mmengine.registry import HOOKS, MODELS
@@ -151,9 +152,9 @@ def make_runner(
     )
 
 
-def make_client(address: str) -> DataServerClient:
-    return DataServerClient(
-        address, batch_size=4, image_size=(64, 64), device="cpu", seed=5, stitch_threshold=THRESHOLD
+def job_client(address: str) -> DataServerClient:
+    return make_client(
+        address, batch_size=4, image_size=(64, 64), seed=5, stitch_threshold=THRESHOLD
     )
 
 
@@ -171,7 +172,7 @@ def main() -> None:
     hooks: list[Any] = [RecordHook(args.record)]
     if args.block_at:
         hooks.append(BlockHook(args.record, args.block_at))
-    with make_client(args.address) as client:
+    with job_client(args.address) as client:
         runner = make_runner(
             client, args.work_dir, args.loop, args.length, hooks, args.ckpt_interval, args.resume
         )

@@ -16,8 +16,9 @@ import json
 import sys
 
 import torch
+from clients import make_client
 
-from dataserver_client import Batch, DataServerClient
+from dataserver_client import Batch
 
 
 def policy(step: int) -> str:
@@ -38,9 +39,7 @@ def record(batch: Batch) -> dict[str, object]:
 def main() -> None:
     address, part, out = sys.argv[1], sys.argv[2], sys.argv[3]
     seen = []
-    with DataServerClient(
-        address, batch_size=4, image_size=(32, 48), seed=5, prefetch=3, device="cpu"
-    ) as c:
+    with make_client(address, batch_size=4, image_size=(32, 48), seed=5, prefetch=3) as c:
         if part == "second":
             c.load_state_dict(torch.load(sys.argv[4], weights_only=False))
         else:

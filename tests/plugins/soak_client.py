@@ -10,7 +10,9 @@ from __future__ import annotations
 import json
 import sys
 
-from dataserver_client import DataServerClient, iterate_epochs
+from clients import make_client
+
+from dataserver_client import iterate_epochs
 
 
 def rss() -> int:
@@ -24,9 +26,7 @@ def rss() -> int:
 def main() -> None:
     address, total, warmup = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     marks = {}
-    with DataServerClient(
-        address, batch_size=8, image_size=(32, 32), prefetch=2, device="cpu"
-    ) as c:
+    with make_client(address, batch_size=8, image_size=(32, 32), prefetch=2) as c:
         batches = iterate_epochs(c)
         for n in range(1, total + 1):
             batch = next(batches)
