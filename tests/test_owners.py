@@ -307,27 +307,38 @@ class FakeLinks:
         return True
 
 
+def _handlers(
+    book: PlanBook,
+    ledger: TaskLedger,
+    links: FakeLinks,
+    counters: Counts[Count],
+    rejected: Counts[Reject],
+) -> Handlers:
+    """``Handlers`` of ``book`` and ``ledger`` over fake links, with no sockets."""
+    return Handlers(
+        ClientConfig(addresses=("tcp://127.0.0.1:1",), device=torch.device("cpu")),
+        book,
+        ledger,
+        cast(Links, links),
+        cast(Sender, None),
+        HostBuffers(torch.device("cpu"), keep=4),
+        None,
+        Future(),
+        counters,
+        rejected,
+        fail=lambda exc: None,
+        watch=lambda link: None,
+        unwatch=lambda link: None,
+    )
+
+
 def test_handlers_take_parallelism_from_the_welcome_credit() -> None:
     """Each ready server runs half its credit at once (the rest waits queued there): the
     book cuts batches into that many tasks, and a server that drains counts no more."""
     book, _, ledger = _book(prefetch=1, shuffle=False, batch_size=64)
     a, b = FakeLink(1, workers=2, credit=8), FakeLink(2, workers=3, credit=20)
     counters = Counts(Count)
-    handlers = Handlers(
-        ClientConfig(addresses=("tcp://127.0.0.1:1",), device=torch.device("cpu")),
-        book,
-        ledger,
-        cast(Links, FakeLinks(a, b)),
-        cast(Sender, None),
-        HostBuffers(torch.device("cpu"), keep=4),
-        None,
-        Future(),
-        counters,
-        Counts(Reject),
-        fail=lambda exc: None,
-        watch=lambda link: None,
-        unwatch=lambda link: None,
-    )
+    handlers = _handlers(book, ledger, FakeLinks(a, b), counters, Counts(Reject))
     handlers.on_bye(cast(ServerLink, b))  # b drains: only a's 8 // 2 run at once
     assert counters.get(Count.SERVERS_DRAINED) == 1
     book.start_epoch(0, 64)
@@ -363,21 +374,7 @@ def test_a_late_answer_after_the_task_expired_there_is_late_not_wrong() -> None:
     a = AnsweringLink(1, workers=2, credit=8)
     b = AnsweringLink(2, workers=2, credit=8)
     counters, rejected = Counts(Count), Counts(Reject)
-    handlers = Handlers(
-        ClientConfig(addresses=("tcp://127.0.0.1:1",), device=torch.device("cpu")),
-        book,
-        ledger,
-        cast(Links, FakeLinks(a, b)),
-        cast(Sender, None),
-        HostBuffers(torch.device("cpu"), keep=4),
-        None,
-        Future(),
-        counters,
-        rejected,
-        fail=lambda exc: None,
-        watch=lambda link: None,
-        unwatch=lambda link: None,
-    )
+    handlers = _handlers(book, ledger, FakeLinks(a, b), counters, rejected)
     book.start_epoch(0, 16)
     book.fill()
     affinity: Affinity[ServerLink] = Affinity()
