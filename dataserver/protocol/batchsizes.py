@@ -16,7 +16,7 @@ A batch's images involve three (h, w) sizes, each with one name here:
 The public names stay where they are: ``image_size`` (the client's configuration and
 ``Batch``), the manifest's ``source_size``, and the TASK's wire fields ``out_hw``,
 ``fit_hw`` and ``source_hw`` (absent when the stored size is the fit size), which
-``wire`` and ``from_wire`` translate so the bytes on the wire are unchanged. Not to be
+``wire`` and ``BatchSizes.of`` translate so the bytes on the wire are unchanged. Not to be
 mistaken for the client's size *schedules* (``dataserver_client.sizes``: the image size
 of each step).
 """
@@ -51,13 +51,6 @@ class BatchSizes:
         out_size = _hw(out)
         fit_size = out_size if fit is None else _hw(fit)
         return cls(out_size, fit_size, fit_size if stored is None else _hw(stored))
-
-    @classmethod
-    def from_wire(
-        cls, out_hw: Sequence[int], fit_hw: Sequence[int], source_hw: Sequence[int] | None
-    ) -> BatchSizes:
-        """The sizes a TASK's fields ``out_hw``, ``fit_hw``, ``source_hw`` say."""
-        return cls.of(out_hw, fit_hw, source_hw)
 
     @property
     def image_bytes(self) -> int:

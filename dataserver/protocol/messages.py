@@ -352,7 +352,7 @@ class Task(Message, kw_only=True):
     def sizes(self) -> BatchSizes:
         """The output, fit and stored sizes its fields ``out_hw``, ``fit_hw`` and
         ``source_hw`` say (``batchsizes.py``)."""
-        return BatchSizes.from_wire(self.out_hw, self.fit_hw, self.source_hw)
+        return BatchSizes.of(self.out_hw, self.fit_hw, self.source_hw)
 
     @property
     def indices(self) -> tuple[int, ...]:

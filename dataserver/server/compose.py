@@ -37,12 +37,15 @@ class TaskClock:
     and ``decode_us``): started with the task, told of each source made for it."""
 
     start_ns: int = field(default_factory=time.perf_counter_ns)
-    decoded: int = 0  # sources read and fitted (store misses)
-    _made_us: list[int] = field(default_factory=list)  # microseconds each of them took
+    _made_us: list[int] = field(default_factory=list)  # microseconds each source made took
 
     def made(self, us: int) -> None:
-        self.decoded += 1
         self._made_us.append(us)
+
+    @property
+    def decoded(self) -> int:
+        """Sources read and fitted for the task (store misses)."""
+        return len(self._made_us)
 
     def task_us(self) -> int:
         return (time.perf_counter_ns() - self.start_ns) // 1000

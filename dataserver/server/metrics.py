@@ -37,7 +37,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram,
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from dataserver.server.counts import Count, Reject
+from dataserver.server.counts import Count
 from dataserver.server.scrape import ScrapeServer
 from dataserver.server.view import ServerView, StoreUsage
 
@@ -91,9 +91,8 @@ class ViewCollector(Collector):
             "Messages and connections refused, by reason.",
             labels=["reason"],
         )
-        for reason in sorted(Reject):  # (every declared reason counted so far)
-            if reason in view.rejected:
-                family.add_metric([reason.value], view.rejected[reason])
+        for reason, n in sorted(view.rejected.items()):  # (every declared reason counted so far)
+            family.add_metric([reason], n)
         yield family
         yield CounterMetricFamily(
             "dataserver_worker_restarts",

@@ -18,7 +18,7 @@ from types import MappingProxyType
 from typing import Any
 
 from dataserver.counting import Counts
-from dataserver.server.counts import Count, Reject
+from dataserver.server.counts import Count
 
 
 @dataclass(frozen=True)
@@ -132,7 +132,7 @@ class ServerView:
             },
             "store": self._store_stats(),
             "sources": self.sources,
-            "counters": {n.value: self.counters[n] for n in Count if n in self.counters},
-            "rejected": {n.value: self.rejected[n] for n in Reject if n in self.rejected},
+            "counters": dict(self.counters),  # (declared names only, in their order: ``frozen``)
+            "rejected": dict(self.rejected),
             "rejected_total": sum(self.rejected.values()),
         }
