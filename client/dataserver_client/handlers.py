@@ -160,10 +160,11 @@ class Handlers:
         self._answered(link, msg.task_id)
         link.answered()
         rec = self.ledger.wanted(msg.task_id, msg.plan_version)
-        if rec is None or (rec.link is not link and rec.avoid is link):
-            # A superseded plan, a second answer after asking again, or the answer of a
-            # server that let the task expire and was asked again elsewhere (its pixels
-            # were not received: ``_destinations``): late, not wrong.
+        if rec is None or (rec.link is not link and rec.avoid is link and not msg.landed):
+            # A superseded plan, a second answer after asking again, or the answer over the
+            # socket of a server that let the task expire and was asked again elsewhere (its
+            # pixels were not received: ``_destinations``): late, not wrong. (A landed one
+            # is in our buffer under the task's seal: it is checked and taken as before.)
             self.counters.count(Count.LATE)
             return
         # Nothing counts as progress before the answer is checked: a server answering
