@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(420)
 def test_bench_reports_every_figure(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     cmd = [sys.executable, "-m", "dataserver.cli", "bench", "--images", "24", "--batches", "3"]
     cmd += ["--image-size", "64", "--batch-size", "4", "--workers", "1", "--json", str(out)]
     cmd += ["--rounds", "1", "--flip-images", "64", "--first-epoch-images", "64"]
     cmd += ["--only", "dataloader,overhead,cache,feedback,flip_stall,first_batch"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     results = json.loads(out.read_text())
     assert results["dataloader"]["vs_dataloader"] > 0
@@ -44,6 +44,9 @@ def test_bench_reports_every_figure(tmp_path: Path) -> None:
     assert results["cache"]["cached_vs_dataloader"] > 0
     assert 0 < results["cache"]["store_hit_rate"] <= 1
     assert results["feedback"]["flips_vs_constant_modes"] > 0
+    # the same on a store of a quarter of the set (the lookahead on)
+    assert results["feedback"]["quarter_store"]["flips_vs_constant_modes"] > 0
+    assert results["flip_stall"]["step_150ms_lookahead_on_quarter_store"]["flips"] >= 0
     assert results["first_batch"]["first_batch_ms"] > 0
     stall = results["flip_stall"]["step_150ms_lookahead_on"]
     assert stall["flips"] >= 0 and stall["wait_after_no_flip_ms"]["median"] is not None

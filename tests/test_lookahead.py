@@ -21,10 +21,10 @@ N = 150  # not a multiple of a batch in either mode: the epoch ends with partial
 
 
 def client_for(server: Any, lookahead: bool, **kw: Any) -> DataServerClient:
+    kw.setdefault("image_size", (64, 64))
     return make_client(
         server.address,
         batch_size=4,
-        image_size=(64, 64),
         stitch_k=4,
         seed=11,
         prefetch=3,
@@ -249,3 +249,24 @@ def test_a_trainer_that_stops_steering_goes_back_to_no_lookahead(start_server: A
         assert wait_until(lambda: c.stats()["lookahead"] is None, 30)
         batches += list(it)
     assert sorted(delivered(batches)) == list(range(N))
+
+
+def test_a_store_smaller_than_the_dataset_decodes_no_twin_twice(start_server: Any) -> None:
+    """A store that admits only a subset of the dataset (a quarter of its sources' bytes):
+    the lookahead's twins still decode nothing twice (their tasks ask the store to keep what
+    they decode, ``Task.recent``); without that, every source outside the admitted subset
+    was decoded for the batch and again for its twin."""
+    # 150 sources stored at 320x320 (300 KiB each, ~44 MiB) over the smallest store (16 MiB)
+    server = start_server(
+        "--dataset", f"synthetic:images={N},seed=5", "--cache-gb", str(16 / 1024), workers=2
+    )
+    with client_for(server, True, image_size=(320, 320)) as c:
+        batches = run_flipping(c, epoch=0, wait_ready=True)
+        flips = c.stats()["flips"]
+    assert flips["promoted"] == flips["promoted_ready"] == len(batches) - 1
+    assert sorted(delivered(batches)) == list(range(N))
+    stats = server.stats()
+    admitted = stats["store"]["admitted"]
+    assert admitted is not None and admitted < 0.5, f"the store admits {admitted} of the set"
+    decoded = stats["counters"]["sources_decoded"]
+    assert decoded == N, f"{decoded} decodes for {N} samples"

@@ -132,6 +132,13 @@ class PlanBook:
         first = rec.slots[0]
         return batch.array[first : first + len(rec.slots)]
 
+    @property
+    def twinned(self) -> bool:
+        """Whether batches are planned in both modes now (the lookahead is active): their
+        tasks ask the stores to keep what they decode (``Task.recent``), so the batch's twin
+        decodes nothing again where a store admits only a subset of the dataset."""
+        return self._lookahead.active
+
     def depth(self) -> int:
         """Batches planned beyond the trainer: ``prefetch``, less while the lookahead is
         armed (``Lookahead.depth``)."""

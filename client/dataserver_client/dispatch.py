@@ -103,6 +103,7 @@ class Sender:
             # (a probe composes one source alone, whatever its batch's layout)
             layout=plan.layout if rec.probe_of is None else "grid",
             partners=int(plan.partners and rec.probe_of is None),
+            recent=int(book.twinned),
             pad_value=plan.pad_value,
             letterbox=plan.letterbox,
             **rec.sizes.wire(),

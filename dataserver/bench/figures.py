@@ -104,6 +104,12 @@ def fig_cache(args: argparse.Namespace, spec: str, progress: Progress) -> dict[s
     }
 
 
+def quarter_store_gb(images: int, side: int) -> str:
+    """``--cache-gb`` for a store of a quarter of a synth set's sources at ``side`` (its images
+    are 4:3), as the flag takes it."""
+    return f"{images * 3 * side * (side * 3 // 4) / 4 / (1 << 30):.4f}"
+
+
 def larger_than_store(args: argparse.Namespace, spec: str, progress: Progress) -> dict[str, Any]:
     """A dataset 4x the store's bytes (sources at the stored size): epoch 2 onward with a
     store of a quarter of them against ``--cache-gb 0``, on one server each, rounds
@@ -111,10 +117,9 @@ def larger_than_store(args: argparse.Namespace, spec: str, progress: Progress) -
     hit rate >= 0.9 x store/dataset bytes)."""
     side = args.image_size
     dataset_bytes = args.images * 3 * side * (side * 3 // 4)  # (the synth set's 4:3 images)
-    store_gb = dataset_bytes / 4 / (1 << 30)
     base = ["--dataset", spec, "--workers", str(args.workers)]
     with (
-        server([*base, "--cache-gb", f"{store_gb:.4f}"]) as (small, small_pids),
+        server([*base, "--cache-gb", quarter_store_gb(args.images, side)]) as (small, small_pids),
         server([*base, "--cache-gb", "0"]) as (plain, plain_pids),
     ):
         runs = rounds(
@@ -215,8 +220,20 @@ def fig_close_mosaic(args: argparse.Namespace, spec: str, progress: Progress) ->
 
 def fig_feedback(args: argparse.Namespace, spec: str, progress: Progress) -> dict[str, Any]:
     """samples/s with the mode flipping on ~20% of steps vs one constant mode, same server,
-    and the source decodes the flips cost (decoded by the server minus samples delivered)."""
-    with server(["--dataset", spec, "--workers", str(args.workers), "--cache-gb", "0"]) as (
+    and the source decodes the flips cost (decoded by the server minus samples delivered):
+    without a store (the lookahead off) and with a store of a quarter of the dataset (the
+    lookahead on, its twins kept by the store whatever subset it admits: ``quarter_store``)."""
+    out = _feedback_on(args, spec, progress, "0")
+    quarter = _feedback_on(args, spec, progress, quarter_store_gb(args.images, args.image_size))
+    del quarter["note"]
+    return {**out, "quarter_store": quarter}
+
+
+def _feedback_on(
+    args: argparse.Namespace, spec: str, progress: Progress, cache_gb: str
+) -> dict[str, Any]:
+    """``fig_feedback`` on one server with ``--cache-gb cache_gb``."""
+    with server(["--dataset", spec, "--workers", str(args.workers), "--cache-gb", cache_gb]) as (
         address,
         _,
     ):
@@ -234,7 +251,8 @@ def fig_feedback(args: argparse.Namespace, spec: str, progress: Progress) -> dic
                 )
                 runs[name].append(out)
                 progress(
-                    f"round {r + 1}/{args.rounds}: {name} {out['samples_per_s']:,.0f} samples/s"
+                    f"round {r + 1}/{args.rounds}, --cache-gb {cache_gb}: {name} "
+                    f"{out['samples_per_s']:,.0f} samples/s"
                 )
 
     # What the same batches would cost at each mode's constant-mode speed: the ratio
@@ -288,11 +306,15 @@ def fig_flip_stall(args: argparse.Namespace, spec: str, progress: Progress) -> d
         progress(f"writing {n} synthetic JPEGs (whole epochs of them are timed)")
         ann = write_synthetic_coco(tmp, n, seed=1)
         flip_spec = f"coco:{ann}"
-        cases = [(ms, la) for ms in (150, 60) for la in (True, False)]
-        runs: dict[tuple[int, bool], list[dict[str, Any]]] = {c: [] for c in cases}
+        # (step ms, lookahead, the store a quarter of the set: it admits a subset)
+        cases = [(ms, la, False) for ms in (150, 60) for la in (True, False)]
+        cases.append((150, True, True))
+        runs: dict[tuple[int, bool, bool], list[dict[str, Any]]] = {c: [] for c in cases}
         for r in range(args.rounds):
-            for step_ms, lookahead in cases:
+            for step_ms, lookahead, quarter in cases:
                 flags = ["--dataset", flip_spec, "--workers", str(args.workers)]
+                if quarter:
+                    flags += ["--cache-gb", quarter_store_gb(n, args.image_size)]
                 with server(flags) as (address, _):
                     out = run_side(
                         "flip_stall",
@@ -306,15 +328,16 @@ def fig_flip_stall(args: argparse.Namespace, spec: str, progress: Progress) -> d
                     time.sleep(0.3)  # the workers' last DONE counts land
                     decoded = fetch_stats(address, 10)["counters"].get("sources_decoded", 0)
                 out["extra_decodes"] = decoded - out["samples"]
-                runs[(step_ms, lookahead)].append(out)
+                runs[(step_ms, lookahead, quarter)].append(out)
                 after = out["waits_ms"]["flip"]
                 progress(
                     f"round {r + 1}/{args.rounds}: step {step_ms} ms, lookahead "
-                    f"{'on' if lookahead else 'off'}: {out['flips']} flips, median wait after "
+                    f"{'on' if lookahead else 'off'}{', quarter store' if quarter else ''}: "
+                    f"{out['flips']} flips, median wait after "
                     f"a flip {_quantile(after, 0.5)} ms, extra decodes {out['extra_decodes']}"
                 )
     result: dict[str, Any] = {}
-    for (step_ms, lookahead), outs in runs.items():
+    for (step_ms, lookahead, quarter), outs in runs.items():
         flip = [w for o in outs for w in o["waits_ms"]["flip"]]
         calm = [w for o in outs for w in o["waits_ms"]["no_flip"]]
         flips = sum(o["flips"] for o in outs)
@@ -322,6 +345,7 @@ def fig_flip_stall(args: argparse.Namespace, spec: str, progress: Progress) -> d
         samples = sum(o["samples"] for o in outs)
         m_flip, m_calm = _quantile(flip, 0.5), _quantile(calm, 0.5)
         key = f"step_{step_ms}ms_lookahead_{'on' if lookahead else 'off'}"
+        key += "_quarter_store" if quarter else ""
         result[key] = {
             "stall_ms": round(m_flip - m_calm, 1) if m_flip is not None and m_calm else None,
             "wait_after_flip_ms": {"median": m_flip, "p90": _quantile(flip, 0.9)},
@@ -333,7 +357,8 @@ def fig_flip_stall(args: argparse.Namespace, spec: str, progress: Progress) -> d
         }
     result["note"] = (
         "stall_ms = median wait in next() after a flip minus after no flip (target <= 5 ms at "
-        "150 ms); extra decodes = sources the server decoded beyond the epoch's samples"
+        "150 ms); extra decodes = sources the server decoded beyond the epoch's samples; "
+        "_quarter_store: the server's store holds a quarter of the set (it admits a subset)"
     )
     return result
 

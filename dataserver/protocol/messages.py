@@ -307,6 +307,11 @@ class Task(Message, kw_only=True):
     # for its (anchor, cell) instead of its own index; an image of one index is a regular
     # image (the anchor alone, letterboxed as in regular mode).
     partners: Flag01 = 0
+    # 1: its sources are read again within a few tasks (the client's lookahead composes the
+    # batch in both modes, ``client/dataserver_client/lookahead.py``): the server's store
+    # keeps what the task decodes whatever subset of a larger dataset it admits, so the twin
+    # decodes nothing again (a window mosaic's partners are kept the same way).
+    recent: Flag01 = 0
     source_hw: tuple[Side, Side] | None = None
     control: dict[str, Any] | None = None
     # Landing (same host): write the images into the client's shared-memory buffer

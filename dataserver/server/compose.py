@@ -108,7 +108,8 @@ class Composer:
                 lambda k, into=None: make(wanted[k], into),
                 population,
                 into=True,
-                recent=bool(task.partners),  # a window mosaic's sources are its partners soon
+                # read again soon: a window mosaic's partners, the lookahead's twin batch
+                recent=bool(task.partners or task.recent),
             )
             if hwc:  # (the store's views are (3, h, w) bytes)
                 sources = [None if s is None else s.as_hwc() for s in sources]

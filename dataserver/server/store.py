@@ -659,7 +659,8 @@ class Store:
         place in the store itself: such a source is stored without a copy, and is read from
         the store like a hit (its position counts in the one returned). ``recent``: the
         sources are read again soon (a window mosaic's: each is a partner of the next
-        outputs of the epoch, ``mosaic_partners="window"``), so every one is kept, as when
+        outputs of the epoch, ``mosaic_partners="window"``; a batch the client's lookahead
+        composes in both modes: its twin, ``Task.recent``), so every one is kept, as when
         the dataset fits, whatever subset a larger dataset has admitted: the ring keeps
         what is recent, and no source is decoded again for its window (with the subset
         alone, a store half the dataset decoded two sources per mosaic, not one)."""
