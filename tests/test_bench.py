@@ -43,6 +43,7 @@ def test_bench_reports_every_figure(tmp_path: Path) -> None:
     assert results["overhead"]["dataloader_us_per_sample"] > 0
     assert results["cache"]["cached_vs_dataloader"] > 0
     assert 0 < results["cache"]["store_hit_rate"] <= 1
+    assert "store_hit_rate_after_epoch_1" in results["cache"]
     assert results["feedback"]["flips_vs_constant_modes"] > 0
     # the same on a store of a quarter of the set (the lookahead on)
     assert results["feedback"]["quarter_store"]["flips_vs_constant_modes"] > 0

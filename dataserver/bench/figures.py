@@ -87,6 +87,10 @@ def fig_cache(args: argparse.Namespace, spec: str, progress: Progress) -> dict[s
     ds = med([r["images_per_s"] for r in runs["dataserver_cached"]])
     dl = med([r["images_per_s"] for r in runs["dataloader"]])
     store = stats.get("store") or {}
+    counters = stats.get("counters", {})
+    reused = counters.get("sources_reused", 0)
+    # every source use after the server's first epoch (round 1's untimed one): a hit or a miss
+    later = reused + counters.get("sources_decoded", 0) - args.images
     put, hit = store_costs(args.image_size)
     larger = larger_than_store(args, spec, progress)
     return {
@@ -96,7 +100,8 @@ def fig_cache(args: argparse.Namespace, spec: str, progress: Progress) -> dict[s
         "cached_images_per_s": round(ds, 1),
         "dataloader_images_per_s": round(dl, 1),
         "cached_vs_dataloader": round(ds / dl, 3),
-        "store_hit_rate": store.get("hit_rate"),
+        "store_hit_rate": store.get("hit_rate"),  # (over the server's life, epoch 1 too)
+        "store_hit_rate_after_epoch_1": round(reused / later, 3) if later > 0 else None,
         "store_bytes": store.get("bytes"),
         "cpu_ms_per_image_cached": round(
             med([_per_image_ms(r) for r in runs["dataserver_cached"]]), 2
