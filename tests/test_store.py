@@ -185,6 +185,7 @@ def test_a_dataset_larger_than_the_store_keeps_a_fixed_subset_and_reads_it_again
         usage = store.usage()
         share = store.capacity / (n * each)
         assert 0.7 * share <= usage["admitted"] < share
+        assert usage["admission"].startswith(f"a fixed subset ({usage['admitted']:.1%}): {n} ")
         for hits, skipped, evicted in stats[1:]:
             assert hits >= 0.9 * share * n
             assert hits + skipped == n and evicted == 0  # every admitted one was there
@@ -607,6 +608,7 @@ def test_batches_are_bit_identical_with_and_without_the_store_and_later_epochs_h
         "committed_bytes",
         "admitted",
         "mean_entry_bytes",
+        "admission",
         "hit_rate",
     }
     assert info["hit_rate"] > 0 and 0 < info["bytes"] <= info["capacity_bytes"]
@@ -614,6 +616,7 @@ def test_batches_are_bit_identical_with_and_without_the_store_and_later_epochs_h
     # Its memory was committed before the server said it was ready; 48 sources fit: all kept.
     assert info["committed_bytes"] == info["capacity_bytes"]
     assert info["admitted"] == 1.0 and info["mean_entry_bytes"] > 0
+    assert info["admission"].startswith("all: 48 sources x "), info["admission"]
     assert stats["counters"].get("workers_without_store", 0) == 0
     assert plain.stats()["store"] is None
     assert all(maps_the_store(pid) for pid in [stored.pid, *stored.worker_pids()])

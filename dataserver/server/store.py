@@ -914,16 +914,34 @@ class Store:
             ready = self.table["state"] == READY
             h = self.header[0]
             puts = int(h["puts"])
+            population = int(h["population"])
+            admitted = round(self.admit_fraction(population), 4)
+            mean = int(h["put_bytes"]) // puts if puts else 0
             return {
                 "entries": int(np.count_nonzero(ready)),
                 "bytes": int(self.table["nbytes"][ready].sum()),
                 "capacity_bytes": int(h["ring"]),
                 "committed_bytes": int(h["reserved"]),
-                "admitted": round(self.admit_fraction(int(h["population"])), 4),
-                "mean_entry_bytes": int(h["put_bytes"]) // puts if puts else 0,
+                "admitted": admitted,
+                "mean_entry_bytes": mean,
+                "admission": self._admission(population, puts, mean, admitted),
             }
         finally:
             self._unlock()
+
+    def _admission(self, population: int, puts: int, mean: int, admitted: float) -> str:
+        """Why the store keeps what it keeps, in one line (STATS' ``admission``)."""
+        if population <= 0 or puts < ADMIT_AFTER:
+            return f"all (fewer than {ADMIT_AFTER} sources stored: entry size not known yet)"
+        need = population * mean
+        if admitted >= 1.0:
+            return f"all: {population} sources x {mean} bytes fit in {int(self.header[0]['ring'])}"
+        return (
+            f"a fixed subset ({admitted:.1%}): {population} sources x {mean} bytes "
+            f"({need / 1e6:.0f} MB) exceed what it holds ({int(self.header[0]['ring']) / 1e6:.0f}"
+            f" MB, {self.entries * 3 // 4 - 1} entries); the same sources every epoch, so none "
+            "is evicted before it is read again"
+        )
 
 
 def _write_at(fd: int, parts: list[np.ndarray], offset: int, nbytes: int) -> bool:

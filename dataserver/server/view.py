@@ -33,6 +33,7 @@ class StoreUsage:
     # that dataset's sources, at the mean entry's size, would not fit: ``Store.admitted``).
     admitted: float = 1.0
     mean_entry_bytes: int = 0
+    admission: str = ""  # why it keeps what it keeps (``Store.usage``)
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,7 @@ class ServerView:
             "committed_bytes": self.store.committed_bytes,
             "admitted": self.store.admitted,
             "mean_entry_bytes": self.store.mean_entry_bytes,
+            "admission": self.store.admission,
             "hit_rate": round(reused / (decoded + reused), 4) if decoded + reused else None,
         }
 
