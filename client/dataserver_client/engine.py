@@ -232,6 +232,8 @@ class Engine(threading.Thread):
         except zmq.ZMQError as exc:
             if not is_shutdown(exc):
                 self._die(exc)
+        except DataServerError as exc:  # (not enough descriptors for the servers: said why)
+            self._fail(exc)
         except BaseException as exc:  # surface anything to the trainer instead of dying mute
             self._die(exc)
         finally:
