@@ -114,7 +114,8 @@ def test_bench_scale_figure(tmp_path: Path) -> None:
     assert all(v > 0 for v in figure["b_client_us_per_task"].values())
     # At a fixed rate: CPU per task net of the idle CPU, idle CPU per server, fds a server.
     assert set(figure["b_rate_us_per_task"]) == {"2"} and figure["b_rate_fds_per_server"]["2"] > 0
-    assert figure["b_rate_idle_us_per_s_per_server"]["2"] > 0
+    assert figure["b_rate_idle_us_per_s_per_server"]["2"] >= 0  # (1 s: may be under a tick)
+    assert figure["b_rate_tasks_per_s"]["2"] > 0
     assert figure["b_check_client_us_per_task_real"] > 0
     assert figure["c_sessions"] == 40 == figure["c_sessions_on_server"]
     # Each session holds a data and a control connection on the front, one on each worker.

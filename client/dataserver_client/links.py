@@ -553,6 +553,8 @@ class ServerLink:
         for endpoint in new:
             self.results.connect(endpoint)
             self.result_endpoints.add(endpoint)
+        if new:  # (a connect handles the socket's commands: a signal may have gone with them)
+            self._shared.touched(self.results)
         if self.handover is not None:
             paths = [landing_socket(e) for e in local] if use_local else []
             self.handover.sync([p for p in paths[:MAX_WORKER_ENDPOINTS] if p is not None])

@@ -2,17 +2,18 @@
 do, not in all of them: the poller of ``engine.py``.
 
 ``zmq.Poller`` hands every registered socket to ``zmq_poll`` on each call: the client polls
-two to four sockets a server every pass of its loop, so at 1,024 servers each pass cost
-thousands of socket checks, the largest part of what a task cost the client per server.
-``Watch`` keeps each socket's ``ZMQ_FD`` (its mailbox's eventfd) in one epoll set instead:
-a pass costs the sockets that were signalled, those still readable after the last pass
-(a reader takes at most so many messages a pass), and those sent on since (``touch``).
+four sockets a server on every pass of its loop, so at 1,024 servers a pass checked 4,096
+sockets, a cost per task that grew with the servers. ``Watch`` keeps each socket's
+``ZMQ_FD`` (its mailbox's eventfd) in one epoll set instead: a pass costs the sockets that were
+signalled, those still readable after the last pass (a reader takes at most so many messages
+a pass), and those sent on since (``touch``).
 
 ZeroMQ's descriptor says only that a socket's state *may* have changed: ``ZMQ_EVENTS`` says
-whether it is readable, and reading it (as any send or receive) takes the signal. A send
-can thus take the signal of a message that arrived meanwhile: a socket sent on is checked
-again (``touch``), or a message could wait unseen. Plain descriptors (the wake pipe) are
-polled as they are. Same interface as ``zmq.Poller`` for what the engine uses.
+whether it is readable, and reading it (as any send, receive or connect) takes the signal. A
+send can thus take the signal of a message that arrived meanwhile: a socket sent on (or
+connected anew) is asked again (``touch``), or a message could wait unseen. Plain descriptors
+(the wake pipe) are polled as they are. Same interface as ``zmq.Poller`` for what the engine
+uses.
 """
 
 from __future__ import annotations

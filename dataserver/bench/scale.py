@@ -480,6 +480,7 @@ def client_main(argv: list[str]) -> int:
     me = os.getpid()
     size = (a.image_size, a.image_size)
     fds_before = _proc_fds(me)
+    connecting = time.perf_counter()
     with DataServerClient(
         a.addresses.split(","),
         batch_size=a.batch_size,
@@ -487,6 +488,7 @@ def client_main(argv: list[str]) -> int:
         device="cpu",
         timeout=60.0,
     ) as client:
+        connect_s = time.perf_counter() - connecting  # (every server's WELCOME)
         fds_connected = _proc_fds(me)
         idle = CpuWindow([me])
         idle.start()
@@ -515,6 +517,7 @@ def client_main(argv: list[str]) -> int:
     out = {
         "servers": servers,
         "fds_per_server": round((fds_connected - fds_before) / servers, 2),
+        "connect_s": round(connect_s, 2),
         "fd_budget": stats.get("fds", {}),  # (a client before the budget: none)
         "tasks": tasks,
         "images": images,
@@ -706,6 +709,7 @@ def client_curve(
         k: {} for k in ("us_per_task_net", "us_per_task", "idle_us_per_s_per_server", "tasks_per_s")
     }
     out["fds_per_server"], out["results_through_front_servers"] = {}, {}
+    out["connect_s"] = {}
     for s in counts:
         with _role("fakes", "--count", str(s), "--workers", "16", timeout=600) as (proc, first):
             r = _client_run(args, first["addresses"], [proc.pid], rate)
@@ -714,12 +718,13 @@ def client_curve(
         out["idle_us_per_s_per_server"][s] = round(1e6 * r["idle_cpu_per_s"] / s, 1)
         out["tasks_per_s"][s] = round(r["tasks"] / r["seconds"], 1)
         out["fds_per_server"][s] = r["fds_per_server"]
+        out["connect_s"][s] = r["connect_s"]
         out["results_through_front_servers"][s] = r["fd_budget"].get("through_front")
         progress(
             f"(b) {s} servers at {rate:g} tasks/s: client {out['us_per_task_net'][s]} us/task "
             f"net of idle ({out['us_per_task'][s]} gross), idle "
             f"{out['idle_us_per_s_per_server'][s]} us/s a server, {r['fds_per_server']} fds "
-            "a server"
+            f"a server, connected in {r['connect_s']} s"
         )
     return {f"b_rate_{k}": v for k, v in out.items()} | {"b_rate_tasks_per_s_asked": rate}
 
