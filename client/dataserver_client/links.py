@@ -549,7 +549,6 @@ class ServerLink:
         new = new[: max(0, MAX_WORKER_ENDPOINTS - len(self.result_endpoints))]
         if not self._shared.budget.take(self.address, len(new)):
             new = []  # not enough descriptors: results come through the front
-            use_local = False
         for endpoint in new:
             self.results.connect(endpoint)
             self.result_endpoints.add(endpoint)
@@ -671,14 +670,9 @@ class ServerLink:
         """The outstanding task ids, oldest first."""
         return list(self.outstanding)
 
-    def expire(self, now: float, limit: float) -> list[int]:
-        """Forget the tasks outstanding for ``limit`` seconds or more; their ids."""
-        if not self.outstanding or now - next(iter(self.outstanding.values())) < limit:
-            return []
-        return self.forget_tasks([t for t, sent in self.outstanding.items() if now - sent >= limit])
-
     def forget_tasks(self, task_ids: list[int]) -> list[int]:
-        """Forget those of ``task_ids`` outstanding here (past their deadline); their ids."""
+        """Forget those of ``task_ids`` outstanding here (past their deadline: the index's
+        ``late``, through ``Links.expire``); their ids."""
         gone = [t for t in task_ids if self.outstanding.pop(t, None) is not None]
         if gone:
             self._index.let_go(len(gone))
