@@ -389,6 +389,14 @@ def _add_bench(sub: Any) -> None:
     p.add_argument("--scale-workers", type=int, default=2, help="scale (a): the server's workers")
     p.add_argument("--scale-seconds", type=float, default=5.0, help="scale: each timed window")
     p.add_argument("--scale-batches", type=int, default=300, help="scale (b): timed batches")
+    p.add_argument(
+        "--scale-rate-servers",
+        default="16,256,1024",
+        help="scale (b): fake server counts measured at a fixed task rate ('' to skip)",
+    )
+    p.add_argument(
+        "--scale-rate", type=float, default=200.0, help="scale (b): that rate, tasks a second"
+    )
     p.add_argument("--only", default=None, help="comma-separated figures to run")
     p.add_argument("--json", default=None, help="also write the results here")
     p.set_defaults(func=cmd_bench)

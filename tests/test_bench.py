@@ -107,6 +107,7 @@ def test_bench_scale_figure(tmp_path: Path) -> None:
     cmd += ["--images", "8", "--scale-sessions", "40", "--scale-servers", "1,4"]
     cmd += ["--scale-clients", "8"]
     cmd += ["--scale-workers", "1", "--scale-seconds", "1", "--scale-batches", "20"]
+    cmd += ["--scale-rate-servers", "2", "--scale-rate", "100"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=140)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     figure = json.loads(out.read_text())["scale"]
@@ -115,6 +116,10 @@ def test_bench_scale_figure(tmp_path: Path) -> None:
     assert figure["a_forwarded_results_sent_direct"] == 0
     assert set(figure["b_client_us_per_task"]) == {"1", "4"}
     assert all(v > 0 for v in figure["b_client_us_per_task"].values())
+    # At a fixed rate: CPU per task net of the idle CPU, idle CPU per server, fds a server.
+    assert set(figure["b_rate_us_per_task"]) == {"2"} and figure["b_rate_fds_per_server"]["2"] > 0
+    assert figure["b_rate_idle_us_per_s_per_server"]["2"] >= 0  # (1 s: may be under a tick)
+    assert figure["b_rate_tasks_per_s"]["2"] > 0
     assert figure["b_check_client_us_per_task_real"] > 0
     assert figure["c_sessions"] == 40 == figure["c_sessions_on_server"]
     # Each session holds a data and a control connection on the front, one on each worker.

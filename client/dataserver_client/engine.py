@@ -55,12 +55,14 @@ from dataserver_client.discovery import Discovery
 from dataserver_client.dispatch import Sender
 from dataserver_client.epoch import BatchPlan
 from dataserver_client.errors import DataServerError, ServerUnreachable
+from dataserver_client.fds import FdBudget, new_context, raise_fd_limit
 from dataserver_client.handlers import Handlers
 from dataserver_client.handoff import Handoff
 from dataserver_client.ledger import TaskLedger
 from dataserver_client.links import DatasetInfo, EventKind, Links, LinkState, ServerLink
 from dataserver_client.resume import Deal, Position
 from dataserver_client.sizes import SizeSchedule
+from dataserver_client.watch import Watch
 
 log = logging.getLogger("dataserver_client")
 
@@ -116,7 +118,7 @@ class Engine(threading.Thread):
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
-        self._poller = zmq.Poller()
+        self._poller = Watch()  # (epoll over the sockets' descriptors: costs what is ready)
         self._sockets: dict[Any, tuple[ServerLink, str]] = {}
 
     # ------------------------------------------------------------ any thread
@@ -174,6 +176,7 @@ class Engine(threading.Thread):
                 )
         elif self.ident is None:  # never ran: nobody else will close them
             self._close_pipe()
+            self._poller.close()
 
     def _close_pipe(self) -> None:
         with self._lock:
@@ -185,12 +188,18 @@ class Engine(threading.Thread):
     # ------------------------------------------------------------ the thread
 
     def run(self) -> None:
-        ctx: zmq.Context[Any] = zmq.Context(io_threads=1)
+        # Every server costs descriptors (fds.py): the soft limit goes up to the hard one,
+        # and ZeroMQ's socket cap with it.
+        limit, _ = raise_fd_limit()
+        ctx: zmq.Context[Any] = new_context(limit)
         links: Links | None = None
         discovery: Discovery | None = None
         try:
             standing = lambda: (self.book.plan_version, self.book.control_seq)  # noqa: E731
-            links = Links(ctx, self.config, self.curve, standing, self.landing)
+            budget = FdBudget.of_process(ServerLink.FDS)
+            links = Links(
+                ctx, self.config, self.curve, standing, self.landing, budget, self._poller.touch
+            )
             self.links = links
             self.sender = Sender(
                 self.config,
@@ -223,6 +232,8 @@ class Engine(threading.Thread):
         except zmq.ZMQError as exc:
             if not is_shutdown(exc):
                 self._die(exc)
+        except DataServerError as exc:  # (not enough descriptors for the servers: said why)
+            self._fail(exc)
         except BaseException as exc:  # surface anything to the trainer instead of dying mute
             self._die(exc)
         finally:
@@ -244,6 +255,7 @@ class Engine(threading.Thread):
             if not fut.done():
                 fut.set_exception(self.dead_error())
         self._close_pipe()
+        self._poller.close()
         self.buffers.close()
         if self.landing is not None:
             self.landing.close()
@@ -473,4 +485,5 @@ class Engine(threading.Thread):
             "task_deadline_s": round(self.handlers.deadlines.value, 3),
             "host_buffers_allocated": self.buffers.allocated,
             "servers": [dataclasses.asdict(link.stats()) for link in self.links],
+            "fds": dataclasses.asdict(self.links.fds()),
         }

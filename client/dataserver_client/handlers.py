@@ -323,9 +323,12 @@ class Handlers:
         known = {link.address: link for link in self.links}
         for address in addresses:
             if address not in known:
+                link = self.links.add(address)
+                if link is None:  # (no descriptors left for it: logged)
+                    continue
                 log.info("%s joined (discovery)", address)
                 self.counters.count(Count.SERVERS_JOINED)
-                self._watch(self.links.add(address))
+                self._watch(link)
         for address, link in known.items():
             if address in addresses:
                 continue
@@ -430,10 +433,8 @@ class Handlers:
         """Tasks unanswered past the deadline are asked again (their credit is let go: the
         server either lost the answer, or will answer twice and the copy is dropped)."""
         limit = self.deadlines.value
-        for link in self.links:
-            if link.state is not LinkState.READY:
-                continue
-            n = self.ledger.ask_again(self.ledger.records(link.expire(now, limit)), link)
+        for link, late in self.links.expire(now, limit):
+            n = self.ledger.ask_again(self.ledger.records(late), link)
             if n:
                 self.counters.count(Count.ASKED_AGAIN_DEADLINE, n)
                 log.info(
@@ -448,7 +449,7 @@ class Handlers:
         """Stop the trainer when tasks are waiting and nothing progressed for ``timeout``,
         naming what each server still owes."""
         ledger = self.ledger
-        waiting = bool(ledger.pending) or any(link.owed() for link in self.links)
+        waiting = bool(ledger.pending) or self.links.owing()
         if not (waiting and len(ledger)):
             self._last_progress = now
             return

@@ -29,10 +29,12 @@ import enum
 import hashlib
 import hmac
 import logging
+import math
 import os
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
@@ -52,6 +54,9 @@ from dataserver.security import (
 from dataserver.tcpinfo import bytes_received
 from dataserver_client.config import ClientConfig
 from dataserver_client.discovery import expand_addresses
+from dataserver_client.errors import DataServerError
+from dataserver_client.fds import CONNECTIONS_PER_SERVER, FdBudget, FdStats
+from dataserver_client.linkindex import LinkIndex
 
 log = logging.getLogger("dataserver_client")
 
@@ -63,6 +68,11 @@ INFLOW_S = 0.05  # how often a link's connections are weighed (``Inflow``), at l
 INFLOW_FDS_PER_S = 4000  # ... and at most this many connections weighed a second
 INFLOW_SLACK = 64 << 20  # bytes beyond its answers' a server may have on the way
 ANSWER_SLACK = 1 << 20  # beyond a task's pixels: its header, boxes and labels
+# ``Links.tick`` checks every link each tick up to this many links a second; past it, a
+# share of them each tick, each link at least every ``SWEEP_MAX_S`` (heartbeats, HELLOs,
+# silence), so the timers cost per server, not per server and tick.
+LINK_CHECKS_PER_S = 10_000
+SWEEP_MAX_S = 0.1
 MONITORED = (
     zmq.EVENT_HANDSHAKE_SUCCEEDED
     | zmq.EVENT_CONNECTED
@@ -235,6 +245,22 @@ def _dealer(ctx: zmq.Context[Any], curve: dict[str, bytes] | None) -> zmq.Socket
     return sock
 
 
+def _no_touch(sock: zmq.Socket[Any]) -> None:
+    pass
+
+
+@dataclass
+class Shared:
+    """What a client's links share: the index each keeps current (``LinkIndex``: links by
+    free credit, tasks by send time), the descriptor budget their direct result
+    connections come out of (``FdBudget``), and ``touched(socket)``, told of each send (the
+    engine's ``Watch`` asks that socket again whether it is readable)."""
+
+    index: LinkIndex = field(default_factory=LinkIndex)
+    budget: FdBudget = field(default_factory=FdBudget.unlimited)
+    touched: Callable[[zmq.Socket[Any]], None] = _no_touch
+
+
 class Inflow:
     """The bytes each TCP connection of a link received since a message last came whole by
     it (the kernel's count, ``dataserver.tcpinfo``): what libzmq holds of a message not
@@ -294,6 +320,11 @@ class ServerLink:
     """The client's side of one server: a DEALER to its front, and a DEALER connected to
     every one of its workers for results sent straight to us."""
 
+    # ZeroMQ sockets a link holds, each a descriptor (its mailbox): the two DEALERs and a
+    # monitor each (a PAIR on either side); its connections come on top (``fds.py``).
+    SOCKETS = 6
+    FDS = SOCKETS + CONNECTIONS_PER_SERVER
+
     def __init__(
         self,
         ctx: zmq.Context[Any],
@@ -302,8 +333,16 @@ class ServerLink:
         curve: dict[str, bytes] | None,
         standing: Callable[[], tuple[int, int]] = lambda: (0, 0),
         landing: LandingArea | None = None,
+        shared: Shared | None = None,
     ) -> None:
         self.address = address
+        # What it shares with the other links (``Shared``): the index it keeps current, the
+        # descriptor budget its direct connections come out of, who hears of its sends.
+        self._shared = shared if shared is not None else Shared()
+        self._index = self._shared.index
+        self._state = LinkState.CONNECTING
+        self._connected = False
+        self._credit = 0
         # This session's secret on this server (each server gets its own, so no server
         # learns one that acts for the session on another), and where the session stands
         # (plan version, control sequence) for the HELLO.
@@ -325,13 +364,10 @@ class ServerLink:
         # Our landing buffer's hand-over to this server's workers, done only once it has
         # proven it is on our host (``sync_results``).
         self.handover = Handover(landing, session) if landing is not None else None
-        self.connected = False  # a ZMTP handshake has completed on the current connection
         self.was_lost = False
         self.last_error = ""
-        self.state = LinkState.CONNECTING
         self.welcome_msg: Welcome | None = None
         self.server_id = ""
-        self.credit = 0
         self.workers = 0
         self.outstanding: dict[int, float] = {}  # task_id -> when sent
         now = time.monotonic()
@@ -341,6 +377,41 @@ class ServerLink:
         self.last_claim = 0.0
         self.sent_total = 0
         self.results_total = 0
+
+    # State, connection and credit are what its free credit depends on: each change is
+    # told to the index (``LinkIndex.moved``), which keeps the links by free credit.
+
+    @property
+    def state(self) -> LinkState:
+        return self._state
+
+    @state.setter
+    def state(self, value: LinkState) -> None:
+        self._state = value
+        self._index.moved(self)
+
+    @property
+    def connected(self) -> bool:
+        """A ZMTP handshake has completed on the current connection."""
+        return self._connected
+
+    @connected.setter
+    def connected(self, value: bool) -> None:
+        self._connected = value
+        self._index.moved(self)
+
+    @property
+    def credit(self) -> int:
+        return self._credit
+
+    @credit.setter
+    def credit(self, value: int) -> None:
+        self._credit = value
+        self._index.moved(self)
+
+    @property
+    def ready(self) -> bool:
+        return self._state is LinkState.READY
 
     def _open(self) -> None:
         """Its sockets, new: a DEALER to the front, and one for the workers' results."""
@@ -363,6 +434,7 @@ class ServerLink:
         self.open = True
 
     def _close_sockets(self, linger_ms: int = 0) -> None:
+        self._shared.budget.give(self.address, len(self.result_endpoints))
         self.sock.disable_monitor()
         self.results.disable_monitor()
         self.monitor.close(linger=0)
@@ -404,9 +476,9 @@ class ServerLink:
 
     @property
     def free(self) -> int:
-        if self.state is not LinkState.READY or not self.connected:
+        if self._state is not LinkState.READY or not self._connected:
             return 0
-        return self.credit - len(self.outstanding)
+        return self._credit - len(self.outstanding)
 
     def send(self, frames: list[Any]) -> bool:
         """Send without blocking; False when the server is not connected (or saturated)."""
@@ -414,6 +486,8 @@ class ServerLink:
             self.sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
         except zmq.Again:
             return False
+        finally:
+            self._shared.touched(self.sock)
         self.last_sent = time.monotonic()
         return True
 
@@ -444,7 +518,8 @@ class ServerLink:
             try:
                 self.results.send_multipart(frames, zmq.NOBLOCK)
             except zmq.Again:
-                return
+                break
+        self._shared.touched(self.results)
 
     def sync_results(
         self, announced: Sequence[str], local: Sequence[str] = (), proof: bytes | None = None
@@ -470,11 +545,15 @@ class ServerLink:
             for e in chosen[:MAX_WORKER_ENDPOINTS]
             if e.startswith(("tcp://", "ipc://"))
         }
-        for endpoint in sorted(wanted - self.result_endpoints):
-            if len(self.result_endpoints) >= MAX_WORKER_ENDPOINTS:
-                break
+        new = sorted(wanted - self.result_endpoints)
+        new = new[: max(0, MAX_WORKER_ENDPOINTS - len(self.result_endpoints))]
+        if not self._shared.budget.take(self.address, len(new)):
+            new = []  # not enough descriptors: results come through the front
+        for endpoint in new:
             self.results.connect(endpoint)
             self.result_endpoints.add(endpoint)
+        if new:  # (a connect handles the socket's commands: a signal may have gone with them)
+            self._shared.touched(self.results)
         if self.handover is not None:
             paths = [landing_socket(e) for e in local] if use_local else []
             self.handover.sync([p for p in paths[:MAX_WORKER_ENDPOINTS] if p is not None])
@@ -571,9 +650,11 @@ class ServerLink:
         """``task_id`` went out (again: it goes last, as the newest); its answer's pixels
         are ``answer_bytes``."""
         self.largest_answer = max(self.largest_answer, answer_bytes)
-        self.outstanding.pop(task_id, None)
-        self.outstanding[task_id] = time.monotonic()
+        again = self.outstanding.pop(task_id, None) is not None
+        now = self.outstanding[task_id] = time.monotonic()
         self.sent_total += 1
+        self._index.sent(self, task_id, now, new=not again)
+        self._index.moved(self)
 
     def answered(self) -> None:
         self.results_total += 1
@@ -581,28 +662,38 @@ class ServerLink:
     def owes(self, task_id: int) -> bool:
         return task_id in self.outstanding
 
+    def sent_at(self, task_id: int) -> float | None:
+        """When ``task_id`` was last sent here, if it is outstanding."""
+        return self.outstanding.get(task_id)
+
     def owed(self) -> list[int]:
         """The outstanding task ids, oldest first."""
         return list(self.outstanding)
 
-    def expire(self, now: float, limit: float) -> list[int]:
-        """Forget the tasks outstanding for ``limit`` seconds or more; their ids."""
-        if not self.outstanding or now - next(iter(self.outstanding.values())) < limit:
-            return []
-        late = [t for t, sent in self.outstanding.items() if now - sent >= limit]
-        for tid in late:
-            del self.outstanding[tid]
-        return late
+    def forget_tasks(self, task_ids: list[int]) -> list[int]:
+        """Forget those of ``task_ids`` outstanding here (past their deadline: the index's
+        ``late``, through ``Links.expire``); their ids."""
+        gone = [t for t in task_ids if self.outstanding.pop(t, None) is not None]
+        if gone:
+            self._index.let_go(len(gone))
+            self._index.moved(self)
+        return gone
 
     def release(self, task_id: int) -> float | None:
         """The server answered ``task_id``: its credit is free again. Returns when it was
         sent (None if it was not outstanding here)."""
-        return self.outstanding.pop(task_id, None)
+        sent = self.outstanding.pop(task_id, None)
+        if sent is not None:
+            self._index.let_go(1)
+            self._index.moved(self)
+        return sent
 
     def take_outstanding(self) -> list[int]:
         """Forget every outstanding task (they move elsewhere); their ids, oldest first."""
         ids = list(self.outstanding)
         self.outstanding.clear()
+        self._index.let_go(len(ids))
+        self._index.moved(self)
         return ids
 
     def stats(self) -> LinkStats:
@@ -643,11 +734,24 @@ class Links:
         curve: dict[str, bytes] | None,
         standing: Callable[[], tuple[int, int]] = lambda: (0, 0),
         landing: LandingArea | None = None,
+        budget: FdBudget | None = None,
+        touched: Callable[[zmq.Socket[Any]], None] = _no_touch,
     ) -> None:
         self.config = config
         self._ctx, self._curve = ctx, curve
         self._standing = standing
         self._landing = landing
+        addresses = expand_addresses(config.addresses)
+        budget = budget if budget is not None else FdBudget.of_process(ServerLink.FDS)
+        problem = budget.problem(len(addresses))
+        if problem is not None:
+            raise DataServerError(f"not enough file descriptors: {problem}")
+        self.shared = Shared(LinkIndex(), budget, touched)
+        self._sweep: deque[ServerLink] = deque()  # the links in the order ``tick`` checks them
+        self._swept = 0.0  # when ``tick`` last checked links
+        self._due = 0.0  # links it owes a check (a fraction carried over)
+        self._inflow_fds = 0  # connections weighed on the last round (``Inflow``) ...
+        self._round = [0, 0]  # ... and on this one so far, with the links checked
         self.pub = ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.LINGER, 0)
         if curve:
@@ -657,25 +761,36 @@ class Links:
         self._control_endpoints: set[str] = set()
         self.dataset: DatasetInfo | None = None  # from the first WELCOME accepted
         self.links: list[ServerLink] = []
-        for address in expand_addresses(config.addresses):
+        for address in addresses:
             self.add(address)
 
-    def add(self, address: str) -> ServerLink:
-        """A link to a server found at ``address``; its HELLO is on its way."""
+    def add(self, address: str) -> ServerLink | None:
+        """A link to a server found at ``address``; its HELLO is on its way. None: its
+        sockets do not fit the descriptor limit (logged, with the limit to raise)."""
+        problem = self.shared.budget.join()
+        if problem is not None:
+            log.error("%s: not using it: not enough file descriptors: %s", address, problem)
+            return None
         # A session id of its own on each server: no server learns an id that names the
         # session anywhere else (one that forgot the session could otherwise be told that
         # id first, by whoever learnt it from another server).
         session = session_id(self._curve["public"] if self._curve else None)
-        link = ServerLink(self._ctx, address, session, self._curve, self._standing, self._landing)
+        link = ServerLink(
+            self._ctx, address, session, self._curve, self._standing, self._landing, self.shared
+        )
         self.links.append(link)
+        self._sweep.append(link)
         link.hello()
         return link
 
     def remove(self, link: ServerLink) -> None:
         """Forget a server (its address is gone): close its sockets, stop publishing to it."""
         self.links.remove(link)
+        self._sweep.remove(link)
         link.close()
         self.unpublish(link)
+        self.shared.index.forget(link)
+        self.shared.budget.leave()
 
     def unpublish(self, link: ServerLink) -> None:
         """Stop publishing the session's CONTROL to ``link``'s server."""
@@ -709,9 +824,29 @@ class Links:
         self, skip: set[ServerLink] | frozenset[ServerLink] = frozenset()
     ) -> ServerLink | None:
         """The link with the most free credit (leaving out ``skip``), or None when none
-        has any."""
-        free = [lk for lk in self.links if lk.free > 0 and lk not in skip]
-        return max(free, key=lambda lk: lk.free) if free else None
+        has any: from the index's heap, whatever the number of links."""
+        return self.shared.index.best(skip)
+
+    def expire(self, now: float, limit: float) -> list[tuple[ServerLink, list[int]]]:
+        """The tasks outstanding for ``limit`` seconds or more on ready links, forgotten
+        there: each link with their ids, oldest first. Those of links not ready now wait
+        until their link is (it may come back, or its tasks move when it is lost)."""
+        out = []
+        for link, ids in self.shared.index.late(now - limit).items():
+            if link.state is LinkState.READY:
+                gone = link.forget_tasks(ids)
+                if gone:
+                    out.append((link, gone))
+            else:
+                self.shared.index.park(link, ids)
+        return out
+
+    def owing(self) -> bool:
+        """Whether any link has a task outstanding."""
+        return self.shared.index.outstanding > 0
+
+    def fds(self) -> FdStats:
+        return self.shared.budget.stats()
 
     def check(self, link: ServerLink, msg: Welcome) -> WelcomeProblem | None:
         """The one check of a WELCOME (``welcome_problem``); the first accepted fixes the
@@ -802,12 +937,43 @@ class Links:
             return [LinkEvent(EventKind.RESULTS_BROKEN, link, ", ".join(sorted(endpoints)))]
         return []
 
+    def _due_links(self, now: float) -> list[ServerLink]:
+        """The links to check this tick (``_share``), their connections counted: a round
+        over every link gives the count ``Inflow`` is paced by."""
+        due = self._share(now)
+        self._round[0] += sum(len(lk.inflow.marks) for lk in due)
+        self._round[1] += len(due)
+        if self._round[1] >= len(self.links):
+            self._inflow_fds, self._round = self._round[0], [0, 0]
+        return due
+
+    def _share(self, now: float) -> list[ServerLink]:
+        """All links while they are few; past ``LINK_CHECKS_PER_S`` checks a second, the
+        next share in turn, each link at least every ``SWEEP_MAX_S``."""
+        n = len(self._sweep)
+        period = max(0.0, min(SWEEP_MAX_S, n / LINK_CHECKS_PER_S))
+        elapsed, self._swept = now - self._swept, now
+        if period <= 0.0 or elapsed >= period:
+            self._due = 0.0
+            return list(self._sweep)
+        self._due = min(float(n), self._due + n * elapsed / period)
+        k = math.floor(self._due)
+        self._due -= k
+        out = []
+        for _ in range(k):
+            link = self._sweep.popleft()
+            self._sweep.append(link)
+            out.append(link)
+        return out
+
     def tick(self, now: float) -> list[LinkEvent]:
-        """Heartbeats, HELLOs to servers without a session, and silence past the timeout."""
+        """Heartbeats, HELLOs to servers without a session, and silence past the timeout:
+        of the links due a check (``_due_links``)."""
         out = []
         cfg = self.config
-        every = max(INFLOW_S, sum(len(lk.inflow.marks) for lk in self.links) / INFLOW_FDS_PER_S)
-        for link in self.links:
+        due = self._due_links(now)
+        every = max(INFLOW_S, self._inflow_fds / INFLOW_FDS_PER_S)
+        for link in due:
             if link.open and link.inflow.due(now, every):
                 held, budget = link.inflow.largest(), link.inflow_budget()
                 if held > budget:

@@ -74,8 +74,16 @@ HELLO_BATCH = 100  # sessions opened at once (a listen backlog is ~100)
 SIDE = 8  # output images of the swarm's tasks: 8 x 8
 
 
-def _raise_fd_limit() -> None:
+def _raise_fd_limit(want: int = 0) -> None:
+    """The soft limit up to the hard one; as root, both up to ``want`` when that is more
+    (1,024 fake servers and a client against them hold ~10,000 descriptors each)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if os.geteuid() == 0 and hard != resource.RLIM_INFINITY and want > hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, want))
+            return
+        except (ValueError, OSError):
+            pass
     if hard == resource.RLIM_INFINITY or soft < hard:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
@@ -413,16 +421,22 @@ def fakes_main(argv: list[str]) -> int:
     p.add_argument("--count", type=int, default=1)
     p.add_argument("--workers", type=int, default=16)
     a = p.parse_args(argv)
-    _raise_fd_limit()
+    _raise_fd_limit(8 * a.count + 1024)
     ctx: zmq.Context[Any] = zmq.Context()
     ctx.set(zmq.MAX_SOCKETS, 3 * a.count + 64)
     fakes = [_Fake.bind(ctx, a.workers) for _ in range(a.count)]
-    poller = zmq.Poller()
+    # The client's own poller (epoll over the sockets' descriptors): a zmq.Poller over
+    # 3,072 sockets cost the fakes milliseconds a pass, enough to fall silent at 1,024.
+    from dataserver_client.watch import Watch
+
+    poller = Watch()
     handlers: dict[Any, Callable[[list[Any]], None]] = {}
+    owner: dict[Any, _Fake] = {}
     for f in fakes:
         handlers[f.front] = f.on_front
         handlers[f.control] = lambda frames: None  # (published CONTROLs: nothing to do)
         handlers[f.results] = lambda frames: None  # (claims: only with CURVE)
+        owner.update({f.front: f, f.control: f, f.results: f})
     for sock in handlers:
         poller.register(sock, zmq.POLLIN)
     stop = {"now": False}
@@ -436,6 +450,9 @@ def fakes_main(argv: list[str]) -> int:
                 except zmq.Again:
                     break
                 handlers[sock](frames)
+            poller.touch(owner[sock].front)  # (sent on: asked again whether readable)
+            poller.touch(owner[sock].results)
+    poller.close()
     ctx.destroy(linger=0)
     return 0
 
@@ -455,11 +472,15 @@ def client_main(argv: list[str]) -> int:
     p.add_argument("--batches", type=int, default=200)
     p.add_argument("--idle-seconds", type=float, default=2.0)
     p.add_argument("--others", default="", help="pids whose CPU is reported beside")
+    p.add_argument("--rate", type=float, default=0.0, help="tasks a second (0: flat out)")
     a = p.parse_args(argv)
-    _raise_fd_limit()
+    servers = len(a.addresses.split(","))
+    _raise_fd_limit(32 * servers + 1024)
     others = [int(x) for x in a.others.split(",") if x]
     me = os.getpid()
     size = (a.image_size, a.image_size)
+    fds_before = _proc_fds(me)
+    connecting = time.perf_counter()
     with DataServerClient(
         a.addresses.split(","),
         batch_size=a.batch_size,
@@ -467,6 +488,8 @@ def client_main(argv: list[str]) -> int:
         device="cpu",
         timeout=60.0,
     ) as client:
+        connect_s = time.perf_counter() - connecting  # (every server's WELCOME)
+        fds_connected = _proc_fds(me)
         idle = CpuWindow([me])
         idle.start()
         time.sleep(a.idle_seconds)
@@ -476,14 +499,26 @@ def client_main(argv: list[str]) -> int:
             next(batches)
         window = CpuWindow([me, *others])
         before = client.stats()["results"]
+        # At a fixed rate, each batch waits for its turn: the client's CPU per task is
+        # then what it costs at that rate (it wakes as often, whatever the server count).
+        every = a.batch_size / a.rate if a.rate > 0 else 0.0
         window.start()
         start = time.perf_counter()
-        images = sum(len(next(batches)) for _ in range(a.batches))
+        images = 0
+        for i in range(a.batches):
+            images += len(next(batches))
+            wait = start + (i + 1) * every - time.perf_counter()
+            if wait > 0:
+                time.sleep(wait)
         seconds = time.perf_counter() - start
         spent = window.stop()
-        tasks = client.stats()["results"] - before
+        stats = client.stats()
+        tasks = stats["results"] - before
     out = {
-        "servers": len(a.addresses.split(",")),
+        "servers": servers,
+        "fds_per_server": round((fds_connected - fds_before) / servers, 2),
+        "connect_s": round(connect_s, 2),
+        "fd_budget": stats.get("fds", {}),  # (a client before the budget: none)
         "tasks": tasks,
         "images": images,
         "seconds": seconds,
@@ -645,17 +680,53 @@ def fig_front(
 
 
 def _client_run(
-    args: argparse.Namespace, addresses: list[str], others: list[int]
+    args: argparse.Namespace, addresses: list[str], others: list[int], rate: float = 0.0
 ) -> dict[str, Any]:
     flags = ["--addresses", ",".join(addresses), "--batches", str(args.scale_batches)]
     flags += ["--idle-seconds", str(min(2.0, args.scale_seconds))]
-    flags += ["--others", ",".join(map(str, others))]
-    with _role("client", *flags, timeout=300) as (_, out):
+    flags += ["--others", ",".join(map(str, others)), "--rate", str(rate)]
+    with _role("client", *flags, timeout=600) as (_, out):
         return out
 
 
 def _per_task(r: dict[str, Any]) -> float:
     return round(1e6 * r["cpu_self_s"] / max(1, r["tasks"]), 1)
+
+
+def _net_per_task(r: dict[str, Any]) -> float:
+    """CPU per task less what the client spends idle (heartbeats, timers) meanwhile."""
+    net = r["cpu_self_s"] - r["idle_cpu_per_s"] * r["seconds"]
+    return round(1e6 * net / max(1, r["tasks"]), 1)
+
+
+def client_curve(
+    args: argparse.Namespace, counts: list[int], rate: float, progress: Progress
+) -> dict[str, Any]:
+    """The client against S fake servers for each S in ``counts``, at ``rate`` tasks a
+    second: its CPU per task net of its idle CPU, the idle CPU per server apart, the
+    descriptors a server costs it."""
+    out: dict[str, dict[int, Any]] = {
+        k: {} for k in ("us_per_task_net", "us_per_task", "idle_us_per_s_per_server", "tasks_per_s")
+    }
+    out["fds_per_server"], out["results_through_front_servers"] = {}, {}
+    out["connect_s"] = {}
+    for s in counts:
+        with _role("fakes", "--count", str(s), "--workers", "16", timeout=600) as (proc, first):
+            r = _client_run(args, first["addresses"], [proc.pid], rate)
+        out["us_per_task_net"][s] = _net_per_task(r)
+        out["us_per_task"][s] = _per_task(r)
+        out["idle_us_per_s_per_server"][s] = round(1e6 * r["idle_cpu_per_s"] / s, 1)
+        out["tasks_per_s"][s] = round(r["tasks"] / r["seconds"], 1)
+        out["fds_per_server"][s] = r["fds_per_server"]
+        out["connect_s"][s] = r["connect_s"]
+        out["results_through_front_servers"][s] = r["fd_budget"].get("through_front")
+        progress(
+            f"(b) {s} servers at {rate:g} tasks/s: client {out['us_per_task_net'][s]} us/task "
+            f"net of idle ({out['us_per_task'][s]} gross), idle "
+            f"{out['idle_us_per_s_per_server'][s]} us/s a server, {r['fds_per_server']} fds "
+            f"a server, connected in {r['connect_s']} s"
+        )
+    return {f"b_rate_{k}": v for k, v in out.items()} | {"b_rate_tasks_per_s_asked": rate}
 
 
 def fig_client(
@@ -686,6 +757,9 @@ def fig_client(
         xs, ys = np.array(counts, float), np.array([per_task[c] for c in counts])
         slope, base = np.polyfit(xs, ys, 1)
         out["b_fit_us_per_task"] = f"{base:.1f} + {slope:.3f} x servers"
+    rated = [int(c) for c in str(args.scale_rate_servers).split(",") if c]
+    if rated and args.scale_rate > 0:
+        out.update(client_curve(args, rated, args.scale_rate, progress))
     out.update(_fake_check(args, address, pids, progress))
     return out
 
@@ -881,7 +955,23 @@ def fig_scale(args: argparse.Namespace, spec: str, progress: Progress) -> dict[s
     return out
 
 
-ROLES = {"swarm": swarm_main, "fakes": fakes_main, "client": client_main}
+def curve_main(argv: list[str]) -> int:
+    """(b) alone, at a fixed rate, without a real server: ``python -m
+    dataserver.bench.scale curve --servers 16,256,1024 --rate 200``; one JSON line."""
+    p = argparse.ArgumentParser(prog="scale curve")
+    p.add_argument("--servers", default="16,256,1024")
+    p.add_argument("--rate", type=float, default=200.0)
+    p.add_argument("--batches", type=int, default=100)
+    p.add_argument("--seconds", type=float, default=2.0)
+    a = p.parse_args(argv)
+    args = argparse.Namespace(scale_batches=a.batches, scale_seconds=a.seconds)
+    counts = [int(c) for c in a.servers.split(",") if c]
+    out = client_curve(args, counts, a.rate, lambda line: print(line, file=sys.stderr))
+    print(json.dumps(out), flush=True)
+    return 0
+
+
+ROLES = {"swarm": swarm_main, "fakes": fakes_main, "client": client_main, "curve": curve_main}
 
 
 if __name__ == "__main__":
