@@ -34,6 +34,7 @@ from dataserver_client.epoch import (
     shard_of,
 )
 from dataserver_client.resume import (
+    DEALT_VERSION,
     MAX_DEAL_LEVELS,
     BitmapDeal,
     Deal,
@@ -357,7 +358,9 @@ def test_merged_states_resume_elastically_twice_and_exactly_at_one_size(
             assert c.mode == STITCH  # rank 0's mode
             delivered += take(c, iter(c), 1, {})
             dealt_states.append(c.state_dict())
-    assert all(s["version"] == 2 and s["deal"]["count"] == 152 - 24 for s in dealt_states)
+    assert all(
+        s["version"] == DEALT_VERSION and s["deal"]["count"] == 152 - 24 for s in dealt_states
+    )
 
     # Same size (3 -> 3): rank 1 goes on exactly as an unbroken run of its share does.
     with make_client(addr, rank=1, world_size=3, **KW) as c:
