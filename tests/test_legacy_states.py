@@ -21,10 +21,13 @@ from conftest import Server
 from dataserver_client import Batch, DataServerClient
 from dataserver_client.epoch import epoch_order, global_order, legacy_order, shard_of
 from dataserver_client.resume import (
+    CONFIG_KEYS,
+    DEALT_VERSION,
     LEGACY_DEALT_VERSION,
     LEGACY_STATE_VERSION,
     STATE_VERSION,
     BitmapDeal,
+    check_state,
     plan_resume,
 )
 
@@ -111,6 +114,24 @@ def test_version_2_states_go_on_as_dealt_exactly_and_elastically(flat_server: Se
     delivered = samples(v2["rest_of_2"][0]) + samples(v2["rest_of_2"][1])
     whole = global_order(legacy_order(N, 7, 1, True), 2, False).tolist()
     assert len(delivered) == len(set(delivered)) and set(delivered) <= set(whole)
+
+
+def test_a_state_whose_deal_does_not_match_its_version_is_refused() -> None:
+    v1, v2 = FIXTURE["v1"]["state"], FIXTURE["v2"]["states"][0]
+    expected = {**{k: v1[k] for k in CONFIG_KEYS}, "fingerprint": v1["fingerprint"]}
+    expected["dataset_len"] = N
+    check_state(v1, expected)
+    check_state(v2, expected)
+    for bad in (
+        {**v1, "deal": v2["deal"]},  # a normal epoch's version with a deal
+        {**v2, "deal": None},  # a dealt epoch's version without one
+        {**v2, "version": STATE_VERSION},
+    ):
+        with pytest.raises(ValueError, match="does not match its version"):
+            check_state(bad, expected)
+    # A bitmap under this client's dealt version: not read as one.
+    with pytest.raises(ValueError, match="levels"):
+        plan_resume({**v2, "version": DEALT_VERSION}, 0, 3)
 
 
 def test_a_new_state_is_not_read_in_the_legacy_order(flat_server: Server) -> None:

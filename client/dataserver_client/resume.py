@@ -17,7 +17,11 @@ its rank before that rank's ``state_dict()`` call. Each rank's position is its o
 ... in epoch order, each position once and nothing padded. A normal epoch is the implicit
 deal "everything, M = N". A deal's epoch saved again describes its undelivered set the
 same way (positions into each rank's share), so an elastic job can itself be resumed
-elastically, or exactly at the same size.
+elastically, or exactly at the same size. U is held as what made it, never as a list:
+per saving, each rank's undelivered interval of its own share (``IntervalDeal``, its
+``Level``s: O(world size), whatever N), the k-th position of U and of a rank's share
+computed on demand. States of before issue 28 (``LEGACY_VERSIONS``: the table-shuffled
+order, a bitmap deal) load and finish their epoch as they were saved.
 
 **Equal batch counts.** With R positions over M ranks the first R mod M ranks hold one
 sample more (the *spare*). A rank holding the spare cuts its batches as if it had not got
