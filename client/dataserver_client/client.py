@@ -90,8 +90,8 @@ class DataServerClient:
     have their tasks moved at once (``0``: resolve once). ``metrics_port``: serve this
     client's metrics (the time ``next()`` waits for data, samples/s) in Prometheus' format
     on that port of this process; ``stats()`` has them either way. ``max_dataset_len``:
-    a server announcing more samples is refused (``DataServerError``; default 2**31: the
-    epoch's order is held in memory, 4 bytes a sample up to that size).
+    a server announcing more samples is refused (``DataServerError``; default 2**40, at
+    most 2**48: the epoch's order is computed per position, so the size costs no memory).
 
     ``image_size``: (h, w), or a ``MultiScale`` schedule (batch ``step``'s size drawn from
     its sizes by (seed, epoch, step // every), the same on every rank, planned ahead), or
