@@ -27,7 +27,13 @@ from typing import overload
 
 import numpy as np
 
-ROUNDS = 8  # Feistel rounds (4 already make a keyed permutation; 8 mix small domains well)
+# Feistel rounds: 8 when each part has 8 bits or more (4 already make a keyed pseudo-random
+# permutation of a large domain); 16 for a small domain, whose parts of a few bits need more
+# rounds to mix: with 8, the 120 orders of 5 samples came out 71 to 172 times in 12,000 seeds
+# (chi-square 2.7 a degree of freedom), with 16, 71 to 127 (0.87: as uniform as a fair draw).
+ROUNDS = 8
+SMALL_ROUNDS = 16
+SMALL_BITS = 16  # a domain of at most 2**16 is small
 _TAG = 0x0D3E_F715  # separates the order's round keys from anything else seeded by (seed, epoch)
 _GOLD = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -96,21 +102,25 @@ class IndexSeq(ABC):
 class EpochOrder(IndexSeq):
     """The epoch's order: position p -> sample ``at(p)``, a permutation of [0, n) fixed by
     (seed, epoch) (the module's docstring), or 0..n-1 when not ``shuffle``. O(1) memory in
-    n; about a microsecond a position, computed a batch at a time."""
+    n; 0.1 to 0.3 us a position, computed a batch at a time. A pseudo-random permutation (as
+    with any seeded shuffle, not every one of the n! orders can come out: a Feistel network
+    on parts of 2 bits or more makes even permutations of its domain only); small domains
+    get more rounds (``SMALL_ROUNDS``) so that their orders come out about equally often."""
 
     def __init__(self, n: int, seed: int, epoch: int, shuffle: bool) -> None:
         if n < 1:
             raise ValueError(f"an epoch order needs at least one sample, got {n}")
         self.n, self.seed, self.epoch, self.shuffle = int(n), int(seed), int(epoch), shuffle
         bits = max(1, (self.n - 1).bit_length())
+        rounds = SMALL_ROUNDS if bits <= SMALL_BITS else ROUNDS
         keys = np.random.SeedSequence([self.seed, self.epoch, _TAG]).generate_state(
-            ROUNDS, np.uint64
+            rounds, np.uint64
         )
         # Round r splits the bits into the right part (its width ``widths[r]``) and the left
         # part (the rest); the parts swap sides each round, so the widths alternate.
         right = bits // 2
         widths = []
-        for _ in range(ROUNDS):
+        for _ in range(rounds):
             widths.append(right)
             right = bits - right
         self._bits = bits
