@@ -3,14 +3,13 @@
 The client owns the epoch. For (seed, epoch) it fixes one permutation of the dataset,
 computed per position (``order.py``: nothing that grows with the dataset), takes this
 rank's shard of it (DistributedSampler semantics, a lazy ``order.Shard``) and keeps a
-cursor into it. A batch
-is a contiguous run of the shard: B samples in regular mode, k x B when stitched (B anchors
-in a window mosaic, ``mosaic_partners="window"``: each position anchors an output whose
-partners are drawn from the positions before it, ``partners.py``). Planning
-ahead is speculative: when the mode changes, every batch not yet handed to the trainer is
-dropped and the cursor rewinds to the first of them, so the same samples are planned
-again, in the same order, under the new mode. That is what makes exactly-once and zero
-stale batches hold together.
+cursor into it. A batch is a contiguous run of the shard: B samples in regular mode, k x B
+when stitched (B anchors in a window mosaic, ``mosaic_partners="window"``: each position
+anchors an output whose partners are drawn from the positions before it,
+``partners.py``). Planning ahead is speculative: when the mode changes, every batch not
+yet handed to the trainer is dropped and the cursor rewinds to the first of them, so the
+same samples are planned again, in the same order, under the new mode. That is what makes
+exactly-once and zero stale batches hold together.
 """
 
 from __future__ import annotations
