@@ -17,6 +17,7 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
+from dataserver.hashing import mix64
 from dataserver_client.config import MAX_DATASET_LEN, WELCOME_MAX_DATASET_LEN, ClientConfig
 from dataserver_client.epoch import (
     REGULAR,
@@ -28,7 +29,7 @@ from dataserver_client.epoch import (
     shard_of,
     shard_size,
 )
-from dataserver_client.order import EpochOrder, Strided
+from dataserver_client.order import EpochOrder, Strided, mix
 from dataserver_client.resume import IntervalDeal, epoch_shard, undelivered
 
 PRIMES = [2, 3, 5, 7, 11, 13, 97, 101, 65_537]
@@ -267,3 +268,9 @@ def test_strided_positions_are_int64_past_2_31() -> None:
     s = Strided(5, 1000, 2**33)
     assert s[2**33 - 1] == 5 + (2**33 - 1) * 1000
     assert s[[0, 2**32]].dtype == np.int64
+
+
+def test_the_round_hash_is_the_shared_splitmix_finaliser() -> None:
+    values = [0, 1, 2**32 + 7, 2**63, 2**64 - 1]
+    got = mix(np.array(values, dtype=np.uint64)).tolist()
+    assert got == [mix64(v) for v in values]
