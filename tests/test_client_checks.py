@@ -22,6 +22,7 @@ from fuzz_targets import welcome_of
 
 from dataserver.protocol import Bye, Cancelled, Heartbeat, Hello, Result, Task, Welcome, decode
 from dataserver_client import DataServerClient, DataServerError
+from dataserver_client.epoch import epoch_order
 from dataserver_client.resume import (
     CONFIG_KEYS,
     MAX_STATE_RANKS,
@@ -304,7 +305,7 @@ def test_results_for_indices_not_asked_from_the_only_server_fail_in_time() -> No
 # ---------------------------------------------------------------- 4. WELCOME's size
 
 
-@pytest.mark.parametrize("size", [1 << 40, (1 << 31) + 1])
+@pytest.mark.parametrize("size", [(1 << 40) + 1, 1 << 47])
 def test_a_welcome_announcing_too_many_samples_is_refused(size: int) -> None:
     fake = FakeServer(honest, dataset_len=size)
     try:
@@ -314,6 +315,30 @@ def test_a_welcome_announcing_too_many_samples_is_refused(size: int) -> None:
         assert time.monotonic() - started < 10
         assert fake.address in str(err.value) and str(size) in str(err.value)
         assert "max_dataset_len" in str(err.value)
+    finally:
+        fake.close()
+
+
+def test_an_epoch_of_2_31_samples_starts_at_once() -> None:
+    """Issue 28: a server announcing 2**31 samples (the default ``max_dataset_len`` is 2**40)
+    costs the trainer nothing before its first batch: the order is computed per position
+    (before, a table of it: 8 GiB and minutes). From the epoch's first ``next()`` to its
+    batch, end to end through a (fake) server's answers."""
+    n = 1 << 31
+    fake = FakeServer(honest, dataset_len=n)
+    try:
+        with make_client(fake.address, timeout=10, seed=3, **KW) as c:
+            assert c.dataset_len == n
+            c.set_epoch(2)
+            it = iter(c)
+            started = time.perf_counter()
+            first = next(it)
+            took = time.perf_counter() - started
+            second = next(it)
+        want = epoch_order(n, 3, 2, True)[:8].tolist()
+        assert [i for idx in first.indices + second.indices for i in idx] == want
+        assert max(want) > 1 << 20  # spread over the whole dataset
+        assert took < 2.0, took  # (measured: ~10 ms; the bound is for a loaded test host)
     finally:
         fake.close()
 

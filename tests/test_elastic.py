@@ -10,6 +10,7 @@ import json
 import random
 import subprocess
 import sys
+import zlib
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,7 +33,14 @@ from dataserver_client.epoch import (
     global_order,
     shard_of,
 )
-from dataserver_client.resume import Deal, undelivered
+from dataserver_client.resume import (
+    DEALT_VERSION,
+    MAX_DEAL_LEVELS,
+    BitmapDeal,
+    Deal,
+    deal_from_state,
+    undelivered,
+)
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -45,7 +53,7 @@ KW: dict[str, Any] = {"batch_size": 3, "image_size": (32, 32), "seed": SEED}
 
 
 def positions_of(deal: Deal | None, total: int, world: int, rank: int) -> np.ndarray:
-    return np.arange(rank, total, world) if deal is None else deal.share(rank, world)
+    return np.arange(rank, total, world) if deal is None else deal.share(rank, world)[:]
 
 
 @pytest.mark.parametrize("n", [150, 151])
@@ -61,7 +69,7 @@ def test_undelivered_positions_are_dealt_round_robin_each_once(n: int, old: int,
     delivered = {int(p) for r in range(old) for p in np.arange(r, total, old)[: positions[r]]}
     expected = sorted(set(range(total)) - delivered)
     assert left.positions().tolist() == expected
-    shares = [left.share(j, new) for j in range(new)]
+    shares = [left.share(j, new)[:] for j in range(new)]
     assert sorted(np.concatenate(shares).tolist()) == expected  # each once, none missing
     for j, share in enumerate(shares):
         assert share.tolist() == expected[j::new]  # rank j: the j-th, j+new-th, ...
@@ -96,8 +104,8 @@ def test_the_spare_sample_rides_in_the_last_batch_so_ranks_end_on_one_step(drop_
     for trial in range(300):
         count = rnd.randint(1, 120)
         world = rnd.randint(1, 5)
-        deal = Deal(1, np.ones(count, dtype=bool))
-        shards = [deal.share(j, world) for j in range(world)]
+        deal = undelivered(count, False, 1, [0], None)  # every position of count
+        shards = [deal.share(j, world)[:] for j in range(world)]
         spares = [deal.spare(j, world) for j in range(world)]
         modes = iter([rnd.choice((REGULAR, STITCH)) for _ in range(200)])
         steps = run_synchronised(shards, spares, modes, drop_last)
@@ -134,18 +142,54 @@ def test_a_dealt_epoch_saved_again_and_dealt_again_stays_exact() -> None:
 
 def test_a_deal_is_small_plain_data_and_a_bad_one_is_refused() -> None:
     mask = np.ones(152, dtype=bool)
-    mask[[0, 4, 8, 12, 1, 5, 9]] = False
-    deal = Deal(4, mask)
+    mask[[0, 4, 8, 12, 1, 5, 9]] = False  # rank 0 of 4 delivered 4 samples, rank 1 three
+    deal = undelivered(150, False, 4, [4, 3, 0, 0], None)
+    assert deal.positions().tolist() == np.flatnonzero(mask).tolist()
     state = msgpack.unpackb(msgpack.packb(deal.to_state()))
-    again = Deal.from_state(state, 150, False)
-    assert again.plan_world == 4 and np.array_equal(again.mask, mask)
+    again = deal_from_state(state, 150, False)
+    assert again.plan_world == 4 and again.positions().tolist() == np.flatnonzero(mask).tolist()
     assert len(msgpack.packb(state)) < 100
     with pytest.raises(ValueError, match="does not fit"):
-        Deal.from_state(state, 160, False)  # another dataset size
+        deal_from_state(state, 10, False)  # another dataset size: rank 0 has 3, not 4
     with pytest.raises(ValueError, match="count"):
-        Deal.from_state({**state, "count": 3}, 150, False)
+        deal_from_state(state, 160, False)  # another dataset size: another count
+    with pytest.raises(ValueError, match="count"):
+        deal_from_state({**state, "count": 3}, 150, False)
+    level = state["levels"][0]
+    with pytest.raises(ValueError, match="one position per rank"):
+        deal_from_state({**state, "levels": [{**level, "positions": [4, 3]}]}, 150, False)
+    with pytest.raises(ValueError, match="levels"):
+        deal_from_state({**state, "levels": []}, 150, False)
+    with pytest.raises(ValueError, match="levels"):
+        deal_from_state({**state, "levels": [level] * (MAX_DEAL_LEVELS + 1)}, 150, False)
+    with pytest.raises(ValueError, match="world_size"):
+        deal_from_state({**state, "levels": [{**level, "world_size": 0}]}, 150, False)
+    with pytest.raises(ValueError, match="positions"):
+        deal_from_state({**state, "levels": [{**level, "positions": [4, -1, 0, 0]}]}, 150, False)
+    with pytest.raises(ValueError, match="malformed"):
+        deal_from_state(state, 150, False, legacy=True)  # a version 2 state's deal: a bitmap
+
+
+def test_a_legacy_bitmap_deal_still_loads_and_is_refused_when_bad() -> None:
+    """A deal of a state of version 2 (the bitmap of the client before issue 28)."""
+    mask = np.ones(152, dtype=bool)
+    mask[[0, 4, 8, 12, 1, 5, 9]] = False
+    state = {
+        "plan_world_size": 4,
+        "count": 145,
+        "undelivered": zlib.compress(np.packbits(mask).tobytes(), 9),
+    }
+    again = deal_from_state(state, 150, False, legacy=True)
+    assert isinstance(again, BitmapDeal) and again.legacy
+    assert again.plan_world == 4 and np.array_equal(again.mask, mask)
+    assert again.positions().tolist() == np.flatnonzero(mask).tolist()
+    assert again.to_state() == state  # saved again as it was
+    with pytest.raises(ValueError, match="does not fit"):
+        deal_from_state(state, 160, False, legacy=True)  # another dataset size
+    with pytest.raises(ValueError, match="count"):
+        deal_from_state({**state, "count": 3}, 150, False, legacy=True)
     with pytest.raises(ValueError, match="corrupt"):
-        Deal.from_state({**state, "undelivered": b"junk"}, 150, False)
+        deal_from_state({**state, "undelivered": b"junk"}, 150, False, legacy=True)
 
 
 def test_global_order_is_the_ranks_shards_interleaved() -> None:
@@ -153,7 +197,7 @@ def test_global_order_is_the_ranks_shards_interleaved() -> None:
         order = epoch_order(n, 1, 2, True)
         g = global_order(order, world, drop_last)
         for r in range(world):
-            assert np.array_equal(g[r::world], shard_of(order, r, world, drop_last))
+            assert np.array_equal(g[r::world], shard_of(order, r, world, drop_last)[:])
 
 
 # ------------------------------------------------------------------ real ranks (gloo)
@@ -314,7 +358,9 @@ def test_merged_states_resume_elastically_twice_and_exactly_at_one_size(
             assert c.mode == STITCH  # rank 0's mode
             delivered += take(c, iter(c), 1, {})
             dealt_states.append(c.state_dict())
-    assert all(s["version"] == 2 and s["deal"]["count"] == 152 - 24 for s in dealt_states)
+    assert all(
+        s["version"] == DEALT_VERSION and s["deal"]["count"] == 152 - 24 for s in dealt_states
+    )
 
     # Same size (3 -> 3): rank 1 goes on exactly as an unbroken run of its share does.
     with make_client(addr, rank=1, world_size=3, **KW) as c:

@@ -21,10 +21,10 @@ def layout(batch: int = 4, k: int = 4, kind: str = "spatial", drop_last: bool = 
 
 
 def test_order_is_fixed_by_seed_and_epoch() -> None:
-    a = epoch_order(100, 1, 0, True)
-    assert np.array_equal(a, epoch_order(100, 1, 0, True))
-    assert not np.array_equal(a, epoch_order(100, 1, 1, True))
-    assert not np.array_equal(a, epoch_order(100, 2, 0, True))
+    a = epoch_order(100, 1, 0, True)[:]
+    assert np.array_equal(a, epoch_order(100, 1, 0, True)[:])
+    assert not np.array_equal(a, epoch_order(100, 1, 1, True)[:])
+    assert not np.array_equal(a, epoch_order(100, 2, 0, True)[:])
     assert sorted(a.tolist()) == list(range(100))
     assert epoch_order(5, 1, 0, False).tolist() == [0, 1, 2, 3, 4]
 
@@ -33,12 +33,12 @@ def test_order_is_fixed_by_seed_and_epoch() -> None:
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_shards_follow_distributed_sampler(n: int, world: int) -> None:
     order = epoch_order(n, 0, 0, True)
-    shards = [shard_of(order, r, world, drop_last=False) for r in range(world)]
+    shards = [shard_of(order, r, world, drop_last=False)[:] for r in range(world)]
     assert {len(s) for s in shards} == {shard_size(n, world, False)}
     assert set(np.concatenate(shards).tolist()) == set(range(n))  # cover
     if n % world == 0:
         assert len(np.concatenate(shards)) == n  # disjoint
-    dropped = [shard_of(order, r, world, drop_last=True) for r in range(world)]
+    dropped = [shard_of(order, r, world, drop_last=True)[:] for r in range(world)]
     flat = np.concatenate(dropped).tolist()
     assert len(flat) == len(set(flat)) == (n // world) * world  # disjoint, tail dropped
 

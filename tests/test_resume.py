@@ -15,6 +15,8 @@ import torch
 from clients import make_client
 from conftest import PLUGINS, server_env
 
+from dataserver_client.resume import STATE_VERSION
+
 pytestmark = pytest.mark.timeout(150)
 
 
@@ -59,7 +61,7 @@ def test_state_is_small_plain_versioned_data(synthetic_server: Any) -> None:
     packed = msgpack.packb(state)
     assert len(packed) < 1024  # no sample lists: position into the (seed, epoch) order
     assert msgpack.unpackb(packed) == state
-    assert state["version"] == 1 and state["epoch"] == 4 and state["step"] == 1
+    assert state["version"] == STATE_VERSION and state["epoch"] == 4 and state["step"] == 1
     assert (
         state["mode"] == "stitch" and state["control"] == {"flag": 3} and state["feedback_seq"] == 2
     )

@@ -164,10 +164,15 @@ def test_trains_closes_mosaic_and_resumes(
             assert all(r["len"] == per_epoch for r in records), (e, records)
     losses = [s["loss"] for s in steps]
     assert len(losses) >= 30 and all(math.isfinite(v) for v in losses)
-    # Learning: the last epoch's training loss below the first's, and the loss on the same
-    # validation images (served, deterministic) falls from the first epoch to the last.
+    # Learning: the last epoch's training loss below that of the first epoch of the same
+    # kind (regular: the same images, unaugmented), and the loss on the same validation images
+    # (served, deterministic) falls from the first epoch to the last. (The first epoch's
+    # training loss is no baseline: a mosaic epoch starting from the untrained model, its
+    # mean was below the last epoch's in 5 of 8 draws, seeds 0 to 3 under the epoch order of
+    # before issue 28 and under this one; the regular epochs' fell in all 8, and so did the
+    # validation loss.)
     mean = [float(np.mean([r["loss"] for r in by_epoch[e]])) for e in range(EPOCHS)]
-    assert mean[-1] < mean[0], mean
+    assert mean[-1] < mean[EPOCHS - 3], mean
     assert sorted(val_loss) == [0, 1, 2, 4, 5], val_loss  # (epoch 3's run died before)
     assert val_loss[EPOCHS - 1] < val_loss[0], val_loss
     # model.val() on the served val set, outside any trainer.

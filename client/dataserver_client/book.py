@@ -31,7 +31,7 @@ from dataserver.protocol import Result
 from dataserver_client.affinity import Affinity
 from dataserver_client.assembly import Delivery, DeviceMover, HostBuffers, InflightBatch, Sealing
 from dataserver_client.config import ClientConfig
-from dataserver_client.epoch import REGULAR, BatchPlan, Cursor
+from dataserver_client.epoch import REGULAR, BatchPlan, Cursor, ShardLike
 from dataserver_client.errors import DataServerError
 from dataserver_client.handoff import Handoff
 from dataserver_client.ledger import TaskLedger, TaskRecord
@@ -362,7 +362,7 @@ class PlanBook:
         position: int = 0,
         step: int = 0,
         deal: Deal | None = None,
-        planned: tuple[np.ndarray, int] | None = None,
+        planned: tuple[ShardLike, int] | None = None,
     ) -> int:
         """Begin ``epoch`` at shard ``position`` (batch ``step``); return the shard size.
         With ``deal`` (an elastic resume), the shard is this rank's share of it.

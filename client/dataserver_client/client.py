@@ -34,14 +34,13 @@ from dataserver_client.metrics import ClientMetrics
 from dataserver_client.rebuild import plan_of
 from dataserver_client.resume import (
     CONFIG_KEYS,
-    DEALT_VERSION,
-    STATE_VERSION,
     Deal,
     Position,
     check_state,
     epoch_shard,
     merge_states,
     plan_resume,
+    version_of,
 )
 from dataserver_client.sizes import MultiScale, SizeSchedule, StepSizes, schedule_of
 
@@ -57,6 +56,7 @@ class Resume:
     position: int
     step: int
     deal: Deal | None
+    legacy: bool = False  # a state of resume.LEGACY_VERSIONS: the epoch in its order of then
 
 
 class DataServerClient:
@@ -90,8 +90,8 @@ class DataServerClient:
     have their tasks moved at once (``0``: resolve once). ``metrics_port``: serve this
     client's metrics (the time ``next()`` waits for data, samples/s) in Prometheus' format
     on that port of this process; ``stats()`` has them either way. ``max_dataset_len``:
-    a server announcing more samples is refused (``DataServerError``; default 2**31: the
-    epoch's order is held in memory, 4 bytes a sample up to that size).
+    a server announcing more samples is refused (``DataServerError``; default 2**40, at
+    most 2**48: the epoch's order is computed per position, so the size costs no memory).
 
     ``image_size``: (h, w), or a ``MultiScale`` schedule (batch ``step``'s size drawn from
     its sizes by (seed, epoch, step // every), the same on every rank, planned ahead), or
@@ -203,6 +203,7 @@ class DataServerClient:
         self._feedback_seq = 0
         self._active = False
         self._resume: Resume | None = None  # a loaded state: where the next iteration starts
+        self._legacy = False  # the iteration under way is a legacy state's (Resume.legacy)
         self._closed = False
         self._generation = 0
 
@@ -264,9 +265,10 @@ class DataServerClient:
         if resume is not None:
             self._epoch = resume.epoch
         where = resume or Resume(self._epoch, 0, 0, None)
-        # The epoch's order is computed here, in the trainer's thread (it is the one
-        # waiting for it): the I/O thread goes on serving the servers meanwhile.
-        planned = epoch_shard(self.config, self.dataset_len, self._epoch, where.deal)
+        # The epoch's shard is made here, in the trainer's thread (it is the one waiting for
+        # it; a legacy state's order is computed whole): the I/O thread goes on meanwhile.
+        planned = epoch_shard(self.config, self.dataset_len, self._epoch, where.deal, where.legacy)
+        self._legacy = where.legacy
         self._engine.call(
             self._engine.start_epoch, self._epoch, where.position, where.step, where.deal, planned
         )
@@ -467,8 +469,10 @@ class DataServerClient:
         """
         self._check_open()
         snap: Position = self._engine.call(self._engine.snapshot)
+        legacy = self._legacy
         if not self._active:  # what the next iteration would do
             where = self._resume or Resume(self._epoch, 0, 0, None)
+            legacy = where.legacy
             deal = None if where.deal is None else where.deal.to_state()
             snap = dataclasses.replace(
                 snap, epoch=where.epoch, position=where.position, step=where.step, deal=deal
@@ -484,7 +488,7 @@ class DataServerClient:
             "image_size": snap.image_size,
         }
         state: dict[str, Any] = {
-            "version": STATE_VERSION if snap.deal is None else DEALT_VERSION,
+            "version": version_of(snap.deal is not None, legacy),
             "dataset_len": self.dataset_len,
             "fingerprint": self.fingerprint,
             "feedback_seq": self._feedback_seq,
@@ -545,7 +549,9 @@ class DataServerClient:
         self._feedback_seq = where["feedback_seq"]
         self._epoch = where["epoch"]
         self._active = False
-        self._resume = Resume(where["epoch"], where["position"], where["step"], where["deal"])
+        self._resume = Resume(
+            where["epoch"], where["position"], where["step"], where["deal"], where["legacy"]
+        )
 
     def _identity(self) -> dict[str, Any]:
         """What a state must match to be loaded here."""

@@ -59,7 +59,7 @@ def gather_ranks(state: dict[str, Any], device: torch.device) -> list[dict[str, 
     import torch.distributed as dist
 
     deal = state["deal"]  # ranks compare a checksum of it, not its bytes
-    plan = None if deal is None else zlib.crc32(deal["undelivered"])
+    plan = None if deal is None else zlib.crc32(msgpack.packb(deal))
     mine = {**{k: state[k] for k in RANK_KEYS}, "epoch": state["epoch"], "plan": plan}
     payload = msgpack.packb(mine)
     on = device if dist.get_backend() == "nccl" else torch.device("cpu")

@@ -15,10 +15,12 @@ from dataserver_client.partners import PARTNER_MODES, WINDOW
 from dataserver_client.sizes import SizeSchedule, schedule_of
 
 # The most samples a server may announce (WELCOME's dataset_len) before the client refuses
-# it: the epoch's order is built in memory, 4 bytes a sample (int32 indices: 2**31 is the
-# most they hold), so a server must not be able to make the trainer allocate more than this
-# by a claim. A dataset beyond it: raise ``max_dataset_len`` (8 bytes a sample above 2**31).
-MAX_DATASET_LEN = 1 << 31
+# it (SPEC: "``max_dataset_len`` default 2^40"). The epoch order is computed per position
+# (order.py), so a claim costs no memory; what the bound still guards is a server announcing
+# an absurd size by mistake. A dataset beyond it: raise ``max_dataset_len``, up to what the
+# protocol carries at all (WELCOME_MAX_DATASET_LEN; a legacy state's epoch, in the order of
+# then, is still built whole: 4 bytes a sample up to 2**31, 8 beyond).
+MAX_DATASET_LEN = 1 << 40
 WELCOME_MAX_DATASET_LEN = 1 << 48  # what the protocol carries at all
 
 

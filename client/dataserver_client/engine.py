@@ -38,7 +38,6 @@ from concurrent.futures import Future
 from functools import partial
 from typing import Any
 
-import numpy as np
 import zmq
 
 from dataserver.counting import Counts
@@ -53,7 +52,7 @@ from dataserver_client.config import ClientConfig
 from dataserver_client.counts import SHOWN, Count, Reject
 from dataserver_client.discovery import Discovery
 from dataserver_client.dispatch import Sender
-from dataserver_client.epoch import BatchPlan
+from dataserver_client.epoch import BatchPlan, ShardLike
 from dataserver_client.errors import DataServerError, ServerUnreachable
 from dataserver_client.fds import FdBudget, new_context, raise_fd_limit
 from dataserver_client.handlers import Handlers
@@ -411,7 +410,7 @@ class Engine(threading.Thread):
         position: int = 0,
         step: int = 0,
         deal: Deal | None = None,
-        planned: tuple[np.ndarray, int] | None = None,
+        planned: tuple[ShardLike, int] | None = None,
     ) -> int:
         n = self.book.start_epoch(epoch, self.dataset_len, position, step, deal, planned)
         self.handlers.progressed()

@@ -1,14 +1,15 @@
 """The epoch plan: order, shard, and batches cut from it. Pure: no sockets, no threads.
 
-The client owns the epoch. For (seed, epoch) it computes one permutation of the dataset,
-takes this rank's shard (DistributedSampler semantics) and keeps a cursor into it. A batch
-is a contiguous run of the shard: B samples in regular mode, k x B when stitched (B anchors
-in a window mosaic, ``mosaic_partners="window"``: each position anchors an output whose
-partners are drawn from the positions before it, ``partners.py``). Planning
-ahead is speculative: when the mode changes, every batch not yet handed to the trainer is
-dropped and the cursor rewinds to the first of them, so the same samples are planned
-again, in the same order, under the new mode. That is what makes exactly-once and zero
-stale batches hold together.
+The client owns the epoch. For (seed, epoch) it fixes one permutation of the dataset,
+computed per position (``order.py``: nothing that grows with the dataset), takes this
+rank's shard of it (DistributedSampler semantics, a lazy ``order.Shard``) and keeps a
+cursor into it. A batch is a contiguous run of the shard: B samples in regular mode, k x B
+when stitched (B anchors in a window mosaic, ``mosaic_partners="window"``: each position
+anchors an output whose partners are drawn from the positions before it,
+``partners.py``). Planning ahead is speculative: when the mode changes, every batch not
+yet handed to the trainer is dropped and the cursor rewinds to the first of them, so the
+same samples are planned again, in the same order, under the new mode. That is what makes
+exactly-once and zero stale batches hold together.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dataserver.protocol.batchsizes import BatchSizes
+from dataserver_client.order import EpochOrder, IndexSeq, Shard, Strided, as_seq
 from dataserver_client.partners import WINDOW, is_mosaic, partner_positions, window_size
 from dataserver_client.sizes import SizeSchedule, schedule_of
 
@@ -29,19 +31,26 @@ LAYOUTS = ("spatial", "batch", "mosaic")
 LETTERBOXES = ("top-left", "center")
 
 
+ShardLike = IndexSeq | np.ndarray  # a shard: lazy (``order.Shard``) or, in tests, an array
+
+
+def epoch_order(n: int, seed: int, epoch: int, shuffle: bool) -> EpochOrder:
+    """The dataset order of an epoch: a permutation of [0, n) fixed by (seed, epoch), or
+    0..n-1; computed per position (``order.EpochOrder``), never held as a whole."""
+    return EpochOrder(n, seed, epoch, shuffle)
+
+
 def index_dtype(n: int) -> type[np.signedinteger]:
     """The narrowest index type for a dataset of ``n`` samples: int32 up to 2**31 (4 bytes a
-    sample for the epoch's order, not 8), int64 beyond."""
+    sample for a legacy order, not 8), int64 beyond."""
     return np.int32 if n <= 1 << 31 else np.int64
 
 
-def epoch_order(n: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
-    """The dataset order of an epoch: a permutation fixed by (seed, epoch), or 0..n-1.
-
-    Shuffled in place in the narrowest index type (``index_dtype``): the same order as
-    ``rng.permutation(n)`` (the shuffle's draws depend on ``n`` only), in one array of 4
-    bytes a sample instead of two of 8 (for 2**24 samples: 64 MiB, not 256 MiB at the peak).
-    """
+def legacy_order(n: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
+    """The epoch order before issue 28 (states of version 1 and 2 were saved in it): a whole
+    array of ``n``, shuffled in place (``rng.shuffle``: the same order as
+    ``rng.permutation(n)``). O(n) time and memory (8 s and 256 MiB for 2**26 samples): used
+    only to finish an epoch resumed from such a state (``resume.epoch_shard``)."""
     order = np.arange(n, dtype=index_dtype(n))
     if shuffle:
         rng = np.random.default_rng(np.random.SeedSequence([seed, epoch, 0xE90C]))
@@ -56,8 +65,9 @@ def shard_size(n: int, world_size: int, drop_last: bool) -> int:
     return math.ceil(n / world_size)
 
 
-def shard_of(order: np.ndarray, rank: int, world_size: int, drop_last: bool) -> np.ndarray:
-    """This rank's part of ``order``, with DistributedSampler's semantics.
+def shard_of(order: ShardLike, rank: int, world_size: int, drop_last: bool) -> Shard:
+    """This rank's part of ``order``, with DistributedSampler's semantics, as a lazy
+    ``order.Shard`` (its samples computed for the positions asked).
 
     Ranks take every ``world_size``-th sample starting at ``rank``: disjoint, and together
     they cover the dataset. When ``len(order)`` is not a multiple of ``world_size``, all
@@ -65,18 +75,18 @@ def shard_of(order: np.ndarray, rank: int, world_size: int, drop_last: bool) -> 
     DistributedSampler: ``drop_last`` drops the tail, otherwise the order is padded with
     its own first samples (which are then seen twice in the epoch, once each on two ranks).
     """
-    return global_order(order, world_size, drop_last)[rank::world_size]
+    seq = as_seq(order)
+    return Shard(seq, Strided(rank, world_size, shard_size(len(seq), world_size, drop_last)))
 
 
-def global_order(order: np.ndarray, world_size: int, drop_last: bool) -> np.ndarray:
+def global_order(order: ShardLike, world_size: int, drop_last: bool) -> Shard:
     """``order`` padded or trimmed to ``world_size`` x shard_size, as DistributedSampler
-    does: the epoch as a job of ``world_size`` ranks reads it, rank r taking positions r,
-    r + world_size, ... (the global positions that elastic resume counts in)."""
-    total = shard_size(len(order), world_size, drop_last) * world_size
-    if total > len(order):
-        reps = math.ceil(total / len(order))
-        order = np.concatenate([order] * reps)[:total]
-    return order[:total]
+    does (global position g holds ``order[g mod n]``): the epoch as a job of ``world_size``
+    ranks reads it, rank r taking positions r, r + world_size, ... (the global positions
+    that elastic resume counts in). Lazy, as ``shard_of``."""
+    seq = as_seq(order)
+    total = shard_size(len(seq), world_size, drop_last) * world_size
+    return Shard(seq, Strided(0, 1, total))
 
 
 @dataclass(frozen=True)
@@ -184,7 +194,7 @@ def cut_images(
 
 
 def window_images(
-    shard: np.ndarray,
+    shard: ShardLike,
     start: int,
     stop: int,
     layout: Layout,
@@ -193,18 +203,19 @@ def window_images(
 ) -> tuple[ImagePlan, ...]:
     """The window mosaics anchored at shard positions [start, stop): each the anchor and 3
     partners drawn from the positions before it (``partners.partner_positions``), or, where
-    the ``mosaic_p`` draw says no mosaic, the anchor alone (a regular image)."""
+    the ``mosaic_p`` draw says no mosaic, the anchor alone (a regular image). The samples of
+    every position they name are looked up in one go (one pass of the order's arithmetic)."""
     n = len(shard)
     window = window_size(n, layout.batch_size)
-    out = []
+    spans: list[tuple[int, ...]] = []
     for position in range(start, stop):
-        anchor = int(shard[position])
         if not is_mosaic(seed, epoch, position, layout.mosaic_p):
-            out.append(ImagePlan((anchor,), layout.grid))
-            continue
-        others = partner_positions(seed, epoch, position, n, window)
-        out.append(ImagePlan((anchor, *(int(shard[q]) for q in others)), layout.grid))
-    return tuple(out)
+            spans.append((position,))
+        else:
+            spans.append((position, *partner_positions(seed, epoch, position, n, window)))
+    flat = np.fromiter((q for span in spans for q in span), dtype=np.int64)
+    samples = iter(shard[flat].tolist())
+    return tuple(ImagePlan(tuple(next(samples) for _ in span), layout.grid) for span in spans)
 
 
 class Cursor:
@@ -219,7 +230,7 @@ class Cursor:
 
     def __init__(
         self,
-        shard: np.ndarray,
+        shard: ShardLike,
         layout: Layout,
         mode: str,
         plan_version: int,

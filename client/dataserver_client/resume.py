@@ -17,7 +17,11 @@ its rank before that rank's ``state_dict()`` call. Each rank's position is its o
 ... in epoch order, each position once and nothing padded. A normal epoch is the implicit
 deal "everything, M = N". A deal's epoch saved again describes its undelivered set the
 same way (positions into each rank's share), so an elastic job can itself be resumed
-elastically, or exactly at the same size.
+elastically, or exactly at the same size. U is held as what made it, never as a list:
+per saving, each rank's undelivered interval of its own share (``IntervalDeal``, its
+``Level``s: O(world size), whatever N), the k-th position of U and of a rank's share
+computed on demand. States of before issue 28 (``LEGACY_VERSIONS``: the table-shuffled
+order, a bitmap deal) load and finish their epoch as they were saved.
 
 **Equal batch counts.** With R positions over M ranks the first R mod M ranks hold one
 sample more (the *spare*). A rank holding the spare cuts its batches as if it had not got
@@ -29,6 +33,7 @@ and the feedback all-reduce need. Only when R < M do some ranks get no batch at 
 from __future__ import annotations
 
 import zlib
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -38,15 +43,25 @@ import numpy as np
 
 from dataserver.protocol import MAX_INT, control_problem
 from dataserver.protocol.messages import MAX_SEQ
-from dataserver_client.epoch import MODES, epoch_order, global_order, shard_of, shard_size
+from dataserver_client.epoch import MODES, epoch_order, legacy_order, shard_of, shard_size
+from dataserver_client.order import IndexSeq, Shard, Strided, TableOrder
 from dataserver_client.sizes import schedule_of
 
 if TYPE_CHECKING:
     from dataserver_client.config import ClientConfig
 
-STATE_VERSION = 1  # a state of a normal epoch: what clients without elastic resume read too
-DEALT_VERSION = 2  # a state of a dealt epoch: older clients must refuse it, not misread it
-VERSIONS = (STATE_VERSION, DEALT_VERSION)
+# States saved before issue 28: their epoch in ``epoch.legacy_order`` (a table shuffle), a
+# dealt one's deal a bitmap (``BitmapDeal``). Loaded and finished as they were saved.
+LEGACY_STATE_VERSION = 1  # a normal epoch
+LEGACY_DEALT_VERSION = 2  # a dealt epoch
+LEGACY_VERSIONS = (LEGACY_STATE_VERSION, LEGACY_DEALT_VERSION)
+# States of this client: the epoch order computed per position (``order.py``); older clients
+# must refuse them (their order is another), not misread them.
+STATE_VERSION = 3  # a normal epoch
+DEALT_VERSION = 4  # a dealt epoch (``IntervalDeal``)
+VERSIONS = (*LEGACY_VERSIONS, STATE_VERSION, DEALT_VERSION)
+DEALT_VERSIONS = (LEGACY_DEALT_VERSION, DEALT_VERSION)
+
 # Must be equal between the saving and the loading client (rank and world_size may differ).
 CONFIG_KEYS = (
     "seed",
@@ -77,39 +92,271 @@ MAX_COUNT = MAX_SEQ // 2
 # ranks is refused by its size before any entry is read.
 MAX_STATE_RANKS = 1 << 16
 MAX_STATE_CONTROL_BYTES = 64 << 20
+# The most levels a deal may have (each an elastic resume of the same epoch, saved again):
+# far beyond any job's; and the most ranks' positions all levels may hold together: a bound
+# on what loading a state may cost.
+MAX_DEAL_LEVELS = 64
+MAX_DEAL_POSITIONS = 4 * MAX_STATE_RANKS
 
 
-@dataclass(frozen=True, eq=False)
-class Deal:
-    """The undelivered global positions of an epoch (``mask``, one bool per position of
-    the order of a job of ``plan_world`` ranks), to be dealt round-robin to the ranks."""
+def version_of(dealt: bool, legacy: bool) -> int:
+    """The version of a state of a normal or ``dealt`` epoch (``legacy``: an epoch resumed
+    from a legacy state, in its order of then, is saved as such a state again)."""
+    if legacy:
+        return LEGACY_DEALT_VERSION if dealt else LEGACY_STATE_VERSION
+    return DEALT_VERSION if dealt else STATE_VERSION
+
+
+class Deal(ABC):
+    """The undelivered global positions of an epoch (of the order of a job of
+    ``plan_world`` ranks: ``total`` positions), ``count`` of them, dealt round-robin to the
+    ranks (``share``). ``IntervalDeal``: what this client deals; ``BitmapDeal``: the deal of
+    a state of version 2 (``LEGACY_VERSIONS``)."""
 
     plan_world: int
-    mask: np.ndarray
+    legacy = False  # a deal of a legacy state (its epoch in ``epoch.legacy_order``)
 
-    def positions(self) -> np.ndarray:
+    @property
+    @abstractmethod
+    def total(self) -> int:
+        """The global positions of the epoch (of a job of ``plan_world`` ranks)."""
+
+    @property
+    @abstractmethod
+    def count(self) -> int:
+        """The undelivered ones."""
+
+    @abstractmethod
+    def positions(self) -> IndexSeq:
         """The undelivered global positions, in epoch order."""
-        return np.flatnonzero(self.mask)
 
-    def share(self, rank: int, world_size: int) -> np.ndarray:
-        """Rank ``rank`` of ``world_size``'s positions: every ``world_size``-th, from its own."""
-        return self.positions()[rank::world_size]
+    @abstractmethod
+    def to_state(self) -> dict[str, Any]:
+        """Plain data, as a state holds it."""
+
+    def share(self, rank: int, world_size: int) -> IndexSeq:
+        """Rank ``rank`` of ``world_size``'s positions: every ``world_size``-th undelivered
+        one, from its own (computed per position, as the deal's ``positions``)."""
+        return Shard(self.positions(), Strided(rank, world_size, self.share_len(rank, world_size)))
+
+    def share_len(self, rank: int, world_size: int) -> int:
+        """How many positions ``share`` holds."""
+        return self.count // world_size + self.spare(rank, world_size)
 
     def spare(self, rank: int, world_size: int) -> int:
         """1 when this rank holds one sample more than the ranks without a spare."""
-        return int(rank < int(self.mask.sum()) % world_size)
+        return int(rank < self.count % world_size)
+
+
+def deal_from_state(state: Any, dataset_len: int, drop_last: bool, legacy: bool = False) -> Deal:
+    """Decode a state's ``deal`` (``legacy``: of a state of version 2, a bitmap), checking it
+    against the dataset."""
+    if legacy:
+        return BitmapDeal.from_state(state, dataset_len, drop_last)
+    return IntervalDeal.from_state(state, dataset_len, drop_last)
+
+
+class Level:
+    """One saving of an epoch by a job of ``world`` ranks that read a sequence of ``length``
+    positions round-robin (rank r: its positions r, r + world, ...: ``length // world`` of
+    them, one more for the first ``length % world`` ranks), rank r having delivered the first
+    ``done[r]`` of its own. What it left undelivered is, per rank, one interval of its own
+    positions (done[r] .. its end); ``at(k)`` is the k-th of their union in sequence order.
+
+    In sequence order the union is read row by row (row i: positions i x world ..
+    i x world + world - 1), row i holding the ranks whose ``done`` is at most i (in rank
+    order; the last row only the ranks that reach it). Between two consecutive values of
+    ``done`` the rows hold the same ranks: at most world + 2 segments, each a count of rows
+    and a count of ranks, so ``at`` costs a binary search over the segments and, once per
+    segment met, a pass over the ranks (``_ranks``, the last few kept). O(world) memory,
+    whatever the length."""
+
+    KEEP = 8  # segments' rank lists kept (a share is read forward: few are in use at once)
+
+    def __init__(self, world: int, length: int, done: Sequence[int]) -> None:
+        if len(done) != world:
+            raise ValueError(f"a state of {world} ranks has {len(done)} positions")
+        self.world, self.length = world, length
+        self.done = np.array([int(p) for p in done], dtype=np.int64)
+        rows, extra = divmod(length, world)
+        self._rows, self._extra = rows, extra
+        own = rows + (np.arange(world) < extra)  # each rank's positions
+        bad = np.flatnonzero((self.done < 0) | (self.done > own))
+        if bad.size:
+            r = int(bad[0])
+            raise ValueError(f"rank {r}'s position {int(self.done[r])} is not in 0..{int(own[r])}")
+        self.count = int((own - self.done).sum())
+        last = rows + (extra > 0)  # the rows there are
+        bounds = np.unique(np.concatenate([[0, rows, last], self.done]))
+        starts = bounds[:-1]
+        full = np.searchsorted(np.sort(self.done), starts, side="right")
+        part = np.searchsorted(np.sort(self.done[:extra]), starts, side="right")
+        self._starts = starts
+        self._active = np.where(starts < rows, full, part)  # ranks in each segment's rows
+        counts = self._active * (bounds[1:] - starts)
+        self._cum = np.concatenate([[0], np.cumsum(counts)])  # positions before each segment
+        self._kept: dict[int, np.ndarray] = {}
+
+    def _ranks(self, segment: int) -> np.ndarray:
+        """The ranks in the rows of ``segment``, in rank order."""
+        ranks = self._kept.get(segment)
+        if ranks is None:
+            row = int(self._starts[segment])
+            mask = self.done <= row
+            if row >= self._rows:
+                mask[self._extra :] = False
+            ranks = np.flatnonzero(mask)
+            if len(self._kept) >= self.KEEP:
+                del self._kept[next(iter(self._kept))]
+            self._kept[segment] = ranks
+        return ranks
+
+    def at(self, k: np.ndarray) -> np.ndarray:
+        """The sequence positions of the undelivered ones ``k`` (each in 0..count-1)."""
+        k = np.asarray(k, dtype=np.int64)
+        segment = np.searchsorted(self._cum, k, side="right") - 1
+        offset = k - self._cum[segment]
+        active = self._active[segment]
+        row = self._starts[segment] + offset // active
+        slot = offset % active
+        rank = np.empty_like(k)
+        for s in np.unique(segment).tolist():
+            where = segment == s
+            rank[where] = self._ranks(s)[slot[where]]
+        return rank + row * self.world
+
+
+class Undelivered(IndexSeq):
+    """An ``IntervalDeal``'s undelivered global positions: the last level's k-th, mapped
+    through every level before it down to a global position."""
+
+    def __init__(self, levels: tuple[Level, ...]) -> None:
+        self.levels = levels
+
+    def __len__(self) -> int:
+        return self.levels[-1].count
+
+    def at(self, positions: np.ndarray) -> np.ndarray:
+        out = np.asarray(positions, dtype=np.int64)
+        for level in reversed(self.levels):
+            out = level.at(out)
+        return out
+
+
+class IntervalDeal(Deal):
+    """A deal as the savings that made it (``levels``): the first, a job of ``plan_world``
+    ranks reading the epoch's ``total`` global positions; each later one, a job reading the
+    undelivered positions of the one before (a dealt epoch saved again and dealt again).
+    Each level is its ranks' positions: O(world size) per level, never O(N); a position's
+    global position is computed through the levels (``Undelivered``)."""
+
+    def __init__(self, plan_world: int, total: int, levels: Sequence[Level]) -> None:
+        if not levels:
+            raise ValueError("a deal needs a level")
+        self.plan_world, self._total, self.levels = plan_world, total, tuple(levels)
+        self._positions = Undelivered(self.levels)
+
+    @property
+    def total(self) -> int:
+        return self._total
+
+    @property
+    def count(self) -> int:
+        return self.levels[-1].count
+
+    def positions(self) -> IndexSeq:
+        return self._positions
+
+    def to_state(self) -> dict[str, Any]:
+        """Plain data: each level's world size and ranks' positions (lengths follow)."""
+        return {
+            "plan_world_size": self.plan_world,
+            "count": self.count,
+            "levels": [
+                {"world_size": lv.world, "positions": lv.done.tolist()} for lv in self.levels
+            ],
+        }
+
+    @classmethod
+    def from_state(cls, state: Any, dataset_len: int, drop_last: bool) -> IntervalDeal:
+        """Decode ``to_state``'s output, checking it against the dataset (a position beyond
+        its rank's share, a count that does not match, too many levels are refused)."""
+        if not isinstance(state, dict):
+            raise ValueError("state 'deal' is not a dict")
+        world, count, levels = (
+            state.get("plan_world_size"),
+            state.get("count"),
+            state.get("levels"),
+        )
+        if not isinstance(world, int) or not 1 <= world <= MAX_STATE_RANKS:
+            raise ValueError("state 'deal' has no valid plan_world_size")
+        if not isinstance(levels, list) or not 1 <= len(levels) <= MAX_DEAL_LEVELS:
+            raise ValueError(f"state 'deal' 'levels' must be a list of 1..{MAX_DEAL_LEVELS}")
+        total = world * shard_size(dataset_len, world, drop_last)
+        out: list[Level] = []
+        length, held = total, 0
+        for i, entry in enumerate(levels):
+            level = level_of(f"state 'deal' level {i}", entry, length)
+            held += level.world
+            if held > MAX_DEAL_POSITIONS:
+                raise ValueError(
+                    f"state 'deal' levels hold more than {MAX_DEAL_POSITIONS} ranks' positions"
+                )
+            out.append(level)
+            length = level.count
+        if count != length:
+            raise ValueError("state 'deal' does not match its count")
+        return cls(world, total, out)
+
+
+def level_of(where: str, entry: Any, length: int) -> Level:
+    """A level of a state's deal (``IntervalDeal.to_state``), reading ``length`` positions."""
+    ranks = entry.get("world_size") if isinstance(entry, dict) else None
+    done = entry.get("positions") if isinstance(entry, dict) else None
+    if not isinstance(ranks, int) or not 1 <= ranks <= MAX_STATE_RANKS:
+        raise ValueError(f"{where} has no valid world_size")
+    if not isinstance(done, list) or len(done) != ranks:
+        raise ValueError(f"{where} is not one position per rank of {ranks}")
+    for p in done:
+        check_count(where, "positions", p, MAX_INT)
+    try:
+        return Level(ranks, length, done)
+    except ValueError as exc:
+        raise ValueError(f"{where} does not fit this dataset: {exc}") from None
+
+
+@dataclass(frozen=True, eq=False)
+class BitmapDeal(Deal):
+    """The deal of a state of version 2 (before issue 28): a bool per global position
+    (``mask``), O(N). Kept to finish such an epoch exactly as it was dealt (in its legacy
+    order), and saved again as it was."""
+
+    plan_world: int
+    mask: np.ndarray
+    legacy = True
+
+    @property
+    def total(self) -> int:
+        return len(self.mask)
+
+    @property
+    def count(self) -> int:
+        return int(self.mask.sum())
+
+    def positions(self) -> IndexSeq:
+        return TableOrder(np.flatnonzero(self.mask))
 
     def to_state(self) -> dict[str, Any]:
         """Plain data: a zlib-compressed bitmap (``np.packbits``, big-endian bit order)."""
         packed = np.packbits(self.mask).tobytes()
         return {
             "plan_world_size": self.plan_world,
-            "count": int(self.mask.sum()),
+            "count": self.count,
             "undelivered": zlib.compress(packed, 9),
         }
 
     @classmethod
-    def from_state(cls, state: Any, dataset_len: int, drop_last: bool) -> Deal:
+    def from_state(cls, state: Any, dataset_len: int, drop_last: bool) -> BitmapDeal:
         """Decode ``to_state``'s output, checking it against the dataset (a bitmap of the
         wrong length, or a count that does not match, is refused)."""
         if not isinstance(state, dict):
@@ -136,28 +383,26 @@ class Deal:
         return cls(world, mask)
 
 
-def rank_positions(total: int, world_size: int, rank: int, deal: Deal | None) -> np.ndarray:
-    """The global positions rank ``rank`` of ``world_size`` reads in the epoch, in order:
-    its DistributedSampler share, or its share of ``deal``."""
-    if deal is None:
-        return np.arange(rank, total, world_size)
-    return deal.share(rank, world_size)
-
-
 def epoch_shard(
-    config: ClientConfig, dataset_len: int, epoch: int, deal: Deal | None = None
-) -> tuple[np.ndarray, int]:
+    config: ClientConfig,
+    dataset_len: int,
+    epoch: int,
+    deal: Deal | None = None,
+    legacy: bool = False,
+) -> tuple[Shard, int]:
     """This rank's shard of ``epoch`` (its share of ``deal``, with one) and its spare (see
-    ``epoch.Cursor``). The costliest step of starting an epoch (a permutation of the whole
-    dataset: about 1 s for 2**24 samples), and pure: the client runs it in the trainer's
-    thread, so the I/O thread never stops serving heartbeats and results for it. The shard
-    holds no view of the whole order (with several ranks, only this rank's part is kept)."""
-    order = epoch_order(dataset_len, config.seed, epoch, config.shuffle)
+    ``epoch.Cursor``). Lazy: the order is computed per position as batches are planned
+    (``order.py``), so this costs microseconds whatever the dataset's size. ``legacy`` (or
+    a legacy deal): the epoch of a state of version 1 or 2, in its order of then
+    (``epoch.legacy_order``: the whole permutation, O(N)); the client runs this in the
+    trainer's thread, so the I/O thread never stops serving heartbeats for it."""
+    if legacy or (deal is not None and deal.legacy):
+        order: IndexSeq = TableOrder(legacy_order(dataset_len, config.seed, epoch, config.shuffle))
+    else:
+        order = epoch_order(dataset_len, config.seed, epoch, config.shuffle)
     if deal is None:
-        shard = shard_of(order, config.rank, config.world_size, config.drop_last)
-        return np.ascontiguousarray(shard), 0  # (a strided view would keep the order)
-    whole = global_order(order, deal.plan_world, config.drop_last)
-    return whole[deal.share(config.rank, config.world_size)], deal.spare(
+        return shard_of(order, config.rank, config.world_size, config.drop_last), 0
+    return Shard(order, deal.share(config.rank, config.world_size)), deal.spare(
         config.rank, config.world_size
     )
 
@@ -185,20 +430,33 @@ def undelivered(
     world_size: int,
     positions: Sequence[int],
     deal: Deal | None,
+    legacy: bool = False,
 ) -> Deal:
     """What a job of ``world_size`` ranks, rank r at shard position ``positions[r]`` of its
-    share (of ``deal``, or of a normal epoch), has not yet delivered."""
+    share (of ``deal``, or of a normal epoch), has not yet delivered: an ``IntervalDeal``
+    (``deal``'s levels and one more), O(world size); for an epoch of a legacy state
+    (``legacy``, or a legacy deal), a ``BitmapDeal`` as such a state's client made it."""
     if len(positions) != world_size:
         raise ValueError(f"a state of {world_size} ranks has {len(positions)} positions")
     plan_world = deal.plan_world if deal is not None else world_size
     total = plan_world * shard_size(dataset_len, plan_world, drop_last)
-    mask = np.zeros(total, dtype=bool)
-    for rank, position in enumerate(positions):
-        own = rank_positions(total, world_size, rank, deal)
-        if not 0 <= position <= len(own):
-            raise ValueError(f"rank {rank}'s position {position} is not in 0..{len(own)}")
-        mask[own[position:]] = True
-    return Deal(plan_world, mask)
+    if legacy or (deal is not None and deal.legacy):
+        mask = np.zeros(total, dtype=bool)
+        for rank, position in enumerate(positions):
+            own = (
+                Strided(rank, world_size, total // world_size)
+                if deal is None
+                else deal.share(rank, world_size)
+            )[:]
+            if not 0 <= position <= len(own):
+                raise ValueError(f"rank {rank}'s position {position} is not in 0..{len(own)}")
+            mask[own[position:]] = True
+        return BitmapDeal(plan_world, mask)
+    if isinstance(deal, IntervalDeal):
+        return IntervalDeal(
+            plan_world, total, [*deal.levels, Level(world_size, deal.count, positions)]
+        )
+    return IntervalDeal(plan_world, total, [Level(world_size, total, positions)])
 
 
 def check_state(state: Any, expected: dict[str, Any]) -> None:
@@ -206,10 +464,7 @@ def check_state(state: Any, expected: dict[str, Any]) -> None:
     (``expected``: the loading client's values of ``CONFIG_KEYS``, ``fingerprint`` and
     ``dataset_len``). The state's ``image_size`` (the size schedule it goes on with) must
     be one."""
-    if not isinstance(state, dict) or state.get("version") not in VERSIONS:
-        raise ValueError(
-            f"not a DataServerClient state of version {' or '.join(map(str, VERSIONS))}"
-        )
+    check_version(state)
     check_size(state)
     mismatched = [k for k in CONFIG_KEYS if config_value(state, k) != expected[k]]
     if state.get("fingerprint") != expected["fingerprint"]:
@@ -240,6 +495,16 @@ def check_state(state: Any, expected: dict[str, Any]) -> None:
                 f"state 'ranks' hold more than {MAX_STATE_CONTROL_BYTES} bytes of control "
                 f"values (at rank {r})"
             )
+
+
+def check_version(state: Any) -> None:
+    """A state of one of ``VERSIONS``, with a deal iff its version is of a dealt epoch."""
+    if not isinstance(state, dict) or state.get("version") not in VERSIONS:
+        raise ValueError(
+            f"not a DataServerClient state of version {' or '.join(map(str, VERSIONS))}"
+        )
+    if (state.get("deal") is not None) != (state["version"] in DEALT_VERSIONS):
+        raise ValueError(f"state 'deal' does not match its version {state['version']}")
 
 
 def check_size(state: dict[str, Any]) -> None:
@@ -315,8 +580,9 @@ def merge_states(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 def plan_resume(state: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
     """Where rank ``rank`` of a job of ``world_size`` ranks goes on from a checked state:
-    ``{epoch, position, step, deal, mode, control, control_seq, feedback_seq, image_size}``
-    (the size schedule: the state's own, job-wide).
+    ``{epoch, position, step, deal, legacy, mode, control, control_seq, feedback_seq,
+    image_size}`` (the size schedule: the state's own, job-wide; ``legacy``: a state of
+    ``LEGACY_VERSIONS``, whose epoch goes on in ``epoch.legacy_order``).
 
     Same world size: each rank goes on from its own entry, exactly as an unbroken run
     would. Another world size: the job's undelivered positions are dealt to the new ranks,
@@ -329,7 +595,10 @@ def plan_resume(state: dict[str, Any], rank: int, world_size: int) -> dict[str, 
         ranks = [{k: state[k] for k in RANK_KEYS}]  # one rank's state is the job's
     dataset_len, drop_last = int(state["dataset_len"]), bool(state["drop_last"])
     deal_state = state.get("deal")
-    deal = None if deal_state is None else Deal.from_state(deal_state, dataset_len, drop_last)
+    legacy = state["version"] in LEGACY_VERSIONS  # its epoch goes on in its order of then
+    deal = (
+        None if deal_state is None else deal_from_state(deal_state, dataset_len, drop_last, legacy)
+    )
     if saved_world == world_size:
         if ranks is not None:
             entry = ranks[rank]
@@ -359,7 +628,7 @@ def plan_resume(state: dict[str, Any], rank: int, world_size: int) -> dict[str, 
             )
         entry = ranks[0]
         positions = [int(e["position"]) for e in ranks]
-        left = undelivered(dataset_len, drop_last, saved_world, positions, deal)
+        left = undelivered(dataset_len, drop_last, saved_world, positions, deal, legacy)
         nothing_taken = deal is None and not any(positions)
         start, dealt = 0, None if nothing_taken else left
     if entry["mode"] not in MODES:
@@ -368,7 +637,7 @@ def plan_resume(state: dict[str, Any], rank: int, world_size: int) -> dict[str, 
     # as its position; a dealt one, at most as many as its epoch has samples (the steps
     # before the deal included).
     step = int(entry["step"])
-    most = start if dealt is None else len(dealt.mask)
+    most = start if dealt is None else dealt.total
     if not 0 <= step <= most:
         raise ValueError(
             f"state 'step' {step} is not in 0..{most} (batches this rank can have taken)"
@@ -382,5 +651,6 @@ def plan_resume(state: dict[str, Any], rank: int, world_size: int) -> dict[str, 
         "feedback_seq": int(entry["feedback_seq"]),
         "position": start,
         "deal": dealt,
+        "legacy": legacy,
         "image_size": schedule_of(state["image_size"], "state 'image_size'"),
     }

@@ -65,11 +65,14 @@ def rect_plan(
     limit: int | None = None,
 ) -> list[tuple[int, int]]:
     """The shape of each of this rank's batches of the (unshuffled) epoch 0: its shard as
-    the client cuts it (``shard_of``, ``drop_last=False``), its first ``limit`` samples."""
-    mine = shard_of(epoch_order(len(sizes), seed, 0, False), rank, world, False)
-    if limit is not None:
-        mine = mine[:limit]
-    return batch_shapes([sizes[int(i)] for i in mine], batch, imgsz, stride)
+    the client cuts it (``shard_of``, ``drop_last=False``), its first ``limit`` samples.
+
+    Exempt from the epoch order's "nothing grows with the dataset" (the design notes' scale
+    section): a rect plan is made of every image's size, which the val dataset announces
+    one by one (``client.sizes``, sorted by aspect by ``yolo_set``), so it is O(N) by what
+    it is; val sets are small. Its shard is built whole (``[:limit]``) for that reason."""
+    mine = shard_of(epoch_order(len(sizes), seed, 0, False), rank, world, False)[:limit]
+    return batch_shapes([sizes[i] for i in mine.tolist()], batch, imgsz, stride)
 
 
 def rect_problem(client: Any, imgsz: int) -> str | None:
