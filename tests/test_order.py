@@ -29,7 +29,7 @@ from dataserver_client.epoch import (
     shard_of,
     shard_size,
 )
-from dataserver_client.order import EpochOrder, Strided, mix
+from dataserver_client.order import BLOCK, EpochOrder, Shard, Strided, mix
 from dataserver_client.resume import IntervalDeal, epoch_shard, undelivered
 
 PRIMES = [2, 3, 5, 7, 11, 13, 97, 101, 65_537]
@@ -274,3 +274,26 @@ def test_the_round_hash_is_the_shared_splitmix_finaliser() -> None:
     values = [0, 1, 2**32 + 7, 2**63, 2**64 - 1]
     got = mix(np.array(values, dtype=np.uint64)).tolist()
     assert got == [mix64(v) for v in values]
+
+
+def test_a_shard_reads_batches_from_its_blocks_as_computed_anew() -> None:
+    """``Shard`` keeps the last two blocks of positions it computed (a batch's lookup costs
+    a slice, not the Feistel rounds): what it returns from them is what it computes anew,
+    within a block, across a block's edge, scattered, and for more positions than a block."""
+    n = 3 * BLOCK + 77
+    order = EpochOrder(n, 5, 2, True)
+    shard = Shard(order, Strided(1, 2, n // 2))
+
+    def fresh(positions: np.ndarray) -> np.ndarray:
+        return order.at((1 + 2 * positions) % n)
+
+    for positions in (
+        np.arange(10, 26),
+        np.arange(BLOCK - 8, BLOCK + 8),  # across an edge
+        np.arange(BLOCK - 8, BLOCK + 8)[::-1],
+        np.array([3, 2 * BLOCK + 5, 7]),  # scattered over three blocks
+        np.arange(0, BLOCK + 100),  # more than a block
+        np.arange(n // 2 - 16, n // 2),  # the last, short block
+    ):
+        assert np.array_equal(shard.at(positions), fresh(positions)), positions[:4]
+    assert np.array_equal(shard[5:40], fresh(np.arange(5, 40)))
