@@ -297,3 +297,7 @@ def test_a_shard_reads_batches_from_its_blocks_as_computed_anew() -> None:
     ):
         assert np.array_equal(shard.at(positions), fresh(positions)), positions[:4]
     assert np.array_equal(shard[5:40], fresh(np.arange(5, 40)))
+    edge = np.arange(BLOCK - 3, BLOCK + 3)
+    assert np.array_equal(shard[BLOCK - 3 : BLOCK + 3], fresh(edge))
+    assert np.array_equal(shard[-5:], fresh(np.arange(n // 2 - 5, n // 2)))
+    assert np.array_equal(shard[7:3], fresh(np.arange(0)))

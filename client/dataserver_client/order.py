@@ -233,6 +233,22 @@ class Shard(IndexSeq):
         self._blocks = ((b, values), *self._blocks[:1])
         return values
 
+    @overload
+    def __getitem__(self, key: int | np.integer) -> int: ...
+
+    @overload
+    def __getitem__(self, key: slice | np.ndarray | list[int]) -> np.ndarray: ...
+
+    def __getitem__(
+        self, key: int | np.integer | slice | np.ndarray | list[int]
+    ) -> int | np.ndarray:
+        if isinstance(key, slice) and key.step is None:  # a batch's run: a copy of a block's
+            start, stop, _ = key.indices(len(self))
+            b = start // BLOCK
+            if start < stop <= (b + 1) * BLOCK:
+                return self._block(b)[start - b * BLOCK : stop - b * BLOCK].copy()
+        return super().__getitem__(key)
+
     def at(self, positions: np.ndarray) -> np.ndarray:
         positions = np.asarray(positions, dtype=np.int64)
         if positions.size == 0 or positions.size > BLOCK:
