@@ -18,10 +18,10 @@ from dataserver.server.config import (
     DEFAULT_BIND,
     DEFAULT_CACHE_GB,
     DEFAULT_DRAIN_SECONDS,
+    DEFAULT_HEARTBEAT_RATE,
     DEFAULT_IDLE_TIMEOUT,
     DEFAULT_MAX_IMAGE_SIDE,
     DEFAULT_MAX_QUEUED_MB,
-    DEFAULT_MAX_SESSIONS,
     DEFAULT_MAX_TASK_MB,
     ConfigError,
     ServerConfig,
@@ -74,6 +74,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         metrics_bind=args.metrics_bind,
         idle_timeout=args.idle_timeout,
+        heartbeat_rate=args.heartbeat_rate,
     )
 
     def announce(front: Any) -> None:
@@ -227,8 +228,9 @@ def _add_serve(sub: Any) -> None:
     p.add_argument(
         "--max-sessions",
         type=int,
-        default=DEFAULT_MAX_SESSIONS,
-        help=f"clients served at once; more are refused (default {DEFAULT_MAX_SESSIONS})",
+        default=None,
+        help="client sessions served at once; more are refused (default: as many as the fd "
+        "limit allows, 2 fds a session; a larger N is clamped to that)",
     )
     p.add_argument(
         "--max-image-side",
@@ -301,6 +303,15 @@ def _add_serve(sub: Any) -> None:
         help="drop a peer's connection to the data or control port that sent nothing for S "
         "seconds (clients beat every 0.5 s; one that is dropped reconnects) "
         f"(default {DEFAULT_IDLE_TIMEOUT:g})",
+    )
+    p.add_argument(
+        "--heartbeat-rate",
+        type=float,
+        default=DEFAULT_HEARTBEAT_RATE,
+        metavar="N",
+        help="heartbeats a second this server asks of all its sessions together: clients are "
+        "told to beat every sessions/N s (0.5 to 10 s, at most a third of --session-ttl and "
+        f"--idle-timeout) (default {DEFAULT_HEARTBEAT_RATE:g})",
     )
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=cmd_serve)

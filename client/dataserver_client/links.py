@@ -50,6 +50,7 @@ from dataserver.security import (
     session_id,
 )
 from dataserver.tcpinfo import bytes_received
+from dataserver_client.beats import PacedBeat, loss_detection
 from dataserver_client.config import ClientConfig
 from dataserver_client.discovery import expand_addresses
 
@@ -180,6 +181,7 @@ class LinkStats:
     results: int
     outstanding: int
     credit: int
+    heartbeat_s: float = 0.5  # the interval it beats at (its server's, within bounds)
 
 
 @dataclass(frozen=True)
@@ -302,8 +304,14 @@ class ServerLink:
         curve: dict[str, bytes] | None,
         standing: Callable[[], tuple[int, int]] = lambda: (0, 0),
         landing: LandingArea | None = None,
+        beat_s: float = 0.5,
+        loss_s: float = 3.0,
     ) -> None:
         self.address = address
+        # How often it beats (``beats.PacedBeat``: the server's word, within bounds) and
+        # how soon its gone server is seen (``beats.loss_detection``).
+        self.pace = PacedBeat(beat_s)
+        self._loss_s = loss_s
         # This session's secret on this server (each server gets its own, so no server
         # learns one that acts for the session on another), and where the session stands
         # (plan version, control sequence) for the HELLO.
@@ -345,6 +353,7 @@ class ServerLink:
     def _open(self) -> None:
         """Its sockets, new: a DEALER to the front, and one for the workers' results."""
         self.sock = _dealer(self._ctx, self._curve_keys)
+        loss_detection(self.sock, self._loss_s)
         # Queue nothing for a server that is not connected: a send fails at once instead
         # of piling up for a dead peer (or blocking when the queue is full).
         self.sock.setsockopt(zmq.IMMEDIATE, 1)
@@ -431,6 +440,11 @@ class ServerLink:
 
     def heartbeat(self) -> None:
         self.send(Heartbeat(session=self.session, auth=self.secret).encode())
+
+    def paced(self, ms: int | None) -> bool:
+        """The server asks for a beat every ``ms`` (WELCOME, heartbeat reply): followed
+        within ``beats``' bounds; False when refused (the caller counts it)."""
+        return self.pace.told(ms)
 
     def claim(self) -> None:
         """Claim our session on each worker connection, as it comes up and every
@@ -613,6 +627,7 @@ class ServerLink:
             self.results_total,
             len(self.outstanding),
             self.credit,
+            self.pace.interval_s,
         )
 
     def close(self) -> None:
@@ -666,7 +681,17 @@ class Links:
         # session anywhere else (one that forgot the session could otherwise be told that
         # id first, by whoever learnt it from another server).
         session = session_id(self._curve["public"] if self._curve else None)
-        link = ServerLink(self._ctx, address, session, self._curve, self._standing, self._landing)
+        cfg = self.config
+        link = ServerLink(
+            self._ctx,
+            address,
+            session,
+            self._curve,
+            self._standing,
+            self._landing,
+            beat_s=cfg.heartbeat_interval,
+            loss_s=cfg.heartbeat_timeout,
+        )
         self.links.append(link)
         link.hello()
         return link
@@ -818,11 +843,11 @@ class Links:
                     out.append(LinkEvent(EventKind.OVERFLOW, link, why))
                     continue
             if link.state in (LinkState.READY, LinkState.DRAINING):
-                if now - link.last_sent > cfg.heartbeat_interval:
+                if now - link.last_sent > link.pace.interval_s:
                     link.heartbeat()
                 if now - link.last_claim > CLAIM_S:
                     link.claim()
-                if now - link.last_heard > cfg.heartbeat_timeout:
+                if now - link.last_heard > link.pace.silence_s(cfg.heartbeat_timeout):
                     out.append(link.lose(f"silent for {now - link.last_heard:.1f} s"))
             elif link.state is not LinkState.BANNED:
                 # Soon after a failed send (not connected yet); once a second while a sent
