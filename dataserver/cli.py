@@ -400,6 +400,9 @@ def _add_bench(sub: Any) -> None:
     p.add_argument("--scale-workers", type=int, default=2, help="scale (a): the server's workers")
     p.add_argument("--scale-seconds", type=float, default=5.0, help="scale: each timed window")
     p.add_argument("--scale-batches", type=int, default=300, help="scale (b): timed batches")
+    p.add_argument(
+        "--scale-parts", default="a,b,c", help="scale: which of its parts to run (a, b, c)"
+    )
     p.add_argument("--only", default=None, help="comma-separated figures to run")
     p.add_argument("--json", default=None, help="also write the results here")
     p.set_defaults(func=cmd_bench)

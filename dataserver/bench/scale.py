@@ -34,6 +34,7 @@ Roles run in their own processes: ``python -m dataserver.bench.scale swarm|fakes
 from __future__ import annotations
 
 import argparse
+import heapq
 import json
 import os
 import resource
@@ -42,7 +43,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -69,7 +70,13 @@ from dataserver.security import new_secret, reply_id, session_id
 Progress = Callable[[str], None]
 ZERO = "dataserver.data.simulated:simulated"
 ZERO_ARGS = json.dumps({"n": 4096, "ms": 0, "size": 8})
-BEAT_S = 0.5  # what a real client beats at (ClientConfig.heartbeat_interval)
+BEAT_S = 0.5  # what a real client beats at until its server says (ClientConfig.heartbeat_interval)
+# A real client's front connection: ZMTP PINGs every second, dropped after 2 s without an
+# answer (``dataserver_client.beats.loss_detection`` at heartbeat_timeout 3 s), and its other
+# sockets' (``links._dealer``): PINGs every 5 s, 15 s.
+ZMTP_FRONT = ((zmq.HEARTBEAT_IVL, 1000), (zmq.HEARTBEAT_TIMEOUT, 2000), (zmq.HEARTBEAT_TTL, 15000))
+ZMTP_OTHER = ((zmq.HEARTBEAT_IVL, 5000), (zmq.HEARTBEAT_TIMEOUT, 15000), (zmq.HEARTBEAT_TTL, 15000))
+BEAT_FLOOR_S, BEAT_CEILING_S = 0.25, 10.0  # the bounds a real client keeps (``beats``)
 HELLO_BATCH = 100  # sessions opened at once (a listen backlog is ~100)
 SIDE = 8  # output images of the swarm's tasks: 8 x 8
 
@@ -78,6 +85,25 @@ def _raise_fd_limit() -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard == resource.RLIM_INFINITY or soft < hard:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def _raise_hard_fd_limit(want: int) -> tuple[int, bool]:
+    """The bench alone, as root: raise this process's hard fd limit to ``want`` (at most
+    ``/proc/sys/fs/nr_open``), so that the server and the swarms it starts inherit room for
+    the sessions measured. (The hard limit after; whether it was raised.)"""
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    try:
+        with open("/proc/sys/fs/nr_open") as f:
+            want = min(want, int(f.read()))
+    except (OSError, ValueError):
+        pass
+    if hard == resource.RLIM_INFINITY or hard >= want or os.geteuid() != 0:
+        return int(hard), False
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, want))
+    except (ValueError, OSError):
+        return int(hard), False
+    return want, True
 
 
 def _kind(frames: list[Any], at: int = 1) -> int:
@@ -103,6 +129,11 @@ class _Session:
     welcomed: bool = False
     credit: int = 0
     outstanding: int = 0
+    beat_s: float = BEAT_S  # as its server says (WELCOME, heartbeat replies), within bounds
+
+    def paced(self, ms: int) -> None:
+        if ms and BEAT_FLOOR_S <= ms / 1000 <= BEAT_CEILING_S:
+            self.beat_s = ms / 1000
 
 
 @dataclass
@@ -122,7 +153,7 @@ class _Swarm:
     ctx: zmq.Context[Any]
     sessions: list[_Session] = field(default_factory=list)
     by_sock: dict[Any, _Session] = field(default_factory=dict)
-    beats: deque[tuple[float, _Session]] = field(default_factory=deque)
+    beats: list[tuple[float, int, _Session]] = field(default_factory=list)  # a heap
     counts: Counter[str] = field(default_factory=Counter)
     poller: zmq.Poller = field(default_factory=zmq.Poller)
     next_id: int = 0
@@ -134,6 +165,8 @@ class _Swarm:
         for _ in range(n):
             sock = self.ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
+            for option, value in ZMTP_FRONT:
+                sock.setsockopt(option, value)
             sock.connect(self.cfg.address)
             s = _Session(session_id(), new_secret(), sock)
             self.sessions.append(s)
@@ -145,10 +178,13 @@ class _Swarm:
         if s.welcomed:
             return
         s.welcomed, s.credit = True, msg.credit
+        s.paced(getattr(msg, "heartbeat_ms", 0))  # (an older server: nothing said)
         self.counts["welcomed"] += 1
         if self.cfg.direct and msg.results:
             s.results = self.ctx.socket(zmq.DEALER)
             s.results.setsockopt(zmq.LINGER, 0)
+            for option, value in ZMTP_OTHER:
+                s.results.setsockopt(option, value)
             s.results.setsockopt(zmq.ROUTING_ID, reply_id(s.secret))
             for endpoint in msg.results:
                 s.results.connect(endpoint)
@@ -159,7 +195,11 @@ class _Swarm:
             s.pub = self.ctx.socket(zmq.PUB)
             s.pub.setsockopt(zmq.LINGER, 0)
             s.pub.connect(msg.control)
-        self.beats.append((time.monotonic() + BEAT_S, s))
+        self._due(time.monotonic() + s.beat_s, s)
+
+    def _due(self, when: float, s: _Session) -> None:
+        self.next_id += 1
+        heapq.heappush(self.beats, (when, self.next_id, s))
 
     def task(self, s: _Session) -> None:
         assert self.template is not None
@@ -187,6 +227,13 @@ class _Swarm:
             self.fill(s)
         elif kind == MsgType.HEARTBEAT:
             self.counts["beats_answered"] += 1
+            try:
+                beat = decode(frames)
+            except ProtocolError:
+                self.counts["malformed"] += 1
+                return
+            if isinstance(beat, Heartbeat):
+                s.paced(getattr(beat, "heartbeat_ms", 0))
         elif kind == MsgType.WELCOME:
             try:
                 msg = decode(frames)
@@ -212,12 +259,12 @@ class _Swarm:
 
     def beat(self, now: float) -> None:
         while self.beats and self.beats[0][0] <= now:
-            _, s = self.beats.popleft()
+            _, _, s = heapq.heappop(self.beats)
             if self.beating:
                 hb = Heartbeat(session=s.sid, auth=s.secret).encode()
                 s.data.send_multipart(hb)
                 self.counts["beats"] += 1
-            self.beats.append((now + BEAT_S, s))
+            self._due(now + s.beat_s, s)
 
     def turn(self, timeout_ms: int) -> None:
         for sock, _ in self.poller.poll(timeout_ms):
@@ -723,11 +770,31 @@ class _Snapshot:
         return cls([_proc_fds(p) for p in pids], [_proc_rss_kib(p) for p in pids])
 
 
+def _thread_cpu_seconds(pid: int) -> float:
+    """CPU seconds of ``pid``'s main thread (the front's loop; not libzmq's I/O thread)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/stat") as f:
+            text = f.read()
+    except OSError:
+        return 0.0
+    fields = text[text.rindex(")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _cpu_per_s(pids: list[int], seconds: float) -> float:
     """CPU seconds per second the first of ``pids`` spends over ``seconds``."""
-    start = cpu_seconds(pids[0])
+    return _cpu_and_thread_per_s(pids, seconds)[0]
+
+
+def _cpu_and_thread_per_s(pids: list[int], seconds: float) -> tuple[float, float]:
+    """CPU seconds per second the first of ``pids`` spends over ``seconds``: all of it, and
+    its main thread's."""
+    start, thread = cpu_seconds(pids[0]), _thread_cpu_seconds(pids[0])
     time.sleep(seconds)
-    return (cpu_seconds(pids[0]) - start) / seconds
+    return (
+        (cpu_seconds(pids[0]) - start) / seconds,
+        (_thread_cpu_seconds(pids[0]) - thread) / seconds,
+    )
 
 
 class _Swarms:
@@ -765,6 +832,7 @@ class _Beats:
     cpu_per_s: float
     sent_per_s: float
     handled_per_s: float  # by the front (its ``heartbeats`` counter)
+    thread_cpu_per_s: float = 0.0  # the front's main thread alone
 
 
 def _beating(address: str, pids: list[int], swarms: _Swarms, seconds: float) -> _Beats:
@@ -776,26 +844,33 @@ def _beating(address: str, pids: list[int], swarms: _Swarms, seconds: float) -> 
     def sent() -> float:
         return float(swarms.counts()["beats"])
 
-    probes = {"sent": sent, "handled": handled, "cpu": lambda: cpu_seconds(pids[0])}
+    probes = {
+        "sent": sent,
+        "handled": handled,
+        "cpu": lambda: cpu_seconds(pids[0]),
+        "thread": lambda: _thread_cpu_seconds(pids[0]),
+    }
     first = {k: (f(), time.perf_counter()) for k, f in probes.items()}
     time.sleep(seconds)
     rate = {}
     for k, f in probes.items():
         v0, t0 = first[k]
         rate[k] = (f() - v0) / (time.perf_counter() - t0)
-    return _Beats(rate["cpu"], rate["sent"], rate["handled"])
+    return _Beats(rate["cpu"], rate["sent"], rate["handled"], rate["thread"])
 
 
 def fig_sessions(
     args: argparse.Namespace, address: str, pids: list[int], progress: Progress
 ) -> dict[str, Any]:
     """(c) fds, memory and CPU of one server holding ``--scale-sessions`` sessions: the
-    front's CPU with none, with the sessions open and silent, then beating (per beat it
-    handled: a front short of CPU handles fewer than are sent)."""
+    front's CPU with none, with the sessions open and silent (their ZMTP PINGs only), then
+    beating at the interval the server tells them (quiet sessions, as a real client's
+    between tasks; per beat it handled: a front short of CPU handles fewer than are sent).
+    The front's main thread (its loop) is measured beside the whole process."""
     n = args.scale_sessions
     t = args.scale_seconds
     time.sleep(1.0)
-    idle_cpu = _cpu_per_s(pids, t)
+    idle = _cpu_and_thread_per_s(pids, t)
     before = _Snapshot.of(pids)
     limit = _fd_soft_limit(pids[0])
     half = ["--address", address, "--depth", "0", "--direct", "1", "--control", "1"]
@@ -809,13 +884,20 @@ def fig_sessions(
         swarms.signal(signal.SIGUSR1)  # silent
         swarms.settle("beats_answered")
         loaded = _Snapshot.of(pids)
-        silent_cpu = _cpu_per_s(pids, t)
+        silent = _cpu_and_thread_per_s(pids, t)
         swarms.signal(signal.SIGUSR1)  # beating again
-        time.sleep(1.0)
+        # Every session has had an answer telling it the server's interval now.
+        time.sleep(1.0 + float(_fetch_counters(address).get("heartbeat_interval_s", BEAT_S)))
         beats = _beating(address, pids, swarms, t)
         stats = _fetch_counters(address)
-    report = _sessions_report(opened, before, loaded, stats, (idle_cpu, beats, silent_cpu))
+    report = _sessions_report(opened, before, loaded, stats, (idle, beats, silent))
     report["c_front_fd_limit"] = limit
+    progress(
+        f"(c) {opened} sessions: {report['c_front_fds_per_session']} fds and "
+        f"{report['c_front_kib_per_session']} KiB a session on the front; beating every "
+        f"{report['c_heartbeat_interval_s']} s, front thread "
+        f"{report['c_front_thread_ms_per_s_sessions_beating']} ms/s"
+    )
     return report
 
 
@@ -824,12 +906,15 @@ def _sessions_report(
     before: _Snapshot,
     loaded: _Snapshot,
     stats: dict[str, Any],
-    cpu: tuple[float, _Beats, float],
+    cpu: tuple[tuple[float, float], _Beats, tuple[float, float]],
 ) -> dict[str, Any]:
-    idle_cpu, beats, silent_cpu = cpu
+    (idle_cpu, idle_thread), beats, (silent_cpu, silent_thread) = cpu
     per = max(1, opened)
+    per_1000 = max(1, opened) / 1000
     limits = stats.get("limits", {})
+    interval = float(stats.get("heartbeat_interval_s", BEAT_S))
     per_beat = (beats.cpu_per_s - silent_cpu) / max(1.0, beats.handled_per_s)
+    per_beat_thread = (beats.thread_cpu_per_s - silent_thread) / max(1.0, beats.handled_per_s)
     return {
         "c_sessions": opened,
         "c_sessions_on_server": stats.get("sessions"),
@@ -842,17 +927,29 @@ def _sessions_report(
         "c_front_rss_mib_after": round(loaded.rss_kib[0] / 1024, 1),
         "c_front_kib_per_session": round((loaded.rss_kib[0] - before.rss_kib[0]) / per, 1),
         "c_worker_kib_per_session": round((loaded.rss_kib[1] - before.rss_kib[1]) / per, 1),
-        "c_heartbeats_due_per_s": round(opened / BEAT_S, 1),
+        "c_heartbeat_interval_s": interval,
+        "c_heartbeats_due_per_s": round(opened / interval, 1),
         "c_heartbeats_sent_per_s": round(beats.sent_per_s, 1),
         "c_heartbeats_handled_per_s": round(beats.handled_per_s, 1),
         "c_front_cpu_ms_per_s_no_sessions": round(1e3 * idle_cpu, 2),
         "c_front_cpu_ms_per_s_sessions_beating": round(1e3 * beats.cpu_per_s, 2),
         "c_front_cpu_ms_per_s_sessions_silent": round(1e3 * silent_cpu, 2),
+        "c_front_thread_ms_per_s_no_sessions": round(1e3 * idle_thread, 2),
+        "c_front_thread_ms_per_s_sessions_silent": round(1e3 * silent_thread, 2),
+        "c_front_thread_ms_per_s_sessions_beating": round(1e3 * beats.thread_cpu_per_s, 2),
+        "c_front_thread_ms_per_s_per_1000_quiet": round(
+            1e3 * (beats.thread_cpu_per_s - idle_thread) / per_1000, 2
+        ),
+        "c_front_cpu_ms_per_s_per_1000_quiet": round(
+            1e3 * (beats.cpu_per_s - idle_cpu) / per_1000, 2
+        ),
         "c_front_us_per_heartbeat": round(1e6 * per_beat, 1),
-        "c_front_cpu_ms_per_s_at_full_beat_rate": round(
-            1e3 * (silent_cpu + per_beat * opened / BEAT_S), 1
+        "c_front_thread_us_per_heartbeat": round(1e6 * per_beat_thread, 1),
+        "c_front_cpu_ms_per_s_at_0_5_s_beats": round(
+            1e3 * (silent_cpu + per_beat * opened / 0.5), 1
         ),
         "c_max_sessions": limits.get("max_sessions"),
+        "c_max_sessions_why": limits.get("max_sessions_why"),
         "c_max_connections": limits.get("max_connections"),
         "c_rejected": stats.get("rejected", {}),
     }
@@ -860,7 +957,8 @@ def _sessions_report(
 
 def fig_scale(args: argparse.Namespace, spec: str, progress: Progress) -> dict[str, Any]:
     """(a) a front's capacity, (b) a client's cost per server count, (c) a server's cost
-    per session; the paper model built from them is in docs/DESIGN-NOTES.md."""
+    per session (``--scale-parts``: which of them); the paper model built from them is in
+    docs/DESIGN-NOTES.md."""
     from dataserver.bench.common import server
 
     # One server for all three: zero-cost samples, no store (its workers do less; the front
@@ -868,14 +966,18 @@ def fig_scale(args: argparse.Namespace, spec: str, progress: Progress) -> dict[s
     # (as to the fakes, and to clients on other hosts).
     flags = ["--dataset", ZERO, "--dataset-args", ZERO_ARGS, "--workers", str(args.scale_workers)]
     flags += ["--cache-gb", "0", "--no-local-results"]
-    raised = args.scale_sessions > 1024 - 16  # the default --max-sessions (1024) leaves room
-    if raised:
-        flags += ["--max-sessions", str(args.scale_sessions + 64)]
-    out: dict[str, Any] = {"max_sessions_raised_by_bench": raised}
+    parts = set(str(getattr(args, "scale_parts", "a,b,c")).split(","))
+    # The server derives its session cap from its fd limit: as root, the bench raises the
+    # hard limit it and the swarms inherit (8 fds a session covers the swarms' own).
+    hard, raised = _raise_hard_fd_limit(8 * args.scale_sessions + 8192)
+    out: dict[str, Any] = {"fd_hard_limit": hard, "fd_hard_limit_raised_by_bench": raised}
     with server(flags) as (address, pids):
-        out.update(fig_front(args, address, pids, progress))
-        out.update(fig_client(args, address, pids, progress))
-        out.update(fig_sessions(args, address, pids, progress))
+        if "a" in parts:
+            out.update(fig_front(args, address, pids, progress))
+        if "b" in parts:
+            out.update(fig_client(args, address, pids, progress))
+        if "c" in parts:
+            out.update(fig_sessions(args, address, pids, progress))
     with open("/proc/loadavg") as f:
         out["load_average"] = " ".join(f.read().split()[:3])
     return out

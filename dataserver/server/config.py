@@ -87,7 +87,7 @@ class ServerConfig:
             ("--metrics-port", self.metrics_port, 0, 65535),
             ("--idle-timeout", self.idle_timeout, 1, 86400),
             ("--cache-gb", self.cache_gb, 0, 1 << 14),
-            ("--heartbeat-rate", self.heartbeat_rate, 1, 1_000_000),
+            ("--heartbeat-rate", self.heartbeat_rate, 0.01, 1_000_000),
         ]
         for flag, value, lo, hi in ranges:
             if value is not None and not lo <= value <= hi:
