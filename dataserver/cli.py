@@ -403,6 +403,13 @@ def _add_bench(sub: Any) -> None:
     p.add_argument(
         "--scale-parts", default="a,b,c", help="scale: which of its parts to run (a, b, c)"
     )
+    p.add_argument(
+        "--scale-control",
+        type=int,
+        choices=(0, 1),
+        default=1,
+        help="scale (c): each session holds a control connection too, as a real client's PUB",
+    )
     p.add_argument("--only", default=None, help="comma-separated figures to run")
     p.add_argument("--json", default=None, help="also write the results here")
     p.set_defaults(func=cmd_bench)

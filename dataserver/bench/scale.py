@@ -45,7 +45,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,7 +65,7 @@ from dataserver.protocol import (
     Welcome,
     decode,
 )
-from dataserver.security import new_secret, reply_id, session_id
+from dataserver.security import CLAIM_S, new_secret, reply_id, session_id
 
 Progress = Callable[[str], None]
 ZERO = "dataserver.data.simulated:simulated"
@@ -78,6 +78,7 @@ ZMTP_FRONT = ((zmq.HEARTBEAT_IVL, 1000), (zmq.HEARTBEAT_TIMEOUT, 2000), (zmq.HEA
 ZMTP_OTHER = ((zmq.HEARTBEAT_IVL, 5000), (zmq.HEARTBEAT_TIMEOUT, 15000), (zmq.HEARTBEAT_TTL, 15000))
 BEAT_FLOOR_S, BEAT_CEILING_S = 0.25, 10.0  # the bounds a real client keeps (``beats``)
 HELLO_BATCH = 100  # sessions opened at once (a listen backlog is ~100)
+SWARM_SESSIONS = 2500  # sessions one swarm process holds at most (c)
 SIDE = 8  # output images of the swarm's tasks: 8 x 8
 
 
@@ -130,6 +131,7 @@ class _Session:
     credit: int = 0
     outstanding: int = 0
     beat_s: float = BEAT_S  # as its server says (WELCOME, heartbeat replies), within bounds
+    claimed: float = 0.0  # when it last claimed its results (``security.CLAIM_S``)
 
     def paced(self, ms: int) -> None:
         if ms and BEAT_FLOOR_S <= ms / 1000 <= BEAT_CEILING_S:
@@ -160,6 +162,7 @@ class _Swarm:
     beating: bool = True
     tasking: bool = True
     template: Task | None = None
+    ping_ms: int = ZMTP_FRONT[0][1]  # its front connections' ZMTP PINGs (a real client's: 1 s)
 
     def open(self, n: int) -> None:
         for _ in range(n):
@@ -167,6 +170,8 @@ class _Swarm:
             sock.setsockopt(zmq.LINGER, 0)
             for option, value in ZMTP_FRONT:
                 sock.setsockopt(option, value)
+            sock.setsockopt(zmq.HEARTBEAT_IVL, self.ping_ms)
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 2 * self.ping_ms)
             sock.connect(self.cfg.address)
             s = _Session(session_id(), new_secret(), sock)
             self.sessions.append(s)
@@ -264,6 +269,16 @@ class _Swarm:
                 hb = Heartbeat(session=s.sid, auth=s.secret).encode()
                 s.data.send_multipart(hb)
                 self.counts["beats"] += 1
+            if s.results is not None and now - s.claimed > CLAIM_S:
+                # As a real client claims its results on each worker connection (a worker
+                # shuts down one unclaimed for long: churn that is no part of the figure).
+                s.claimed = now
+                try:
+                    s.results.send_multipart(
+                        Hello(session=s.sid, auth=s.secret).encode(), zmq.NOBLOCK
+                    )
+                except zmq.Again:
+                    pass
             self._due(now + s.beat_s, s)
 
     def turn(self, timeout_ms: int) -> None:
@@ -327,12 +342,13 @@ def swarm_main(argv: list[str]) -> int:
     p.add_argument("--depth", type=int, default=0)
     p.add_argument("--direct", type=int, default=1)
     p.add_argument("--control", type=int, default=1)
+    p.add_argument("--zmtp-ping-ms", type=int, default=ZMTP_FRONT[0][1], help="(front connection)")
     a = p.parse_args(argv)
     _raise_fd_limit()
     ctx: zmq.Context[Any] = zmq.Context()
     ctx.set(zmq.MAX_SOCKETS, 4 * a.sessions + 256)
     cfg = _SwarmConfig(a.address, a.sessions, a.depth, bool(a.direct), bool(a.control))
-    swarm = _Swarm(cfg, ctx, template=_task_template())
+    swarm = _Swarm(cfg, ctx, template=_task_template(), ping_ms=a.zmtp_ping_ms)
     flags = {"stop": False, "report": False}
 
     def on_signal(signum: int, _frame: Any) -> None:
@@ -873,16 +889,21 @@ def fig_sessions(
     idle = _cpu_and_thread_per_s(pids, t)
     before = _Snapshot.of(pids)
     limit = _fd_soft_limit(pids[0])
-    half = ["--address", address, "--depth", "0", "--direct", "1", "--control", "1"]
-    with (
-        _role("swarm", *half, "--sessions", str(n - n // 2)) as (p1, r1),
-        _role("swarm", *half, "--sessions", str(n // 2)) as (p2, r2),
-    ):
-        swarms = _Swarms([p1, p2])
-        opened = r1["ready"] + r2["ready"]
-        progress(f"(c) {opened} sessions open")
+    control = str(int(getattr(args, "scale_control", 1)))  # (0: to weigh that connection)
+    common = ["--address", address, "--depth", "0", "--direct", "1", "--control", control]
+    # A swarm holds ~6 fds a session (3 sockets: their eventfds and connections): enough
+    # swarms that each stays within an fd limit of 20,000 (two at least, as ever).
+    count = max(2, -(-n // SWARM_SESSIONS))
+    shares = [n // count + (1 if i < n % count else 0) for i in range(count)]
+    with ExitStack() as stack:
+        started = [
+            stack.enter_context(_role("swarm", *common, "--sessions", str(k))) for k in shares
+        ]
+        swarms = _Swarms([proc for proc, _ in started])
+        opened = sum(int(ready["ready"]) for _, ready in started)
+        progress(f"(c) {opened} sessions open ({count} swarms)")
         swarms.signal(signal.SIGUSR1)  # silent
-        swarms.settle("beats_answered")
+        swarms.settle("beats_answered", 5.0)  # (not long: silent sessions expire at 30 s)
         loaded = _Snapshot.of(pids)
         silent = _cpu_and_thread_per_s(pids, t)
         swarms.signal(signal.SIGUSR1)  # beating again
@@ -952,6 +973,9 @@ def _sessions_report(
         "c_max_sessions_why": limits.get("max_sessions_why"),
         "c_max_connections": limits.get("max_connections"),
         "c_rejected": stats.get("rejected", {}),
+        "c_sessions_expired": stats.get("counters", {}).get("sessions_expired", 0),
+        "c_hellos": stats.get("counters", {}).get("hellos", 0),
+        "c_data_connections_made": stats.get("counters", {}).get("data_connections", 0),
     }
 
 

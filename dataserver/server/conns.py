@@ -338,7 +338,13 @@ class ConnTracker:
         """Look at one connection: forget it if closed, shut it down if idle or holding
         more than ``max_unfinished``; else the bytes of unfinished messages it holds."""
         info = _tcp_info(fd)
-        if info is None or _peer(fd) != conn.peer:  # closed (a missed event), or reused
+        # Closed (a missed event), or the fd is another connection now: a connection's
+        # count never goes back, so only then is its peer asked (a syscall a look saved;
+        # a new connection on the fd is also told by its own EVENT_ACCEPTED).
+        moved = info is None or (
+            info[1] is None or conn.received is None or info[1] < conn.received
+        )
+        if info is None or (moved and _peer(fd) != conn.peer):
             del self.conns[fd]
             return 0
         last_recv_ms, received = info
