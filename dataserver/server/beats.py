@@ -8,7 +8,10 @@ reply (``heartbeat_ms``), so that all its sessions together send about ``rate`` 
 ``FLOOR_S`` (what clients beat at by default) nor above ``ceiling`` (at most ``CEILING_S``,
 and a third of ``--session-ttl`` and of ``--idle-timeout``, so a session beating at it is
 never forgotten nor its connection dropped as idle). It goes up as soon as the sessions
-call for it and down only once they are a step below (no flapping at a boundary).
+call for it (each HELLO updates it: the newcomer's WELCOME carries the interval of the
+count it makes) and down only once they have been a step below for three intervals (no
+flapping at a boundary, and no spiral: sessions a backlogged front let expire do not send
+every other session back to beating fast).
 
 A client keeps the interval within its own bounds (``dataserver_client.beats``) and no
 longer needs a heartbeat answer to know its server is there: the ZMTP heartbeats of its
@@ -25,6 +28,7 @@ CEILING_S = 10.0
 STEP_S = 0.5
 DEFAULT_RATE = 2000.0  # heartbeats a second from all sessions together (~0.15 of a core)
 TTL_BEATS = 3  # beats a session may miss before --session-ttl / --idle-timeout forget it
+SETTLE_BEATS = 3  # intervals a lower session count must last before the interval goes down
 
 
 class BeatRule:
@@ -38,19 +42,30 @@ class BeatRule:
             FLOOR_S, min(CEILING_S, session_ttl / TTL_BEATS, idle_timeout / TTL_BEATS)
         )
         self.interval_s = FLOOR_S
+        self._lower_since: float | None = None  # since when a lower interval is due
 
     def _for(self, sessions: int) -> float:
         want = math.ceil(sessions / self.rate / STEP_S) * STEP_S
         return min(self.ceiling, max(FLOOR_S, want))
 
-    def update(self, sessions: int) -> bool:
-        """The session count is now ``sessions``: whether the interval changed."""
+    def update(self, sessions: int, now: float) -> bool:
+        """The session count is now ``sessions`` (at ``now``, monotonic seconds): whether
+        the interval changed. Up at once (a HELLO updates it: a newcomer is told the
+        interval of the count it makes); down only once a lower one has been due for
+        ``SETTLE_BEATS`` intervals (sessions that went silent at once, expired by a
+        backlog, do not bring every other session back to beating fast)."""
         want = self._for(sessions)
-        if want > self.interval_s or (
-            want < self.interval_s and self._for(int(sessions * 1.25)) < self.interval_s
-        ):
-            self.interval_s = want
+        if want > self.interval_s:
+            self.interval_s, self._lower_since = want, None
             return True
+        if want < self.interval_s and self._for(int(sessions * 1.25)) < self.interval_s:
+            if self._lower_since is None:
+                self._lower_since = now
+            elif now - self._lower_since >= SETTLE_BEATS * self.interval_s:
+                self.interval_s, self._lower_since = want, None
+                return True
+            return False
+        self._lower_since = None
         return False
 
     @property

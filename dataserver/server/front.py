@@ -491,7 +491,9 @@ class Front:
         self.admin.send_multipart([identity, *Stats(stats=self.stats()).encode()], zmq.NOBLOCK)
 
     def _welcome(self, session: bytes, nonce: bytes = b"") -> Welcome:
-        """What this server tells a client it greets: itself, its credit, where to send."""
+        """What this server tells a client it greets: itself, its credit, where to send,
+        how often to beat (for the sessions it has with this one)."""
+        self._pace_beats()
         results, local = self.workers.result_endpoints()
         return Welcome(
             session=session,
@@ -530,7 +532,7 @@ class Front:
         """The sessions' number moved the interval their clients beat at (``beats``):
         new clients learn it in their WELCOME, the others in their next heartbeat reply."""
         sessions = len(self.scheduler.sessions)
-        if self.beats.update(sessions):
+        if self.beats.update(sessions, time.monotonic()):
             self.scheduler.beat_every(self.beats.interval_s, self.beats.evict_after())
             log.info(
                 "%d sessions: clients are told to beat every %g s", sessions, self.beats.interval_s
