@@ -133,6 +133,20 @@ class _Session:
     beat_s: float = BEAT_S  # as its server says (WELCOME, heartbeat replies), within bounds
     claimed: float = 0.0  # when it last claimed its results (``security.CLAIM_S``)
 
+    def claim(self, now: float) -> None:
+        """Claim its results, as a real client does on each worker connection every
+        ``CLAIM_S`` (a worker shuts down one unclaimed for long: churn that is no part of
+        the figure)."""
+        if self.results is None or now - self.claimed <= CLAIM_S:
+            return
+        self.claimed = now
+        try:
+            self.results.send_multipart(
+                Hello(session=self.sid, auth=self.secret).encode(), zmq.NOBLOCK
+            )
+        except zmq.Again:
+            pass
+
     def paced(self, ms: int) -> None:
         if ms and BEAT_FLOOR_S <= ms / 1000 <= BEAT_CEILING_S:
             self.beat_s = ms / 1000
@@ -269,16 +283,7 @@ class _Swarm:
                 hb = Heartbeat(session=s.sid, auth=s.secret).encode()
                 s.data.send_multipart(hb)
                 self.counts["beats"] += 1
-            if s.results is not None and now - s.claimed > CLAIM_S:
-                # As a real client claims its results on each worker connection (a worker
-                # shuts down one unclaimed for long: churn that is no part of the figure).
-                s.claimed = now
-                try:
-                    s.results.send_multipart(
-                        Hello(session=s.sid, auth=s.secret).encode(), zmq.NOBLOCK
-                    )
-                except zmq.Again:
-                    pass
+            s.claim(now)
             self._due(now + s.beat_s, s)
 
     def turn(self, timeout_ms: int) -> None:
