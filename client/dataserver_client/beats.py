@@ -7,35 +7,24 @@ value outside them is refused (counted ``heartbeat_interval``; the link keeps th
 it had). A server that says nothing (an older one) leaves it at the client's own
 ``heartbeat_interval``.
 
-Loss detection no longer waits on heartbeat answers, which a server beating clients every
-10 s would make 20 s late: the connection to each front carries ZMTP heartbeats
-(``loss_detection``), a PING every third of ``heartbeat_timeout`` answered by the server's
-libzmq (not its Python loop), and libzmq drops a connection that answers nothing for the
-other two thirds: a server gone, frozen or cut off is lost within ``heartbeat_timeout``
-(3 s), whatever the interval. The silence check on answers stays, for a server whose
-libzmq answers while its loop does not (``PacedBeat.silence_s``): at the floor that is
-``heartbeat_timeout`` as before, above it a few intervals.
+How soon a gone server is seen. A server killed, or whose host closes its connections, is
+lost at once (the connection drops: ``EVENT_DISCONNECTED``). One that goes silent (frozen,
+cut off) is lost when no answer came for ``PacedBeat.silence_s``: ``heartbeat_timeout``
+(3 s) while the interval is at most a third of it, as before, else two intervals and a
+second: 3 s up to 1,000 sessions on a server at the default ``--heartbeat-rate``, 5 s at
+4,000 (2 s beats), 11 s at 10,000 (5 s), 21 s at 20,000 (10 s). ZMTP heartbeats every
+second on the front connection would keep 3 s at any interval, but were measured to cost
+more than the beats they save: 3,000 sessions PINGing each second (2 s timeout) made
+~100 reconnects a second on a loaded 2-core host (a PONG late by 2 s drops a connection,
+and the reconnects load the front further), none with PINGs every 5 s (the setting kept:
+``links._dealer``). DESIGN-NOTES, "Scale model: 10,000 ranks".
 """
 
 from __future__ import annotations
 
-from typing import Any
-
-import zmq
-
 FLOOR_S = 0.25  # the fastest a server may make a client beat
 CEILING_S = 10.0  # the slowest
 MISSED_BEATS = 2  # answers a server may miss (beyond a second's slack) before it is silent
-
-
-def loss_detection(sock: zmq.Socket[Any], timeout_s: float) -> None:
-    """ZMTP heartbeats on a connection to a front: a PING every ``timeout_s / 3``; libzmq
-    drops the connection (``EVENT_DISCONNECTED``: the link is lost) when nothing came back
-    for ``2 * timeout_s / 3`` after one, so a gone server is seen within ``timeout_s``.
-    The server is told to drop us after ``HEARTBEAT_TTL`` without a word (our PINGs)."""
-    ping_ms = max(100, round(timeout_s * 1000 / 3))
-    sock.setsockopt(zmq.HEARTBEAT_IVL, ping_ms)
-    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(100, round(timeout_s * 1000) - ping_ms))
 
 
 class PacedBeat:
@@ -57,7 +46,7 @@ class PacedBeat:
         return True
 
     def silence_s(self, timeout_s: float) -> float:
-        """How long a server may send nothing before it counts as silent: ``timeout_s`` at
-        an interval as fast as the client's own, else a few intervals (the ZMTP
-        heartbeats catch a gone server within ``timeout_s`` meanwhile)."""
+        """How long a server may send nothing before it counts as silent (lost):
+        ``timeout_s`` while the interval leaves room for a few answers in it, else two
+        intervals and a second (the failover time a slower interval costs)."""
         return max(timeout_s, MISSED_BEATS * self.interval_s + 1.0)

@@ -50,7 +50,7 @@ from dataserver.security import (
     session_id,
 )
 from dataserver.tcpinfo import bytes_received
-from dataserver_client.beats import PacedBeat, loss_detection
+from dataserver_client.beats import PacedBeat
 from dataserver_client.config import ClientConfig
 from dataserver_client.discovery import expand_addresses
 
@@ -305,13 +305,11 @@ class ServerLink:
         standing: Callable[[], tuple[int, int]] = lambda: (0, 0),
         landing: LandingArea | None = None,
         beat_s: float = 0.5,
-        loss_s: float = 3.0,
     ) -> None:
         self.address = address
-        # How often it beats (``beats.PacedBeat``: the server's word, within bounds) and
-        # how soon its gone server is seen (``beats.loss_detection``).
+        # How often it beats, and how long it may hear nothing (``beats.PacedBeat``: the
+        # server's word, within bounds).
         self.pace = PacedBeat(beat_s)
-        self._loss_s = loss_s
         # This session's secret on this server (each server gets its own, so no server
         # learns one that acts for the session on another), and where the session stands
         # (plan version, control sequence) for the HELLO.
@@ -353,7 +351,6 @@ class ServerLink:
     def _open(self) -> None:
         """Its sockets, new: a DEALER to the front, and one for the workers' results."""
         self.sock = _dealer(self._ctx, self._curve_keys)
-        loss_detection(self.sock, self._loss_s)
         # Queue nothing for a server that is not connected: a send fails at once instead
         # of piling up for a dead peer (or blocking when the queue is full).
         self.sock.setsockopt(zmq.IMMEDIATE, 1)
@@ -690,7 +687,6 @@ class Links:
             self._standing,
             self._landing,
             beat_s=cfg.heartbeat_interval,
-            loss_s=cfg.heartbeat_timeout,
         )
         self.links.append(link)
         link.hello()

@@ -58,9 +58,7 @@ CHECK_S = 1.0  # how often connections are looked at ...
 CHECKS_PER_S = 4000  # ... but no more than this many looks a second (then each less often)
 FRAME_BYTES = 64  # a frame's header and, with CURVE, its box: counted as consumed with it
 HANDSHAKE_BYTES = 4096  # the ZMTP greeting and handshake (CURVE's included), before messages
-# ZMTP PINGs and PONGs a live peer sends: a client PINGs its front every second (a third of
-# its heartbeat_timeout: ``dataserver_client.beats``), 9 bytes, ~44 under CURVE
-PING_BYTES_PER_S = 64
+PING_BYTES_PER_S = 16  # ZMTP PINGs and PONGs a live peer sends (one of ~9 bytes every few s)
 UNFINISHED_TOTAL = 256 << 20  # the bytes of unfinished messages all connections may hold
 FRESH_S = 2.0  # a connection this young is not yet judged idle when the cap is reached
 TRIM_S = 10.0  # malloc_trim at most this often (after a disconnect)
