@@ -223,7 +223,7 @@ def _add_serve(sub: Any) -> None:
         "--session-ttl",
         type=float,
         default=30.0,
-        help="forget clients silent this long (s; clients beat every 0.5 s) (default 30)",
+        help="forget clients silent this long (s; clients beat every 0.5 s, slower on a loaded server: --heartbeat-rate) (default 30)",
     )
     p.add_argument(
         "--max-sessions",
@@ -301,7 +301,7 @@ def _add_serve(sub: Any) -> None:
         default=DEFAULT_IDLE_TIMEOUT,
         metavar="S",
         help="drop a peer's connection to the data or control port that sent nothing for S "
-        "seconds (clients beat every 0.5 s; one that is dropped reconnects) "
+        "seconds (clients beat every 0.5-10 s as told; one that is dropped reconnects) "
         f"(default {DEFAULT_IDLE_TIMEOUT:g})",
     )
     p.add_argument(

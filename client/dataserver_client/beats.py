@@ -11,7 +11,7 @@ How soon a gone server is seen. A server killed, or whose host closes its connec
 lost at once (the connection drops: ``EVENT_DISCONNECTED``). One that goes silent (frozen,
 cut off) is lost when no answer came for ``PacedBeat.silence_s``: ``heartbeat_timeout``
 (3 s) while the interval is at most a third of it, as before, else two intervals and a
-second: 3 s up to 1,000 sessions on a server at the default ``--heartbeat-rate``, 5 s at
+second: 3 s up to 2,000 sessions on a server at the default ``--heartbeat-rate``, 5 s at
 4,000 (2 s beats), 11 s at 10,000 (5 s), 21 s at 20,000 (10 s). ZMTP heartbeats every
 second on the front connection would keep 3 s at any interval, but were measured to cost
 more than the beats they save: 3,000 sessions PINGing each second (2 s timeout) made

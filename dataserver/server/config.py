@@ -44,7 +44,9 @@ class ServerConfig:
     workers: int = 0  # 0: the number of CPUs
     bind: str = DEFAULT_BIND
     control_bind: str | None = None  # None: data port + 1 on the same interface
-    session_ttl: float = 30.0  # seconds without traffic (clients beat every 0.5 s) before expiry
+    session_ttl: float = (
+        30.0  # seconds without traffic (clients beat every 0.5-10 s: ``beats``) before expiry
+    )
     cache_gb: float = DEFAULT_CACHE_GB  # the store of prepared sources, shared by all workers
     curve_secret_key: str | None = None
     curve_authorized_keys: str | None = None

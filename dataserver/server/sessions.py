@@ -6,7 +6,8 @@ with a deep queue cannot starve another. Credits on the client side bound every 
 honest clients; the caps here bound them for everyone: at most ``max_sessions`` sessions,
 at most ``max_tasks`` queued tasks and ``session_bytes`` of them per session, and
 ``total_bytes`` in all. A new session may take the place of one silent for ``evict_after``
-seconds when all places are taken (a client beats every 0.5 s; a silent one is gone).
+seconds when all places are taken (a few of the beats its client is told to send,
+``beats``: a silent one is gone).
 
 Sessions are also counted by who holds them (issue 25, item 1: one connection opened 1,024
 sessions and kept them beating, and every new job was refused): at most
