@@ -135,7 +135,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
     print(f"  queue depth    {stats['queue_depth']}")
     if stats.get("draining"):
         print(f"  draining       for {stats['draining']['for_s']} s")
-    print(f"  sessions       {stats['sessions']}")
+    _print_sessions(stats)
     if stats.get("connections") is not None:
         limit = (stats.get("limits") or {}).get("max_connections")
         print(f"  connections    {stats['connections']} (at most {limit})")
@@ -147,6 +147,16 @@ def cmd_stats(args: argparse.Namespace) -> int:
     for key, value in sorted(stats["rejected"].items()):
         print(f"    {key:<20} {value}")
     return 0 if healthy or not args.check else 1
+
+
+def _print_sessions(stats: dict[str, Any]) -> None:
+    """The sessions, the cap on them and why, how often their clients are told to beat."""
+    print(f"  sessions       {stats['sessions']}")
+    limits = stats.get("limits") or {}
+    if limits.get("max_sessions_why"):
+        print(f"  session cap    {limits['max_sessions']} ({limits['max_sessions_why']})")
+    if stats.get("heartbeat_interval_s") is not None:
+        print(f"  heartbeats     clients told to beat every {stats['heartbeat_interval_s']:g} s")
 
 
 # ---------------------------------------------------------------------- keygen
