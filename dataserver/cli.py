@@ -18,10 +18,10 @@ from dataserver.server.config import (
     DEFAULT_BIND,
     DEFAULT_CACHE_GB,
     DEFAULT_DRAIN_SECONDS,
+    DEFAULT_HEARTBEAT_RATE,
     DEFAULT_IDLE_TIMEOUT,
     DEFAULT_MAX_IMAGE_SIDE,
     DEFAULT_MAX_QUEUED_MB,
-    DEFAULT_MAX_SESSIONS,
     DEFAULT_MAX_TASK_MB,
     ConfigError,
     ServerConfig,
@@ -74,6 +74,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         metrics_bind=args.metrics_bind,
         idle_timeout=args.idle_timeout,
+        heartbeat_rate=args.heartbeat_rate,
     )
 
     def announce(front: Any) -> None:
@@ -134,7 +135,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
     print(f"  queue depth    {stats['queue_depth']}")
     if stats.get("draining"):
         print(f"  draining       for {stats['draining']['for_s']} s")
-    print(f"  sessions       {stats['sessions']}")
+    _print_sessions(stats)
     if stats.get("connections") is not None:
         limit = (stats.get("limits") or {}).get("max_connections")
         print(f"  connections    {stats['connections']} (at most {limit})")
@@ -146,6 +147,16 @@ def cmd_stats(args: argparse.Namespace) -> int:
     for key, value in sorted(stats["rejected"].items()):
         print(f"    {key:<20} {value}")
     return 0 if healthy or not args.check else 1
+
+
+def _print_sessions(stats: dict[str, Any]) -> None:
+    """The sessions, the cap on them and why, how often their clients are told to beat."""
+    print(f"  sessions       {stats['sessions']}")
+    limits = stats.get("limits") or {}
+    if limits.get("max_sessions_why"):
+        print(f"  session cap    {limits['max_sessions']} ({limits['max_sessions_why']})")
+    if stats.get("heartbeat_interval_s") is not None:
+        print(f"  heartbeats     clients told to beat every {stats['heartbeat_interval_s']:g} s")
 
 
 # ---------------------------------------------------------------------- keygen
@@ -222,13 +233,14 @@ def _add_serve(sub: Any) -> None:
         "--session-ttl",
         type=float,
         default=30.0,
-        help="forget clients silent this long (s; clients beat every 0.5 s) (default 30)",
+        help="forget clients silent this long (s; clients beat every 0.5 s, slower on a loaded server: --heartbeat-rate) (default 30)",
     )
     p.add_argument(
         "--max-sessions",
         type=int,
-        default=DEFAULT_MAX_SESSIONS,
-        help=f"clients served at once; more are refused (default {DEFAULT_MAX_SESSIONS})",
+        default=None,
+        help="client sessions served at once; more are refused (default: as many as the fd "
+        "limit allows, 2 fds a session; a larger N is clamped to that)",
     )
     p.add_argument(
         "--max-image-side",
@@ -299,8 +311,17 @@ def _add_serve(sub: Any) -> None:
         default=DEFAULT_IDLE_TIMEOUT,
         metavar="S",
         help="drop a peer's connection to the data or control port that sent nothing for S "
-        "seconds (clients beat every 0.5 s; one that is dropped reconnects) "
+        "seconds (clients beat every 0.5-10 s as told; one that is dropped reconnects) "
         f"(default {DEFAULT_IDLE_TIMEOUT:g})",
+    )
+    p.add_argument(
+        "--heartbeat-rate",
+        type=float,
+        default=DEFAULT_HEARTBEAT_RATE,
+        metavar="N",
+        help="heartbeats a second this server asks of all its sessions together: clients are "
+        "told to beat every sessions/N s (0.5 to 10 s, at most a third of --session-ttl and "
+        f"--idle-timeout) (default {DEFAULT_HEARTBEAT_RATE:g})",
     )
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=cmd_serve)
@@ -396,6 +417,16 @@ def _add_bench(sub: Any) -> None:
     )
     p.add_argument(
         "--scale-rate", type=float, default=200.0, help="scale (b): that rate, tasks a second"
+    )
+    p.add_argument(
+        "--scale-parts", default="a,b,c", help="scale: which of its parts to run (a, b, c)"
+    )
+    p.add_argument(
+        "--scale-control",
+        type=int,
+        choices=(0, 1),
+        default=1,
+        help="scale (c): each session holds a control connection too, as a real client's PUB",
     )
     p.add_argument("--only", default=None, help="comma-separated figures to run")
     p.add_argument("--json", default=None, help="also write the results here")

@@ -13,6 +13,7 @@ import ipaddress
 import os
 import socket
 import struct
+import threading
 from typing import Any
 
 _TCP_INFO_LAST_DATA_RECV = 52  # offsets in the kernel's struct tcp_info (linux/tcp.h)
@@ -40,20 +41,31 @@ def peer_of(fd: int) -> bytes | None:
     return buf.raw[: size.value]
 
 
+class _InfoBuffers(threading.local):
+    """Each thread's buffer for ``tcp_info`` (the front reads 4,000 connections' a second:
+    no new buffer, no copy)."""
+
+    def __init__(self) -> None:
+        self.info = ctypes.create_string_buffer(256)
+
+
+_buffers = _InfoBuffers()
+
+
 def tcp_info(fd: int) -> tuple[int, int | None] | None:
     """(ms since data last arrived, bytes received or None on an old kernel) of TCP socket
     ``fd``; None if it is not one."""
-    buf = ctypes.create_string_buffer(256)
+    b = _buffers
     size = ctypes.c_uint32(256)
-    if libc().getsockopt(fd, socket.IPPROTO_TCP, socket.TCP_INFO, buf, ctypes.byref(size)) != 0:
+    if libc().getsockopt(fd, socket.IPPROTO_TCP, socket.TCP_INFO, b.info, ctypes.byref(size)):
         return None
     n = size.value
     if n < _TCP_INFO_LAST_DATA_RECV + 4:
         return None
-    (last_recv,) = struct.unpack_from("I", buf.raw, _TCP_INFO_LAST_DATA_RECV)
+    (last_recv,) = struct.unpack_from("I", b.info, _TCP_INFO_LAST_DATA_RECV)
     received = None
     if n >= _TCP_INFO_BYTES_RECEIVED + 8:
-        (received,) = struct.unpack_from("Q", buf.raw, _TCP_INFO_BYTES_RECEIVED)
+        (received,) = struct.unpack_from("Q", b.info, _TCP_INFO_BYTES_RECEIVED)
     return int(last_recv), received
 
 

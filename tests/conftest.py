@@ -49,8 +49,11 @@ class Server:
         bind: str = "tcp://127.0.0.1:0",
         ready_timeout: float = 60.0,
         env: dict[str, str] | None = None,
+        nofile: int | None = None,
     ):
+        """``nofile``: the server's RLIMIT_NOFILE, soft and hard (it cannot raise it)."""
         self.args = ["serve", "--workers", str(workers), "--bind", bind, *args]
+        self.nofile = nofile
         self.stderr = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(
             self.command(),
@@ -73,7 +76,9 @@ class Server:
         self.samples = int(fields["samples"])
 
     def command(self) -> list[str]:
-        return [sys.executable, "-m", "dataserver.cli", *self.args]
+        # (``prlimit`` execs it: the same pid)
+        limit = [] if self.nofile is None else ["prlimit", f"--nofile={self.nofile}", "--"]
+        return [*limit, sys.executable, "-m", "dataserver.cli", *self.args]
 
     def _read(self) -> None:
         assert self.proc.stdout is not None

@@ -35,6 +35,7 @@ from zmtp import (
 )
 
 from dataserver.protocol import ErrorMsg, Heartbeat, Hello, Stats, decode
+from dataserver.server.capacity import fds_allow
 from dataserver.tcpinfo import loopback_uid
 
 pytestmark = pytest.mark.timeout(240)
@@ -146,8 +147,8 @@ def test_stats_is_public_cheap_and_rate_limited(start_server: Any) -> None:
 class LowFdServer(Server):
     """A server started with 256 fds, soft and hard (``prlimit`` execs it: same pid)."""
 
-    def command(self) -> list[str]:
-        return ["prlimit", "--nofile=256:256", "--", *super().command()]
+    def __init__(self, *args: str, **kwargs: Any) -> None:
+        super().__init__(*args, nofile=256, **kwargs)
 
 
 @pytest.mark.skipif(shutil.which("prlimit") is None, reason="needs util-linux prlimit")
@@ -197,11 +198,7 @@ class FdLimitServer(Server):
     """A server started with ``nofile`` fds, soft and hard."""
 
     def __init__(self, nofile: int, *args: str, **kwargs: Any) -> None:
-        self.nofile = nofile
-        super().__init__(*args, **kwargs)
-
-    def command(self) -> list[str]:
-        return ["prlimit", f"--nofile={self.nofile}:{self.nofile}", "--", *super().command()]
+        super().__init__(*args, nofile=nofile, **kwargs)
 
 
 def worker_endpoints(server: Server) -> list[str]:
@@ -580,15 +577,18 @@ def _sessions_as_nobody(address: str, conns: int, per_conn: int, report: int) ->
         os._exit(1)
 
 
-def test_one_peer_cannot_hold_every_session(start_server: Any) -> None:
+@pytest.mark.parametrize("cap", ["flag", "fds"])
+def test_one_peer_cannot_hold_every_session(start_server: Any, cap: str) -> None:
     """Issue 25, item 1, with its "peer": a local user, uid 65534 (on the host every user
     shares 127.0.0.1; a loopback connection's peer is the uid at its other end, which the
     kernel's sock_diag names; a remote one's, its address). It opens sessions on 8
     connections, 10 each: each connection holds at most 8 (the rest refused
-    ``connection_sessions``), and four of them fill ``--max-sessions 32``; they keep
-    beating. An honest job of another user (root, also from 127.0.0.1) takes the place of
-    one of them and gets its epoch: it was refused at once with ``session_limit``, by one
-    connection holding every place, and then by uid 65534 sharing its address."""
+    ``connection_sessions``), and four of them fill the server's 32 places (``flag``:
+    ``--max-sessions 32``; ``fds``: the cap its fd limit allows, issue 28: a server
+    started with the fd limit that allows 32); they keep beating. An honest job of another
+    user (root, also from 127.0.0.1) takes the place of one of them and gets its epoch: it
+    was refused at once with ``session_limit``, by one connection holding every place, and
+    then by uid 65534 sharing its address."""
     if os.getuid() != 0:
         pytest.skip("needs root to act as uid 65534")
     with (
@@ -600,9 +600,15 @@ def test_one_peer_cannot_hold_every_session(start_server: Any) -> None:
             named = loopback_uid(conn.fileno())
     if named != os.getuid():
         pytest.skip("the kernel's sock_diag does not name a loopback peer here")
-    server = start_server(
-        "--dataset", f"synthetic:images={SAMPLES},seed=1", "--max-sessions", "32", workers=1
-    )
+    dataset = ("--dataset", f"synthetic:images={SAMPLES},seed=1")
+    if cap == "flag":
+        server = start_server(*dataset, "--max-sessions", "32", workers=1)
+    else:
+        nofile = next(n for n in range(64, 1024) if fds_allow(n, 1) == 32)
+        server = start_server(*dataset, workers=1, nofile=nofile)
+        limits = server.stats()["limits"]
+        assert limits["max_sessions"] == 32, limits
+        assert f"fd limit {nofile}" in limits["max_sessions_why"], limits
     r, w = os.pipe()
     child = _sessions_as_nobody(server.address, 8, 10, w)
     os.close(w)

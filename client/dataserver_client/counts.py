@@ -67,6 +67,8 @@ class Reject(StrEnum):
     LANDED_UNSEALED = "landed_unsealed"
     BAD_BOXES = "bad_boxes"
     BAD_SERVER = "bad_server"
+    # a server asked for a heartbeat interval beyond the client's bounds (``beats``): kept its own
+    HEARTBEAT_INTERVAL = "heartbeat_interval"
 
 
 @unique

@@ -366,6 +366,8 @@ class Engine(threading.Thread):
             case Welcome():
                 self.handlers.on_welcome(link, msg)
             case Heartbeat():
+                if not link.paced(msg.heartbeat_ms):
+                    self.rejected.count(Reject.HEARTBEAT_INTERVAL)
                 if msg.results is not None:
                     link.sync_results(msg.results, msg.local or ())
             case Bye():

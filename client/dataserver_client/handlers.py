@@ -272,6 +272,8 @@ class Handlers:
             return
         was_lost = link.was_lost
         restarted = link.welcome(msg)
+        if not link.paced(msg.heartbeat_ms):
+            self.rejected.count(Reject.HEARTBEAT_INTERVAL)
         if self.book.control_seq or self.book.plan_version:
             self.sender.send_control(link)  # a server met anew learns the session's values first
         self._servers_changed()

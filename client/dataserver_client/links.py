@@ -52,6 +52,7 @@ from dataserver.security import (
     session_id,
 )
 from dataserver.tcpinfo import bytes_received
+from dataserver_client.beats import PacedBeat
 from dataserver_client.config import ClientConfig
 from dataserver_client.discovery import expand_addresses
 from dataserver_client.errors import DataServerError
@@ -190,6 +191,7 @@ class LinkStats:
     results: int
     outstanding: int
     credit: int
+    heartbeat_s: float = 0.5  # the interval it beats at (its server's, within bounds)
 
 
 @dataclass(frozen=True)
@@ -334,6 +336,7 @@ class ServerLink:
         standing: Callable[[], tuple[int, int]] = lambda: (0, 0),
         landing: LandingArea | None = None,
         shared: Shared | None = None,
+        beat_s: float = 0.5,
     ) -> None:
         self.address = address
         # What it shares with the other links (``Shared``): the index it keeps current, the
@@ -343,6 +346,9 @@ class ServerLink:
         self._state = LinkState.CONNECTING
         self._connected = False
         self._credit = 0
+        # How often it beats, and how long it may hear nothing (``beats.PacedBeat``: the
+        # server's word, within bounds).
+        self.pace = PacedBeat(beat_s)
         # This session's secret on this server (each server gets its own, so no server
         # learns one that acts for the session on another), and where the session stands
         # (plan version, control sequence) for the HELLO.
@@ -505,6 +511,11 @@ class ServerLink:
 
     def heartbeat(self) -> None:
         self.send(Heartbeat(session=self.session, auth=self.secret).encode())
+
+    def paced(self, ms: int | None) -> bool:
+        """The server asks for a beat every ``ms`` (WELCOME, heartbeat reply): followed
+        within ``beats``' bounds; False when refused (the caller counts it)."""
+        return self.pace.told(ms)
 
     def claim(self) -> None:
         """Claim our session on each worker connection, as it comes up and every
@@ -704,6 +715,7 @@ class ServerLink:
             self.results_total,
             len(self.outstanding),
             self.credit,
+            self.pace.interval_s,
         )
 
     def close(self) -> None:
@@ -775,8 +787,16 @@ class Links:
         # session anywhere else (one that forgot the session could otherwise be told that
         # id first, by whoever learnt it from another server).
         session = session_id(self._curve["public"] if self._curve else None)
+        cfg = self.config
         link = ServerLink(
-            self._ctx, address, session, self._curve, self._standing, self._landing, self.shared
+            self._ctx,
+            address,
+            session,
+            self._curve,
+            self._standing,
+            self._landing,
+            self.shared,
+            beat_s=cfg.heartbeat_interval,
         )
         self.links.append(link)
         self._sweep.append(link)
@@ -984,11 +1004,11 @@ class Links:
                     out.append(LinkEvent(EventKind.OVERFLOW, link, why))
                     continue
             if link.state in (LinkState.READY, LinkState.DRAINING):
-                if now - link.last_sent > cfg.heartbeat_interval:
+                if now - link.last_sent > link.pace.interval_s:
                     link.heartbeat()
                 if now - link.last_claim > CLAIM_S:
                     link.claim()
-                if now - link.last_heard > cfg.heartbeat_timeout:
+                if now - link.last_heard > link.pace.silence_s(cfg.heartbeat_timeout):
                     out.append(link.lose(f"silent for {now - link.last_heard:.1f} s"))
             elif link.state is not LinkState.BANNED:
                 # Soon after a failed send (not connected yet); once a second while a sent

@@ -34,6 +34,7 @@ Roles run in their own processes: ``python -m dataserver.bench.scale swarm|fakes
 from __future__ import annotations
 
 import argparse
+import heapq
 import json
 import os
 import resource
@@ -42,9 +43,9 @@ import subprocess
 import sys
 import time
 import uuid
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,13 +65,19 @@ from dataserver.protocol import (
     Welcome,
     decode,
 )
-from dataserver.security import new_secret, reply_id, session_id
+from dataserver.security import CLAIM_S, new_secret, reply_id, session_id
 
 Progress = Callable[[str], None]
 ZERO = "dataserver.data.simulated:simulated"
 ZERO_ARGS = json.dumps({"n": 4096, "ms": 0, "size": 8})
-BEAT_S = 0.5  # what a real client beats at (ClientConfig.heartbeat_interval)
+BEAT_S = 0.5  # what a real client beats at until its server says (ClientConfig.heartbeat_interval)
+# A real client's sockets' ZMTP heartbeats (``links._dealer``): PINGs every 5 s, dropped after
+# 15 s without an answer (``--zmtp-ping-ms``: the front connection's PINGs, timeout twice that).
+ZMTP_FRONT = ((zmq.HEARTBEAT_IVL, 5000), (zmq.HEARTBEAT_TIMEOUT, 15000), (zmq.HEARTBEAT_TTL, 15000))
+ZMTP_OTHER = ZMTP_FRONT
+BEAT_FLOOR_S, BEAT_CEILING_S = 0.25, 10.0  # the bounds a real client keeps (``beats``)
 HELLO_BATCH = 100  # sessions opened at once (a listen backlog is ~100)
+SWARM_SESSIONS = 2500  # sessions one swarm process holds at most (c)
 SIDE = 8  # output images of the swarm's tasks: 8 x 8
 
 
@@ -86,6 +93,25 @@ def _raise_fd_limit(want: int = 0) -> None:
             pass
     if hard == resource.RLIM_INFINITY or soft < hard:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def _raise_hard_fd_limit(want: int) -> tuple[int, bool]:
+    """The bench alone, as root: raise this process's hard fd limit to ``want`` (at most
+    ``/proc/sys/fs/nr_open``), so that the server and the swarms it starts inherit room for
+    the sessions measured. (The hard limit after; whether it was raised.)"""
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    try:
+        with open("/proc/sys/fs/nr_open") as f:
+            want = min(want, int(f.read()))
+    except (OSError, ValueError):
+        pass
+    if hard == resource.RLIM_INFINITY or hard >= want or os.geteuid() != 0:
+        return int(hard), False
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, want))
+    except (ValueError, OSError):
+        return int(hard), False
+    return want, True
 
 
 def _kind(frames: list[Any], at: int = 1) -> int:
@@ -111,6 +137,26 @@ class _Session:
     welcomed: bool = False
     credit: int = 0
     outstanding: int = 0
+    beat_s: float = BEAT_S  # as its server says (WELCOME, heartbeat replies), within bounds
+    claimed: float = 0.0  # when it last claimed its results (``security.CLAIM_S``)
+
+    def claim(self, now: float) -> None:
+        """Claim its results, as a real client does on each worker connection every
+        ``CLAIM_S`` (a worker shuts down one unclaimed for long: churn that is no part of
+        the figure)."""
+        if self.results is None or now - self.claimed <= CLAIM_S:
+            return
+        self.claimed = now
+        try:
+            self.results.send_multipart(
+                Hello(session=self.sid, auth=self.secret).encode(), zmq.NOBLOCK
+            )
+        except zmq.Again:
+            pass
+
+    def paced(self, ms: int) -> None:
+        if ms and BEAT_FLOOR_S <= ms / 1000 <= BEAT_CEILING_S:
+            self.beat_s = ms / 1000
 
 
 @dataclass
@@ -130,18 +176,24 @@ class _Swarm:
     ctx: zmq.Context[Any]
     sessions: list[_Session] = field(default_factory=list)
     by_sock: dict[Any, _Session] = field(default_factory=dict)
-    beats: deque[tuple[float, _Session]] = field(default_factory=deque)
+    beats: list[tuple[float, int, _Session]] = field(default_factory=list)  # a heap
     counts: Counter[str] = field(default_factory=Counter)
     poller: zmq.Poller = field(default_factory=zmq.Poller)
     next_id: int = 0
     beating: bool = True
     tasking: bool = True
     template: Task | None = None
+    ping_ms: int = ZMTP_FRONT[0][1]  # its front connections' ZMTP PINGs (a real client's: 5 s)
 
     def open(self, n: int) -> None:
         for _ in range(n):
             sock = self.ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
+            for option, value in ZMTP_FRONT:
+                sock.setsockopt(option, value)
+            if self.ping_ms != ZMTP_FRONT[0][1]:  # (an experiment: faster PINGs)
+                sock.setsockopt(zmq.HEARTBEAT_IVL, self.ping_ms)
+                sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 2 * self.ping_ms)
             sock.connect(self.cfg.address)
             s = _Session(session_id(), new_secret(), sock)
             self.sessions.append(s)
@@ -153,10 +205,13 @@ class _Swarm:
         if s.welcomed:
             return
         s.welcomed, s.credit = True, msg.credit
+        s.paced(getattr(msg, "heartbeat_ms", 0))  # (an older server: nothing said)
         self.counts["welcomed"] += 1
         if self.cfg.direct and msg.results:
             s.results = self.ctx.socket(zmq.DEALER)
             s.results.setsockopt(zmq.LINGER, 0)
+            for option, value in ZMTP_OTHER:
+                s.results.setsockopt(option, value)
             s.results.setsockopt(zmq.ROUTING_ID, reply_id(s.secret))
             for endpoint in msg.results:
                 s.results.connect(endpoint)
@@ -167,7 +222,11 @@ class _Swarm:
             s.pub = self.ctx.socket(zmq.PUB)
             s.pub.setsockopt(zmq.LINGER, 0)
             s.pub.connect(msg.control)
-        self.beats.append((time.monotonic() + BEAT_S, s))
+        self._due(time.monotonic() + s.beat_s, s)
+
+    def _due(self, when: float, s: _Session) -> None:
+        self.next_id += 1
+        heapq.heappush(self.beats, (when, self.next_id, s))
 
     def task(self, s: _Session) -> None:
         assert self.template is not None
@@ -195,6 +254,13 @@ class _Swarm:
             self.fill(s)
         elif kind == MsgType.HEARTBEAT:
             self.counts["beats_answered"] += 1
+            try:
+                beat = decode(frames)
+            except ProtocolError:
+                self.counts["malformed"] += 1
+                return
+            if isinstance(beat, Heartbeat):
+                s.paced(getattr(beat, "heartbeat_ms", 0))
         elif kind == MsgType.WELCOME:
             try:
                 msg = decode(frames)
@@ -220,12 +286,13 @@ class _Swarm:
 
     def beat(self, now: float) -> None:
         while self.beats and self.beats[0][0] <= now:
-            _, s = self.beats.popleft()
+            _, _, s = heapq.heappop(self.beats)
             if self.beating:
                 hb = Heartbeat(session=s.sid, auth=s.secret).encode()
                 s.data.send_multipart(hb)
                 self.counts["beats"] += 1
-            self.beats.append((now + BEAT_S, s))
+            s.claim(now)
+            self._due(now + s.beat_s, s)
 
     def turn(self, timeout_ms: int) -> None:
         for sock, _ in self.poller.poll(timeout_ms):
@@ -288,12 +355,13 @@ def swarm_main(argv: list[str]) -> int:
     p.add_argument("--depth", type=int, default=0)
     p.add_argument("--direct", type=int, default=1)
     p.add_argument("--control", type=int, default=1)
+    p.add_argument("--zmtp-ping-ms", type=int, default=ZMTP_FRONT[0][1], help="(front connection)")
     a = p.parse_args(argv)
     _raise_fd_limit()
     ctx: zmq.Context[Any] = zmq.Context()
     ctx.set(zmq.MAX_SOCKETS, 4 * a.sessions + 256)
     cfg = _SwarmConfig(a.address, a.sessions, a.depth, bool(a.direct), bool(a.control))
-    swarm = _Swarm(cfg, ctx, template=_task_template())
+    swarm = _Swarm(cfg, ctx, template=_task_template(), ping_ms=a.zmtp_ping_ms)
     flags = {"stop": False, "report": False}
 
     def on_signal(signum: int, _frame: Any) -> None:
@@ -797,11 +865,31 @@ class _Snapshot:
         return cls([_proc_fds(p) for p in pids], [_proc_rss_kib(p) for p in pids])
 
 
+def _thread_cpu_seconds(pid: int) -> float:
+    """CPU seconds of ``pid``'s main thread (the front's loop; not libzmq's I/O thread)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/stat") as f:
+            text = f.read()
+    except OSError:
+        return 0.0
+    fields = text[text.rindex(")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _cpu_per_s(pids: list[int], seconds: float) -> float:
     """CPU seconds per second the first of ``pids`` spends over ``seconds``."""
-    start = cpu_seconds(pids[0])
+    return _cpu_and_thread_per_s(pids, seconds)[0]
+
+
+def _cpu_and_thread_per_s(pids: list[int], seconds: float) -> tuple[float, float]:
+    """CPU seconds per second the first of ``pids`` spends over ``seconds``: all of it, and
+    its main thread's."""
+    start, thread = cpu_seconds(pids[0]), _thread_cpu_seconds(pids[0])
     time.sleep(seconds)
-    return (cpu_seconds(pids[0]) - start) / seconds
+    return (
+        (cpu_seconds(pids[0]) - start) / seconds,
+        (_thread_cpu_seconds(pids[0]) - thread) / seconds,
+    )
 
 
 class _Swarms:
@@ -839,6 +927,7 @@ class _Beats:
     cpu_per_s: float
     sent_per_s: float
     handled_per_s: float  # by the front (its ``heartbeats`` counter)
+    thread_cpu_per_s: float = 0.0  # the front's main thread alone
 
 
 def _beating(address: str, pids: list[int], swarms: _Swarms, seconds: float) -> _Beats:
@@ -850,46 +939,65 @@ def _beating(address: str, pids: list[int], swarms: _Swarms, seconds: float) -> 
     def sent() -> float:
         return float(swarms.counts()["beats"])
 
-    probes = {"sent": sent, "handled": handled, "cpu": lambda: cpu_seconds(pids[0])}
+    probes = {
+        "sent": sent,
+        "handled": handled,
+        "cpu": lambda: cpu_seconds(pids[0]),
+        "thread": lambda: _thread_cpu_seconds(pids[0]),
+    }
     first = {k: (f(), time.perf_counter()) for k, f in probes.items()}
     time.sleep(seconds)
     rate = {}
     for k, f in probes.items():
         v0, t0 = first[k]
         rate[k] = (f() - v0) / (time.perf_counter() - t0)
-    return _Beats(rate["cpu"], rate["sent"], rate["handled"])
+    return _Beats(rate["cpu"], rate["sent"], rate["handled"], rate["thread"])
 
 
 def fig_sessions(
     args: argparse.Namespace, address: str, pids: list[int], progress: Progress
 ) -> dict[str, Any]:
     """(c) fds, memory and CPU of one server holding ``--scale-sessions`` sessions: the
-    front's CPU with none, with the sessions open and silent, then beating (per beat it
-    handled: a front short of CPU handles fewer than are sent)."""
+    front's CPU with none, with the sessions open and silent (their ZMTP PINGs only), then
+    beating at the interval the server tells them (quiet sessions, as a real client's
+    between tasks; per beat it handled: a front short of CPU handles fewer than are sent).
+    The front's main thread (its loop) is measured beside the whole process."""
     n = args.scale_sessions
     t = args.scale_seconds
     time.sleep(1.0)
-    idle_cpu = _cpu_per_s(pids, t)
+    idle = _cpu_and_thread_per_s(pids, t)
     before = _Snapshot.of(pids)
     limit = _fd_soft_limit(pids[0])
-    half = ["--address", address, "--depth", "0", "--direct", "1", "--control", "1"]
-    with (
-        _role("swarm", *half, "--sessions", str(n - n // 2)) as (p1, r1),
-        _role("swarm", *half, "--sessions", str(n // 2)) as (p2, r2),
-    ):
-        swarms = _Swarms([p1, p2])
-        opened = r1["ready"] + r2["ready"]
-        progress(f"(c) {opened} sessions open")
+    control = str(int(getattr(args, "scale_control", 1)))  # (0: to weigh that connection)
+    common = ["--address", address, "--depth", "0", "--direct", "1", "--control", control]
+    # A swarm holds ~6 fds a session (3 sockets: their eventfds and connections): enough
+    # swarms that each stays within an fd limit of 20,000 (two at least, as ever).
+    count = max(2, -(-n // SWARM_SESSIONS))
+    shares = [n // count + (1 if i < n % count else 0) for i in range(count)]
+    with ExitStack() as stack:
+        started = [
+            stack.enter_context(_role("swarm", *common, "--sessions", str(k))) for k in shares
+        ]
+        swarms = _Swarms([proc for proc, _ in started])
+        opened = sum(int(ready["ready"]) for _, ready in started)
+        progress(f"(c) {opened} sessions open ({count} swarms)")
         swarms.signal(signal.SIGUSR1)  # silent
-        swarms.settle("beats_answered")
+        swarms.settle("beats_answered", 5.0)  # (not long: silent sessions expire at 30 s)
         loaded = _Snapshot.of(pids)
-        silent_cpu = _cpu_per_s(pids, t)
+        silent = _cpu_and_thread_per_s(pids, t)
         swarms.signal(signal.SIGUSR1)  # beating again
-        time.sleep(1.0)
+        # Every session has had an answer telling it the server's interval now.
+        time.sleep(1.0 + float(_fetch_counters(address).get("heartbeat_interval_s", BEAT_S)))
         beats = _beating(address, pids, swarms, t)
         stats = _fetch_counters(address)
-    report = _sessions_report(opened, before, loaded, stats, (idle_cpu, beats, silent_cpu))
+    report = _sessions_report(opened, before, loaded, stats, (idle, beats, silent))
     report["c_front_fd_limit"] = limit
+    progress(
+        f"(c) {opened} sessions: {report['c_front_fds_per_session']} fds and "
+        f"{report['c_front_kib_per_session']} KiB a session on the front; beating every "
+        f"{report['c_heartbeat_interval_s']} s, front thread "
+        f"{report['c_front_thread_ms_per_s_sessions_beating']} ms/s"
+    )
     return report
 
 
@@ -898,12 +1006,15 @@ def _sessions_report(
     before: _Snapshot,
     loaded: _Snapshot,
     stats: dict[str, Any],
-    cpu: tuple[float, _Beats, float],
+    cpu: tuple[tuple[float, float], _Beats, tuple[float, float]],
 ) -> dict[str, Any]:
-    idle_cpu, beats, silent_cpu = cpu
+    (idle_cpu, idle_thread), beats, (silent_cpu, silent_thread) = cpu
     per = max(1, opened)
+    per_1000 = max(1, opened) / 1000
     limits = stats.get("limits", {})
+    interval = float(stats.get("heartbeat_interval_s", BEAT_S))
     per_beat = (beats.cpu_per_s - silent_cpu) / max(1.0, beats.handled_per_s)
+    per_beat_thread = (beats.thread_cpu_per_s - silent_thread) / max(1.0, beats.handled_per_s)
     return {
         "c_sessions": opened,
         "c_sessions_on_server": stats.get("sessions"),
@@ -916,25 +1027,41 @@ def _sessions_report(
         "c_front_rss_mib_after": round(loaded.rss_kib[0] / 1024, 1),
         "c_front_kib_per_session": round((loaded.rss_kib[0] - before.rss_kib[0]) / per, 1),
         "c_worker_kib_per_session": round((loaded.rss_kib[1] - before.rss_kib[1]) / per, 1),
-        "c_heartbeats_due_per_s": round(opened / BEAT_S, 1),
+        "c_heartbeat_interval_s": interval,
+        "c_heartbeats_due_per_s": round(opened / interval, 1),
         "c_heartbeats_sent_per_s": round(beats.sent_per_s, 1),
         "c_heartbeats_handled_per_s": round(beats.handled_per_s, 1),
         "c_front_cpu_ms_per_s_no_sessions": round(1e3 * idle_cpu, 2),
         "c_front_cpu_ms_per_s_sessions_beating": round(1e3 * beats.cpu_per_s, 2),
         "c_front_cpu_ms_per_s_sessions_silent": round(1e3 * silent_cpu, 2),
+        "c_front_thread_ms_per_s_no_sessions": round(1e3 * idle_thread, 2),
+        "c_front_thread_ms_per_s_sessions_silent": round(1e3 * silent_thread, 2),
+        "c_front_thread_ms_per_s_sessions_beating": round(1e3 * beats.thread_cpu_per_s, 2),
+        "c_front_thread_ms_per_s_per_1000_quiet": round(
+            1e3 * (beats.thread_cpu_per_s - idle_thread) / per_1000, 2
+        ),
+        "c_front_cpu_ms_per_s_per_1000_quiet": round(
+            1e3 * (beats.cpu_per_s - idle_cpu) / per_1000, 2
+        ),
         "c_front_us_per_heartbeat": round(1e6 * per_beat, 1),
-        "c_front_cpu_ms_per_s_at_full_beat_rate": round(
-            1e3 * (silent_cpu + per_beat * opened / BEAT_S), 1
+        "c_front_thread_us_per_heartbeat": round(1e6 * per_beat_thread, 1),
+        "c_front_cpu_ms_per_s_at_0_5_s_beats": round(
+            1e3 * (silent_cpu + per_beat * opened / 0.5), 1
         ),
         "c_max_sessions": limits.get("max_sessions"),
+        "c_max_sessions_why": limits.get("max_sessions_why"),
         "c_max_connections": limits.get("max_connections"),
         "c_rejected": stats.get("rejected", {}),
+        "c_sessions_expired": stats.get("counters", {}).get("sessions_expired", 0),
+        "c_hellos": stats.get("counters", {}).get("hellos", 0),
+        "c_data_connections_made": stats.get("counters", {}).get("data_connections", 0),
     }
 
 
 def fig_scale(args: argparse.Namespace, spec: str, progress: Progress) -> dict[str, Any]:
     """(a) a front's capacity, (b) a client's cost per server count, (c) a server's cost
-    per session; the paper model built from them is in docs/DESIGN-NOTES.md."""
+    per session (``--scale-parts``: which of them); the paper model built from them is in
+    docs/DESIGN-NOTES.md."""
     from dataserver.bench.common import server
 
     # One server for all three: zero-cost samples, no store (its workers do less; the front
@@ -942,14 +1069,18 @@ def fig_scale(args: argparse.Namespace, spec: str, progress: Progress) -> dict[s
     # (as to the fakes, and to clients on other hosts).
     flags = ["--dataset", ZERO, "--dataset-args", ZERO_ARGS, "--workers", str(args.scale_workers)]
     flags += ["--cache-gb", "0", "--no-local-results"]
-    raised = args.scale_sessions > 1024 - 16  # the default --max-sessions (1024) leaves room
-    if raised:
-        flags += ["--max-sessions", str(args.scale_sessions + 64)]
-    out: dict[str, Any] = {"max_sessions_raised_by_bench": raised}
+    parts = set(str(getattr(args, "scale_parts", "a,b,c")).split(","))
+    # The server derives its session cap from its fd limit: as root, the bench raises the
+    # hard limit it and the swarms inherit (8 fds a session covers the swarms' own).
+    hard, raised = _raise_hard_fd_limit(8 * args.scale_sessions + 8192)
+    out: dict[str, Any] = {"fd_hard_limit": hard, "fd_hard_limit_raised_by_bench": raised}
     with server(flags) as (address, pids):
-        out.update(fig_front(args, address, pids, progress))
-        out.update(fig_client(args, address, pids, progress))
-        out.update(fig_sessions(args, address, pids, progress))
+        if "a" in parts:
+            out.update(fig_front(args, address, pids, progress))
+        if "b" in parts:
+            out.update(fig_client(args, address, pids, progress))
+        if "c" in parts:
+            out.update(fig_sessions(args, address, pids, progress))
     with open("/proc/loadavg") as f:
         out["load_average"] = " ".join(f.read().split()[:3])
     return out

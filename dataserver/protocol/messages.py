@@ -99,6 +99,10 @@ SizeSide = Annotated[int, In(1, MAX_ORIG_SIDE)]
 Sizes = Annotated[tuple[tuple[SizeSide, SizeSide], ...], Len(0, MAX_SIZES)]
 FileName = Annotated[str, Len(0, MAX_FILE)]
 OrigSide = Annotated[int, In(0, MAX_ORIG_SIDE)]
+# How often the server asks a client to beat, in ms (0: it says nothing; the client keeps its
+# own). The wire bounds it loosely: the client refuses what is beyond its own bounds
+# (``dataserver_client.beats``), counted, and keeps beating as it did.
+BeatMs = Annotated[int, In(0, 1 << 31)]
 
 
 def pub_handle(secret: bytes) -> bytes:
@@ -256,6 +260,9 @@ class Welcome(Message, kw_only=True):
     # The dataset's per-sample (h, w) as read, index by index (none: it announces none; a
     # trainer groups batches by aspect with them: Ultralytics' rect validation).
     sizes: Sizes = ()
+    # How often to beat (the server's load sets it: ``dataserver.server.beats``; absent: an
+    # older server, the client keeps its own interval).
+    heartbeat_ms: BeatMs = 0
 
     def _check(self, arrays: list[np.ndarray] | None) -> None:
         Message._check(self, arrays)
@@ -529,8 +536,8 @@ class Control(Message, kw_only=True):
 
 
 class Heartbeat(Message, kw_only=True):
-    """Client -> front: ``session``. Front -> client: ``server_id`` and the live workers'
-    result endpoints."""
+    """Client -> front: ``session``. Front -> client: ``server_id``, the live workers'
+    result endpoints and how often to beat now (``heartbeat_ms``, as in WELCOME)."""
 
     TYPE: ClassVar[MsgType] = MsgType.HEARTBEAT
     session: Session | None = None
@@ -538,6 +545,7 @@ class Heartbeat(Message, kw_only=True):
     server_id: T64 | None = None
     results: Endpoints | None = None
     local: Endpoints | None = None
+    heartbeat_ms: BeatMs = 0
 
 
 class Stats(Message, kw_only=True):

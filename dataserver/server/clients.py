@@ -118,6 +118,7 @@ class Clients:
         read: Callable[[list[Any], int], int] = lambda frames, skip: -1,
         heard: Callable[[int, bytes], None] = lambda fd, session: None,
         peer_of: Callable[[int, str], str] = lambda fd, address: address,
+        beat_ms: Callable[[], int] = lambda: 0,
     ) -> None:
         self.config = config
         self.scheduler = scheduler
@@ -137,6 +138,7 @@ class Clients:
         self._read = read
         self._heard = heard
         self._peer_of = peer_of
+        self._beat_ms = beat_ms  # how often clients are told to beat now (``beats``)
         self._owners: OrderedDict[bytes, str] = OrderedDict()  # identity -> CURVE user id
 
     def _refuse(self, reason: Reject, identity: bytes | None, detail: str, **ids: Any) -> None:
@@ -259,12 +261,14 @@ class Clients:
 
     def _on_heartbeat(self, identity: bytes, msg: Heartbeat) -> None:
         """A beat: the session (if it names one) is alive; the answer lists where the
-        workers' direct results are now."""
+        workers' direct results are now, and how often to beat."""
         self.counters.count(Count.HEARTBEATS)
         if msg.session is not None:
             self._authentic(identity, msg, quiet=True)
         results, local = self.workers.result_endpoints()
-        beat = Heartbeat(server_id=self._server_id, results=results, local=local)
+        beat = Heartbeat(
+            server_id=self._server_id, results=results, local=local, heartbeat_ms=self._beat_ms()
+        )
         self.outlet.send_to(identity, beat)
 
     def _on_bye(self, identity: bytes, msg: Bye) -> None:
@@ -301,8 +305,8 @@ class Clients:
             if reason is Reject.SESSION_LIMIT:
                 why = (
                     f"this server has {len(self.scheduler.sessions)} sessions open, the most "
-                    f"it takes (--max-sessions {self.config.max_sessions}), and no peer holds "
-                    "more of them than yours"
+                    f"it takes ({self.scheduler.limit_why or self.scheduler.max_sessions}), "
+                    "and no peer holds more of them than yours"
                 )
             self._refuse(reason, identity, why, session=msg.session)
             return

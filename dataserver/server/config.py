@@ -14,9 +14,10 @@ from typing import Any
 from dataserver.data.spec import DEFAULT_SPEC
 from dataserver.endpoint import endpoint_problem, tcp_endpoint
 from dataserver.protocol import MAX_IMAGE_SIDE
+from dataserver.server.beats import DEFAULT_RATE as DEFAULT_HEARTBEAT_RATE
 
 DEFAULT_BIND = "tcp://127.0.0.1:5555"
-DEFAULT_MAX_SESSIONS = 1024
+DEFAULT_MAX_SESSIONS = 1024  # a worker told no cap (the front always tells it its own)
 DEFAULT_MAX_IMAGE_SIDE = 4096
 DEFAULT_MAX_QUEUED_MB = 256
 # The most output one TASK may ask for (images x 3 x H x W bytes): a worker allocates it before
@@ -43,14 +44,17 @@ class ServerConfig:
     workers: int = 0  # 0: the number of CPUs
     bind: str = DEFAULT_BIND
     control_bind: str | None = None  # None: data port + 1 on the same interface
-    session_ttl: float = 30.0  # seconds without traffic (clients beat every 0.5 s) before expiry
+    session_ttl: float = (
+        30.0  # seconds without traffic (clients beat every 0.5-10 s: ``beats``) before expiry
+    )
     cache_gb: float = DEFAULT_CACHE_GB  # the store of prepared sources, shared by all workers
     curve_secret_key: str | None = None
     curve_authorized_keys: str | None = None
     direct_results: bool = True  # workers send results straight to clients that reach them
     local_results: bool = True  # ... over ipc to clients on this host
     # Resource caps: what would exceed one is refused with an ERROR naming its flag.
-    max_sessions: int = DEFAULT_MAX_SESSIONS
+    # None: as many as the fd limit allows (``capacity.session_cap``); a number: at most that
+    max_sessions: int | None = None
     max_image_side: int = DEFAULT_MAX_IMAGE_SIDE
     max_queued_mb: int = DEFAULT_MAX_QUEUED_MB
     max_task_mb: int = DEFAULT_MAX_TASK_MB
@@ -58,6 +62,8 @@ class ServerConfig:
     metrics_port: int | None = None  # Prometheus on HOST:PORT (0: any free port; None: off)
     metrics_bind: str | None = None  # HOST for it (None: --bind's interface)
     idle_timeout: float = DEFAULT_IDLE_TIMEOUT  # peer connections silent this long are dropped
+    # Heartbeats a second the front asks of all its sessions together (``beats.BeatRule``)
+    heartbeat_rate: float = DEFAULT_HEARTBEAT_RATE
 
     def worker_count(self) -> int:
         return self.workers if self.workers > 0 else (os.cpu_count() or 1)
@@ -70,7 +76,7 @@ class ServerConfig:
         if self.control_bind is not None:
             check_endpoint("--control-bind", self.control_bind)
         for flag, least in (
-            ("--max-sessions", self.max_sessions),
+            ("--max-sessions", 1 if self.max_sessions is None else self.max_sessions),
             ("--max-queued-mb", self.max_queued_mb),
             ("--max-task-mb", self.max_task_mb),
         ):
@@ -83,6 +89,7 @@ class ServerConfig:
             ("--metrics-port", self.metrics_port, 0, 65535),
             ("--idle-timeout", self.idle_timeout, 1, 86400),
             ("--cache-gb", self.cache_gb, 0, 1 << 14),
+            ("--heartbeat-rate", self.heartbeat_rate, 0.01, 1_000_000),
         ]
         for flag, value, lo, hi in ranges:
             if value is not None and not lo <= value <= hi:

@@ -41,6 +41,8 @@ from dataserver.counting import Counts
 from dataserver.loop import MessageGuard, StopFlag, serve
 from dataserver.protocol import Bye, ProtocolError, Stats, Welcome, decode
 from dataserver.security import host_proof, start_server_curve
+from dataserver.server.beats import BeatRule
+from dataserver.server.capacity import session_cap
 from dataserver.server.clients import Clients
 from dataserver.server.config import ServerConfig, WorkerConfig, bindable, results_bind
 from dataserver.server.conns import ConnTracker, fd_budget, fd_limit, peer_socket_options
@@ -148,11 +150,17 @@ class Front:
         # Credit per client: PIPELINE tasks at each worker plus as many again queued here,
         # so a worker always has its next task at hand.
         self.credit = self.n_workers * PIPELINE * 2
+        # Sessions: as many as the fds allow (or --max-sessions, within that); how often
+        # their clients beat: set by their number (``beats``).
+        self.cap = session_cap(fd_limit(), self.n_workers, config.max_sessions)
+        self.beats = BeatRule(config.heartbeat_rate, config.session_ttl, config.idle_timeout)
         self.scheduler = Scheduler(
-            config.max_sessions,
+            self.cap.max_sessions,
             max(64, self.credit * 8),
             config.session_queued_bytes,
             config.max_queued_bytes,
+            evict_after=self.beats.evict_after(),
+            limit_why=self.cap.why,
         )
         self.outbox = Outbox(config.max_queued_bytes)
         self.counters = Counts(Count)
@@ -182,7 +190,7 @@ class Front:
         self.statsview = StatsView(self.rejected, self.store)
         self.conns = ConnTracker(
             config.idle_timeout,
-            fd_budget(fd_limit(), self.n_workers, config.max_sessions),
+            fd_budget(fd_limit(), self.n_workers, self.cap.max_sessions),
             self.rejected,
             MAX_UNFINISHED,
             live=lambda session: session in self.scheduler.sessions,
@@ -202,6 +210,7 @@ class Front:
             read=self.conns.read,
             heard=self.conns.heard,
             peer_of=self.conns.peer_of,
+            beat_ms=lambda: self.beats.interval_ms,
         )
         # What the metrics' HTTP thread reads: the view housekeeping last published (one
         # reference, replaced whole; the view itself never changes).
@@ -226,7 +235,7 @@ class Front:
             local_results=config.local_results,
             curve=config.curve,
             idle_timeout=config.idle_timeout,
-            max_sessions=config.max_sessions,
+            max_sessions=self.cap.max_sessions,
         )
 
     def _observe(self, task_us: int, decode_us: tuple[int, ...] | None) -> None:
@@ -482,7 +491,9 @@ class Front:
         self.admin.send_multipart([identity, *Stats(stats=self.stats()).encode()], zmq.NOBLOCK)
 
     def _welcome(self, session: bytes, nonce: bytes = b"") -> Welcome:
-        """What this server tells a client it greets: itself, its credit, where to send."""
+        """What this server tells a client it greets: itself, its credit, where to send,
+        how often to beat (for the sessions it has with this one)."""
+        self._pace_beats()
         results, local = self.workers.result_endpoints()
         return Welcome(
             session=session,
@@ -500,6 +511,7 @@ class Front:
             store_bytes=self.store.capacity if self.store is not None else 0,
             categories=self.categories,
             sizes=self.sizes,
+            heartbeat_ms=self.beats.interval_ms,
         )
 
     def _housekeeping(self) -> None:
@@ -507,6 +519,7 @@ class Front:
             log.info("session %s expired", sid.hex())
             self.counters.count(Count.SESSIONS_EXPIRED)
             self.scheduler.close(sid)
+        self._pace_beats()
         why = self.pool.startup_failure()
         if why is not None:
             raise WorkerStartError(why)
@@ -514,6 +527,16 @@ class Front:
         self.statsview.refresh(now)
         self.conns.check(now)
         self._published = self.view()  # for the metrics' thread
+
+    def _pace_beats(self) -> None:
+        """The sessions' number moved the interval their clients beat at (``beats``):
+        new clients learn it in their WELCOME, the others in their next heartbeat reply."""
+        sessions = len(self.scheduler.sessions)
+        if self.beats.update(sessions, time.monotonic()):
+            self.scheduler.beat_every(self.beats.interval_s, self.beats.evict_after())
+            log.info(
+                "%d sessions: clients are told to beat every %g s", sessions, self.beats.interval_s
+            )
 
     # ------------------------------------------------------------------ stats
 
@@ -544,9 +567,11 @@ class Front:
             sessions=len(scheduler.sessions),
             sessions_evicted=scheduler.evicted,
             connections=len(self.conns.conns),
+            heartbeat_interval_s=self.beats.interval_s,
             draining_for_s=None if draining is None else round(time.monotonic() - draining, 2),
             limits=Limits(
-                max_sessions=config.max_sessions,
+                max_sessions=scheduler.max_sessions,
+                max_sessions_why=scheduler.limit_why,
                 max_image_side=config.max_image_side,
                 max_queued_mb=config.max_queued_mb,
                 max_connections=self.conns.limit,

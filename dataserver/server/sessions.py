@@ -6,7 +6,8 @@ with a deep queue cannot starve another. Credits on the client side bound every 
 honest clients; the caps here bound them for everyone: at most ``max_sessions`` sessions,
 at most ``max_tasks`` queued tasks and ``session_bytes`` of them per session, and
 ``total_bytes`` in all. A new session may take the place of one silent for ``evict_after``
-seconds when all places are taken (a client beats every 0.5 s; a silent one is gone).
+seconds when all places are taken (a few of the beats its client is told to send,
+``beats``: a silent one is gone).
 
 Sessions are also counted by who holds them (issue 25, item 1: one connection opened 1,024
 sessions and kept them beating, and every new job was refused): at most
@@ -118,6 +119,7 @@ class Scheduler:
         session_bytes: int,
         total_bytes: int,
         evict_after: float = 5.0,
+        limit_why: str = "",
     ) -> None:
         self.max_sessions = max_sessions
         self.max_tasks = max_tasks
@@ -149,6 +151,10 @@ class Scheduler:
         self.by_peer: dict[str, dict[bytes, Session]] = {}  # each peer's sessions
         # (reason, why) of the last open() that returned None
         self.refused: tuple[Reject, str] = (Reject.SESSION_LIMIT, "")
+        self.limit_why = limit_why  # why max_sessions is what it is (``capacity.SessionCap``)
+        # Every session, least recently seen first (``touch`` moves one to the end): expiry
+        # and eviction look at the head only, not at every session (10,000 of them).
+        self._seen: OrderedDict[bytes, Session] = OrderedDict()
 
     def pace(self, steerable: bool) -> None:
         """Whether the dataset takes control states (``set_control``, as a worker's READY
@@ -185,7 +191,14 @@ class Scheduler:
             self.by_peer.setdefault(peer, {})[sid] = session
         session.identity = identity
         session.last_seen = time.monotonic()
+        self._seen[sid] = session
+        self._seen.move_to_end(sid)
         return session
+
+    def beat_every(self, interval_s: float, evict_after: float) -> None:
+        """Clients are now told to beat every ``interval_s``: a session silent for
+        ``evict_after`` (a few of its beats) may give its place to a newcomer."""
+        self.evict_after = max(evict_after, 2 * interval_s)
 
     def remember_poison(self, entry: TaskEntry, answer: Any) -> None:
         """``entry`` was answered poison with ``answer`` (an ``ErrorMsg``)."""
@@ -215,7 +228,7 @@ class Scheduler:
 
     def _evict_one(self) -> bool:
         """Forget the session silent longest, if it has been silent ``evict_after``."""
-        oldest = min(self.sessions.values(), key=lambda s: s.last_seen, default=None)
+        oldest = next(iter(self._seen.values()), None)
         if oldest is None or time.monotonic() - oldest.last_seen < self.evict_after:
             return False
         self.close(oldest.sid)
@@ -233,6 +246,7 @@ class Scheduler:
         client that reconnected has a new one), and it is alive."""
         session.identity = identity
         session.last_seen = time.monotonic()
+        self._seen.move_to_end(session.sid)
 
     def over_limit(self, session: Session, nbytes: int) -> tuple[Reject, str] | None:
         """(reason, why) ``nbytes`` more may not be queued for ``session``, or None."""
@@ -366,6 +380,7 @@ class Scheduler:
         """Forget a session and its queued tasks."""
         session = self.sessions.pop(sid, None)
         if session is not None:
+            self._seen.pop(sid, None)
             self.by_conn[session.conn] -= 1
             if self.by_conn[session.conn] <= 0:
                 del self.by_conn[session.conn]
@@ -387,5 +402,11 @@ class Scheduler:
         return session
 
     def expired(self, ttl: float) -> list[bytes]:
+        """The sessions silent for more than ``ttl`` seconds (the head of ``_seen`` only)."""
         now = time.monotonic()
-        return [sid for sid, s in self.sessions.items() if now - s.last_seen > ttl]
+        out = []
+        for sid, session in self._seen.items():
+            if now - session.last_seen <= ttl:
+                break
+            out.append(sid)
+        return out

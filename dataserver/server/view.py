@@ -46,6 +46,7 @@ class Limits:
     max_connections: int | None
     idle_timeout_s: float
     max_task_mb: int
+    max_sessions_why: str = ""  # derived from the fd limit, or --max-sessions (``capacity``)
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,7 @@ class ServerView:
     sources: str  # "stored", "fresh:not-deterministic" or "fresh:no-store" (Front.sources)
     counters: Mapping[str, int]  # read-only copies (``frozen``) of ``Count``s
     rejected: Mapping[str, int]  # ... of ``Reject``s
+    heartbeat_interval_s: float = 0.5  # what clients are told to beat at (``beats.BeatRule``)
 
     @staticmethod
     def frozen(counts: Counts[Any]) -> Mapping[str, int]:
@@ -124,8 +126,10 @@ class ServerView:
             "sessions": self.sessions,
             "sessions_evicted": self.sessions_evicted,
             "connections": self.connections,
+            "heartbeat_interval_s": self.heartbeat_interval_s,
             "limits": {
                 "max_sessions": limits.max_sessions,
+                "max_sessions_why": limits.max_sessions_why,
                 "max_image_side": limits.max_image_side,
                 "max_queued_mb": limits.max_queued_mb,
                 "max_connections": limits.max_connections,
