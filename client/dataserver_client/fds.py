@@ -26,6 +26,9 @@ from typing import Any
 
 import zmq
 
+from dataserver.fdlimit import nr_open
+from dataserver.fdlimit import raise_fd_limit as _raise_fd_limit
+
 log = logging.getLogger("dataserver_client")
 
 FD_RESERVE = 256  # descriptors left to the rest of the process (the trainer's files, CUDA)
@@ -35,26 +38,9 @@ CONNECTIONS_PER_SERVER = 2  # its front's connection and the control PUB's
 
 
 def raise_fd_limit() -> tuple[int, int]:
-    """Raise this process's soft ``RLIMIT_NOFILE`` to its hard limit (the kernel's cap on
-    descriptors a process may open, ``/proc/sys/fs/nr_open``, where the hard one is
-    unlimited). Returns (soft, hard) as they are after."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    target = hard if hard != resource.RLIM_INFINITY else _nr_open()
-    if soft != resource.RLIM_INFINITY and soft < target:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-            soft = target
-        except (ValueError, OSError) as exc:
-            log.info("could not raise the open-files limit from %d to %d: %s", soft, target, exc)
-    return soft, hard
-
-
-def _nr_open() -> int:
-    try:
-        with open("/proc/sys/fs/nr_open") as f:
-            return int(f.read().strip())
-    except (OSError, ValueError):
-        return 1 << 20
+    """Raise this process's soft ``RLIMIT_NOFILE`` to its hard limit
+    (``dataserver.fdlimit``). Returns (soft, hard) as they are after."""
+    return _raise_fd_limit(log)
 
 
 def open_fds() -> int:
@@ -95,7 +81,7 @@ class FdBudget:
     def __init__(
         self, limit: int, hard: int, base: int, per_server: int, reserve: int = FD_RESERVE
     ) -> None:
-        self.limit = limit if limit != resource.RLIM_INFINITY else _nr_open()
+        self.limit = limit if limit != resource.RLIM_INFINITY else nr_open()
         self.hard = hard if hard != resource.RLIM_INFINITY else self.limit
         self.base = base  # descriptors open before the first link
         self.reserve = reserve

@@ -79,7 +79,7 @@ class IndexSeq(ABC):
     ) -> int | np.ndarray:
         n = len(self)
         if isinstance(key, slice):
-            return self.at(np.arange(*key.indices(n), dtype=np.int64))
+            return self._run(*key.indices(n))
         if isinstance(key, int | np.integer):
             i = int(key) + n if key < 0 else int(key)
             if not 0 <= i < n:
@@ -89,6 +89,10 @@ class IndexSeq(ABC):
         if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= n):
             raise IndexError(f"positions out of range for {n} positions")
         return self.at(idx)
+
+    def _run(self, start: int, stop: int, step: int) -> np.ndarray:
+        """The values of a slice (its bounds resolved)."""
+        return self.at(np.arange(start, stop, step, dtype=np.int64))
 
     def __iter__(self) -> Iterator[int]:
         n = len(self)
@@ -233,21 +237,11 @@ class Shard(IndexSeq):
         self._blocks = ((b, values), *self._blocks[:1])
         return values
 
-    @overload
-    def __getitem__(self, key: int | np.integer) -> int: ...
-
-    @overload
-    def __getitem__(self, key: slice | np.ndarray | list[int]) -> np.ndarray: ...
-
-    def __getitem__(
-        self, key: int | np.integer | slice | np.ndarray | list[int]
-    ) -> int | np.ndarray:
-        if isinstance(key, slice) and key.step is None:  # a batch's run: a copy of a block's
-            start, stop, _ = key.indices(len(self))
-            b = start // BLOCK
-            if start < stop <= (b + 1) * BLOCK:
-                return self._block(b)[start - b * BLOCK : stop - b * BLOCK].copy()
-        return super().__getitem__(key)
+    def _run(self, start: int, stop: int, step: int) -> np.ndarray:
+        b = start // BLOCK
+        if step == 1 and start < stop <= (b + 1) * BLOCK:  # a batch's run: a block's copy
+            return self._block(b)[start - b * BLOCK : stop - b * BLOCK].copy()
+        return super()._run(start, stop, step)
 
     def at(self, positions: np.ndarray) -> np.ndarray:
         positions = np.asarray(positions, dtype=np.int64)

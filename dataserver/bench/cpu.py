@@ -10,10 +10,12 @@ from typing import Any
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of ``pid`` so far (0 when it is gone)."""
+def cpu_seconds(pid: int, thread: int | None = None) -> float:
+    """User + system CPU seconds of ``pid`` (of its thread ``thread``) so far (0 when it is
+    gone)."""
+    path = f"/proc/{pid}/stat" if thread is None else f"/proc/{pid}/task/{thread}/stat"
     try:
-        with open(f"/proc/{pid}/stat") as f:
+        with open(path) as f:
             text = f.read()
     except OSError:
         return 0.0

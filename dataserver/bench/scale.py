@@ -867,13 +867,7 @@ class _Snapshot:
 
 def _thread_cpu_seconds(pid: int) -> float:
     """CPU seconds of ``pid``'s main thread (the front's loop; not libzmq's I/O thread)."""
-    try:
-        with open(f"/proc/{pid}/task/{pid}/stat") as f:
-            text = f.read()
-    except OSError:
-        return 0.0
-    fields = text[text.rindex(")") + 2 :].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return cpu_seconds(pid, pid)
 
 
 def _cpu_per_s(pids: list[int], seconds: float) -> float:

@@ -46,6 +46,7 @@ from typing import Any
 import zmq
 
 from dataserver.counting import Counts
+from dataserver.fdlimit import raise_fd_limit as _raise_fd_limit
 from dataserver.server.counts import Dropped, Reject, Tracked, dropped
 from dataserver.tcpinfo import libc as _c
 from dataserver.tcpinfo import loopback_uid, malloc_trim
@@ -73,18 +74,9 @@ WORKER_FDS = 128  # a worker's fds kept from its result connections (``results_b
 
 
 def raise_fd_limit() -> tuple[int, int]:
-    """Raise the soft ``RLIMIT_NOFILE`` to the hard limit; return (soft, hard) after."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY:
-        return soft, hard
-    want = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
-    if soft < want:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
-            soft = want
-        except (ValueError, OSError) as exc:
-            log.warning("cannot raise the fd limit from %d to %d: %s", soft, want, exc)
-    return soft, hard
+    """Raise the soft ``RLIMIT_NOFILE`` to the hard limit (``dataserver.fdlimit``); return
+    (soft, hard) after."""
+    return _raise_fd_limit(log)
 
 
 def fd_limit() -> int:
