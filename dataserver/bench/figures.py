@@ -109,10 +109,15 @@ def fig_cache(args: argparse.Namespace, spec: str, progress: Progress) -> dict[s
     }
 
 
+def synth_bytes(images: int, side: int) -> int:
+    """Bytes of a synth set's sources fitted to ``side`` (its images are 4:3)."""
+    return images * 3 * side * (side * 3 // 4)
+
+
 def quarter_store_gb(images: int, side: int) -> str:
-    """``--cache-gb`` for a store of a quarter of a synth set's sources at ``side`` (its images
-    are 4:3), as the flag takes it."""
-    return f"{images * 3 * side * (side * 3 // 4) / 4 / (1 << 30):.4f}"
+    """``--cache-gb`` for a store of a quarter of a synth set's sources at ``side``, as the
+    flag takes it."""
+    return f"{synth_bytes(images, side) / 4 / (1 << 30):.4f}"
 
 
 def larger_than_store(args: argparse.Namespace, spec: str, progress: Progress) -> dict[str, Any]:
@@ -121,7 +126,7 @@ def larger_than_store(args: argparse.Namespace, spec: str, progress: Progress) -
     alternating; the store's hit rate after its first epoch (SPEC: >= 0.97 of no store,
     hit rate >= 0.9 x store/dataset bytes)."""
     side = args.image_size
-    dataset_bytes = args.images * 3 * side * (side * 3 // 4)  # (the synth set's 4:3 images)
+    dataset_bytes = synth_bytes(args.images, side)
     base = ["--dataset", spec, "--workers", str(args.workers)]
     with (
         server([*base, "--cache-gb", quarter_store_gb(args.images, side)]) as (small, small_pids),

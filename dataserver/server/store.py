@@ -544,9 +544,13 @@ class Store:
         mean = int(h["put_bytes"]) / puts
         # What it can hold: its bytes, or the entries its table keeps before it evicts
         # (``_claim``: at three quarters full), whichever is less.
-        room = min(int(h["ring"]), (self.entries * 3 // 4 - 1) * mean)
+        room = min(int(h["ring"]), self._keepable_entries() * mean)
         need = population * mean
         return min(1.0, ADMIT_SHARE * room / need) if need > 0 else 1.0
+
+    def _keepable_entries(self) -> int:
+        """Entries its table keeps before it evicts (``_claim``: at three quarters full)."""
+        return self.entries * 3 // 4 - 1
 
     def _intact_at(self, position: int) -> bool:
         """Under the lock: whether the bytes at ``position`` were not written over since."""
@@ -939,7 +943,7 @@ class Store:
         return (
             f"a fixed subset ({admitted:.1%}): {population} sources x {mean} bytes "
             f"({need / 1e6:.0f} MB) exceed what it holds ({int(self.header[0]['ring']) / 1e6:.0f}"
-            f" MB, {self.entries * 3 // 4 - 1} entries); the same sources every epoch, so none "
+            f" MB, {self._keepable_entries()} entries); the same sources every epoch, so none "
             "is evicted before it is read again"
         )
 
