@@ -34,8 +34,12 @@ from zmtp import (
     send_message,
 )
 
+from dataserver.counting import Counts
 from dataserver.protocol import ErrorMsg, Heartbeat, Hello, Stats, decode
 from dataserver.server.capacity import fds_allow
+from dataserver.server.conns import ConnTracker
+from dataserver.server.counts import Reject
+from dataserver.server.memory import FRONT_TRIM_THRESHOLD
 from dataserver.tcpinfo import loopback_uid
 
 pytestmark = pytest.mark.timeout(240)
@@ -344,8 +348,11 @@ def test_an_endless_message_is_cut_off_and_its_memory_goes_back(
         sender.close()
     assert sent < 128, sent
     assert server.stats()["rejected"].get(f"{port}_unfinished_dropped", 0) == 1
-    # libzmq freed the frames with the connection, and the front gave the pages back.
-    assert wait_until(lambda: rss_mib(server.pid) - before < 16, 5), rss_mib(server.pid) - before
+    # libzmq freed the frames with the connection, and the front gave the pages back: all
+    # but what glibc keeps at an arena's top by design (FRONT_TRIM_THRESHOLD, 16 MiB: CI
+    # saw 16 MiB held, here 2-14), while frames kept would hold the 32 MiB cut-off or more.
+    bound = FRONT_TRIM_THRESHOLD // (1 << 20) + 8
+    assert wait_until(lambda: rss_mib(server.pid) - before < bound, 5), rss_mib(server.pid) - before
     assert honest_epoch(server, 1) == list(range(SAMPLES))
 
 
@@ -575,6 +582,42 @@ def _sessions_as_nobody(address: str, conns: int, per_conn: int, report: int) ->
             time.sleep(0.5)
     finally:
         os._exit(1)
+
+
+def test_a_message_read_before_its_connections_accept_event_charges_its_user() -> None:
+    """CI (stop 33): the honest job's HELLO was read before the front had handled its
+    connection's ACCEPTED event, so the cap charged it as everyone at 127.0.0.1, the peer
+    the other user's sessions (read early too) were charged as: refused. A connection the
+    front does not know yet is looked up at once."""
+    if os.getuid() != 0:
+        pytest.skip("needs root for uid 65534's side")
+    conns = ConnTracker(idle_timeout=60, limit=100, rejected=Counts(Reject), max_unfinished=1 << 20)
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port = listener.getsockname()[1]
+        child = os.fork()
+        if child == 0:  # uid 65534 connects and waits to be closed (nobody may not run
+            try:  # this venv's python: a fork, with nothing but system calls)
+                os.setuid(NOBODY)
+                c = socket.socket()
+                c.connect(("127.0.0.1", port))
+                c.recv(1)
+            finally:
+                os._exit(0)
+        try:
+            listener.settimeout(30)
+            conn, address = listener.accept()
+            with conn:
+                named = loopback_uid(conn.fileno())
+                if named is None:
+                    pytest.skip("the kernel's sock_diag does not name a loopback peer here")
+                assert named == NOBODY
+                assert conns.peer_of(conn.fileno(), address[0]) == f"uid:{NOBODY}"
+                conns.accepted("data", conn.fileno())
+                assert conns.peer_of(conn.fileno(), address[0]) == f"uid:{NOBODY}"
+        finally:
+            os.kill(child, signal.SIGKILL)
+            os.waitpid(child, 0)
+    assert conns.peer_of(-1, "127.0.0.1") == "127.0.0.1"  # (no SRCFD: the address)
 
 
 @pytest.mark.parametrize("cap", ["flag", "fds"])

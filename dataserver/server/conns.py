@@ -221,7 +221,10 @@ class ConnTracker:
         peer: ``uid:N`` for a local user over loopback, else the address."""
         conn = self.conns.get(fd)
         if conn is None:
-            return address
+            # Not accepted yet as far as this loop knows (its monitor's ACCEPTED not read):
+            # ask now, or a local user would be charged as everyone at 127.0.0.1.
+            uid = loopback_uid(fd) if fd >= 0 else None
+            return address if uid is None else f"uid:{uid}"
         if not conn.uid_asked:
             conn.uid, conn.uid_asked = loopback_uid(fd), True
         return address if conn.uid is None else f"uid:{conn.uid}"

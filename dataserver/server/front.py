@@ -97,7 +97,10 @@ class _Poller:
         self.handlers = handlers
         self.monitors = monitors
         self._poller = zmq.Poller()
-        for sock in (*handlers, *monitors):
+        # Monitors first: zmq.Poller answers in this order, so a connection's ACCEPTED is
+        # handled before the first message read on it in the same turn (the caps that
+        # charge a peer look the connection up by its fd).
+        for sock in (*monitors, *handlers):
             self._poller.register(sock, zmq.POLLIN)
         self._pidfds: set[int] = set()
         self._version = -1
