@@ -240,7 +240,7 @@ def _add_serve(sub: Any) -> None:
         type=int,
         default=None,
         help="client sessions served at once; more are refused (default: as many as the fd "
-        "limit allows, 2 fds a session; a larger N is clamped to that)",
+        "limit allows, 1 fd a session; a larger N is clamped to that)",
     )
     p.add_argument(
         "--max-image-side",
@@ -425,8 +425,9 @@ def _add_bench(sub: Any) -> None:
         "--scale-control",
         type=int,
         choices=(0, 1),
-        default=1,
-        help="scale (c): each session holds a control connection too, as a real client's PUB",
+        default=0,
+        help="scale (c): each session holds a control connection (PUB) too, as clients before "
+        "CONTROL moved to the data connection did",
     )
     p.add_argument("--only", default=None, help="comma-separated figures to run")
     p.add_argument("--json", default=None, help="also write the results here")

@@ -12,8 +12,7 @@ from typing import Any
 import msgspec
 
 from dataserver.landing import LandingArea, land_mac
-from dataserver.protocol import Control, Task, steer_tag
-from dataserver.protocol.messages import MAX_TAGS
+from dataserver.protocol import Control, Task
 from dataserver_client.affinity import Affinity
 from dataserver_client.assembly import HostBuffers
 from dataserver_client.book import PlanBook
@@ -30,7 +29,6 @@ class Sender:
     def __init__(
         self,
         config: ClientConfig,
-        publisher: bytes,
         book: PlanBook,
         ledger: TaskLedger,
         affinity: Affinity[ServerLink],
@@ -39,7 +37,6 @@ class Sender:
         landing: LandingArea | None,
     ) -> None:
         self._config = config
-        self._publisher = publisher  # the id published CONTROLs go under
         self._book = book
         self._ledger = ledger
         self._affinity = affinity
@@ -138,9 +135,8 @@ class Sender:
             for start in range(0, len(ids), MAX_CANCEL):
                 link.send(self.control_msg(link, ids[start : start + MAX_CANCEL]).encode())
 
-    def control_msg(self, link: ServerLink | None, cancel: Iterable[int] = ()) -> Control:
-        """The session's CONTROL: for ``link``'s data socket (with its secret), or, for
-        ``None``, to publish (with a tag for each server met, none of the secrets)."""
+    def control_msg(self, link: ServerLink, cancel: Iterable[int] = ()) -> Control:
+        """The session's CONTROL for ``link``'s data connection (with its secret)."""
         book = self._book
         fields: dict[str, Any] = {
             "plan_version": book.plan_version,
@@ -149,25 +145,16 @@ class Sender:
             "mode": book.mode,
             "cancel": tuple(cancel),
         }
-        if link is not None:
-            return Control(session=link.session, auth=link.secret, **fields)
-        bare = Control(session=self._publisher, auth=None, **fields)
-        met = self._links.met()[:MAX_TAGS]
-        return Control(
-            session=self._publisher,
-            auth=None,
-            tags=tuple(steer_tag(lk.secret, bare) for lk in met),
-            **fields,
-        )
+        return Control(session=link.session, auth=link.secret, **fields)
 
     def send_control(self, link: ServerLink | None) -> None:
         """The session's control values and plan to one server (``link``), or to every
-        server: on its data socket (reliable, and ahead of any task that needs them) and
-        published on the control socket."""
+        server, on its data connection: reliable, ahead of any task that needs them, and
+        no second connection a session on the server (see the design notes, "CONTROL on
+        the data connection")."""
         if link is not None:
             link.send(self.control_msg(link).encode())
             return
-        self._links.publish(self.control_msg(None).encode())
         for each in self._links:
             if each.state is LinkState.READY:
                 each.send(self.control_msg(each).encode())

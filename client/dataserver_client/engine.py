@@ -43,7 +43,6 @@ import zmq
 from dataserver.counting import Counts
 from dataserver.loop import MessageGuard, inject, is_shutdown
 from dataserver.protocol import Bye, Cancelled, ErrorMsg, Heartbeat, Message, Result, Welcome
-from dataserver.security import session_id
 from dataserver_client.affinity import Affinity
 from dataserver_client.assembly import Delivery, DeviceMover, HostBuffers, landing_area
 from dataserver_client.batch import Batch
@@ -95,9 +94,6 @@ class Engine(threading.Thread):
         self.config = config
         self.handoff = handoff
         self.curve = curve
-        # The client's own id: what it publishes on control sockets goes under it. It names
-        # no session on any server (each link draws its own, see ``Links.add``).
-        self.publisher = session_id(curve["public"] if curve else None)
         self.mover = DeviceMover(config.device)
         self.landing = landing_area(config)
         self.buffers = HostBuffers(config.device, keep=config.prefetch + 4, landing=self.landing)
@@ -202,7 +198,6 @@ class Engine(threading.Thread):
             self.links = links
             self.sender = Sender(
                 self.config,
-                self.publisher,
                 self.book,
                 self.ledger,
                 self.affinity,

@@ -34,7 +34,7 @@ log = logging.getLogger("dataserver_client")
 FD_RESERVE = 256  # descriptors left to the rest of the process (the trainer's files, CUDA)
 MIN_MAX_SOCKETS = 1023  # ZeroMQ's default cap on a context's sockets
 MAX_MAX_SOCKETS = 1 << 16  # ... and how far it is raised at most (a slot table entry each)
-CONNECTIONS_PER_SERVER = 2  # its front's connection and the control PUB's
+CONNECTIONS_PER_SERVER = 1  # its front's connection (CONTROL rides it too)
 
 
 def raise_fd_limit() -> tuple[int, int]:

@@ -277,7 +277,6 @@ class Handlers:
         if self.book.control_seq or self.book.plan_version:
             self.sender.send_control(link)  # a server met anew learns the session's values first
         self._servers_changed()
-        self.links.joined(link)
         if restarted or was_lost:
             # A restarted server lost what it held; after a lost connection, answers in
             # flight may be gone. Send again; an answer that comes twice is dropped by id.
@@ -401,7 +400,6 @@ class Handlers:
             self._unwatch(link)
             if link.state is LinkState.BANNED:
                 link.shut()
-                self.links.unpublish(link)
             else:
                 link.reopen()
                 self._watch(link)

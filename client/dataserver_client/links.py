@@ -4,7 +4,7 @@ connection-level logic: handshakes, heartbeats, what socket events mean.
 
 Created, used and closed only in the I/O thread. ``Links`` reports what happened
 (``LinkEvent``s) and the engine decides what that does to tasks; nothing here knows about
-batches. ``Links`` also owns the PUB socket the session's CONTROL is published on.
+batches. The session's CONTROL goes on each link's data connection (``Sender``).
 
 Link states (each arrow one ``ServerLink`` method; nothing else writes ``state``)::
 
@@ -735,9 +735,7 @@ class ServerLink:
 
 
 class Links:
-    """Every server link of one client, what their connections are doing, and the PUB
-    socket the session's CONTROL is published on (connected to each server's control
-    endpoint once it welcomed us)."""
+    """Every server link of one client, and what their connections are doing."""
 
     def __init__(
         self,
@@ -764,13 +762,6 @@ class Links:
         self._due = 0.0  # links it owes a check (a fraction carried over)
         self._inflow_fds = 0  # connections weighed on the last round (``Inflow``) ...
         self._round = [0, 0]  # ... and on this one so far, with the links checked
-        self.pub = ctx.socket(zmq.PUB)
-        self.pub.setsockopt(zmq.LINGER, 0)
-        if curve:
-            self.pub.curve_serverkey = curve["server_public"]
-            self.pub.curve_publickey = curve["public"]
-            self.pub.curve_secretkey = curve["secret"]
-        self._control_endpoints: set[str] = set()
         self.dataset: DatasetInfo | None = None  # from the first WELCOME accepted
         self.links: list[ServerLink] = []
         for address in addresses:
@@ -804,24 +795,12 @@ class Links:
         return link
 
     def remove(self, link: ServerLink) -> None:
-        """Forget a server (its address is gone): close its sockets, stop publishing to it."""
+        """Forget a server (its address is gone): close its sockets."""
         self.links.remove(link)
         self._sweep.remove(link)
         link.close()
-        self.unpublish(link)
         self.shared.index.forget(link)
         self.shared.budget.leave()
-
-    def unpublish(self, link: ServerLink) -> None:
-        """Stop publishing the session's CONTROL to ``link``'s server."""
-        if link.welcome_msg is not None:
-            endpoint = announced_address(link.address, link.welcome_msg.control)
-            if endpoint in self._control_endpoints:
-                self._control_endpoints.discard(endpoint)
-                try:
-                    self.pub.disconnect(endpoint)
-                except zmq.ZMQError:
-                    pass
 
     def __iter__(self) -> Iterator[ServerLink]:
         return iter(self.links)
@@ -879,17 +858,6 @@ class Links:
                 msg.dataset_len, msg.fingerprint, link.address, categories, sizes
             )
         return problem
-
-    def joined(self, link: ServerLink) -> None:
-        """``link`` welcomed us: publish the session's CONTROL to its control endpoint too."""
-        assert link.welcome_msg is not None
-        endpoint = announced_address(link.address, link.welcome_msg.control)
-        if endpoint not in self._control_endpoints:
-            self._control_endpoints.add(endpoint)
-            self.pub.connect(endpoint)
-
-    def publish(self, frames: list[Any]) -> None:
-        self.pub.send_multipart(frames)
 
     def handshake(self) -> DatasetInfo | None:
         """The dataset once every server answered (None until then)."""
@@ -1021,4 +989,3 @@ class Links:
     def close(self) -> None:
         for link in self.links:
             link.close()
-        self.pub.close(linger=0)

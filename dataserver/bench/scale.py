@@ -23,8 +23,9 @@ and ``--no-local-results`` (results over TCP, as to another host and from the fa
     (heartbeats, timers). The real server beside a fake with as many workers checks the
     fake.
 (c) ``sessions``: the server holding ``--scale-sessions`` sessions, each as a real client
-    holds one (a data connection beating every 0.5 s, a control connection, a result
-    connection to each worker), opened 100 at a time from two processes: file descriptors
+    holds one (a data connection beating at the interval its server tells, a result
+    connection to each worker; ``--scale-control 1``: a control connection too, as clients
+    before CONTROL moved to the data connection held), opened 100 at a time from two processes: file descriptors
     and RSS of the front and a worker before and after, and the front's CPU per second
     with none, with the sessions silent, and beating (per heartbeat it handled).
 
@@ -165,7 +166,7 @@ class _SwarmConfig:
     sessions: int
     depth: int  # tasks each session keeps outstanding (0: it only beats)
     direct: bool  # results straight from the workers (a result connection to each)
-    control: bool  # a control connection (PUB) per session, as a real client has
+    control: bool  # a control connection (PUB) per session, as clients before 2026-12-04 had
 
 
 @dataclass
@@ -354,7 +355,7 @@ def swarm_main(argv: list[str]) -> int:
     p.add_argument("--sessions", type=int, default=64)
     p.add_argument("--depth", type=int, default=0)
     p.add_argument("--direct", type=int, default=1)
-    p.add_argument("--control", type=int, default=1)
+    p.add_argument("--control", type=int, default=0)
     p.add_argument("--zmtp-ping-ms", type=int, default=ZMTP_FRONT[0][1], help="(front connection)")
     a = p.parse_args(argv)
     _raise_fd_limit()
@@ -962,7 +963,7 @@ def fig_sessions(
     idle = _cpu_and_thread_per_s(pids, t)
     before = _Snapshot.of(pids)
     limit = _fd_soft_limit(pids[0])
-    control = str(int(getattr(args, "scale_control", 1)))  # (0: to weigh that connection)
+    control = str(int(getattr(args, "scale_control", 0)))  # (1: a PUB per session too)
     common = ["--address", address, "--depth", "0", "--direct", "1", "--control", control]
     # A swarm holds ~6 fds a session (3 sockets: their eventfds and connections): enough
     # swarms that each stays within an fd limit of 20,000 (two at least, as ever).

@@ -1,8 +1,9 @@
 """How many sessions a server takes: derived from its file descriptors (issue 28, item 2).
 
-A session costs fds, not much else: on the front its client's data connection and control
-connection (``dataserver bench --only scale``, (c): 2.0 fds a session), on each worker its
-result connection (1.0). The cap is what the front's fd limit (``serve`` raised the soft
+A session costs fds, not much else: on the front its client's data connection, which carries
+its CONTROL too (``dataserver bench --only scale``, (c): 1.0 fd a session; 2.0 while clients
+also published CONTROL on a connection of its own), on each worker its result connection
+(1.0). The cap is what the front's fd limit (``serve`` raised the soft
 limit to the hard one) allows: the limit, less what the front keeps for itself and its
 workers (``conns.FDS_BASE``, ``conns.FDS_PER_WORKER``), less a spare share for connections
 that are no session's yet (a reconnect before the old connection is seen gone, a probe, a
@@ -24,7 +25,7 @@ from dataserver.server.conns import FDS_BASE, FDS_PER_WORKER, WORKER_FDS
 
 log = logging.getLogger("dataserver.front")
 
-FDS_PER_SESSION = 2  # the front's: a client's data and control connection (measured, see above)
+FDS_PER_SESSION = 1  # the front's: a client's data connection (measured, see above)
 SPARE_SHARE = 8  # 1/8 of the fds left for the sessions is kept for connections of none
 
 
@@ -54,7 +55,7 @@ def session_cap(soft_limit: int, workers: int, asked: int | None) -> SessionCap:
     allowed = fds_allow(soft_limit, workers)
     basis = (
         f"fd limit {soft_limit} less {FDS_BASE + FDS_PER_WORKER * workers} for the front "
-        f"and its {workers} worker(s) and 1/{SPARE_SHARE} spare, {FDS_PER_SESSION} fds a session"
+        f"and its {workers} worker(s) and 1/{SPARE_SHARE} spare, {FDS_PER_SESSION} fd a session"
     )
     if asked is None:
         return SessionCap(allowed, allowed, f"derived: {basis}")
