@@ -72,7 +72,7 @@ def ctx() -> Iterator[zmq.Context[Any]]:
 
 
 def test_the_session_cap_follows_the_fd_limit(start_server: Any, ctx: zmq.Context[Any]) -> None:
-    """Servers started with fd limits of 256 and 512 take the sessions those allow (2 fds a
+    """Servers started with fd limits of 256 and 512 take the sessions those allow (1 fd a
     session on the front, less its reserve), not a fixed 1,024: STATS says how many and
     why; the one past the cap is refused at once, naming the fd limit."""
     low = start_server(*DATA, workers=1, nofile=256)
@@ -301,3 +301,24 @@ def test_a_client_that_knows_no_interval_is_served(
     assert answered >= 10
     assert server.stats()["sessions"] == 1  # the old one, still held (the client said BYE)
     assert server.stats()["rejected_total"] == 0
+
+
+def test_a_steering_client_holds_one_connection_on_the_front(start_server: Any) -> None:
+    """Issue 28, item 2: a session's CONTROL rides its data connection, so a client that
+    steers (feedback flips and control values) holds one connection on a server's front,
+    not a second one on its control port: 1 fd a session, what the session cap counts."""
+    server = start_server(*DATA, workers=1)
+    with make_client(server.address, timeout=30, **SMALL) as client:
+        client.set_epoch(0)
+        it = iter(client)
+        next(it)
+        client.feedback(0.0)  # (low loss ratio: stitch)
+        client.control(flag=1)
+        next(it)
+        client.feedback(1.0)
+        for _ in it:
+            pass
+        steered = server.stats()
+    assert steered["counters"]["controls"] >= 2, steered["counters"]
+    assert steered["counters"].get("control_connections", 0) == 0, steered["counters"]
+    assert steered["counters"]["data_connections"] == 1, steered["counters"]
