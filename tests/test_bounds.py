@@ -740,3 +740,24 @@ def test_the_operator_reaches_the_server_at_the_address_named(start_server: Any)
         )  # fmt: skip
         assert out.returncode == 0, out.stderr
         assert json.loads(out.stdout)["dataset_len"] == images, server.address
+
+
+def test_the_public_sockets_queue_thousands_of_connections_before_accept(
+    start_server: Any,
+) -> None:
+    """Issue 28: 10,000 sessions reconnecting at once overflowed libzmq's listen backlog of
+    100 (the kernel answered with SYN cookies; handshakes failed; every reconnect was made
+    3x over). The data, control and result ports listen with a backlog of 4,096, or what
+    the kernel's somaxconn allows (``ss`` shows a listener's backlog as its Send-Q)."""
+    if shutil.which("ss") is None:
+        pytest.skip("no ss here")
+    with open("/proc/sys/net/core/somaxconn") as f:
+        want = min(4096, int(f.read()))
+    server = start_server("--dataset", f"synthetic:images={SAMPLES}", workers=1)
+    for endpoint in (server.address, server.control, worker_endpoints(server)[0]):
+        _, port = host_port(endpoint)
+        out = subprocess.run(
+            ["ss", "-ltnH", f"sport = :{port}"], capture_output=True, text=True, check=True
+        ).stdout.split()
+        assert out and out[0] == "LISTEN", (endpoint, out)
+        assert int(out[2]) == want, (endpoint, out)

@@ -67,9 +67,14 @@ HEARTBEAT_IVL_MS = 5_000  # ZMTP PINGs to every peer of the public sockets ...
 HEARTBEAT_TIMEOUT_MS = 15_000  # ... which is dropped when nothing comes back for this long
 HEARTBEAT_TTL_MS = 15_000  # the peer drops us after this long without a word from us
 HANDSHAKE_IVL_MS = 10_000  # a connection that does not finish the ZMTP handshake by then
+# Connections the kernel queues on a listening socket before accept (libzmq's default: 100;
+# the kernel clamps it to net.core.somaxconn). Thousands of clients reconnecting at once (a
+# restarted server of a 10,000-rank job) overflowed 100: SYN cookies, failed handshakes,
+# every reconnect made 3x over in the scale bench.
+LISTEN_BACKLOG = 4096
 FDS_BASE = 64  # the front's own: zmq's context, sockets, pidfds, store, logs, metrics
 FDS_PER_WORKER = 8  # a pidfd, its backend connection, what starting it takes
-CONNS_PER_SESSION = 4  # a client's data and control connection, a probe, a reconnect
+CONNS_PER_SESSION = 4  # a client's data connection, a publisher's control one, a probe, a reconnect
 WORKER_FDS = 128  # a worker's fds kept from its result connections (``results_budget``)
 
 
@@ -86,12 +91,13 @@ def fd_limit() -> int:
 
 
 def peer_socket_options(sock: zmq.Socket[Any]) -> None:
-    """ZMTP heartbeats (a dead peer is dropped) and a handshake deadline on a socket peers
-    connect to."""
+    """ZMTP heartbeats (a dead peer is dropped), a handshake deadline and a listen backlog
+    for thousands of peers at once, on a socket peers connect to (before its bind)."""
     sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
     sock.setsockopt(zmq.HEARTBEAT_TTL, HEARTBEAT_TTL_MS)
     sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
+    sock.setsockopt(zmq.BACKLOG, LISTEN_BACKLOG)
 
 
 def results_budget(soft_limit: int, max_sessions: int) -> int:
