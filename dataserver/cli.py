@@ -429,6 +429,14 @@ def _add_bench(sub: Any) -> None:
         help="scale (c): each session holds a control connection (PUB) too, as clients before "
         "CONTROL moved to the data connection did",
     )
+    p.add_argument(
+        "--scale-direct",
+        type=int,
+        choices=(0, 1),
+        default=1,
+        help="scale (c): each session holds a result connection to each worker, as a real "
+        "client's (0: none, to weigh the front alone with fewer processes' load)",
+    )
     p.add_argument("--only", default=None, help="comma-separated figures to run")
     p.add_argument("--json", default=None, help="also write the results here")
     p.set_defaults(func=cmd_bench)

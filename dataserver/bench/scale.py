@@ -964,7 +964,8 @@ def fig_sessions(
     before = _Snapshot.of(pids)
     limit = _fd_soft_limit(pids[0])
     control = str(int(getattr(args, "scale_control", 0)))  # (1: a PUB per session too)
-    common = ["--address", address, "--depth", "0", "--direct", "1", "--control", control]
+    direct = str(int(getattr(args, "scale_direct", 1)))  # (0: no result connections)
+    common = ["--address", address, "--depth", "0", "--direct", direct, "--control", control]
     # A swarm holds ~6 fds a session (3 sockets: their eventfds and connections): enough
     # swarms that each stays within an fd limit of 20,000 (two at least, as ever).
     count = max(2, -(-n // SWARM_SESSIONS))
