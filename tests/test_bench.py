@@ -122,8 +122,10 @@ def test_bench_scale_figure(tmp_path: Path) -> None:
     assert figure["b_rate_tasks_per_s"]["2"] > 0
     assert figure["b_check_client_us_per_task_real"] > 0
     assert figure["c_sessions"] == 40 == figure["c_sessions_on_server"]
-    # Each session holds a data and a control connection on the front, one on each worker.
-    assert figure["c_front_fds_per_session"] >= 1.5 and figure["c_worker_fds_per_session"] >= 0.9
+    # Each session holds its data connection on the front (CONTROL rides it), and one on
+    # each worker: a connection each, not the two on the front a client with a PUB held.
+    assert 0.9 <= figure["c_front_fds_per_session"] < 1.5, figure["c_front_fds_per_session"]
+    assert figure["c_worker_fds_per_session"] >= 0.9
     assert figure["c_heartbeats_handled_per_s"] > 0
     assert "c_front_us_per_heartbeat" in proc.stdout and "b_client_us_per_task" in proc.stdout
 
