@@ -22,6 +22,7 @@ import pytest
 import zmq
 from conftest import TESTS, server_env
 
+from dataserver.bench.scale import role
 from dataserver_client.fds import FdBudget
 from dataserver_client.linkindex import LinkIndex
 from dataserver_client.links import ServerLink
@@ -33,33 +34,12 @@ SERVERS = 64
 DATASET = 4096  # the fakes' dataset_len
 
 
-class Fakes:
-    """``count`` fake servers in one process, stopped by the fixture."""
-
-    def __init__(self, count: int, workers: int = 2) -> None:
-        cmd = [sys.executable, "-m", "dataserver.bench.scale", "fakes"]
-        cmd += ["--count", str(count), "--workers", str(workers)]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=server_env())
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        self.addresses: list[str] = json.loads(line)["addresses"]
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
-
 @pytest.fixture(scope="module")
-def fakes() -> Iterator[Fakes]:
-    f = Fakes(SERVERS)
-    try:
-        yield f
-    finally:
-        f.stop()
+def fakes() -> Iterator[list[str]]:
+    """The addresses of ``SERVERS`` fake servers in one process (the scale bench's own
+    ``fakes`` role, stopped when the module's tests are done)."""
+    with role("fakes", "--count", str(SERVERS), "--workers", "2", timeout=60) as (_, ready):
+        yield list(ready["addresses"])
 
 
 def run_client(tmp_path: Path, addresses: list[str], *flags: str) -> dict[str, Any]:
@@ -73,11 +53,11 @@ def run_client(tmp_path: Path, addresses: list[str], *flags: str) -> dict[str, A
     return out
 
 
-def test_many_servers_fds_limit_and_routing(tmp_path: Path, fakes: Fakes) -> None:
+def test_many_servers_fds_limit_and_routing(tmp_path: Path, fakes: list[str]) -> None:
     """64 servers: the soft limit starts low and is raised to the hard one; each server
     costs the client its link's sockets and three connections (front, control, the fake's
     one worker); an epoch comes whole, spread over the servers, every result direct."""
-    out = run_client(tmp_path, fakes.addresses, "--limit", "1024,8192")
+    out = run_client(tmp_path, fakes, "--limit", "1024,8192")
     assert out["limit_before"] == [1024, 8192]
     assert out["limit_after"] == [8192, 8192]
     per_server = ServerLink.FDS + 1  # (+ the one direct result connection to its worker)
@@ -92,11 +72,11 @@ def test_many_servers_fds_limit_and_routing(tmp_path: Path, fakes: Fakes) -> Non
     assert fds["through_front"] == 0 and fds["short_by"] == 0
 
 
-def test_short_budget_sends_results_through_fronts(tmp_path: Path, fakes: Fakes) -> None:
+def test_short_budget_sends_results_through_fronts(tmp_path: Path, fakes: list[str]) -> None:
     """A limit that leaves room for the servers' sockets and only 20 direct connections:
     the other servers' results come through their fronts (the epoch is whole all the same),
     and the log says what to raise, and by how much."""
-    out = run_client(tmp_path, fakes.addresses, "--spare", "20")
+    out = run_client(tmp_path, fakes, "--spare", "20")
     fds = out["fds"]
     assert 0 < fds["direct"] < SERVERS, fds
     assert fds["through_front"] == SERVERS - fds["direct"]
@@ -106,10 +86,10 @@ def test_short_budget_sends_results_through_fronts(tmp_path: Path, fakes: Fakes)
     assert "raise it by at least" in out["log"]
 
 
-def test_too_few_fds_for_the_servers_is_a_clear_error(tmp_path: Path, fakes: Fakes) -> None:
+def test_too_few_fds_for_the_servers_is_a_clear_error(tmp_path: Path, fakes: list[str]) -> None:
     """A hard limit below what the servers' sockets need: the constructor says how many
     descriptors the servers need and which limit to raise."""
-    out = run_client(tmp_path, fakes.addresses, "--limit", "400,400")
+    out = run_client(tmp_path, fakes, "--limit", "400,400")
     err = out.get("error", "")
     assert "not enough file descriptors" in err, out
     assert f"{SERVERS} server(s) need about" in err

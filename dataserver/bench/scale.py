@@ -677,11 +677,10 @@ class _Child:
 
 
 @contextmanager
-def _role(
-    role: str, *flags: str, timeout: float = 180.0
-) -> Iterator[tuple[_Child, dict[str, Any]]]:
-    """A role of this module in its own process: (the process, its first JSON line)."""
-    child = _Child([sys.executable, "-m", "dataserver.bench.scale", role, *flags])
+def role(name: str, *flags: str, timeout: float = 180.0) -> Iterator[tuple[_Child, dict[str, Any]]]:
+    """A role of this module in its own process (``swarm``, ``fakes``, ``client``; also the
+    tests' fake servers): the process and its first JSON line; stopped on the way out."""
+    child = _Child([sys.executable, "-m", "dataserver.bench.scale", name, *flags])
     try:
         yield child, child.next_json(timeout)
     finally:
@@ -703,7 +702,7 @@ def _front_run(
     CPU per task is the difference over the tasks."""
     flags = ["--address", address, "--sessions", str(args.scale_clients), "--depth", "4"]
     flags += ["--direct", str(int(direct)), "--control", "0"]
-    with _role("swarm", *flags) as (swarm, ready):
+    with role("swarm", *flags) as (swarm, ready):
         time.sleep(1.0)  # queues fill, every worker busy
         window = CpuWindow([*pids, swarm.pid])
         before = _fetch_counters(address)["counters"]
@@ -754,7 +753,7 @@ def _client_run(
     flags = ["--addresses", ",".join(addresses), "--batches", str(args.scale_batches)]
     flags += ["--idle-seconds", str(min(2.0, args.scale_seconds))]
     flags += ["--others", ",".join(map(str, others)), "--rate", str(rate)]
-    with _role("client", *flags, timeout=600) as (_, out):
+    with role("client", *flags, timeout=600) as (_, out):
         return out
 
 
@@ -780,7 +779,7 @@ def client_curve(
     out["fds_per_server"], out["results_through_front_servers"] = {}, {}
     out["connect_s"] = {}
     for s in counts:
-        with _role("fakes", "--count", str(s), "--workers", "16", timeout=600) as (proc, first):
+        with role("fakes", "--count", str(s), "--workers", "16", timeout=600) as (proc, first):
             r = _client_run(args, first["addresses"], [proc.pid], rate)
         out["us_per_task_net"][s] = _net_per_task(r)
         out["us_per_task"][s] = _per_task(r)
@@ -808,7 +807,7 @@ def fig_client(
     rate: dict[int, float] = {}
     fakes_us: dict[int, float] = {}
     for s in counts:
-        with _role("fakes", "--count", str(s), "--workers", "16") as (proc, first):
+        with role("fakes", "--count", str(s), "--workers", "16") as (proc, first):
             r = _client_run(args, first["addresses"], [proc.pid])
         per_task[s] = _per_task(r)
         idle[s] = round(1e3 * r["idle_cpu_per_s"], 2)
@@ -840,7 +839,7 @@ def _fake_check(
     over TCP, as from a fake): the client's CPU per task on each, tasks of the same shape
     (the client cuts batches by the servers' workers)."""
     workers = len(pids) - 1
-    with _role("fakes", "--count", "1", "--workers", str(workers)) as (proc, first):
+    with role("fakes", "--count", "1", "--workers", str(workers)) as (proc, first):
         fake = _client_run(args, first["addresses"], [proc.pid])
     real = _client_run(args, [address], pids)
     progress(
@@ -972,7 +971,7 @@ def fig_sessions(
     shares = [n // count + (1 if i < n % count else 0) for i in range(count)]
     with ExitStack() as stack:
         started = [
-            stack.enter_context(_role("swarm", *common, "--sessions", str(k))) for k in shares
+            stack.enter_context(role("swarm", *common, "--sessions", str(k))) for k in shares
         ]
         swarms = _Swarms([proc for proc, _ in started])
         opened = sum(int(ready["ready"]) for _, ready in started)
