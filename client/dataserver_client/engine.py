@@ -9,8 +9,8 @@ keeps up with many workers.
 Collaborators, each the only writer of its state: ``PlanBook`` (book.py: plans, batches,
 mode, steering), ``TaskLedger`` (ledger.py: wanted tasks, the send queue), ``Affinity``
 (affinity.py: which server a key's sources went to), ``Links`` (links.py: one
-``ServerLink`` per server, connection events, heartbeats, the PUB socket), ``Sender``
-(dispatch.py: tasks, cancels, controls out), ``Handlers`` (handlers.py: what each message,
+``ServerLink`` per server, connection events, heartbeats), ``Sender``
+(dispatch.py: tasks, cancels, controls out, each on its server's data connection), ``Handlers`` (handlers.py: what each message,
 link event and discovery change does; the answer deadlines and the last progress). This loop
 routes each socket and message to its handler and passes ids and values between them; it
 never writes their fields. It makes the ledger and the affinity and hands them to the book,

@@ -3,8 +3,8 @@ one at start), ZeroMQ's socket cap sized to it, and the budget that decides, ser
 server, whether its workers' results come over direct connections or through its front.
 
 Every ZeroMQ socket holds one descriptor (its mailbox's eventfd) and every TCP connection
-one more. A server costs its link's sockets and two connections (its front, the control
-PUB's); a direct result connection to each of its workers costs one each, the bulk at
+one more. A server costs its link's sockets and one connection (its front's, which carries
+CONTROL too); a direct result connection to each of its workers costs one each, the bulk at
 scale (1,024 servers of 16 workers: 16,384). The budget gives the fronts their share first
 (too little for them: the client stops with an error naming the limit to raise, and by
 how much), then direct connections while they fit; a server whose workers do not fit

@@ -17,7 +17,7 @@ dead worker) gets ``EMFILE``. This module keeps that bounded:
   - **idle**: a data connection with no authentic message for ``--idle-timeout`` seconds
     is shut down (``shutdown(SHUT_RDWR)``: libzmq sees its peer go and closes the fd). Bytes
     do not count: a slowloris sending 80 bytes a second of a message it never finishes
-    is idle like a silent one. A control connection (a client's PUB, silent until it
+    is idle like a silent one. A control connection (a publisher's PUB, silent until it
     steers) is active on any bytes, the PONGs its libzmq answers our PINGs with included.
   - **unfinished**: the bytes the kernel received on a connection, less the bytes of the
     complete messages read from it (and the ZMTP handshake and heartbeats), are what

@@ -2,8 +2,10 @@
 
 Sockets, all created and closed in this process's one thread:
 
-- ``data``    ROUTER, bound to ``--bind``: clients' HELLO / TASK / HEARTBEAT / STATS / BYE.
-- ``control`` SUB, bound to ``--control-bind``: clients' PUB sockets publish CONTROL.
+- ``data``    ROUTER, bound to ``--bind``: clients' HELLO / TASK / CONTROL / HEARTBEAT /
+  STATS / BYE (our client sends its CONTROL here only).
+- ``control`` SUB, bound to ``--control-bind``: a CONTROL published by a client's PUB
+  (tagged per server), for clients that publish.
 - ``backend`` ROUTER, bound to an ipc path: one DEALER per worker process.
 
 The front routes: each idle worker gets the next task of the fair queue, each result goes
