@@ -141,7 +141,7 @@ class Handlers:
         if result.session != link.session or link.state is LinkState.BANNED:
             return None
         rec = self.ledger.wanted(result.task_id, result.plan_version)
-        if rec is None or rec.link is not link:
+        if rec is None or (rec.link is not link and not self.ledger.waiting_from(rec, link)):
             return None
         if len(result.images) != len(rec.slots):
             raise WrongAnswer(
@@ -160,11 +160,15 @@ class Handlers:
         self._answered(link, msg.task_id)
         link.answered()
         rec = self.ledger.wanted(msg.task_id, msg.plan_version)
-        if rec is None or (rec.link is not link and rec.avoid is link and not msg.landed):
-            # A superseded plan, a second answer after asking again, or the answer over the
-            # socket of a server that let the task expire and was asked again elsewhere (its
-            # pixels were not received: ``_destinations``): late, not wrong. (A landed one
-            # is in our buffer under the task's seal: it is checked and taken as before.)
+        waiting = rec is not None and self.ledger.waiting_from(rec, link)
+        if rec is None or (
+            rec.link is not link and not waiting and link in rec.sent_to and not msg.landed
+        ):
+            # A superseded plan, a second answer after asking again, or the answer of a
+            # server that had the task before it was sent elsewhere (it expired, or a result
+            # connection dropped; its pixels were not received: ``_destinations``): late,
+            # not wrong. (A landed one is in our buffer under the task's seal: it is checked
+            # and taken as before.)
             self.counters.count(Count.LATE)
             return
         # Nothing counts as progress before the answer is checked: a server answering
@@ -175,6 +179,10 @@ class Handlers:
             self._refuse(link, rec, problem[1])
             return
         self.progressed()
+        if waiting:
+            # Asked again and not sent yet: this answer is the one wanted (its pixels were
+            # received, checked like any other), and the re-send is saved.
+            self.counters.count(Count.ANSWERED_WHILE_ASKED_AGAIN)
         if msg.failed and self.config.on_error == "raise":
             self.book.on_failure(rec, "sample", left_out(link.address, msg))
             return
