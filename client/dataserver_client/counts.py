@@ -31,6 +31,13 @@ class Count(StrEnum):
     ASKED_AGAIN_DROPPED = "asked_again_dropped"
     ASKED_AGAIN_RESULTS_BROKEN = "asked_again_results_broken"
     ASKED_AGAIN_DEADLINE = "asked_again_deadline"
+    # an answer from a server that had the task, come while it waited to be sent again
+    # (after a dropped result connection): taken, the re-send saved
+    ANSWERED_WHILE_ASKED_AGAIN = "answered_while_asked_again"
+    # a server's WELCOME said again with nothing new (a comparison, nothing redone), and
+    # one that changed something held back by its server's handshake rate (``handshakes``)
+    WELCOME_UNCHANGED = "welcome_unchanged"
+    WELCOME_HELD = "welcome_held"
 
 
 # Shown in ``client.stats()`` from the start, at 0.

@@ -308,6 +308,7 @@ class Engine(threading.Thread):
                 self.handlers.on_events(self.links.tick(now))
                 self.handlers.trim(now)
                 self.handlers.expire(now)
+                self.handlers.welcomes_due(now)
                 self.handlers.check_progress(now)
 
     def _drain_pipe(self) -> None:

@@ -21,7 +21,15 @@ import zmq
 
 from dataserver.counting import Counts
 from dataserver.landing import LandingArea
-from dataserver.protocol import Cancelled, ErrorMsg, Message, ProtocolError, Result, Welcome
+from dataserver.protocol import (
+    Cancelled,
+    ErrorMsg,
+    Message,
+    ProtocolError,
+    Result,
+    Welcome,
+    decode,
+)
 from dataserver.tcpinfo import malloc_trim
 from dataserver_client.answers import Deadlines, left_out, result_problem, task_error
 from dataserver_client.assembly import HostBuffers
@@ -30,6 +38,7 @@ from dataserver_client.config import ClientConfig
 from dataserver_client.counts import ASKED_AGAIN, Count, Reject
 from dataserver_client.dispatch import Sender
 from dataserver_client.errors import DataServerError, NotAuthorized
+from dataserver_client.handshakes import HeldWelcome, WelcomeMemo
 from dataserver_client.ledger import TaskLedger, TaskRecord
 from dataserver_client.links import (
     DatasetInfo,
@@ -86,6 +95,7 @@ class Handlers:
         self._resets: list[ServerLink] = []  # links whose sockets go (``reset_links``)
         self._trim_at: float | None = None  # when to give a closed link's memory back
         self._unwatch = unwatch
+        self._held: set[ServerLink] = set()  # links holding a WELCOME back (``welcomes_due``)
         self.deadlines = Deadlines(floor=1.0, initial=max(1.0, config.timeout / 3))
         self._last_progress = time.monotonic()
 
@@ -99,10 +109,18 @@ class Handlers:
         for _ in range(DRAIN):
             try:
                 msg = receive(
-                    sock, lambda result: self._destinations(link, result), link.inflow.seen
+                    sock,
+                    lambda result: self._destinations(link, result),
+                    link.inflow.seen,
+                    None if direct else link.welcomes,
                 )
             except zmq.Again:
                 return
+            except HeldWelcome:  # its handshakes come too fast: acted on in its turn
+                link.heard()
+                self.counters.count(Count.WELCOME_HELD)
+                self._held.add(link)
+                continue
             except WrongAnswer as exc:  # well-formed, for a task we want, and wrong
                 link.heard()
                 self.rejected.count(Reject.WRONG_ANSWER)
@@ -141,7 +159,7 @@ class Handlers:
         if result.session != link.session or link.state is LinkState.BANNED:
             return None
         rec = self.ledger.wanted(result.task_id, result.plan_version)
-        if rec is None or rec.link is not link:
+        if rec is None or (rec.link is not link and not self.ledger.waiting_from(rec, link)):
             return None
         if len(result.images) != len(rec.slots):
             raise WrongAnswer(
@@ -160,11 +178,15 @@ class Handlers:
         self._answered(link, msg.task_id)
         link.answered()
         rec = self.ledger.wanted(msg.task_id, msg.plan_version)
-        if rec is None or (rec.link is not link and rec.avoid is link and not msg.landed):
-            # A superseded plan, a second answer after asking again, or the answer over the
-            # socket of a server that let the task expire and was asked again elsewhere (its
-            # pixels were not received: ``_destinations``): late, not wrong. (A landed one
-            # is in our buffer under the task's seal: it is checked and taken as before.)
+        waiting = rec is not None and self.ledger.waiting_from(rec, link)
+        if rec is None or (
+            rec.link is not link and not waiting and link in rec.sent_to and not msg.landed
+        ):
+            # A superseded plan, a second answer after asking again, or the answer of a
+            # server that had the task before it was sent elsewhere (it expired, or a result
+            # connection dropped; its pixels were not received: ``_destinations``): late,
+            # not wrong. (A landed one is in our buffer under the task's seal: it is checked
+            # and taken as before.)
             self.counters.count(Count.LATE)
             return
         # Nothing counts as progress before the answer is checked: a server answering
@@ -175,6 +197,10 @@ class Handlers:
             self._refuse(link, rec, problem[1])
             return
         self.progressed()
+        if waiting:
+            # Asked again and not sent yet: this answer is the one wanted (its pixels were
+            # received, checked like any other), and the re-send is saved.
+            self.counters.count(Count.ANSWERED_WHILE_ASKED_AGAIN)
         if msg.failed and self.config.on_error == "raise":
             self.book.on_failure(rec, "sample", left_out(link.address, msg))
             return
@@ -266,6 +292,13 @@ class Handlers:
         self._servers_changed(lookahead=False)
 
     def on_welcome(self, link: ServerLink, msg: Welcome) -> None:
+        if link.welcome_unchanged(msg):
+            # Said again, same process, nothing new (a flapping link): a comparison, no
+            # check, no re-send, no re-plan.
+            self.counters.count(Count.WELCOME_UNCHANGED)
+            if not link.paced(msg.heartbeat_ms):
+                self.rejected.count(Reject.HEARTBEAT_INTERVAL)
+            return
         problem = self.links.check(link, msg)
         if problem is not None:
             self._unfit(link, msg, problem)
@@ -285,6 +318,25 @@ class Handlers:
         for other in self.links:  # servers still gone: their tasks come to those back
             if other.state is LinkState.LOST and other.owed():
                 self._move_tasks(other)
+
+    def welcomes_due(self, now: float) -> None:
+        """Decode and act on the WELCOMEs held back by their server's handshake rate
+        (``handshakes.WelcomeMemo``), once due."""
+        for link in list(self._held):
+            frames = link.welcomes.due(now)
+            if frames is not None or not link.welcomes.holding:
+                self._held.discard(link)
+            if frames is None or link not in self.links.links or link.state is LinkState.BANNED:
+                continue
+            try:
+                msg = decode([memoryview(f) for f in frames])
+            except ProtocolError as exc:
+                self.rejected.count(Reject.MALFORMED)
+                self._bad_server(link, f"it sent a message that breaks the protocol: {exc}")
+                continue
+            if isinstance(msg, Welcome):
+                link.welcomes.keep(WelcomeMemo.digest(frames), msg)
+                self.on_welcome(link, msg)
 
     def _unfit(self, link: ServerLink, msg: Welcome, problem: WelcomeProblem) -> None:
         """A WELCOME that fails the check. A server that cannot compose our image size is

@@ -55,6 +55,9 @@ class TaskRecord:
     poisoned: list[int] = field(default_factory=list)
     avoid: ServerLink | None = None  # a server that cancelled it or let it expire ...
     avoid_until: float = 0.0  # ... is not given it again before this (monotonic) time
+    # Every server it was ever sent to: an answer from one of them is the task's answer
+    # (results are deterministic), never a wrong one, even after it was asked again.
+    sent_to: tuple[ServerLink, ...] = ()
 
     @property
     def step(self) -> int:
@@ -102,6 +105,13 @@ class TaskLedger:
         if rec is None or rec.plan_version != plan_version:
             return None
         return rec
+
+    def waiting_from(self, rec: TaskRecord, link: ServerLink) -> bool:
+        """Whether ``rec`` waits to be sent again (asked again, out with no server) and
+        ``link`` had it before: its answer from ``link`` is still the one wanted (a dropped
+        result connection asks again for what a server owes while that server's answers are
+        on their way through its front)."""
+        return rec.link is None and link in rec.sent_to
 
     def records(self, task_ids: list[int]) -> list[TaskRecord]:
         return [self._tasks[t] for t in task_ids if t in self._tasks]
@@ -232,6 +242,8 @@ class TaskLedger:
         """``rec`` went to ``link`` (landing with generation ``land_gen``; None keeps the
         one of an earlier send, whose landed answer may still come)."""
         rec.link = link
+        if link not in rec.sent_to:
+            rec.sent_to = (*rec.sent_to, link)
         if land_gen is not None:
             rec.land_gen = land_gen
 

@@ -57,6 +57,7 @@ from dataserver_client.config import ClientConfig
 from dataserver_client.discovery import expand_addresses
 from dataserver_client.errors import DataServerError
 from dataserver_client.fds import CONNECTIONS_PER_SERVER, FdBudget, FdStats
+from dataserver_client.handshakes import WelcomeMemo
 from dataserver_client.linkindex import LinkIndex
 
 log = logging.getLogger("dataserver_client")
@@ -358,6 +359,9 @@ class ServerLink:
             hashlib.blake2b(address.encode(), digest_size=8).digest(), "little"
         )
         self.session = session
+        # Its WELCOMEs before they are decoded: the last one known by its bytes, new ones
+        # at most ``handshakes.RATE`` a second (a server re-sending WELCOME in a loop).
+        self.welcomes = WelcomeMemo()
         self.curve = curve is not None
         self._ctx = ctx
         self._curve_keys = curve
@@ -576,6 +580,16 @@ class ServerLink:
         return self.handover is not None and self.handover.ready
 
     # ------------------------------------------------------------ state transitions
+
+    def welcome_unchanged(self, msg: Welcome) -> bool:
+        """Whether ``msg`` is the WELCOME this ready link holds already (a server saying
+        it again, from the same process): nothing to check, move or plan again."""
+        return (
+            self.state is LinkState.READY
+            and not self.was_lost
+            and self.welcome_msg is not None
+            and (msg is self.welcome_msg or msg == self.welcome_msg)
+        )
 
     def welcome(self, msg: Welcome) -> bool:
         """CONNECTING or LOST -> READY on a WELCOME; True when it comes from a different

@@ -11,6 +11,7 @@ raises ``ProtocolError`` only, after the rest of the message has been read off t
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -24,12 +25,14 @@ from dataserver.protocol import (
     MsgType,
     ProtocolError,
     Result,
+    Welcome,
     decode,
     decode_head,
 )
 from dataserver.protocol.fields import MAX_LABEL
 from dataserver.protocol.messages import check_boxes, check_images_spec
 from dataserver.protocol.wire import check_spec
+from dataserver_client.handshakes import HeldWelcome, WelcomeMemo
 
 Destinations = Callable[[Result], "np.ndarray | None"]
 
@@ -96,11 +99,14 @@ def receive(
     sock: zmq.Socket[Any],
     destinations: Destinations,
     seen: Callable[[int], None] | None = None,
+    welcomes: WelcomeMemo | None = None,
 ) -> Message:
     """The next message on ``sock`` (``zmq.Again`` when there is none). For a RESULT that
     ``destinations(result)`` wants, its images land in the contiguous (N, 3, H, W) uint8
     array it returns, and ``result.pixels`` is that array (None when not wanted).
-    ``seen(fd)`` is told the connection it came by (a message comes whole or not at all)."""
+    ``seen(fd)`` is told the connection it came by (a message comes whole or not at all).
+    ``welcomes``: a WELCOME whose bytes are those of the last one decoded there is that
+    message again (the same object), not decoded again."""
     first = sock.recv(zmq.NOBLOCK, copy=False)
     if seen is not None:
         try:
@@ -108,11 +114,11 @@ def receive(
         except (zmq.ZMQError, TypeError, ValueError):
             pass
     try:
-        return _receive(sock, first, destinations)
+        return _receive(sock, first, destinations, welcomes)
     except ProtocolError:
         _rest(sock)
         raise
-    except zmq.ZMQError:
+    except (zmq.ZMQError, HeldWelcome):
         raise
     except Exception as exc:
         _rest(sock)
@@ -146,7 +152,26 @@ def _images(
     return dest, bool(sock.getsockopt(zmq.RCVMORE))  # (``recv_into`` gives no frame)
 
 
-def _receive(sock: zmq.Socket[Any], first: Any, destinations: Destinations) -> Message:
+def _other(frames: list[Any], welcomes: WelcomeMemo | None) -> Message:
+    """A message other than a RESULT, decoded; a WELCOME (with ``welcomes``): the message
+    kept when its frames are the last one's bytes, else decoded when its server's handshake
+    rate allows (``HeldWelcome`` if not)."""
+    if welcomes is None or len(frames) < 2 or bytes(frames[1]) != bytes((MsgType.WELCOME,)):
+        return decode(frames)
+    digest = welcomes.digest(frames)
+    known = welcomes.recall(digest)
+    if known is not None:
+        return known
+    welcomes.admit(time.monotonic(), frames)
+    msg = decode(frames)
+    if isinstance(msg, Welcome):
+        welcomes.keep(digest, msg)
+    return msg
+
+
+def _receive(
+    sock: zmq.Socket[Any], first: Any, destinations: Destinations, welcomes: WelcomeMemo | None
+) -> Message:
     # Whether more frames follow is each frame's ``more`` (~0.1 us; ``getsockopt(RCVMORE)``
     # is a ~2 us call, five or six a result).
     head = [first]
@@ -154,7 +179,7 @@ def _receive(sock: zmq.Socket[Any], first: Any, destinations: Destinations) -> M
         head.append(sock.recv(copy=False))
     is_result = len(head) == 3 and bytes(memoryview(head[1])) == bytes((MsgType.RESULT,))
     if not is_result:
-        return decode(head + _rest(sock))
+        return _other(head + _rest(sock), welcomes)
     result = decode_head(head)
     if not isinstance(result, Result):
         raise ProtocolError(f"a {result.TYPE.name} where a RESULT was announced")
