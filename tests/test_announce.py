@@ -18,7 +18,6 @@ import numpy as np
 import pytest
 import zmq
 from clients import make_client
-from conftest import Server
 from ds_plugins import sized_shapes
 from fuzz_targets import welcome_of
 from fuzzing import AUTH, SID
@@ -296,8 +295,8 @@ def test_a_server_lying_about_sizes_is_refused(start_server: Any, lie: Lie, why:
             states = {s["address"]: s["state"] for s in stats["servers"]}
             assert states == {liar.address: "banned", real.address: "ready"}
             assert stats["rejected"]["bad_server"] == 1 and liar.asked >= 1
-        with make_client(liar.address, batch_size=8, image_size=(64, 64), timeout=60) as c:
-            with pytest.raises(DataServerError, match=why):
-                c.size_array()
+        alone = make_client(liar.address, batch_size=8, image_size=(64, 64), timeout=60)
+        with alone, pytest.raises(DataServerError, match=why):
+            alone.size_array()
     finally:
         liar.close()

@@ -26,8 +26,8 @@ from dataserver.data.coco import CocoDataset
 from dataserver.data.synthetic import SyntheticDataset
 from dataserver.protocol.fields import MAX_LABEL
 from dataserver.protocol.messages import (
-    MAX_CATEGORIES,
     MAX_ANNOUNCED_SIZES,
+    MAX_CATEGORIES,
     MAX_CATEGORY_NAME,
     MAX_ORIG_SIDE,
 )

@@ -302,7 +302,7 @@ def sizes_digest(table: np.ndarray) -> bytes:
     every SIZES reply carry: BLAKE2b of its little-endian bytes, so the table's length is in
     it too."""
     data = np.ascontiguousarray(table, dtype="<i4")
-    return hashlib.blake2b(memoryview(data).cast("B"), digest_size=DIGEST_BYTES).digest()
+    return hashlib.blake2b(data.data, digest_size=DIGEST_BYTES).digest()
 
 
 # ---------------------------------------------------------------------------- work
