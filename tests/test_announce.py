@@ -187,6 +187,50 @@ def test_two_to_the_24_sizes_come_in_chunks(start_server: Any) -> None:
     assert server.stats()["counters"]["size_chunks"] == n // SIZES_CHUNK
 
 
+def test_a_client_flooding_sizes_requests_gets_its_rate_and_no_more(start_server: Any) -> None:
+    """A session asking for 512 KiB chunks in a tight loop (1,000 requests, read as they
+    come) is answered at its rate (``SIZES_BURST`` at once, ``SIZES_RATE`` a second), the
+    rest dropped and counted; a request without the session's secret is refused; the
+    server serves on."""
+    from dataserver.protocol.messages import SIZES_RATE
+
+    server = start_server(*_sized(70_000), workers=1)
+    ctx: zmq.Context[Any] = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(server.address)
+    try:
+        sock.send_multipart(Hello(session=SID, auth=AUTH).encode())
+        assert sock.poll(10_000) and isinstance(decode(sock.recv_multipart()), Welcome)
+        ask = SampleSizes(session=SID, auth=AUTH, start=0, count=SIZES_CHUNK).encode()
+        started = time.monotonic()
+        got, sent = 0, 0
+        while time.monotonic() - started < 2.0:
+            if sent < 1000:
+                sock.send_multipart(ask)
+                sent += 1
+            while sock.poll(0 if sent < 1000 else 50):
+                msg = decode(sock.recv_multipart())
+                assert isinstance(msg, SampleSizes) and msg.hw.shape == (SIZES_CHUNK, 2)
+                got += 1
+        took = time.monotonic() - started
+        assert 1 <= got <= SIZES_BURST + SIZES_RATE * took + 1
+        forged = SampleSizes(session=SID, auth=b"x" * 16, start=0, count=1).encode()
+        sock.send_multipart(forged)
+        while sock.poll(5_000):
+            msg = decode(sock.recv_multipart())
+            if not isinstance(msg, SampleSizes):
+                break
+            got += 1  # (answered before the loop above ended)
+        assert getattr(msg, "kind", None) == "bad_secret"
+    finally:
+        sock.close()
+    stats = server.stats()
+    assert stats["counters"]["size_chunks"] == got
+    assert stats["rejected"]["sizes_rate"] == sent - got
+    assert stats["workers_alive"] == 1
+
+
 # ---------------------------------------------------------------- hostile servers
 
 Lie = Callable[[SampleSizes, np.ndarray, bytes], SampleSizes]
