@@ -193,7 +193,8 @@ def dataset_sizes(dataset: Any, size: int) -> np.ndarray | None:
             f"batches); this one has {size} samples"
         )
     try:
-        table = np.asarray(raw, dtype=np.int64)
+        integers = isinstance(raw, np.ndarray) and raw.dtype.kind in "iu"
+        table = raw if integers else np.asarray(raw, dtype=np.int64)  # (no copy of an array)
     except (TypeError, ValueError, OverflowError):
         raise SpecError("dataset sizes must be (h, w) pairs of ints, one per index") from None
     if table.ndim != 2 or table.shape[1] != 2:
