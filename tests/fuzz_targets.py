@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 import msgpack
+import numpy as np
 import zmq
 from fuzzing import VALID, headers, messages
 from hypothesis import HealthCheck, Phase, given, settings
@@ -240,6 +241,7 @@ class FakeServer:
             MsgType.HEARTBEAT,
             MsgType.STATS,
             MsgType.TASK,
+            MsgType.SIZES,
         ]
 
         any_message = messages()
@@ -268,6 +270,10 @@ class FakeServer:
                     if mtype is MsgType.RESULT:
                         header["arrays"] = [["|u1", [2, 3, 32, 32]], ["<f4", [1, 4]], ["<i8", [1]]]
                         arrays = [bytes(2 * 3 * 32 * 32), bytes(16), bytes(8)]
+                    elif mtype is MsgType.SIZES:  # a reply: its sizes, a digest
+                        header.update(digest=bytes(16), arrays=[["<i4", [pick + 1, 2]]])
+                        header["count"] = pick + 1
+                        arrays = [np.ones((pick + 1, 2), "<i4").tobytes()]
                     try:
                         packed = msgpack.packb(header, use_bin_type=True)
                     except (OverflowError, TypeError, ValueError):

@@ -82,6 +82,7 @@ VALID: dict[MsgType, dict[str, Any]] = {
     MsgType.READY: {"worker": 0, "pid": 123, "results": "tcp://127.0.0.1:4000"},
     MsgType.DONE: {"session": SID, "task_id": 7, "plan_version": 2, "decoded": 1, "samples": 1},
     MsgType.TALLY: {"worker": 1, "idle_dropped": 3, "over_limit_dropped": 2},
+    MsgType.SIZES: {"session": SID, "auth": AUTH, "start": 65536, "count": 100},
 }
 
 # RESULT's arrays: two images (2, 3, 4, 5) uint8, boxes (1, 4) float32, labels (1,) int64.

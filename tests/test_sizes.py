@@ -1,4 +1,5 @@
-"""A dataset's optional ``sizes`` (per-sample (h, w), announced in WELCOME, ``client.sizes``)
+"""A dataset's optional ``sizes`` (per-sample (h, w): their count and digest announced in
+WELCOME, the table asked for in chunks, ``client.sizes``; test_announce.py: beyond 65,536)
 and ``scaleup = False`` (sources only shrunk, placed unscaled in a larger canvas), and
 ``yolo_set`` in mode "val", which has both (issue 24, "Validation served")."""
 
@@ -19,7 +20,7 @@ from dataserver.data.pipeline import compose_one
 from dataserver.data.spec import SpecError, dataset_sizes
 from dataserver.data.yolo_set import YoloVal, yolo_set
 from dataserver.protocol import MAGIC, BatchSizes, MsgType, ProtocolError, Welcome, decode
-from dataserver.protocol.messages import MAX_SIZES
+from dataserver.protocol.messages import MAX_ANNOUNCED_SIZES
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -29,16 +30,18 @@ def _welcome(**change: Any) -> Any:
     return decode([MAGIC, bytes([MsgType.WELCOME]), msgpack.packb(header, use_bin_type=True)])
 
 
-def test_welcome_sizes_round_trip_and_are_checked() -> None:
-    got = _welcome(sizes=[[3, 4]] * 10)
-    assert isinstance(got, Welcome) and got.sizes == ((3, 4),) * 10
-    assert _welcome().sizes == ()  # (a protocol-6 WELCOME without them)
+def test_welcome_announces_the_sizes_count_and_digest() -> None:
+    got = _welcome(sizes_count=10, sizes_digest=b"d" * 16)
+    assert isinstance(got, Welcome) and (got.sizes_count, got.sizes_digest) == (10, b"d" * 16)
+    assert _welcome().sizes_count == 0  # (announces none)
     with pytest.raises(ProtocolError, match="9 sizes for 10 samples"):
-        _welcome(sizes=[[3, 4]] * 9)
-    with pytest.raises(ProtocolError, match="sizes"):
-        _welcome(sizes=[[0, 4]] * 10)
-    with pytest.raises(ProtocolError, match="sizes"):
-        _welcome(dataset_len=MAX_SIZES + 1, sizes=[[1, 1]] * (MAX_SIZES + 1))
+        _welcome(sizes_count=9, sizes_digest=b"d" * 16)
+    with pytest.raises(ProtocolError, match="sizes_digest"):
+        _welcome(sizes_count=10)
+    with pytest.raises(ProtocolError, match="sizes_digest"):
+        _welcome(sizes_digest=b"d" * 16)
+    with pytest.raises(ProtocolError, match="sizes_count"):
+        _welcome(dataset_len=MAX_ANNOUNCED_SIZES + 1, sizes_count=MAX_ANNOUNCED_SIZES + 1)
 
 
 class _Sized:
@@ -55,7 +58,8 @@ class _Sized:
         ([(1, 2)] * 2, 3, "2 sizes for 3 samples"),
         ([(1, 2), (0, 2), (1, 1)], 3, r"size 1 \(0, 2\)"),
         ([(1, 2, 3)] * 3, 3, "pairs"),
-        ([(1, 1)] * (MAX_SIZES + 1), MAX_SIZES + 1, f"at most {MAX_SIZES} sizes"),
+        (np.ones((MAX_ANNOUNCED_SIZES + 1, 2)), MAX_ANNOUNCED_SIZES + 1, "at most 16777216"),
+        ([(1, "a")] * 3, 3, "pairs"),
     ],
 )
 def test_bad_sizes_are_a_spec_error(sizes: Any, n: int, problem: str) -> None:
@@ -64,8 +68,9 @@ def test_bad_sizes_are_a_spec_error(sizes: Any, n: int, problem: str) -> None:
 
 
 def test_no_sizes_announce_none() -> None:
-    assert dataset_sizes(object(), 5) == ()
-    assert dataset_sizes(_Sized([(2, 3)] * 3), 3) == ((2, 3),) * 3
+    assert dataset_sizes(object(), 5) is None
+    table = dataset_sizes(_Sized([(2, 3)] * 3), 3)
+    assert table is not None and table.dtype == np.int32 and table.tolist() == [[2, 3]] * 3
 
 
 class _Small:

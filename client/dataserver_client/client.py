@@ -9,6 +9,7 @@ import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from dataserver.protocol import control_problem
@@ -198,7 +199,7 @@ class DataServerClient:
         self.dataset_len: int = info.dataset_len
         self.fingerprint: str = info.fingerprint
         self._categories: tuple[tuple[int, str], ...] = info.categories
-        self._sizes: tuple[tuple[int, int], ...] = info.sizes
+        self._sizes_count = info.sizes_count  # (the table itself: asked when first needed)
         self._epoch = 0
         self._feedback_seq = 0
         self._active = False
@@ -370,9 +371,38 @@ class DataServerClient:
     @property
     def sizes(self) -> list[tuple[int, int]]:
         """The dataset's per-sample (h, w), index by index, as its servers announce them
-        (a dataset's optional ``sizes``, at most 65536: what aspect-grouped batches are
-        planned from, e.g. Ultralytics' rect validation); [] when it announces none."""
-        return list(self._sizes)
+        (a dataset's optional ``sizes``, up to 2^24: what aspect-grouped batches are
+        planned from, e.g. Ultralytics' rect validation); [] when it announces none. A
+        list of N tuples: ``size_array()`` is the same as one array. Asked of the servers
+        the first time (``size_array``)."""
+        return [(int(h), int(w)) for h, w in self.size_array().tolist()]
+
+    def size_array(self) -> np.ndarray:
+        """``sizes`` as one read-only int32 (N, 2) array ((0, 2) when the dataset
+        announces none). WELCOME carries only their count and digest: the first call asks
+        a server for them, in chunks (``dataserver_client/announce.py``), and waits at most
+        ``timeout`` seconds, then raises ``DataServerError`` saying so; a server that sends
+        sizes other than the digest announced is refused (as a server that breaks the
+        protocol) and the sizes are asked of another. Later calls return the same array."""
+        self._check_open()
+        if self._sizes_count == 0:
+            return np.zeros((0, 2), np.int32)
+        future = self._engine.call(self._engine.sizes)
+        deadline = time.monotonic() + self.config.timeout
+        while True:
+            try:
+                table: np.ndarray = future.result(0.25)
+                return table
+            except TimeoutError:
+                if not self._engine.is_alive():
+                    raise self._engine.dead_error() from None
+                if time.monotonic() > deadline:
+                    why = (
+                        f"the dataset's {self._sizes_count} sizes: not all came within "
+                        f"{self.config.timeout:g} s (timeout)"
+                    )
+                    self._engine.call(self._engine.abandon_sizes, why)
+                    raise DataServerError(why) from None
 
     @property
     def image_size(self) -> tuple[int, int] | MultiScale | StepSizes:

@@ -38,12 +38,23 @@ from concurrent.futures import Future
 from functools import partial
 from typing import Any
 
+import numpy as np
 import zmq
 
 from dataserver.counting import Counts
 from dataserver.loop import MessageGuard, inject, is_shutdown
-from dataserver.protocol import Bye, Cancelled, ErrorMsg, Heartbeat, Message, Result, Welcome
+from dataserver.protocol import (
+    Bye,
+    Cancelled,
+    ErrorMsg,
+    Heartbeat,
+    Message,
+    Result,
+    SampleSizes,
+    Welcome,
+)
 from dataserver_client.affinity import Affinity
+from dataserver_client.announce import SizeFetch
 from dataserver_client.assembly import Delivery, DeviceMover, HostBuffers, landing_area
 from dataserver_client.batch import Batch
 from dataserver_client.book import PlanBook
@@ -105,6 +116,8 @@ class Engine(threading.Thread):
         self.rejected = Counts(Reject)
         self.guard = MessageGuard(log, partial(self.rejected.count, Reject.INTERNAL))
         self.dataset_len = 0
+        self.dataset: DatasetInfo | None = None  # as the handshake fixed it
+        self.size_fetch: SizeFetch | None = None  # the per-sample sizes, once asked for
         self.phase = Phase.NEW
         self._commands: deque[tuple[Callable[..., Any], tuple[Any, ...], Future[Any]]] = deque()
         self._lock = threading.Lock()  # guards _stopped, the command queue's closing, the pipe
@@ -303,6 +316,8 @@ class Engine(threading.Thread):
                 continue
             more = self._turn()
             now = time.monotonic()
+            if self.size_fetch is not None and not self.size_fetch.future.done():
+                self.size_fetch.pump(self._size_links(), now)
             if now >= next_tick:
                 next_tick = now + TICK_S
                 self.handlers.on_events(self.links.tick(now))
@@ -368,6 +383,8 @@ class Engine(threading.Thread):
                     link.sync_results(msg.results, msg.local or ())
             case Bye():
                 self.handlers.on_bye(link)
+            case SampleSizes():
+                self.handlers.on_sizes(link, msg, self.size_fetch)
             case _:
                 self.rejected.count(Reject.UNEXPECTED_TYPE)
 
@@ -377,6 +394,7 @@ class Engine(threading.Thread):
         info = self.links.handshake()
         if info is not None:
             self.dataset_len = info.dataset_len
+            self.dataset = info
             self.handshake.set_result(info)
             self.handlers.progressed()
             self.phase = Phase.RUNNING
@@ -461,6 +479,35 @@ class Engine(threading.Thread):
         future = self.book.rebuild(plan, control, on_error)
         self.handlers.progressed()
         return future
+
+    def sizes(self) -> Future[np.ndarray]:
+        """The dataset's per-sample (h, w) (``announce.py``): a Future of the table, asked
+        of the servers now unless it is already (one fetch a client; a failed or abandoned
+        one is asked again)."""
+        info = self.dataset
+        assert info is not None and info.sizes_count > 0
+        fetch = self.size_fetch
+        if fetch is None or (fetch.future.done() and fetch.future.exception() is not None):
+            fetch = SizeFetch(info.sizes_count, info.sizes_digest)
+            self.size_fetch = fetch
+            fetch.pump(self._size_links(), time.monotonic())
+        return fetch.future
+
+    def abandon_sizes(self, why: str) -> None:
+        """The trainer stopped waiting for the sizes: the fetch ends (a later ask starts
+        another)."""
+        if self.size_fetch is not None:
+            self.size_fetch.fail(DataServerError(why))
+            self.size_fetch = None
+
+    def _size_links(self) -> list[ServerLink]:
+        """The servers a size fetch may ask: ready, announcing the sizes the handshake fixed
+        (every accepted WELCOME does)."""
+        return [
+            link
+            for link in self.links.ready()
+            if link.welcome_msg is not None and link.welcome_msg.sizes_count > 0
+        ]
 
     def abandon_rebuild(self, future: Future[Any]) -> None:
         self.book.abandon_rebuild(future)

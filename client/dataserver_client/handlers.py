@@ -27,10 +27,12 @@ from dataserver.protocol import (
     Message,
     ProtocolError,
     Result,
+    SampleSizes,
     Welcome,
     decode,
 )
 from dataserver.tcpinfo import malloc_trim
+from dataserver_client.announce import SizeFetch
 from dataserver_client.answers import Deadlines, left_out, result_problem, task_error
 from dataserver_client.assembly import HostBuffers
 from dataserver_client.book import PlanBook
@@ -281,6 +283,18 @@ class Handlers:
             if rec is not None and rec.link is link:
                 # Cancelled though still wanted: send it again, to another server if any.
                 self.ledger.ask_again([rec], away_from=link)
+
+    def on_sizes(self, link: ServerLink, msg: SampleSizes, fetch: SizeFetch | None) -> None:
+        """A chunk of the per-sample sizes (``announce.py``): kept by ``fetch``; a server
+        asked for them that answers other chunks than asked, or lies about them, is refused
+        for good; one never asked is counted and dropped (it costs nothing else)."""
+        if fetch is None or not fetch.asked(link):
+            self.rejected.count(Reject.UNEXPECTED_TYPE)
+            return
+        problem = fetch.on_chunk(link, msg, time.monotonic())
+        if problem is not None:
+            self.rejected.count(Reject.WRONG_ANSWER)
+            self._bad_server(link, problem)
 
     def on_bye(self, link: ServerLink) -> None:
         """The server is draining (SIGTERM: a scale-down, a rolling update): send it nothing

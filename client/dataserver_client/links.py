@@ -116,7 +116,10 @@ class DatasetInfo:
     fingerprint: str
     address: str  # the server that announced it
     categories: tuple[tuple[int, str], ...] = ()  # its (label, name) pairs
-    sizes: tuple[tuple[int, int], ...] = ()  # its per-sample (h, w), when it announces them
+    # How many per-sample (h, w) it announces (0: none; else dataset_len) and their digest:
+    # the sizes themselves are asked for when needed (``announce.py``).
+    sizes_count: int = 0
+    sizes_digest: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -153,11 +156,15 @@ def welcome_problem(
             f"{len(dataset.categories)}, {address} {len(msg.categories)} "
             f"(first difference: {_first_difference(dataset.categories, msg.categories)})",
         )
-    if dataset is not None and tuple(tuple(hw) for hw in msg.sizes) != dataset.sizes:
+    if dataset is not None and (msg.sizes_count, msg.sizes_digest) != (
+        dataset.sizes_count,
+        dataset.sizes_digest,
+    ):
         return WelcomeProblem(
             Problem.OTHER_DATASET,
             f"servers disagree on the dataset's sizes: {dataset.address} announces "
-            f"{len(dataset.sizes)}, {address} {len(msg.sizes)}",
+            f"{dataset.sizes_count} ({dataset.sizes_digest.hex()}), {address} "
+            f"{msg.sizes_count} ({msg.sizes_digest.hex()})",
         )
     if max(config.sizes.stored) > msg.max_image_side:
         return WelcomeProblem(
@@ -867,9 +874,13 @@ class Links:
         problem = welcome_problem(link.address, msg, self.dataset, self.config)
         if problem is None and self.dataset is None:
             categories = tuple((int(label), str(name)) for label, name in msg.categories)
-            sizes = tuple((int(h), int(w)) for h, w in msg.sizes)
             self.dataset = DatasetInfo(
-                msg.dataset_len, msg.fingerprint, link.address, categories, sizes
+                msg.dataset_len,
+                msg.fingerprint,
+                link.address,
+                categories,
+                msg.sizes_count,
+                msg.sizes_digest,
             )
         return problem
 

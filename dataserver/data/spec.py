@@ -20,14 +20,16 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from dataserver.data.coco import CocoDataset
 from dataserver.data.synthetic import SyntheticDataset
 from dataserver.protocol.fields import MAX_LABEL
 from dataserver.protocol.messages import (
+    MAX_ANNOUNCED_SIZES,
     MAX_CATEGORIES,
     MAX_CATEGORY_NAME,
     MAX_ORIG_SIDE,
-    MAX_SIZES,
 )
 
 DEFAULT_SPEC = "synthetic"
@@ -177,26 +179,33 @@ def dataset_categories(dataset: Any) -> tuple[tuple[int, str], ...]:
     return tuple(out)
 
 
-def dataset_sizes(dataset: Any, size: int) -> tuple[tuple[int, int], ...]:
+def dataset_sizes(dataset: Any, size: int) -> np.ndarray | None:
     """The dataset's ``sizes`` (attribute or property: one (h, w) per index, each side a
-    positive int), checked, as a WELCOME announces them; () when it has none. At most
-    ``MAX_SIZES`` (an order sorted by metadata is bounded); ``SpecError`` says what is
-    wrong."""
+    positive int; a sequence of pairs or an (N, 2) integer array), checked, as its server
+    announces them (SIZES, on request): an int32 (N, 2) array, read-only; None when it has
+    none. At most ``MAX_ANNOUNCED_SIZES``; ``SpecError`` says what is wrong."""
     raw = getattr(dataset, "sizes", None)
     if raw is None:
-        return ()
-    if size > MAX_SIZES:
+        return None
+    if size > MAX_ANNOUNCED_SIZES:
         raise SpecError(
-            f"a dataset announces at most {MAX_SIZES} sizes (for aspect-grouped batches); "
-            f"this one has {size} samples"
+            f"a dataset announces at most {MAX_ANNOUNCED_SIZES} sizes (for aspect-grouped "
+            f"batches); this one has {size} samples"
         )
     try:
-        out = tuple((int(h), int(w)) for h, w in raw)
-    except (TypeError, ValueError):
+        integers = isinstance(raw, np.ndarray) and raw.dtype.kind in "iu"
+        table = raw if integers else np.asarray(raw, dtype=np.int64)  # (no copy of an array)
+    except (TypeError, ValueError, OverflowError):
         raise SpecError("dataset sizes must be (h, w) pairs of ints, one per index") from None
-    if len(out) != size:
-        raise SpecError(f"dataset sizes: {len(out)} sizes for {size} samples")
-    for index, (h, w) in enumerate(out):
-        if not (1 <= h <= MAX_ORIG_SIDE and 1 <= w <= MAX_ORIG_SIDE):
-            raise SpecError(f"dataset size {index} {(h, w)} is not 1..{MAX_ORIG_SIDE} a side")
+    if table.ndim != 2 or table.shape[1] != 2:
+        raise SpecError("dataset sizes must be (h, w) pairs of ints, one per index")
+    if len(table) != size:
+        raise SpecError(f"dataset sizes: {len(table)} sizes for {size} samples")
+    bad = np.flatnonzero(((table < 1) | (table > MAX_ORIG_SIDE)).any(axis=1))
+    if bad.size:
+        index = int(bad[0])
+        h, w = (int(v) for v in table[index])
+        raise SpecError(f"dataset size {index} {(h, w)} is not 1..{MAX_ORIG_SIDE} a side")
+    out = table.astype(np.int32)
+    out.setflags(write=False)
     return out

@@ -41,12 +41,14 @@ from dataserver.protocol.messages import (
     Message,
     Ready,
     Result,
+    SampleSizes,
     Stats,
     Tally,
     Task,
     Welcome,
     decode,
     decode_head,
+    sizes_digest,
     steer_tag,
 )
 from dataserver.protocol.wire import (
@@ -90,6 +92,7 @@ __all__ = [
     "ProtocolError",
     "Ready",
     "Result",
+    "SampleSizes",
     "Stats",
     "Tally",
     "Task",
@@ -98,5 +101,6 @@ __all__ = [
     "decode",
     "decode_head",
     "pack",
+    "sizes_digest",
     "steer_tag",
 ]

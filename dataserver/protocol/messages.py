@@ -22,6 +22,16 @@ Who sends what (client = trainer, front = server's front process, worker = its w
     STATS       anyone <-> front     counters
     BYE         client -> front, front -> worker
     READY       worker -> front      a worker is up (and where clients reach it)
+    SIZES       client <-> front     per-sample (h, w), a chunk at a time, on request
+
+Per-sample sizes (aspect-grouped batches: Ultralytics' rect validation) are not in WELCOME:
+a dataset of up to ``MAX_ANNOUNCED_SIZES`` (2^24) samples announces only their count
+(``sizes_count``) and a digest of the whole table (``sizes_digest``,
+``sizes_digest()``); a client that needs them asks SIZES ``start``/``count`` (at most
+``SIZES_CHUNK`` a request), for its session, and each reply carries ``count`` (h, w) as one
+int32 array and the table's digest. The front answers a session's requests at
+``SIZES_RATE`` a second (``SIZES_BURST`` at once), within the outbox's bounds; the client
+asks no faster, checks every chunk (its range, its digest) and the digest of the whole.
 """
 
 from __future__ import annotations
@@ -76,7 +86,11 @@ MAX_CATEGORIES = 4096  # (label, name) pairs a WELCOME may announce
 MAX_CATEGORY_NAME = 256  # characters of one category's name
 MAX_FILE = 1024  # characters of a sample's file name in a RESULT
 MAX_ORIG_SIDE = 1 << 20  # a sample's original side, as it says (0: unknown)
-MAX_SIZES = 1 << 16  # per-sample (h, w) a WELCOME may announce (aspect-grouped batches)
+MAX_ANNOUNCED_SIZES = 1 << 24  # per-sample (h, w) a server may announce (SIZES, on request)
+SIZES_CHUNK = 1 << 16  # (h, w) pairs one SIZES reply carries at most (512 KiB)
+SIZES_RATE = 64.0  # SIZES requests a session may make a second, sustained (a 2^24 table: 4 s)
+SIZES_BURST = 64.0  # ... and at once
+DIGEST_BYTES = 16  # ``sizes_digest``
 
 # A session's secret (16..32 random bytes): chosen by the client, bound by its HELLO, and
 # named by every message that acts for the session (TASK, CONTROL, HEARTBEAT, BYE). The
@@ -95,8 +109,8 @@ Tiles0 = Annotated[tuple[U63, ...], Len(0, MAX_TILES)]
 Tag = Annotated[bytes, Len(TAG_BYTES, TAG_BYTES)]
 Category = tuple[Annotated[int, In(0, MAX_LABEL)], Annotated[str, Len(0, MAX_CATEGORY_NAME)]]
 Categories = Annotated[tuple[Category, ...], Len(0, MAX_CATEGORIES)]
-SizeSide = Annotated[int, In(1, MAX_ORIG_SIDE)]
-Sizes = Annotated[tuple[tuple[SizeSide, SizeSide], ...], Len(0, MAX_SIZES)]
+SizesCount = Annotated[int, In(0, MAX_ANNOUNCED_SIZES)]
+Digest = Annotated[bytes, Len(0, DIGEST_BYTES)]
 FileName = Annotated[str, Len(0, MAX_FILE)]
 OrigSide = Annotated[int, In(0, MAX_ORIG_SIDE)]
 # How often the server asks a client to beat, in ms (0: it says nothing; the client keeps its
@@ -153,7 +167,7 @@ class Message(Struct, kw_only=True, omit_defaults=True):
             raise ProtocolError(f"{self.TYPE.name} carries no arrays, {len(arrays)} came")
 
 
-_NOT_HEADER = frozenset({"specs", "pixels", "boxes", "labels"})
+_NOT_HEADER = frozenset({"specs", "pixels", "boxes", "labels", "hw"})
 
 
 def decode(frames: Sequence[Any], with_arrays: bool = True) -> Message:
@@ -257,9 +271,12 @@ class Welcome(Message, kw_only=True):
     store_bytes: Annotated[int, In(0, 1 << 50)] = 0
     # The dataset's categories, its (label, name) pairs (none: it announces none).
     categories: Categories = ()
-    # The dataset's per-sample (h, w) as read, index by index (none: it announces none; a
-    # trainer groups batches by aspect with them: Ultralytics' rect validation).
-    sizes: Sizes = ()
+    # How many per-sample (h, w) the server answers SIZES for (0: it announces none;
+    # else the dataset's length), and the digest of the whole table (``sizes_digest``): a
+    # trainer groups batches by aspect with them (Ultralytics' rect validation), asking for
+    # them only then, in chunks; the digest ties the chunks to this dataset.
+    sizes_count: SizesCount = 0
+    sizes_digest: Digest = b""
     # How often to beat (the server's load sets it: ``dataserver.server.beats``; absent: an
     # older server, the client keeps its own interval).
     heartbeat_ms: BeatMs = 0
@@ -269,10 +286,23 @@ class Welcome(Message, kw_only=True):
         labels = {label for label, _ in self.categories}
         if len(labels) != len(self.categories):
             raise ProtocolError("field 'categories': a label is named twice")
-        if self.sizes and len(self.sizes) != self.dataset_len:
+        if self.sizes_count and self.sizes_count != self.dataset_len:
             raise ProtocolError(
-                f"field 'sizes': {len(self.sizes)} sizes for {self.dataset_len} samples"
+                f"field 'sizes_count': {self.sizes_count} sizes for {self.dataset_len} samples"
             )
+        if len(self.sizes_digest) != (DIGEST_BYTES if self.sizes_count else 0):
+            raise ProtocolError(
+                f"field 'sizes_digest': {len(self.sizes_digest)} bytes; {DIGEST_BYTES} with "
+                "sizes_count, none without"
+            )
+
+
+def sizes_digest(table: np.ndarray) -> bytes:
+    """The digest of a whole table of per-sample (h, w) (int32 (N, 2)) that WELCOME and
+    every SIZES reply carry: BLAKE2b of its little-endian bytes, so the table's length is in
+    it too."""
+    data = np.ascontiguousarray(table, dtype="<i4")
+    return hashlib.blake2b(data.data, digest_size=DIGEST_BYTES).digest()
 
 
 # ---------------------------------------------------------------------------- work
@@ -571,6 +601,50 @@ class Bye(Message, kw_only=True):
     auth: Auth | None = None  # client -> front
 
 
+class SampleSizes(Message, kw_only=True):
+    """Client -> front: the per-sample (h, w) of samples ``start`` .. ``start + count``
+    (``session``, ``auth``: asked for a session, charged to it). Front -> client: those
+    sizes, as one int32 (count, 2) array (``hw``, set by ``decode`` from its frame, never
+    from the header), each side 1..``MAX_ORIG_SIDE``, and ``digest``, the whole table's
+    (WELCOME's ``sizes_digest``). A request carries no array, a reply exactly one."""
+
+    TYPE: ClassVar[MsgType] = MsgType.SIZES
+    session: Session
+    auth: Auth | None = None  # a request's
+    start: Annotated[int, In(0, MAX_ANNOUNCED_SIZES - 1)]
+    count: Annotated[int, In(1, SIZES_CHUNK)]
+    digest: Digest = b""  # a reply's
+    hw: Any = None  # np.ndarray | None: a reply's (count, 2) int32
+
+    def encode(self) -> list[Any]:
+        """Frames: the header, then (a reply) the sizes array, not copied."""
+        if self.hw is None:
+            return Message.encode(msgspec.structs.replace(self, specs=()))
+        hw = np.ascontiguousarray(self.hw, dtype="<i4")
+        header = msgspec.structs.replace(self, specs=((hw.dtype.str, hw.shape),), hw=None)
+        return [MAGIC, bytes((int(self.TYPE),)), _ENCODER.encode(header), hw]
+
+    def _check(self, arrays: list[np.ndarray] | None) -> None:
+        self.hw = None
+        if self.start + self.count > MAX_ANNOUNCED_SIZES:
+            raise ProtocolError(
+                f"samples {self.start}..{self.start + self.count} exceed the "
+                f"{MAX_ANNOUNCED_SIZES} a server may announce"
+            )
+        if not arrays:  # a request (or a reply's head, its array unread)
+            return
+        if len(arrays) != 1:
+            raise ProtocolError(f"SIZES carries one array, {len(arrays)} came")
+        hw = arrays[0]
+        if hw.dtype != np.int32 or hw.shape != (self.count, 2):
+            raise ProtocolError(f"sizes must be int32 ({self.count}, 2): got {hw.dtype} {hw.shape}")
+        if len(self.digest) != DIGEST_BYTES:
+            raise ProtocolError(f"field 'digest': {len(self.digest)} bytes, not {DIGEST_BYTES}")
+        if int(hw.min()) < 1 or int(hw.max()) > MAX_ORIG_SIDE:
+            raise ProtocolError(f"sizes: a side is not 1..{MAX_ORIG_SIDE}")
+        self.hw = hw
+
+
 class Ready(Message, kw_only=True):
     """A worker is up; clients reach it at ``results`` (empty: only through the front)."""
 
@@ -618,11 +692,13 @@ __all__ = [
     "Message",
     "Ready",
     "Result",
+    "SampleSizes",
     "Stats",
     "Tally",
     "Task",
     "Welcome",
     "decode",
     "decode_head",
+    "sizes_digest",
     "steer_tag",
 ]

@@ -26,8 +26,9 @@ import msgpack
 import numpy as np
 
 # 4: session secrets (auth, tags); 5: per-task sizes, augment, mosaic; 6: pad_value and
-# letterbox in TASK, categories in WELCOME, files and orig_sizes in RESULT; partners in TASK
-PROTOCOL_VERSION = 6
+# letterbox in TASK, categories in WELCOME, files and orig_sizes in RESULT; partners in TASK;
+# 7: per-sample sizes on request (SIZES, in chunks), WELCOME's sizes_count and sizes_digest
+PROTOCOL_VERSION = 7
 MAGIC = b"DS" + str(PROTOCOL_VERSION).encode()
 
 MAX_FRAMES = 16
@@ -48,7 +49,8 @@ class MsgType(enum.IntEnum):
 
     Client <-> server:  HELLO -> WELCOME (handshake); TASK -> RESULT | ERROR | CANCELLED;
     CONTROL (on the control socket); HEARTBEAT both ways; STATS request -> STATS reply;
-    BYE ends a session. Front <-> worker: READY announces a worker (and its result
+    BYE ends a session; SIZES request -> SIZES reply (a chunk of the per-sample sizes).
+    Front <-> worker: READY announces a worker (and its result
     endpoint), then TASK, answered by RESULT or ERROR through the front, or by DONE when the
     worker sent the RESULT straight to the client; TALLY, now and then, what a worker's
     result socket refused (connections it shut down).
@@ -67,6 +69,7 @@ class MsgType(enum.IntEnum):
     READY = 11
     DONE = 12
     TALLY = 13
+    SIZES = 14
 
 
 def pack(mtype: MsgType, header: dict[str, Any], arrays: Sequence[np.ndarray] = ()) -> list[Any]:

@@ -32,6 +32,7 @@ from dataserver.protocol import (
     Hello,
     Message,
     ProtocolError,
+    SampleSizes,
     Stats,
     Task,
     Welcome,
@@ -39,6 +40,7 @@ from dataserver.protocol import (
     steer_tag,
 )
 from dataserver.security import owns, same_secret
+from dataserver.server.announce import Announced
 from dataserver.server.config import ServerConfig
 from dataserver.server.counts import Count, Reject
 from dataserver.server.outlet import Outlet
@@ -119,6 +121,7 @@ class Clients:
         heard: Callable[[int, bytes], None] = lambda fd, session: None,
         peer_of: Callable[[int, str], str] = lambda fd, address: address,
         beat_ms: Callable[[], int] = lambda: 0,
+        announced: Announced | None = None,
     ) -> None:
         self.config = config
         self.scheduler = scheduler
@@ -139,6 +142,7 @@ class Clients:
         self._heard = heard
         self._peer_of = peer_of
         self._beat_ms = beat_ms  # how often clients are told to beat now (``beats``)
+        self._announced = announced if announced is not None else Announced(None)
         self._owners: OrderedDict[bytes, str] = OrderedDict()  # identity -> CURVE user id
 
     def _refuse(self, reason: Reject, identity: bytes | None, detail: str, **ids: Any) -> None:
@@ -174,7 +178,7 @@ class Clients:
     def _authentic(
         self,
         identity: bytes,
-        msg: Task | Control | Heartbeat | Bye,
+        msg: Task | Control | Heartbeat | Bye | SampleSizes,
         ids: dict[str, Any] | None = None,
         quiet: bool = False,
     ) -> Session | None:
@@ -254,6 +258,8 @@ class Clients:
                     self.outlet.send_to(identity, Stats(stats=self._stats()))
             case Bye():
                 self._on_bye(identity, msg)
+            case SampleSizes():
+                self._on_sizes(identity, msg)
             case _:
                 self._refuse(
                     Reject.UNEXPECTED_TYPE, identity, f"{msg.TYPE.name} is not sent to a server"
@@ -270,6 +276,32 @@ class Clients:
             server_id=self._server_id, results=results, local=local, heartbeat_ms=self._beat_ms()
         )
         self.outlet.send_to(identity, beat)
+
+    def _on_sizes(self, identity: bytes, msg: SampleSizes) -> None:
+        """A session asks for a chunk of the per-sample sizes (``announce.py``): answered
+        within its rate and the outbox's bounds (else dropped, counted: it asks again);
+        sizes this server does not have are refused, answered."""
+        if msg.hw is not None:
+            self._refuse(Reject.UNEXPECTED_TYPE, identity, "a SIZES reply is not sent to a server")
+            return
+        session = self._authentic(identity, msg)
+        if session is None:
+            return
+        problem = self._announced.problem(msg.start, msg.count)
+        if problem is not None:
+            self._refuse(Reject.SIZES_RANGE, identity, problem, session=session.sid)
+            return
+        if not self._announced.allow(session.sid):
+            self.rejected.count(Reject.SIZES_RATE)
+            return
+        refused = self.outlet.send_charged(
+            session, self._announced.chunk(session.sid, msg.start, msg.count)
+        )
+        if refused is None:
+            self.counters.count(Count.SIZE_CHUNKS)
+        else:
+            self.rejected.count(Reject.SIZES_RATE)
+            log.debug("SIZES not answered: %s", refused)
 
     def _on_bye(self, identity: bytes, msg: Bye) -> None:
         if msg.session is not None and self._authentic(identity, msg, quiet=True):

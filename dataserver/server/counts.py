@@ -41,6 +41,7 @@ class Count(StrEnum):
     CONTROLS = "controls"
     CONTROLS_OVERTAKEN = "controls_overtaken"  # older than the session's: nothing to do
     CONTROLS_AFTER_CLOSE = "controls_after_close"  # published before its BYE, came after
+    SIZE_CHUNKS = "size_chunks"  # SIZES requests answered (``announce.py``)
     # tasks and their answers
     TASKS_DONE = "tasks_done"
     TASKS_FAILED = "tasks_failed"
@@ -95,6 +96,10 @@ class Reject(StrEnum):
     QUEUE_BYTES = "queue_bytes"
     CONTROL_MISSING = "control_missing"
     STATS_RATE = "stats_rate"
+    # SIZES: beyond the session's rate, or its unread results (dropped unanswered: the
+    # client asks again); asking for sizes the server does not have (answered)
+    SIZES_RATE = "sizes_rate"
+    SIZES_RANGE = "sizes_range"
     # the control socket
     CONTROL_MALFORMED = "control_malformed"
     CONTROL_UNEXPECTED_TYPE = "control_unexpected_type"

@@ -35,6 +35,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
@@ -43,6 +44,7 @@ from dataserver.counting import Counts
 from dataserver.loop import MessageGuard, StopFlag, serve
 from dataserver.protocol import Bye, ProtocolError, Stats, Welcome, decode
 from dataserver.security import host_proof, start_server_curve
+from dataserver.server.announce import Announced
 from dataserver.server.beats import BeatRule
 from dataserver.server.capacity import session_cap
 from dataserver.server.clients import Clients
@@ -138,18 +140,19 @@ class Front:
         fingerprint: str,
         deterministic: bool = True,
         categories: tuple[tuple[int, str], ...] = (),
-        sizes: tuple[tuple[int, int], ...] = (),
+        sizes: np.ndarray | None = None,
     ) -> None:
         """``deterministic``: the dataset says its ``__getitem__`` is a pure function of
         the index (``deterministic = True``); only then may the store keep its output.
         ``categories``: the dataset's (label, name) pairs, checked (announced in WELCOME);
-        ``sizes``: its per-sample (h, w), checked (announced in WELCOME)."""
+        ``sizes``: its per-sample (h, w), checked (``spec.dataset_sizes``): their count and
+        digest announced in WELCOME, the table answered on request (``announce.py``)."""
         self.config = config
         self.dataset_len = dataset_len
         self.fingerprint = fingerprint
         self.deterministic = deterministic
         self.categories = categories
-        self.sizes = sizes
+        self.announced = Announced(sizes)
         self.server_id = uuid.uuid4().hex[:12]
         self.n_workers = config.worker_count()
         # Credit per client: PIPELINE tasks at each worker plus as many again queued here,
@@ -216,6 +219,7 @@ class Front:
             heard=self.conns.heard,
             peer_of=self.conns.peer_of,
             beat_ms=lambda: self.beats.interval_ms,
+            announced=self.announced,
         )
         # What the metrics' HTTP thread reads: the view housekeeping last published (one
         # reference, replaced whole; the view itself never changes).
@@ -515,7 +519,8 @@ class Front:
             local_proof=host_proof(self.local_token, nonce, session) if nonce and local else b"",
             store_bytes=self.store.capacity if self.store is not None else 0,
             categories=self.categories,
-            sizes=self.sizes,
+            sizes_count=self.announced.count,
+            sizes_digest=self.announced.digest,
             heartbeat_ms=self.beats.interval_ms,
         )
 

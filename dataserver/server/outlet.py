@@ -65,6 +65,20 @@ class Outlet:
         """``msg`` to where ``session`` last spoke from."""
         self.send_to(session.identity, msg)
 
+    def send_charged(self, session: Session, msg: Message) -> str | None:
+        """``msg`` (a reply with one large array frame: SIZES) to ``session``, charged to it
+        within the outbox's bounds as a forwarded result is; why it was not sent, or None."""
+        frames = msg.encode()
+        nbytes = len(memoryview(frames[3]).cast("B")) if len(frames) > 3 else 0
+        refused = self._outbox.refuse(session.sid, nbytes)
+        if refused is not None:
+            return refused
+        big = tracked(frames[3]) if len(frames) > 3 else None
+        out = [*frames[:3], big, *frames[4:]] if big is not None else frames
+        if self._send(self._data, session.identity, out) and big is not None:
+            self._outbox.sent(session.sid, nbytes, big.tracker)
+        return None
+
     def forward_result(self, session: Session, frames: list[Any], landed: bool) -> None:
         """A worker's RESULT that could not go straight to its client: send it on, within
         the outbox's bounds (beyond them the client is told, and asks again)."""

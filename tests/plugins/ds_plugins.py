@@ -3,6 +3,7 @@ the servers' PYTHONPATH by conftest)."""
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import sys
@@ -337,3 +338,60 @@ def yolo_blocks(images: int = 64, seed: int = 0, categories: bool = True) -> Any
     from dataserver.data.yolo_set import YoloSet
 
     return YoloSet(Blocks(images, seed, categories))
+
+
+def sized_shapes(n: int, sort: bool = True) -> np.ndarray:
+    """The (h, w) of ``sized(n)``'s images, index by index: 24..151 a side from a hash of
+    the index, sorted by aspect (h / w) as a rect val set is unless ``sort`` is False
+    (int32 (n, 2); about a second at 2^24 unsorted)."""
+    i = np.arange(n, dtype=np.uint64)
+    mixed = (i * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(40)
+    h = (mixed & np.uint64(127)).astype(np.int32) + 24
+    w = ((mixed >> np.uint64(8)) & np.uint64(127)).astype(np.int32) + 24
+    if not sort:
+        return np.stack([h, w], axis=1)
+    order = np.argsort(h / w, kind="stable")
+    return np.stack([h[order], w[order]], axis=1)
+
+
+class Sized:
+    """A rect val set of ``n`` images that announces ``sizes`` (``sized_shapes``, computed
+    when first asked: a server of 2^24 that serves no sample builds it once): image i is read at
+    that size (a flat colour naming i) and, as ``yolo_set``'s mode "val", resized so its
+    long side is ``imgsz`` (never mirrored, ``scaleup = False``), with ``file`` and
+    ``orig_size``; one box in its middle, label 0. No file is read; nothing is made until a
+    sample is."""
+
+    deterministic = True
+    scaleup = False
+    categories = [(0, "thing")]
+
+    def __init__(self, n: int, imgsz: int, sort: bool) -> None:
+        self.n, self.imgsz, self.sort = n, imgsz, sort
+        self._sizes: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return self.n
+
+    @property
+    def sizes(self) -> np.ndarray:
+        if self._sizes is None:
+            self._sizes = sized_shapes(self.n, self.sort)
+        return self._sizes
+
+    def __getitem__(self, index: int) -> Any:
+        from dataserver.data.sample import Sample
+
+        h0, w0 = (int(v) for v in self.sizes[index])
+        r = self.imgsz / max(h0, w0)
+        h, w = h0, w0
+        if r != 1:
+            h, w = min(math.ceil(h0 * r), self.imgsz), min(math.ceil(w0 * r), self.imgsz)
+        image = np.empty((h, w, 3), np.uint8)
+        image[:] = colour_of(index)
+        box = np.array([[w / 4, h / 4, 3 * w / 4, 3 * h / 4]], np.float32)
+        return Sample(image, box, np.zeros(1, np.int64), f"{index:08d}.jpg", (h0, w0))
+
+
+def sized(n: int = 80_000, imgsz: int = 64, sort: bool = True) -> Sized:
+    return Sized(n, imgsz, sort)

@@ -489,7 +489,7 @@ def val_loader(
     if rect and problem is None and "letterbox" in extra:
         client.control(**{CONTROL_KEY: {"imgsz": imgsz}})  # (the val set checks it is its own)
         shapes = rect_plan(
-            client.sizes, seed=int(args.seed), rank=r, world=world, batch=int(batch_size),
+            client.size_array(), seed=int(args.seed), rank=r, world=world, batch=int(batch_size),
             imgsz=imgsz, stride=int(stride), limit=None if limit is None else -(-limit // world),
         )  # fmt: skip
         start_rect(client, shapes, imgsz)

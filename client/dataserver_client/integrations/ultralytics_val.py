@@ -1,6 +1,6 @@
 """Rect validation batches for ``DataServerTrainer``/``DataServerValidator``: what
 Ultralytics' own val loader (``build_yolo_dataset(..., mode="val")``, ``rect``) makes, from
-a val dataset that announces its images' sizes (``client.sizes``) and serves them as
+a val dataset that announces its images' sizes (``client.size_array()``) and serves them as
 ``load_image`` reads them: ``dataserver.data.yolo_set:yolo_set`` with ``"mode": "val"``
 (aspect order, long side resized to ``imgsz``, never mirrored or enlarged).
 
@@ -38,23 +38,35 @@ def load_size(h0: int, w0: int, imgsz: int) -> tuple[int, int]:
 
 
 def batch_shapes(
-    sizes: Sequence[tuple[int, int]], batch: int, imgsz: int, stride: int, pad: float = RECT_PAD
+    sizes: Sequence[tuple[int, int]] | np.ndarray,
+    batch: int,
+    imgsz: int,
+    stride: int,
+    pad: float = RECT_PAD,
 ) -> list[tuple[int, int]]:
     """(H, W) of each batch of ``batch`` consecutive images of ``sizes`` (h, w), as
-    ``YOLODataset.set_rectangle`` computes them (the same float operations)."""
-    s = np.array(sizes, dtype=np.float64).reshape(-1, 2)
+    ``YOLODataset.set_rectangle`` computes them (the same float operations, every batch at
+    once: the last one's missing images are left out of its min and max)."""
+    s = np.asarray(sizes, dtype=np.float64).reshape(-1, 2)
     ar = s[:, 0] / s[:, 1]
-    shapes: list[list[float]] = []
-    for start in range(0, len(ar), batch):
-        ari = ar[start : start + batch]
-        mini, maxi = ari.min(), ari.max()
-        shapes.append([maxi, 1] if maxi < 1 else [1, 1 / mini] if mini > 1 else [1, 1])
-    out = np.ceil(np.array(shapes) * imgsz / stride + pad).astype(int) * stride
+    n = -(-len(ar) // batch)
+    if n == 0:
+        return []
+    padded = np.full(n * batch, np.nan)
+    padded[: len(ar)] = ar
+    grid = padded.reshape(n, batch)
+    mini, maxi = np.nanmin(grid, axis=1), np.nanmax(grid, axis=1)
+    shapes = np.ones((n, 2))
+    tall = maxi < 1
+    wide = ~tall & (mini > 1)
+    shapes[tall, 0] = maxi[tall]
+    shapes[wide, 1] = 1 / mini[wide]
+    out = np.ceil(shapes * imgsz / stride + pad).astype(int) * stride
     return [(int(h), int(w)) for h, w in out.reshape(-1, 2)]
 
 
 def rect_plan(
-    sizes: Sequence[tuple[int, int]],
+    sizes: Sequence[tuple[int, int]] | np.ndarray,
     *,
     seed: int,
     rank: int,
@@ -69,18 +81,21 @@ def rect_plan(
 
     Exempt from the epoch order's "nothing grows with the dataset" (the design notes' scale
     section): a rect plan is made of every image's size, which the val dataset announces
-    one by one (``client.sizes``, sorted by aspect by ``yolo_set``), so it is O(N) by what
-    it is; val sets are small. Its shard is built whole (``[:limit]``) for that reason."""
-    mine = shard_of(epoch_order(len(sizes), seed, 0, False), rank, world, False)[:limit]
-    return batch_shapes([sizes[i] for i in mine.tolist()], batch, imgsz, stride)
+    one by one (``client.size_array()``, sorted by aspect by ``yolo_set``), so it is O(N) by
+    what it is (vectorized: 2^24 sizes in seconds). Its shard is built whole (``[:limit]``)
+    for that reason."""
+    table = np.asarray(sizes, dtype=np.int64).reshape(-1, 2)
+    mine = shard_of(epoch_order(len(table), seed, 0, False), rank, world, False)[:limit]
+    return batch_shapes(table[np.asarray(mine, dtype=np.int64)], batch, imgsz, stride)
 
 
 def rect_problem(client: Any, imgsz: int) -> str | None:
-    """Why ``client``'s dataset cannot be served as rect batches, or None."""
-    sizes = getattr(client, "sizes", None)
-    if sizes is None:
+    """Why ``client``'s dataset cannot be served as rect batches, or None (asks the
+    servers for the sizes: ``client.size_array()``)."""
+    table = getattr(client, "size_array", None)
+    if table is None:
         return "this client cannot read the dataset's sizes"
-    if not sizes:
+    if len(table()) == 0:
         return (
             "the val dataset announces no image sizes (serve it with "
             'dataserver.data.yolo_set:yolo_set and "mode": "val" for rect batches)'
