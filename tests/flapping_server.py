@@ -1,7 +1,7 @@
 """A fake server that re-handshakes in a loop (a flapping link, a crash-looping pod): the
 scale bench's fake (``dataserver.bench.scale``: every TASK answered at once), announcing
-``--samples`` samples with their sizes, that sends its WELCOME again to every session it
-greeted ``--hz`` times a second; ``--new-id`` gives each WELCOME a new ``server_id`` (a
+``--samples`` samples with their sizes (their count and digest, as servers announce them),
+that sends its WELCOME again to every session it greeted ``--hz`` times a second; ``--new-id`` gives each WELCOME a new ``server_id`` (a
 process that restarts each time). ``python flapping_server.py [--hz N] [--new-id]``:
 prints ``{"address": ...}``, serves until SIGTERM."""
 
@@ -15,10 +15,11 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import zmq
 
 from dataserver.bench.scale import _Fake
-from dataserver.protocol import Hello, Welcome, decode
+from dataserver.protocol import Hello, Welcome, decode, sizes_digest
 
 
 @dataclass(eq=False)
@@ -38,7 +39,8 @@ class Flapping(_Fake):
             credit=base.credit,
             control=base.control,
             results=base.results,
-            sizes=((48, 64),) * self.samples,
+            sizes_count=self.samples,
+            sizes_digest=sizes_digest(np.full((self.samples, 2), (48, 64), dtype=np.int32)),
         )
 
     def on_front(self, frames: list[Any]) -> None:
