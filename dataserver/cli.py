@@ -12,6 +12,7 @@ import zmq
 
 from dataserver import __version__
 from dataserver.admin import fetch_stats
+from dataserver.data.remote import DEFAULT_FETCH_CACHE_GB, DEFAULT_MAX_FETCHES
 from dataserver.data.spec import DEFAULT_SPEC, SpecError
 from dataserver.protocol import ProtocolError
 from dataserver.server.config import (
@@ -75,6 +76,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         metrics_bind=args.metrics_bind,
         idle_timeout=args.idle_timeout,
         heartbeat_rate=args.heartbeat_rate,
+        fetch_cache=args.fetch_cache,
+        fetch_cache_gb=args.fetch_cache_gb,
+        max_fetches=args.max_fetches,
     )
 
     def announce(front: Any) -> None:
@@ -322,6 +326,28 @@ def _add_serve(sub: Any) -> None:
         help="heartbeats a second this server asks of all its sessions together: clients are "
         "told to beat every sessions/N s (0.5 to 10 s, at most a third of --session-ttl and "
         f"--idle-timeout) (default {DEFAULT_HEARTBEAT_RATE:g})",
+    )
+    p.add_argument(
+        "--fetch-cache",
+        default=None,
+        metavar="DIR",
+        help="keep bytes fetched from object stores (s3://, gs://, az://, http(s)://) in DIR on "
+        "local disk, across restarts (default: in memory)",
+    )
+    p.add_argument(
+        "--fetch-cache-gb",
+        type=float,
+        default=DEFAULT_FETCH_CACHE_GB,
+        metavar="N",
+        help="the fetch cache's size, all workers together (0: none) "
+        f"(default {DEFAULT_FETCH_CACHE_GB:g})",
+    )
+    p.add_argument(
+        "--max-fetches",
+        type=int,
+        default=DEFAULT_MAX_FETCHES,
+        metavar="N",
+        help=f"object-store requests in flight per worker (default {DEFAULT_MAX_FETCHES})",
     )
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=cmd_serve)

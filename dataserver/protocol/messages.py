@@ -76,6 +76,7 @@ MAX_CATEGORIES = 4096  # (label, name) pairs a WELCOME may announce
 MAX_CATEGORY_NAME = 256  # characters of one category's name
 MAX_FILE = 1024  # characters of a sample's file name in a RESULT
 MAX_ORIG_SIDE = 1 << 20  # a sample's original side, as it says (0: unknown)
+MAX_FETCH_TIMES = 4096  # GET latencies one TALLY may carry
 MAX_SIZES = 1 << 16  # per-sample (h, w) a WELCOME may announce (aspect-grouped batches)
 
 # A session's secret (16..32 random bytes): chosen by the client, bound by its HELLO, and
@@ -590,13 +591,23 @@ class Ready(Message, kw_only=True):
 class Tally(Message, kw_only=True):
     """A worker's result connections shut down since its last TALLY, by reason (its
     ``results_budget``, ``--idle-timeout``, a message never finished): the front adds them
-    to its ``rejected`` counters as ``results_<reason>``."""
+    to its ``rejected`` counters as ``results_<reason>``. Also what it fetched from object
+    stores since (``fetches``...: the front's counters of those names) and each GET's
+    latency in microseconds (at most ``MAX_FETCH_TIMES``: the metric
+    ``dataserver_fetch_seconds``)."""
 
     TYPE: ClassVar[MsgType] = MsgType.TALLY
     worker: Annotated[int, In(0, MAX_WORKERS)]
     idle_dropped: U63 = 0
     over_limit_dropped: U63 = 0
     unfinished_dropped: U63 = 0
+    fetches: U63 = 0
+    fetch_bytes: U63 = 0
+    fetch_retries: U63 = 0
+    fetch_errors: U63 = 0
+    fetch_us: Annotated[
+        tuple[Annotated[int, In(0, MAX_US)], ...], Meta(max_length=MAX_FETCH_TIMES)
+    ] = ()
 
 
 MESSAGES: dict[MsgType, type[Message]] = {c.TYPE: c for c in Message.__subclasses__()}

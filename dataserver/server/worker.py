@@ -42,6 +42,7 @@ import zmq
 
 from dataserver.counting import Counts
 from dataserver.data.pipeline import Recipe
+from dataserver.data.remote import FetchSettings, FetchTally, configure, fetcher_if_used
 from dataserver.data.sample import SampleError
 from dataserver.data.spec import build_dataset, parse_spec
 from dataserver.landing import landing_socket
@@ -59,6 +60,7 @@ from dataserver.protocol import (
     Task,
     decode,
 )
+from dataserver.protocol.messages import MAX_FETCH_TIMES
 from dataserver.security import reply_id
 from dataserver.server.compose import Composer, TaskClock
 from dataserver.server.config import WorkerConfig
@@ -203,7 +205,7 @@ class Worker:
         events = dict(poller.poll(POLL_MS))
         if results is not None:
             guard.run("worker.claims", results.read_claims)
-            self._tally(sock, results)
+        self._tally(sock, results)
         for fd in fds & events.keys():
             guard.run("worker.landing", self.landings.on_readable, fd)
         if sock in events:
@@ -214,20 +216,27 @@ class Worker:
             guard.run("worker.message", self._on_frames, frames, sock, results)
         return fds
 
-    def _tally(self, sock: zmq.Socket[Any], results: DirectResults) -> None:
-        """Tell the front the result connections shut down since the last TALLY (at most
-        once a second, and only when there are some)."""
+    def _tally(self, sock: zmq.Socket[Any], results: DirectResults | None) -> None:
+        """Tell the front the result connections shut down and what was fetched since the
+        last TALLY (at most once a second, and only when there is something to tell)."""
         now = time.monotonic()
         if now < self._next_tally:
             return
         self._next_tally = now + TALLY_S
-        dropped = results.conns.take_dropped()
-        if dropped:
+        dropped = results.conns.take_dropped() if results is not None else {}
+        used = fetcher_if_used()
+        fetched = used.take_tally() if used is not None else FetchTally()
+        if dropped or fetched:
             tally = Tally(
                 worker=self.worker_id,
                 idle_dropped=dropped.get(Reject.RESULTS_IDLE_DROPPED, 0),
                 over_limit_dropped=dropped.get(Reject.RESULTS_OVER_LIMIT_DROPPED, 0),
                 unfinished_dropped=dropped.get(Reject.RESULTS_UNFINISHED_DROPPED, 0),
+                fetches=fetched.fetches,
+                fetch_bytes=fetched.bytes,
+                fetch_retries=fetched.retries,
+                fetch_errors=fetched.errors,
+                fetch_us=tuple(int(s * 1e6) for s in fetched.seconds[:MAX_FETCH_TIMES]),
             )
             sock.send_multipart(tally.encode(), zmq.NOBLOCK)
 
@@ -416,6 +425,16 @@ def main(argv: list[str] | None = None) -> int:
     keep_large_blocks()
     cv2.setNumThreads(1)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+
+    configure(
+        FetchSettings(
+            cache_dir=config.fetch_cache,
+            cache_where=config.fetch_where,
+            cache_bytes=config.fetch_cache_bytes,
+            share=(config.worker_id, max(1, config.fetch_slots)),
+            max_fetches=config.max_fetches,
+        )
+    )
 
     def build() -> Any:
         return build_dataset(parse_spec(config.dataset, config.dataset_args))
