@@ -93,6 +93,10 @@ class FetchSettings:
     budget_start: float = 50.0  # retry tokens at start; +budget_per_fetch per success
     budget_per_fetch: float = 0.2
     budget_max: float = 200.0
+    # A store that cannot be reached (refused, reset before an answer) is waited for, not
+    # given up on, this long: it went away and comes back (the client's ``timeout`` is
+    # what bounds the wait of a trainer); then the sample's error.
+    outage_s: float = 120.0
 
 
 @dataclass
@@ -228,6 +232,7 @@ class Fetcher:
         store = self._store(root)
         s = self.settings
         attempt = 0
+        first_failure = 0.0
         while True:
             began = time.perf_counter()
             try:
@@ -240,7 +245,10 @@ class Fetcher:
             except Exception as exc:
                 kind = "short" if "short body" in str(exc) else _kind(exc)
                 attempt += 1
-                if kind not in _RETRYABLE or attempt >= s.attempts or not self._budget.take():
+                first_failure = first_failure or began
+                if kind == "connection" and began - first_failure < s.outage_s:
+                    attempt = min(attempt, s.attempts - 1)  # (gone: waited for, not budgeted)
+                elif kind not in _RETRYABLE or attempt >= s.attempts or not self._budget.take():
                     with self._lock:
                         self._tally.errors += 1
                     raise FetchError(url, kind, _scrub(str(exc))) from None
