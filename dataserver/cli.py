@@ -111,6 +111,24 @@ def cmd_synth(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_shards(args: argparse.Namespace) -> int:
+    from dataserver.data.shards import write_shards
+
+    if args.shard_mb <= 0:
+        return _fail("dataserver shards", f"--shard-mb must be > 0, got {args.shard_mb}")
+    try:
+        paths = write_shards(args.annotations, args.image_dir, args.out_dir, args.shard_mb)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return _fail("dataserver shards", f"cannot write shards of {args.annotations}: {exc}")
+    last = f"{len(paths) - 1:06d}"
+    print(
+        f"wrote {len(paths)} shards and categories.json into {args.out_dir}; serve them with "
+        f"--dataset 'wds:{args.out_dir}/shard-{{000000..{last}}}.tar' (or upload the folder "
+        "and give its URL)"
+    )
+    return 0
+
+
 # ---------------------------------------------------------------------- stats
 
 
@@ -200,6 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _add_serve(sub)
     _add_synth(sub)
+    _add_shards(sub)
     _add_demo(sub)
     _add_stats(sub)
     _add_keygen(sub)
@@ -361,6 +380,18 @@ def _add_synth(sub: Any) -> None:
     p.add_argument("--images", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_synth)
+
+
+def _add_shards(sub: Any) -> None:
+    p = sub.add_parser(
+        "shards",
+        help="write a local COCO set as WebDataset tar shards (KEY.jpg + KEY.json) for wds:",
+    )
+    p.add_argument("annotations", help="the COCO annotations.json")
+    p.add_argument("out_dir")
+    p.add_argument("--image-dir", default=None, help="(default: the annotation file's folder)")
+    p.add_argument("--shard-mb", type=float, default=100.0, help="about this much a shard")
+    p.set_defaults(func=cmd_shards)
 
 
 def _add_demo(sub: Any) -> None:

@@ -25,7 +25,7 @@ from conftest import Server, run_epoch_collecting_errors, server_env, wait_until
 from objstore import ACCESS_KEY, SECRET_KEY, ObjectStore
 
 from dataserver.data.coco import write_synthetic_coco
-from dataserver.data.shards import ShardDataset, write_shards
+from dataserver.data.shards import ShardDataset
 from dataserver.data.spec import parse_spec
 
 pytestmark = pytest.mark.timeout(240)
@@ -39,7 +39,11 @@ class Sets:
 
     def __init__(self, root: Path, store: ObjectStore) -> None:
         write_synthetic_coco(root / "coco", images=IMAGES, seed=2)
-        paths = write_shards(str(root / "coco" / "annotations.json"), None, str(root / "wds"), 0.02)
+        ann = str(root / "coco" / "annotations.json")
+        cmd = [sys.executable, "-m", "dataserver.cli", "shards", ann, str(root / "wds")]
+        proc = subprocess.run([*cmd, "--shard-mb", "0.05"], capture_output=True, text=True)
+        assert proc.returncode == 0 and "shard-{000000.." in proc.stdout, proc.stderr
+        paths = sorted(root.glob("wds/shard-*.tar"))
         last = len(paths) - 1
         self.local_coco = f"coco:{root}/coco/annotations.json"
         self.local_wds = f"wds:{root}/wds/shard-{{000000..{last:06d}}}.tar"
