@@ -22,8 +22,8 @@ import pytest
 from batches import Epoch, epoch_by_index
 from clients import make_client
 from conftest import Server, run_epoch_collecting_errors, server_env, wait_until
-from objstore import ACCESS_KEY, SECRET_KEY, ObjectStore
 
+from dataserver.bench.objstore import ACCESS_KEY, SECRET_KEY, ObjectStore
 from dataserver.data.coco import write_synthetic_coco
 from dataserver.data.shards import ShardDataset
 from dataserver.data.spec import parse_spec

@@ -1,12 +1,14 @@
-"""A real S3 API for the tests, as processes of their own: moto's S3 app under waitress
+"""A real S3 API for the tests and ``dataserver bench --only remote``, as processes of their own: moto's S3 app under waitress
 (keep-alive; its stock ``moto_server`` closes every connection), and in front of it a
 small TCP proxy that delays what the store sends back (the latency a network would add:
 this kernel has no netem), answers a share of requests 503 SlowDown (throttling), and
 refuses a request signed with another access key id than the one it is told (moto checks
 no signature: the proxy is the store's gatekeeper).
 
-    python tests/objstore.py store                       prints "port N", serves
-    python tests/objstore.py proxy UPSTREAM_PORT --delay-ms 30 --fail-every 7 --key AKID
+    python -m dataserver.bench.objstore store            prints "port N", serves
+    python -m dataserver.bench.objstore proxy UPSTREAM_PORT --delay-ms 30 --fail-every 7 --key AKID
+
+It needs moto's server extra and waitress (the ``test`` extra).
 
 ``ObjectStore`` (a context manager) runs both, uploads, and always stops them; it can
 kill the store and start it again on the same port (its contents uploaded again: moto
@@ -23,7 +25,6 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
 
@@ -42,13 +43,47 @@ def _slowdown(status: str, code: str) -> bytes:
     ).encode()
 
 
-async def _proxy(upstream: int, delay: float, fail_every: int, key: str) -> None:
-    served = 0
+class _Proxy:
+    """One proxy: each connection forwarded to the store, what comes back delayed."""
 
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        nonlocal served
+    def __init__(self, upstream: int, delay: float, fail_every: int, key: str) -> None:
+        self.upstream = upstream
+        self.delay = delay
+        self.fail_every = fail_every
+        self.key = key
+        self.served = 0
+
+    def _answer(self, head: bytes) -> bytes | None:
+        """The proxy's own answer to a request (a refusal, throttling), or None: forward."""
+        self.served += 1
+        cred = _CREDENTIAL.search(head)
+        if self.key and cred is not None and cred.group(1).decode() != self.key:
+            return _slowdown("403 Forbidden", "InvalidAccessKeyId")
+        if self.fail_every and self.served % self.fail_every == 0:
+            return _slowdown("503 Slow Down", "SlowDown")
+        return None
+
+    async def _to_store(
+        self,
+        reader: asyncio.StreamReader,
+        up_w: asyncio.StreamWriter,
+        back: asyncio.Queue[tuple[float, bytes] | None],
+    ) -> None:
+        """Requests forwarded whole (head and body), or answered here (``_answer``)."""
+        while True:
+            head = await reader.readuntil(b"\r\n\r\n")
+            m = _LENGTH.search(head)
+            body = await reader.readexactly(int(m.group(1))) if m else b""
+            answer = self._answer(head)
+            if answer is not None:
+                await back.put((time.monotonic(), answer))
+            else:
+                up_w.write(head + body)
+                await up_w.drain()
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            up_r, up_w = await asyncio.open_connection("127.0.0.1", upstream)
+            up_r, up_w = await asyncio.open_connection("127.0.0.1", self.upstream)
         except OSError:
             writer.close()  # the store is gone: the client sees the connection closed
             return
@@ -62,33 +97,19 @@ async def _proxy(upstream: int, delay: float, fail_every: int, key: str) -> None
         async def to_client() -> None:
             while (item := await back.get()) is not None:
                 at, data = item
-                await asyncio.sleep(max(0.0, at + delay - time.monotonic()))
+                await asyncio.sleep(max(0.0, at + self.delay - time.monotonic()))
                 writer.write(data)
                 await writer.drain()
             writer.close()
 
-        async def to_store() -> None:
-            nonlocal served
-            while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                m = _LENGTH.search(head)
-                body = await reader.readexactly(int(m.group(1))) if m else b""
-                served += 1
-                cred = _CREDENTIAL.search(head)
-                if key and cred is not None and cred.group(1).decode() != key:
-                    await back.put(
-                        (time.monotonic(), _slowdown("403 Forbidden", "InvalidAccessKeyId"))
-                    )
-                elif fail_every and served % fail_every == 0:
-                    await back.put((time.monotonic(), _slowdown("503 Slow Down", "SlowDown")))
-                else:
-                    up_w.write(head + body)
-                    await up_w.drain()
-
-        tasks = [asyncio.ensure_future(f()) for f in (from_store, to_client, to_store)]
+        tasks = [
+            asyncio.ensure_future(from_store()),
+            asyncio.ensure_future(to_client()),
+            asyncio.ensure_future(self._to_store(reader, up_w, back)),
+        ]
         try:
             await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-            await asyncio.sleep(delay + 0.05)  # (what the store sent is still delivered)
+            await asyncio.sleep(self.delay + 0.05)  # (what the store sent is still delivered)
         except Exception:
             pass
         finally:
@@ -97,7 +118,10 @@ async def _proxy(upstream: int, delay: float, fail_every: int, key: str) -> None
             up_w.close()
             writer.close()
 
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+
+async def _proxy(upstream: int, delay: float, fail_every: int, key: str) -> None:
+    proxy = _Proxy(upstream, delay, fail_every, key)
+    server = await asyncio.start_server(proxy.handle, "127.0.0.1", 0)
     print(f"port {server.sockets[0].getsockname()[1]}", flush=True)
     async with server:
         await server.serve_forever()
@@ -134,7 +158,7 @@ class _Process:
 
     def __init__(self, *args: str) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, __file__, *args],
+            [sys.executable, "-m", "dataserver.bench.objstore", *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
             text=True,
@@ -250,12 +274,6 @@ class ObjectStore:
         self._bucket()
         for key, data in list(self.objects.items()):
             self.put(key, data)
-
-
-def objects(delay_ms: float = 30.0, fail_every: int = 0) -> Iterator[ObjectStore]:
-    """A fixture's body: an ``ObjectStore`` running for the duration, always stopped."""
-    with ObjectStore(delay_ms, fail_every) as store:
-        yield store
 
 
 if __name__ == "__main__":
