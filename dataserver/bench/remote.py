@@ -97,11 +97,33 @@ def fig_remote(args: argparse.Namespace, spec: str, progress: Progress) -> dict[
             saved = dict(os.environ)
             os.environ.update(store.env())  # (the servers' environment: never on the wire)
             try:
+                names = sorted(p.name for p in Path(ann).parent.glob("*.jpg"))
+                rate = _store_rate([f"{loose}{n}" for n in names])
+                progress(f"the store's own GET rate: {rate:,.0f} GETs/s")
                 runs = rounds(args, progress, {k: _side(args, v) for k, v in specs.items()})
             finally:
                 os.environ.clear()
                 os.environ.update(saved)
-    return _figures(runs, len(paths))
+    out = _figures(runs, len(paths))
+    out["store_gets_per_s"] = round(rate, 1)
+    for side in ("loose", "shards"):
+        bound = min(rate, out["local_epoch1_images_per_s"])
+        out[f"{side}_epoch1_vs_bound"] = round(out[f"{side}_epoch1_images_per_s"] / bound, 3)
+    return out
+
+
+def _store_rate(urls: list[str], threads: int = 32) -> float:
+    """GETs a second the store answers (behind its latency) to ``threads`` readers in
+    this process: the bound on a first epoch when it is below local disk's rate."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from dataserver.data.remote import Fetcher, FetchSettings
+
+    fetcher = Fetcher(FetchSettings(max_fetches=threads))
+    began = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(fetcher.read_uncached, urls))
+    return len(urls) / (time.perf_counter() - began)
 
 
 def _side(args: argparse.Namespace, spec: str) -> Any:

@@ -28,6 +28,7 @@ import random
 import re
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ DEFAULT_FETCH_CACHE_GB = 1.0
 # The variables whose values never appear in an error (whatever a store's error said).
 _SECRET_ENV = re.compile(r"(KEY|SECRET|TOKEN|PASSWORD|CREDENTIAL|SAS)", re.IGNORECASE)
 _RETRYABLE = frozenset({"throttled", "timeout", "server", "connection", "short", "other"})
+HELD_PER_FETCH = 4  # prefetches kept unread, per request in flight
 TALLY_SECONDS = 4096  # at most this many latencies kept between two takes
 
 
@@ -188,8 +190,10 @@ class Fetcher:
         self._lock = threading.Lock()  # stores, pending, the tally
         self._budget = _Budget(settings)
         self._tally = FetchTally()
-        self._pending: dict[str, Future[bytes]] = {}
-        self._pending_bytes = 0
+        # Prefetches, running or done and not yet read (read once, then forgotten; the
+        # oldest done ones beyond ``HELD_PER_FETCH`` x max_fetches are dropped unread).
+        self._pending: OrderedDict[str, Future[bytes]] = OrderedDict()
+        self._pending_bytes = 0  # known bytes of those still running
         self._pool: ThreadPoolExecutor | None = None
         self.cache: ByteCache | None = None
         if settings.cache_dir is not None and settings.cache_bytes > 0:
@@ -291,7 +295,7 @@ class Fetcher:
         if data is not None:
             return data
         with self._lock:
-            pending = self._pending.get(key)
+            pending = self._pending.pop(key, None)
         if pending is not None:
             try:
                 return pending.result()
@@ -324,14 +328,22 @@ class Fetcher:
                 future = self._pool.submit(self._fetch_and_keep, key, url, start, length)
                 self._pending[key] = future
                 self._pending_bytes += length or 0
+                self._trim()
             future.add_done_callback(partial(self._settle, key, length or 0))
             started += 1
         return started
 
     def _settle(self, key: str, nbytes: int, _done: Future[bytes]) -> None:
         with self._lock:
-            self._pending.pop(key, None)
             self._pending_bytes -= nbytes
+
+    def _trim(self) -> None:
+        """Forget the oldest finished prefetches nobody read (a task cancelled, a sample
+        the store had after all), beyond what is kept (under ``_lock``)."""
+        extra = len(self._pending) - HELD_PER_FETCH * self.settings.max_fetches
+        for key in list(self._pending)[: max(0, extra)]:
+            if self._pending[key].done():
+                del self._pending[key]
 
     def in_flight(self) -> tuple[int, int]:
         """(prefetches pending, their known bytes)."""
