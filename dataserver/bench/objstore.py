@@ -119,9 +119,9 @@ class _Proxy:
             writer.close()
 
 
-async def _proxy(upstream: int, delay: float, fail_every: int, key: str) -> None:
+async def _proxy(upstream: int, delay: float, fail_every: int, key: str, port: int) -> None:
     proxy = _Proxy(upstream, delay, fail_every, key)
-    server = await asyncio.start_server(proxy.handle, "127.0.0.1", 0)
+    server = await asyncio.start_server(proxy.handle, "127.0.0.1", port, reuse_address=True)
     print(f"port {server.sockets[0].getsockname()[1]}", flush=True)
     async with server:
         await server.serve_forever()
@@ -150,7 +150,8 @@ def main() -> None:
     if args.role == "store":
         _store(args.port)
     else:
-        asyncio.run(_proxy(args.upstream, args.delay_ms / 1000, args.fail_every, args.key))
+        proxy = _proxy(args.upstream, args.delay_ms / 1000, args.fail_every, args.key, args.port)
+        asyncio.run(proxy)
 
 
 class _Process:
@@ -189,16 +190,7 @@ class ObjectStore:
     def __enter__(self) -> ObjectStore:
         try:
             self.store = _Process("store")
-            self.proxy = _Process(
-                "proxy",
-                str(self.store.port),
-                "--delay-ms",
-                str(self.delay_ms),
-                "--fail-every",
-                str(self.fail_every),
-                "--key",
-                ACCESS_KEY,
-            )
+            self.proxy = self._start_proxy()
             self._bucket()
         except BaseException:
             self.close()
@@ -253,27 +245,36 @@ class ObjectStore:
             self.put(f"{prefix}/{path.relative_to(root).as_posix()}", path.read_bytes())
         return f"s3://{BUCKET}/{prefix}/"
 
-    def kill_store(self) -> None:
-        """SIGKILL the store (the proxy stays: requests are refused meanwhile)."""
+    def _start_proxy(self, port: int = 0) -> _Process:
         assert self.store is not None
-        self.store.stop()
+        flags = ["--delay-ms", str(self.delay_ms), "--fail-every", str(self.fail_every)]
+        args = ["proxy", str(self.store.port), "--port", str(port), *flags, "--key", ACCESS_KEY]
+        return _Process(*args)
+
+    def kill_store(self) -> None:
+        """SIGKILL the store and its proxy: the store is gone (connections refused)."""
+        for p in (self.proxy, self.store):
+            if p is not None:
+                p.stop()
 
     def restart_store(self) -> None:
-        """Start the store again on its port, its objects uploaded again."""
-        assert self.store is not None
-        port = self.store.port
+        """Start the store again, its objects uploaded again (moto keeps them in memory),
+        then its proxy on the port clients know: it answers only once it holds them all."""
+        assert self.proxy is not None
+        port = self.proxy.port
+        self.store = _Process("store")
+        self._bucket()
+        for key, data in list(self.objects.items()):
+            self.put(key, data)
         deadline = time.monotonic() + 20
         while True:
             try:
-                self.store = _Process("store", "--port", str(port))
-                break
+                self.proxy = self._start_proxy(port)
+                return
             except RuntimeError:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.2)
-        self._bucket()
-        for key, data in list(self.objects.items()):
-            self.put(key, data)
 
 
 if __name__ == "__main__":

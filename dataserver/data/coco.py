@@ -13,7 +13,7 @@ from typing import Any
 import cv2
 import numpy as np
 
-from dataserver.data.remote import is_remote, join, parent, prefetch, read_bytes
+from dataserver.data.remote import is_remote, join, parent, prefetch, read_bytes, read_shared
 from dataserver.data.sample import Sample, SampleError
 from dataserver.data.synthetic import NUM_CLASSES, generate
 from dataserver.data.transforms import decode_image
@@ -34,7 +34,7 @@ class CocoDataset:
 
     def __init__(self, annotations: str | os.PathLike[str], image_dir: str | None = None) -> None:
         path = str(annotations)
-        raw = read_bytes(path)
+        raw = read_shared(path)
         self.fingerprint = hashlib.sha1(raw).hexdigest()[:16]
         doc = json.loads(raw)
         if not isinstance(doc, dict) or not isinstance(doc.get("images"), list):

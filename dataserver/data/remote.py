@@ -133,18 +133,19 @@ def _kind(exc: BaseException) -> str:
     name = type(exc).__name__
     if name in ("PermissionDeniedError", "UnauthenticatedError"):
         return "denied"
-    text = str(exc)
+    # (the first line: what follows is the library's debug dump, "retry_timeout: 180s"...)
+    text = str(exc).strip().split("\n", 1)[0]
     if re.search(r"\b(503|429)\b|SlowDown|Too Many Requests|Throttl", text):
         return "throttled"
     if re.search(r"\b(401|403)\b|InvalidAccessKeyId|SignatureDoesNotMatch|AccessDenied", text):
         return "denied"
     if re.search(r"\b404\b|NoSuchKey|NoSuchBucket", text):
         return "not_found"
-    if re.search(r"timed out|[Tt]imeout", text):
-        return "timeout"
     if re.search(r"\b5\d\d\b", text):
         return "server"
-    if re.search(r"[Cc]onnect|reset|broken pipe|[Ee]rror sending request|body", text):
+    if re.search(r"timed out|[Tt]imeout", text):
+        return "timeout"
+    if re.search(r"[Cc]onnect|reset|refused|broken pipe|[Ee]rror sending request|closed", text):
         return "connection"
     return "other"
 
@@ -352,6 +353,37 @@ class Fetcher:
 
     def size(self, url: str) -> int:
         """An object's size in bytes (a HEAD, retried as a GET is)."""
+        return int(self._head(url)["size"])
+
+    def read_shared(self, url: str) -> bytes:
+        """A whole object every process of the server reads at start (an annotation file,
+        ``categories.json``): fetched once, by the first (the front), and kept beside the
+        cache (``meta-*``, not evicted; named by the object's size and ETag, so a changed
+        object is fetched again), where the workers read it. Without a cache directory,
+        each process fetches it."""
+        directory = self.settings.cache_dir
+        if directory is None:
+            return self._get(url, None, None)
+        meta = self._head(url)
+        tag = f"{url}|{meta['size']}|{meta.get('e_tag')}"
+        path = os.path.join(directory, f"meta-{cache_key(tag, None, None)}")
+        try:
+            with open(path, "rb") as f:
+                return f.read()
+        except OSError:
+            pass
+        data = self._get(url, None, None)
+        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+        except OSError:
+            pass  # (no room: the others fetch it too)
+        return data
+
+    def _head(self, url: str) -> Any:
+        """An object's metadata (a HEAD, retried as a GET is)."""
         import obstore
 
         root, key = _split(url)
@@ -359,7 +391,7 @@ class Fetcher:
         attempt = 0
         while True:
             try:
-                return int(obstore.head(store, key)["size"])
+                return obstore.head(store, key)
             except Exception as exc:
                 kind = _kind(exc)
                 attempt += 1
@@ -418,6 +450,15 @@ def read_bytes(
     if length is not None and len(data) != length:
         raise OSError(f"{path}: short read: {len(data)} of {length} bytes at {start}")
     return data
+
+
+def read_shared(path: str | os.PathLike[str]) -> bytes:
+    """A file every process of a server reads whole at start (``Fetcher.read_shared`` for
+    a URL: fetched once per server). Raises ``OSError``."""
+    if is_remote(path):
+        return fetcher().read_shared(str(path))
+    with open(path, "rb") as f:
+        return f.read()
 
 
 def size_of(path: str | os.PathLike[str]) -> int:

@@ -43,6 +43,7 @@ from dataserver.data.remote import (
     parent,
     prefetch,
     read_bytes,
+    read_shared,
 )
 from dataserver.data.sample import Sample, SampleError
 from dataserver.data.transforms import decode_image
@@ -247,7 +248,7 @@ class ShardDataset:
         self.categories: tuple[tuple[int, str], ...] = ()
         where = join(parent(urls[0]), "categories.json")
         try:
-            raw = read_bytes(where)
+            raw = read_shared(where)
         except (FileNotFoundError, FetchError) as exc:
             if isinstance(exc, FetchError) and exc.kind != "not_found":
                 raise
