@@ -366,7 +366,8 @@ def _add_serve(sub: Any) -> None:
         type=int,
         default=DEFAULT_MAX_FETCHES,
         metavar="N",
-        help=f"object-store requests in flight per worker (default {DEFAULT_MAX_FETCHES})",
+        help="object-store requests in flight per server, shared by its workers "
+        f"(default {DEFAULT_MAX_FETCHES})",
     )
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=cmd_serve)

@@ -38,7 +38,7 @@ from typing import Any
 from dataserver.data.fetchcache import ByteCache, CacheUsage, cache_key
 
 REMOTE_PREFIXES = ("s3://", "gs://", "az://", "http://", "https://")
-DEFAULT_MAX_FETCHES = 32
+DEFAULT_MAX_FETCHES = 64  # GETs in flight per server (--max-fetches), shared by its workers
 DEFAULT_FETCH_CACHE_GB = 1.0
 # The variables whose values never appear in an error (whatever a store's error said).
 _SECRET_ENV = re.compile(r"(KEY|SECRET|TOKEN|PASSWORD|CREDENTIAL|SAS)", re.IGNORECASE)
@@ -85,7 +85,7 @@ class FetchSettings:
     cache_where: str = "memory"  # "memory" (/dev/shm, the front's) or "disk" (--fetch-cache)
     cache_bytes: int = 0  # this process's share of --fetch-cache-gb
     share: tuple[int, int] = (0, 1)  # (slot, slots) sharing the directory
-    max_fetches: int = DEFAULT_MAX_FETCHES  # requests in flight (prefetches)
+    max_fetches: int = 16  # this process's requests in flight (prefetches)
     max_bytes_in_flight: int = 256 << 20
     timeout_s: float = 20.0  # one request, whole
     connect_timeout_s: float = 5.0

@@ -67,7 +67,8 @@ class ServerConfig:
     heartbeat_rate: float = DEFAULT_HEARTBEAT_RATE
     # Objects fetched from object stores (``dataserver.data.remote``): the cache of their
     # bytes (--fetch-cache DIR on disk; else in memory, a directory ``serve`` makes and sets
-    # as ``fetch_memory_dir``), its size, and GETs in flight per worker.
+    # as ``fetch_memory_dir``), its size, and GETs in flight (the server's: each worker
+    # has its share).
     fetch_cache: str | None = None
     fetch_cache_gb: float = DEFAULT_FETCH_CACHE_GB
     max_fetches: int = DEFAULT_MAX_FETCHES
@@ -234,7 +235,7 @@ class WorkerConfig:
     fetch_where: str = "memory"
     fetch_cache_bytes: int = 0
     fetch_slots: int = 1
-    max_fetches: int = DEFAULT_MAX_FETCHES
+    max_fetches: int = DEFAULT_MAX_FETCHES  # (this worker's share of --max-fetches)
     worker_id: int = 0  # its slot
     parent_pid: int = 0  # the front: the worker dies with it
 

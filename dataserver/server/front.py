@@ -256,7 +256,7 @@ class Front:
             fetch_where=fetch[1] if fetch else "memory",
             fetch_cache_bytes=int(config.fetch_cache_gb * (1 << 30)) // self.n_workers,
             fetch_slots=self.n_workers,
-            max_fetches=config.max_fetches,
+            max_fetches=max(1, config.max_fetches // self.n_workers),
         )
 
     def _observe(self, task_us: int, decode_us: tuple[int, ...] | None) -> None:
