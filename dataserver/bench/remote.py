@@ -16,6 +16,7 @@ import argparse
 import os
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -80,7 +81,7 @@ def fig_remote(args: argparse.Namespace, spec: str, progress: Progress) -> dict[
         from dataserver.bench.objstore import ObjectStore
     except ImportError as exc:  # (moto or waitress missing)
         return {"skipped": f"needs the test extra (moto[server], waitress): {exc}"}
-    from dataserver.data.shards import write_shards
+    from dataserver.data.shards import build_index, expand, write_shards
 
     ann = spec[len("coco:") :]
     with tempfile.TemporaryDirectory(prefix="ds-bench-wds-") as tmp:
@@ -98,23 +99,33 @@ def fig_remote(args: argparse.Namespace, spec: str, progress: Progress) -> dict[
             os.environ.update(store.env())  # (the servers' environment: never on the wire)
             try:
                 names = sorted(p.name for p in Path(ann).parent.glob("*.jpg"))
-                rate = _store_rate([f"{loose}{n}" for n in names])
-                progress(f"the store's own GET rate: {rate:,.0f} GETs/s")
+                rate = _store_rate([(f"{loose}{n}", None, None) for n in names])
+                index = build_index(expand(specs["shards"][len("wds:") :]))
+                ranges = [
+                    (index.shards[int(s)], int(o), int(n))
+                    for s, o, n in zip(index.shard, index.offset, index.size, strict=True)
+                ]
+                range_rate = _store_rate(ranges)
+                progress(
+                    f"the store's own GET rate: {rate:,.0f}/s whole, {range_rate:,.0f}/s ranges"
+                )
                 runs = rounds(args, progress, {k: _side(args, v) for k, v in specs.items()})
             finally:
                 os.environ.clear()
                 os.environ.update(saved)
     out = _figures(runs, len(paths))
     out["store_gets_per_s"] = round(rate, 1)
-    for side in ("loose", "shards"):
-        bound = min(rate, out["local_epoch1_images_per_s"])
+    out["store_range_gets_per_s"] = round(range_rate, 1)
+    for side, store_rate in (("loose", rate), ("shards", range_rate)):
+        bound = min(store_rate, out["local_epoch1_images_per_s"])
         out[f"{side}_epoch1_vs_bound"] = round(out[f"{side}_epoch1_images_per_s"] / bound, 3)
     return out
 
 
-def _store_rate(urls: list[str], threads: int = 32) -> float:
+def _store_rate(wanted: Sequence[tuple[str, int | None, int | None]], threads: int = 32) -> float:
     """GETs a second the store answers (behind its latency) to ``threads`` readers in
-    this process: the bound on a first epoch when it is below local disk's rate."""
+    this process (objects whole, or byte ranges): the bound on a first epoch when it is
+    below local disk's rate."""
     from concurrent.futures import ThreadPoolExecutor
 
     from dataserver.data.remote import Fetcher, FetchSettings
@@ -122,8 +133,8 @@ def _store_rate(urls: list[str], threads: int = 32) -> float:
     fetcher = Fetcher(FetchSettings(max_fetches=threads))
     began = time.perf_counter()
     with ThreadPoolExecutor(threads) as pool:
-        list(pool.map(fetcher.read_uncached, urls))
-    return len(urls) / (time.perf_counter() - began)
+        list(pool.map(lambda w: fetcher.read(*w), wanted))
+    return len(wanted) / (time.perf_counter() - began)
 
 
 def _side(args: argparse.Namespace, spec: str) -> Any:
