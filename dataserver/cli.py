@@ -12,6 +12,7 @@ import zmq
 
 from dataserver import __version__
 from dataserver.admin import fetch_stats
+from dataserver.data.remote import DEFAULT_FETCH_CACHE_GB, DEFAULT_MAX_FETCHES
 from dataserver.data.spec import DEFAULT_SPEC, SpecError
 from dataserver.protocol import ProtocolError
 from dataserver.server.config import (
@@ -75,6 +76,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         metrics_bind=args.metrics_bind,
         idle_timeout=args.idle_timeout,
         heartbeat_rate=args.heartbeat_rate,
+        fetch_cache=args.fetch_cache,
+        fetch_cache_gb=args.fetch_cache_gb,
+        max_fetches=args.max_fetches,
     )
 
     def announce(front: Any) -> None:
@@ -104,6 +108,24 @@ def cmd_synth(args: argparse.Namespace) -> int:
     with tqdm(total=args.images, unit="image", desc="dataserver synth") as bar:
         path = write_synthetic_coco(args.out_dir, args.images, args.seed, bar.update)
     print(f"wrote {args.images} images and {path}; serve them with --dataset coco:{path}")
+    return 0
+
+
+def cmd_shards(args: argparse.Namespace) -> int:
+    from dataserver.data.shards import write_shards
+
+    if args.shard_mb <= 0:
+        return _fail("dataserver shards", f"--shard-mb must be > 0, got {args.shard_mb}")
+    try:
+        paths = write_shards(args.annotations, args.image_dir, args.out_dir, args.shard_mb)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return _fail("dataserver shards", f"cannot write shards of {args.annotations}: {exc}")
+    last = f"{len(paths) - 1:06d}"
+    print(
+        f"wrote {len(paths)} shards and categories.json into {args.out_dir}; serve them with "
+        f"--dataset 'wds:{args.out_dir}/shard-{{000000..{last}}}.tar' (or upload the folder "
+        "and give its URL)"
+    )
     return 0
 
 
@@ -196,6 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _add_serve(sub)
     _add_synth(sub)
+    _add_shards(sub)
     _add_demo(sub)
     _add_stats(sub)
     _add_keygen(sub)
@@ -323,6 +346,29 @@ def _add_serve(sub: Any) -> None:
         "told to beat every sessions/N s (0.5 to 10 s, at most a third of --session-ttl and "
         f"--idle-timeout) (default {DEFAULT_HEARTBEAT_RATE:g})",
     )
+    p.add_argument(
+        "--fetch-cache",
+        default=None,
+        metavar="DIR",
+        help="keep bytes fetched from object stores (s3://, gs://, az://, http(s)://) in DIR on "
+        "local disk, across restarts (default: in memory)",
+    )
+    p.add_argument(
+        "--fetch-cache-gb",
+        type=float,
+        default=DEFAULT_FETCH_CACHE_GB,
+        metavar="N",
+        help="the fetch cache's size, all workers together (0: none) "
+        f"(default {DEFAULT_FETCH_CACHE_GB:g})",
+    )
+    p.add_argument(
+        "--max-fetches",
+        type=int,
+        default=DEFAULT_MAX_FETCHES,
+        metavar="N",
+        help="object-store requests in flight per server, shared by its workers "
+        f"(default {DEFAULT_MAX_FETCHES})",
+    )
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=cmd_serve)
 
@@ -335,6 +381,18 @@ def _add_synth(sub: Any) -> None:
     p.add_argument("--images", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_synth)
+
+
+def _add_shards(sub: Any) -> None:
+    p = sub.add_parser(
+        "shards",
+        help="write a local COCO set as WebDataset tar shards (KEY.jpg + KEY.json) for wds:",
+    )
+    p.add_argument("annotations", help="the COCO annotations.json")
+    p.add_argument("out_dir")
+    p.add_argument("--image-dir", default=None, help="(default: the annotation file's folder)")
+    p.add_argument("--shard-mb", type=float, default=100.0, help="about this much a shard")
+    p.set_defaults(func=cmd_shards)
 
 
 def _add_demo(sub: Any) -> None:

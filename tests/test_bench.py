@@ -190,3 +190,21 @@ def test_bench_ultralytics_figure(tmp_path: Path) -> None:
             case["ultralytics_cpu_ms_per_image"] >= 0 and case["dataserver_cpu_ms_per_image"] >= 0
         )
         assert case["vs_ultralytics"] > 0
+
+
+@pytest.mark.timeout(300)
+def test_bench_remote_figure(tmp_path: Path) -> None:
+    """The object-store figure on a tiny configuration: loose objects and shards in a real
+    S3 API behind 30 ms, against local disk; epoch 2 read from the fetch cache."""
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "dataserver.cli", "bench", "--images", "16", "--batches", "3"]
+    cmd += ["--image-size", "64", "--batch-size", "4", "--workers", "1", "--json", str(out)]
+    cmd += ["--rounds", "1", "--only", "remote"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    figure = json.loads(out.read_text())["remote"]
+    assert figure["images"] == 16
+    for side in ("loose", "shards"):
+        assert figure[f"{side}_epoch1_vs_local"] > 0 and figure[f"{side}_epoch2_vs_local"] > 0
+        assert figure[f"{side}_epoch1_requests"] >= 16
+        assert figure[f"{side}_epoch2_requests"] == 0  # (the fetch cache holds the set)

@@ -23,7 +23,9 @@ def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     )
 
 
-@pytest.mark.parametrize("command", ["serve", "synth", "demo", "stats", "bench", "keygen"])
+@pytest.mark.parametrize(
+    "command", ["serve", "synth", "shards", "demo", "stats", "bench", "keygen"]
+)
 def test_every_command_prints_help(command: str) -> None:
     proc = run(command, "--help")
     assert proc.returncode == 0 and "usage: dataserver " + command in proc.stdout

@@ -117,7 +117,8 @@ def test_every_manifest_is_found() -> None:
     kinds = sorted(doc["kind"] for _, doc in MANIFESTS)
     server = ["Service", "Deployment", "HorizontalPodAutoscaler", "PodDisruptionBudget"]
     others = ["Service", "Job", "ConfigMap", "HorizontalPodAutoscaler"]
-    assert kinds == sorted([*server, *others])
+    object_storage = ["Deployment"]  # dataserver-s3.yaml
+    assert kinds == sorted([*server, *others, *object_storage])
 
 
 @pytest.mark.parametrize("version", K8S_VERSIONS)
@@ -530,3 +531,14 @@ def test_single_partition_script_serves_on_the_first_nodes_then_trains(tmp_path:
     assert flag(serve, "--ntasks") == "2" and flag(train_argv, "--ntasks") == "4"
     assert made[-2] == {"prog": "scancel", "argv": ["--signal=TERM", "42.0"]}
     assert made[-1].get("signal") == "TERM"
+
+
+def test_object_storage_variant_takes_credentials_from_a_secret() -> None:
+    """deploy/k8s/dataserver-s3.yaml: the real CLI takes its serve arguments (a wds:s3://
+    dataset, the fetch cache), credentials come from a Secret, no PersistentVolumeClaim."""
+    pod = by_kind("dataserver-s3.yaml")["Deployment"]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    args = serve_args(container["args"])
+    assert args.dataset.startswith("wds:s3://") and args.fetch_cache_gb > 0
+    assert container["envFrom"] == [{"secretRef": {"name": "dataserver-s3"}}]
+    assert not any("persistentVolumeClaim" in v for v in pod["volumes"])

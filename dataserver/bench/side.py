@@ -24,6 +24,7 @@ from typing import Any
 
 from dataserver.bench.cpu import WARMUP, timed
 from dataserver.bench.multiscale import multiscale_side
+from dataserver.bench.remote import epochs_side
 
 
 def endless_loader(loader: Any) -> Iterator[int]:
@@ -306,6 +307,7 @@ SIDES = {
     "rawzmq": rawzmq_side,
     "feedback": feedback_side,
     "first_batch": first_batch_side,
+    "epochs": epochs_side,
     "flip_stall": flip_stall_side,
     "multiscale": multiscale_side,
     "ultralytics": yolo_ultralytics_side,

@@ -13,6 +13,7 @@ from typing import Any
 import cv2
 import numpy as np
 
+from dataserver.data.remote import is_remote, join, parent, prefetch, read_bytes, read_shared
 from dataserver.data.sample import Sample, SampleError
 from dataserver.data.synthetic import NUM_CLASSES, generate
 from dataserver.data.transforms import decode_image
@@ -25,20 +26,21 @@ class CocoDataset:
     dropped; labels are the raw ``category_id``. Images without annotations are kept (they
     are valid negatives). ``image_dir`` defaults to the annotation file's folder.
     ``categories``: the file's ``categories`` as (id, name) pairs, in its order, ids
-    unchanged.
+    unchanged. Either path may be a URL (``s3://``, ``gs://``, ``az://``, ``http(s)://``:
+    ``dataserver.data.remote``), the images then read as objects under the prefix.
     """
 
     deterministic = True  # __getitem__ is a pure function of the index
 
     def __init__(self, annotations: str | os.PathLike[str], image_dir: str | None = None) -> None:
-        path = Path(annotations)
-        raw = path.read_bytes()
+        path = str(annotations)
+        raw = read_shared(path)
         self.fingerprint = hashlib.sha1(raw).hexdigest()[:16]
         doc = json.loads(raw)
         if not isinstance(doc, dict) or not isinstance(doc.get("images"), list):
             raise ValueError(f"{path}: not a COCO annotation file (no 'images' list)")
-        self.image_dir = Path(image_dir) if image_dir else path.parent
-        if not self.image_dir.is_dir():
+        self.image_dir = image_dir if image_dir else parent(path)
+        if not is_remote(self.image_dir) and not os.path.isdir(self.image_dir):
             raise ValueError(f"image directory {self.image_dir} does not exist")
         self.files: list[str] = []
         # (height, width) as the file's images list them (None: not given)
@@ -68,13 +70,18 @@ class CocoDataset:
     def __len__(self) -> int:
         return len(self.files)
 
-    def path(self, index: int) -> Path:
-        return self.image_dir / self.files[index]
+    def path(self, index: int) -> str:
+        return join(self.image_dir, self.files[index])
+
+    def prefetch(self, indices: list[int]) -> None:
+        """Start fetching these samples' images (remote ones; a server's worker calls it
+        with a task's store misses, so that they are read together)."""
+        prefetch([(self.path(i), None, None) for i in indices])
 
     def __getitem__(self, index: int) -> Sample:
         path = self.path(index)
         try:
-            data = np.fromfile(path, dtype=np.uint8)
+            data = np.frombuffer(read_bytes(path), dtype=np.uint8)
         except OSError as exc:
             raise SampleError(index, f"cannot read: {exc.strerror or exc}", str(path)) from None
         image = decode_image(data)
@@ -83,7 +90,7 @@ class CocoDataset:
         return Sample(image, self.boxes[index], self.labels[index], str(path))
 
 
-def _categories(path: Path, raw: Any) -> tuple[tuple[int, str], ...]:
+def _categories(path: str | Path, raw: Any) -> tuple[tuple[int, str], ...]:
     """A COCO file's ``categories`` list as (id, name) pairs; ValueError naming the file."""
     if not isinstance(raw, list):
         raise ValueError(f"{path}: 'categories' is not a list")

@@ -5,7 +5,8 @@ same spec string and JSON arguments.
 
     synthetic                        the embedded default (2048 generated images, seed 0)
     synthetic:images=N,seed=S        N generated images from seed S
-    coco:ANNOTATIONS.json[:IMAGE_DIR] a COCO-format set on disk
+    coco:ANNOTATIONS.json[:IMAGE_DIR] a COCO-format set on disk or in object storage
+    wds:URLS                         WebDataset tar shards (a brace pattern: ``shards.py``)
     package.module:factory           a user's dataset: factory(**json.loads(--dataset-args))
 """
 
@@ -17,6 +18,7 @@ import json
 import os
 import re
 import sys
+import tarfile
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,9 +68,9 @@ def _parse_args(args_json: str | None) -> dict[str, Any]:
 
 def _parse_coco(text: str) -> DatasetSpec:
     rest = text[len("coco:") :]
-    ann, sep, image_dir = rest.rpartition(":")
-    if not sep or not ann.endswith(".json"):
-        ann, image_dir = rest, ""
+    # The image part begins after ``.json:`` (either part may be a URL, with its own colon).
+    cut = rest.find(".json:")
+    ann, image_dir = (rest[: cut + 5], rest[cut + 6 :]) if cut >= 0 else (rest, "")
     if not ann:
         raise SpecError("coco: needs a path, as in coco:ANNOTATIONS.json[:IMAGE_DIR]")
     return DatasetSpec(text, "coco", {"annotations": ann, "image_dir": image_dir or None})
@@ -77,18 +79,22 @@ def _parse_coco(text: str) -> DatasetSpec:
 def parse_spec(text: str, args_json: str | None = None) -> DatasetSpec:
     """Parse a ``--dataset`` value (and ``--dataset-args``); raise ``SpecError``."""
     args = _parse_args(args_json)
-    builtin = text == "synthetic" or text.startswith(("synthetic:", "coco:"))
+    builtin = text == "synthetic" or text.startswith(("synthetic:", "coco:", "wds:"))
     if builtin and args:
         raise SpecError("--dataset-args is only for package.module:factory datasets")
     if text == "synthetic" or text.startswith("synthetic:"):
         return DatasetSpec(text, "synthetic", _parse_synthetic(text))
     if text.startswith("coco:"):
         return _parse_coco(text)
+    if text.startswith("wds:"):
+        if not text[4:]:
+            raise SpecError("wds: needs shards, as in wds:/data/train-{000000..000009}.tar")
+        return DatasetSpec(text, "wds", {"pattern": text[4:]})
     if _PLUGIN.match(text):
         return DatasetSpec(text, "plugin", args, json.dumps(args, sort_keys=True))
     raise SpecError(
         f"unknown dataset {text!r}: expected synthetic, synthetic:images=N,seed=S, "
-        "coco:ANNOTATIONS.json[:IMAGE_DIR] or package.module:factory"
+        "coco:ANNOTATIONS.json[:IMAGE_DIR], wds:URLS or package.module:factory"
     )
 
 
@@ -117,6 +123,8 @@ def build_dataset(spec: DatasetSpec) -> Any:
             return CocoDataset(spec.args["annotations"], spec.args["image_dir"])
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise SpecError(f"coco: cannot load {spec.args['annotations']}: {exc}") from None
+    if spec.kind == "wds":
+        return _build_shards(spec.args["pattern"])
     module_name, _, factory_name = spec.text.partition(":")
     # Like gunicorn and uvicorn: a user's module in the working directory is importable.
     if os.getcwd() not in sys.path:
@@ -135,6 +143,16 @@ def build_dataset(spec: DatasetSpec) -> Any:
     if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
         raise SpecError(f"{spec.text} returned {type(dataset).__name__}, not a dataset")
     return dataset
+
+
+def _build_shards(pattern: str) -> Any:
+    """``wds:PATTERN`` (``shards.py``); ``SpecError`` naming the shard that failed."""
+    from dataserver.data.shards import ShardDataset
+
+    try:
+        return ShardDataset(pattern)
+    except (OSError, ValueError, KeyError, TypeError, tarfile.TarError) as exc:
+        raise SpecError(f"wds: cannot index {pattern}: {exc}") from None
 
 
 def dataset_fingerprint(spec: DatasetSpec, dataset: Any) -> str:

@@ -91,6 +91,7 @@ SIZES_CHUNK = 1 << 16  # (h, w) pairs one SIZES reply carries at most (512 KiB)
 SIZES_RATE = 64.0  # SIZES requests a session may make a second, sustained (a 2^24 table: 4 s)
 SIZES_BURST = 64.0  # ... and at once
 DIGEST_BYTES = 16  # ``sizes_digest``
+MAX_FETCH_TIMES = 4096  # GET latencies one TALLY may carry
 
 # A session's secret (16..32 random bytes): chosen by the client, bound by its HELLO, and
 # named by every message that acts for the session (TASK, CONTROL, HEARTBEAT, BYE). The
@@ -664,13 +665,23 @@ class Ready(Message, kw_only=True):
 class Tally(Message, kw_only=True):
     """A worker's result connections shut down since its last TALLY, by reason (its
     ``results_budget``, ``--idle-timeout``, a message never finished): the front adds them
-    to its ``rejected`` counters as ``results_<reason>``."""
+    to its ``rejected`` counters as ``results_<reason>``. Also what it fetched from object
+    stores since (``fetches``...: the front's counters of those names) and each GET's
+    latency in microseconds (at most ``MAX_FETCH_TIMES``: the metric
+    ``dataserver_fetch_seconds``)."""
 
     TYPE: ClassVar[MsgType] = MsgType.TALLY
     worker: Annotated[int, In(0, MAX_WORKERS)]
     idle_dropped: U63 = 0
     over_limit_dropped: U63 = 0
     unfinished_dropped: U63 = 0
+    fetches: U63 = 0
+    fetch_bytes: U63 = 0
+    fetch_retries: U63 = 0
+    fetch_errors: U63 = 0
+    fetch_us: Annotated[
+        tuple[Annotated[int, In(0, MAX_US)], ...], Meta(max_length=MAX_FETCH_TIMES)
+    ] = ()
 
 
 MESSAGES: dict[MsgType, type[Message]] = {c.TYPE: c for c in Message.__subclasses__()}

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
+from dataserver.data.fetchcache import memory_dir
+from dataserver.data.remote import FetchSettings, configure
 from dataserver.data.spec import (
+    DatasetSpec,
     build_dataset,
     dataset_categories,
     dataset_fingerprint,
@@ -61,6 +66,22 @@ def serve(config: ServerConfig, on_ready: Callable[[Front], Any]) -> None:
     soft, hard = raise_fd_limit()
     log.info("pid %d; fd limit %d (hard %d)", os.getpid(), soft, hard)
     spec = parse_spec(config.dataset, config.dataset_args)
+    remote = "://" in f"{config.dataset}{config.dataset_args or ''}"
+    if remote and config.fetch_cache is None and config.fetch_cache_gb > 0:
+        # The in-memory fetch cache: a private directory of /dev/shm, removed at exit.
+        config = replace(config, fetch_memory_dir=memory_dir())
+    try:
+        _serve(config, spec, on_ready)
+    finally:
+        if config.fetch_memory_dir is not None:
+            shutil.rmtree(config.fetch_memory_dir, ignore_errors=True)
+
+
+def _serve(config: ServerConfig, spec: DatasetSpec, on_ready: Callable[[Front], Any]) -> None:
+    fetch = config.fetch_dir()
+    # The front fetches only to learn the dataset (annotations, a shard index it leaves in
+    # the cache's directory for its workers); it keeps no object's bytes.
+    configure(FetchSettings(cache_dir=None if fetch is None else fetch[0]))
     dataset = build_dataset(spec)
     size = len(dataset)
     if size < 1:

@@ -9,6 +9,7 @@ destination and what an error becomes; nothing here touches a socket.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -96,6 +97,7 @@ class Composer:
 
         got: dict[int, Source | None] = {}
         oldest = -1
+        ahead = _prefetcher(dataset, wanted, now=self.store is None)
         if self.store is not None:
             hwc = layout_of(dataset) == "hwc"  # (its sources' bytes are HWC: a key of its own)
             parts = (
@@ -110,6 +112,7 @@ class Composer:
                 into=True,
                 # read again soon: a window mosaic's partners, the lookahead's twin batch
                 recent=bool(task.partners or task.recent),
+                misses=ahead,
             )
             if hwc:  # (the store's views are (3, h, w) bytes)
                 sources = [None if s is None else s.as_hwc() for s in sources]
@@ -193,3 +196,17 @@ class Composer:
             task_us=clock.task_us(),
             **ids,
         )
+
+
+def _prefetcher(
+    dataset: Any, wanted: list[int], now: bool
+) -> Callable[[Iterable[int]], None] | None:
+    """What starts fetching the sources ``wanted[k]`` for the keys k given (a dataset in
+    object storage: its ``prefetch``, ``dataserver.data.remote``), or None. ``now``: start
+    them all at once (no store: every one is read)."""
+    prefetch = getattr(dataset, "prefetch", None)
+    if prefetch is None:
+        return None
+    if now:
+        prefetch(wanted)
+    return lambda ks: prefetch([wanted[k] for k in ks])

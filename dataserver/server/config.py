@@ -11,6 +11,7 @@ from dataclasses import MISSING, asdict, dataclass, fields, replace
 from functools import partial
 from typing import Any
 
+from dataserver.data.remote import DEFAULT_FETCH_CACHE_GB, DEFAULT_MAX_FETCHES
 from dataserver.data.spec import DEFAULT_SPEC
 from dataserver.endpoint import endpoint_problem, tcp_endpoint
 from dataserver.protocol import MAX_IMAGE_SIDE
@@ -64,6 +65,22 @@ class ServerConfig:
     idle_timeout: float = DEFAULT_IDLE_TIMEOUT  # peer connections silent this long are dropped
     # Heartbeats a second the front asks of all its sessions together (``beats.BeatRule``)
     heartbeat_rate: float = DEFAULT_HEARTBEAT_RATE
+    # Objects fetched from object stores (``dataserver.data.remote``): the cache of their
+    # bytes (--fetch-cache DIR on disk; else in memory, a directory ``serve`` makes and sets
+    # as ``fetch_memory_dir``), its size, and GETs in flight (the server's: each worker
+    # has its share).
+    fetch_cache: str | None = None
+    fetch_cache_gb: float = DEFAULT_FETCH_CACHE_GB
+    max_fetches: int = DEFAULT_MAX_FETCHES
+    fetch_memory_dir: str | None = None
+
+    def fetch_dir(self) -> tuple[str, str] | None:
+        """(the fetch cache's directory, "disk" or "memory"), or None (no cache)."""
+        if self.fetch_cache_gb <= 0:
+            return None
+        if self.fetch_cache is not None:
+            return self.fetch_cache, "disk"
+        return None if self.fetch_memory_dir is None else (self.fetch_memory_dir, "memory")
 
     def worker_count(self) -> int:
         return self.workers if self.workers > 0 else (os.cpu_count() or 1)
@@ -79,6 +96,7 @@ class ServerConfig:
             ("--max-sessions", 1 if self.max_sessions is None else self.max_sessions),
             ("--max-queued-mb", self.max_queued_mb),
             ("--max-task-mb", self.max_task_mb),
+            ("--max-fetches", self.max_fetches),
         ):
             if least < 1:
                 raise ConfigError(f"{flag} must be >= 1, got {least}")
@@ -89,6 +107,7 @@ class ServerConfig:
             ("--metrics-port", self.metrics_port, 0, 65535),
             ("--idle-timeout", self.idle_timeout, 1, 86400),
             ("--cache-gb", self.cache_gb, 0, 1 << 14),
+            ("--fetch-cache-gb", self.fetch_cache_gb, 0, 1 << 14),
             ("--heartbeat-rate", self.heartbeat_rate, 0.01, 1_000_000),
         ]
         for flag, value, lo, hi in ranges:
@@ -103,6 +122,11 @@ class ServerConfig:
             raise ConfigError(f"--session-ttl must be > 0, got {self.session_ttl}")
         if (self.curve_secret_key is None) != (self.curve_authorized_keys is None):
             raise ConfigError("--curve-secret-key and --curve-authorized-keys go together")
+        self._check_fetch_cache()
+
+    def _check_fetch_cache(self) -> None:
+        if self.fetch_cache is not None and not os.path.isdir(self.fetch_cache):
+            raise ConfigError(f"--fetch-cache {self.fetch_cache!r}: not a directory")
 
     @property
     def cache_bytes(self) -> int:
@@ -205,6 +229,13 @@ class WorkerConfig:
     curve: tuple[str, str] | None = None  # (secret key, authorized keys)
     idle_timeout: float = DEFAULT_IDLE_TIMEOUT  # result connections silent this long go
     max_sessions: int = DEFAULT_MAX_SESSIONS  # (the result connections kept: one a session)
+    # the fetch cache (``ServerConfig.fetch_dir``), this worker's share of its budget, the
+    # number of workers sharing it, and GETs in flight (``dataserver.data.remote``)
+    fetch_cache: str | None = None
+    fetch_where: str = "memory"
+    fetch_cache_bytes: int = 0
+    fetch_slots: int = 1
+    max_fetches: int = DEFAULT_MAX_FETCHES  # (this worker's share of --max-fetches)
     worker_id: int = 0  # its slot
     parent_pid: int = 0  # the front: the worker dies with it
 

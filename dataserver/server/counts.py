@@ -62,6 +62,12 @@ class Count(StrEnum):
     RESULTS_DROPPED_FRONT = "results_dropped_front"
     SEND_DROPPED_FULL = "send_dropped_full"  # a peer's pipe full: the message dropped
     SEND_DROPPED_GONE = "send_dropped_gone"  # the peer gone
+    # objects fetched by the workers (told by TALLY): GETs answered, their bytes, GETs
+    # tried again (throttled, timed out, reset, 5xx, short), objects given up on
+    FETCHES = "fetches"
+    FETCH_BYTES = "fetch_bytes"
+    FETCH_RETRIES = "fetch_retries"
+    FETCH_ERRORS = "fetch_errors"
     # workers
     WORKER_DEATHS = "worker_deaths"
     WORKER_ANSWERS_LOST = "worker_answers_lost"  # a later task answered, this one never

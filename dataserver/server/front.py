@@ -192,10 +192,20 @@ class Front:
         self.pool = WorkerPool(self._worker_config())
         self.outlet = Outlet(self.scheduler, self.outbox, self.counters)
         self.workers = WorkerRouter(
-            self.pool, self.scheduler, self.outlet, self.counters, self.rejected, self._observe
+            self.pool,
+            self.scheduler,
+            self.outlet,
+            self.counters,
+            self.rejected,
+            self._observe,
+            self._observe_fetch,
         )
         self.metrics: ServerMetrics | None = None  # --metrics-port: started by run()
-        self.statsview = StatsView(self.rejected, self.store)
+        fetch = config.fetch_dir()
+        budget = int(config.fetch_cache_gb * (1 << 30))
+        self.statsview = StatsView(
+            self.rejected, self.store, None if fetch is None else (*fetch, budget)
+        )
         self.conns = ConnTracker(
             config.idle_timeout,
             fd_budget(fd_limit(), self.n_workers, self.cap.max_sessions),
@@ -231,6 +241,7 @@ class Front:
     def _worker_config(self) -> WorkerConfig:
         config = self.config
         direct = results_bind(config.bind, self._tmpdir) if config.direct_results else None
+        fetch = config.fetch_dir()
         return WorkerConfig(
             backend=f"ipc://{self._tmpdir}/backend",
             state_dir=self._tmpdir,
@@ -245,12 +256,22 @@ class Front:
             curve=config.curve,
             idle_timeout=config.idle_timeout,
             max_sessions=self.cap.max_sessions,
+            fetch_cache=fetch[0] if fetch else None,
+            fetch_where=fetch[1] if fetch else "memory",
+            fetch_cache_bytes=int(config.fetch_cache_gb * (1 << 30)) // self.n_workers,
+            fetch_slots=self.n_workers,
+            max_fetches=max(1, config.max_fetches // self.n_workers),
         )
 
     def _observe(self, task_us: int, decode_us: tuple[int, ...] | None) -> None:
         """A worker's timings of a task, for the metrics' histograms (when they are on)."""
         if self.metrics is not None:
             self.metrics.observe_task(task_us, decode_us)
+
+    def _observe_fetch(self, fetch_us: tuple[int, ...]) -> None:
+        """Workers' GET latencies, for the metrics' histogram (when they are on)."""
+        if self.metrics is not None:
+            self.metrics.observe_fetches(fetch_us)
 
     def _make_store(self) -> Store | None:
         """The store of prepared sources: memfds that this process holds for the workers
@@ -589,6 +610,7 @@ class Front:
                 idle_timeout_s=config.idle_timeout,
             ),
             store=self.statsview.usage,
+            fetch_cache=self.statsview.fetch_usage,
             sources=self.sources(),
             counters=ServerView.frozen(self.counters),
             rejected=ServerView.frozen(self.rejected),

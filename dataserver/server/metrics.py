@@ -14,6 +14,9 @@ Names (kept: deploy manifests and dashboards use them)::
     dataserver_samples_served_total          counter  output images delivered
     dataserver_decode_seconds                histogram  decode + fit of one source (store miss)
     dataserver_task_seconds                  histogram  a worker's time per task
+    dataserver_fetch_seconds                 histogram  one GET from an object store (workers' TALLY)
+    dataserver_fetches_total, dataserver_fetch_bytes_total, dataserver_fetch_retries_total,
+    dataserver_fetch_errors_total            counter  object-store reads (workers' TALLY)
     dataserver_queue_depth                   gauge    tasks queued in the front
     dataserver_workers_busy                  gauge    workers holding a task
     dataserver_workers                       gauge    live workers (said READY)
@@ -45,6 +48,7 @@ log = logging.getLogger("dataserver.metrics")
 
 # Seconds: a decode of a small JPEG takes ~1 ms, a large one tens of ms; a task is a run of
 # up to 64 images (stitched ones hold k sources each).
+FETCH_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 DECODE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 TASK_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 US = 1e-6
@@ -101,6 +105,13 @@ class ViewCollector(Collector):
         )
         if view.store is not None:
             yield from _cache(view, view.store)
+        for name, count, what in (
+            ("dataserver_fetches", Count.FETCHES, "GETs from object stores answered."),
+            ("dataserver_fetch_bytes", Count.FETCH_BYTES, "Bytes fetched from object stores."),
+            ("dataserver_fetch_retries", Count.FETCH_RETRIES, "GETs tried again."),
+            ("dataserver_fetch_errors", Count.FETCH_ERRORS, "Objects given up on (retries spent)."),
+        ):
+            yield CounterMetricFamily(name, what, value=view.counters.get(count, 0))
 
 
 def _cache(view: ServerView, usage: StoreUsage) -> Iterator[Metric]:
@@ -155,6 +166,12 @@ class ServerMetrics:
             buckets=TASK_BUCKETS,
             registry=self.registry,
         )
+        self.fetch_seconds = Histogram(
+            "dataserver_fetch_seconds",
+            "Seconds one GET of an object (or byte range) from an object store took.",
+            buckets=FETCH_BUCKETS,
+            registry=self.registry,
+        )
         self.collector = ViewCollector(view)
         self.registry.register(self.collector)
         self._server: ScrapeServer | None = None
@@ -172,6 +189,11 @@ class ServerMetrics:
     def render(self) -> tuple[bytes, str]:
         """The exposition page (the text format every Prometheus reads)."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    def observe_fetches(self, fetch_us: tuple[int, ...]) -> None:
+        """Workers' object-store GET latencies (from their TALLY)."""
+        for us in fetch_us:
+            self.fetch_seconds.observe(us * US)
 
     def observe_task(self, task_us: int, decode_us: tuple[int, ...] | None) -> None:
         """A worker's timings for one task (from its DONE or RESULT; 0: an old worker)."""

@@ -59,8 +59,8 @@ class WorkerRouter:
 
     Its collaborators come in as arguments: the ``pool`` (processes), the ``scheduler``
     (sessions, queues, live tasks: changed through its methods), ``sends`` (sending),
-    the server's ``counters`` and ``rejected`` counts, and ``observe`` (the metrics' hook,
-    None when they are off). It owns which workers are ready and their routing ids."""
+    the server's ``counters`` and ``rejected`` counts, and ``observe`` and ``observe_fetch``
+    (the metrics' hooks, None when they are off). It owns which workers are ready and their routing ids."""
 
     def __init__(
         self,
@@ -70,6 +70,7 @@ class WorkerRouter:
         counters: Counts[Count],
         rejected: Counts[Reject],
         observe: Observe | None = None,
+        observe_fetch: Callable[[tuple[int, ...]], None] | None = None,
     ) -> None:
         self.pool = pool
         self.scheduler = scheduler
@@ -81,6 +82,7 @@ class WorkerRouter:
         self._respawn_at: dict[int, float] = {}
         self._stopping = False
         self._observe = observe
+        self._observe_fetch = observe_fetch  # GET latencies (us) a TALLY told, for the metrics
 
     def stop(self) -> None:
         """The server is shutting down: workers that die are not replaced."""
@@ -111,16 +113,30 @@ class WorkerRouter:
             log.error("worker %d: %s", handle.slot, msg.message)
         elif isinstance(msg, (Result, ErrorMsg, Done)):
             self._on_answer(handle, msg, frames[1:])
-        elif isinstance(msg, Tally):  # its result socket shut connections down
-            for name, n in (
-                (Reject.RESULTS_IDLE_DROPPED, msg.idle_dropped),
-                (Reject.RESULTS_OVER_LIMIT_DROPPED, msg.over_limit_dropped),
-                (Reject.RESULTS_UNFINISHED_DROPPED, msg.unfinished_dropped),
-            ):
-                if n:
-                    self.rejected.count(name, n)
+        elif isinstance(msg, Tally):  # result connections shut down, objects fetched
+            self._on_tally(msg)
         else:
             self.rejected.count(Reject.WORKER_UNEXPECTED)
+
+    def _on_tally(self, msg: Tally) -> None:
+        """A worker's TALLY: its result connections shut down, what it fetched."""
+        for name, n in (
+            (Reject.RESULTS_IDLE_DROPPED, msg.idle_dropped),
+            (Reject.RESULTS_OVER_LIMIT_DROPPED, msg.over_limit_dropped),
+            (Reject.RESULTS_UNFINISHED_DROPPED, msg.unfinished_dropped),
+        ):
+            if n:
+                self.rejected.count(name, n)
+        for count, n in (
+            (Count.FETCHES, msg.fetches),
+            (Count.FETCH_BYTES, msg.fetch_bytes),
+            (Count.FETCH_RETRIES, msg.fetch_retries),
+            (Count.FETCH_ERRORS, msg.fetch_errors),
+        ):
+            if n:
+                self.counters.count(count, n)
+        if msg.fetch_us and self._observe_fetch is not None:
+            self._observe_fetch(msg.fetch_us)
 
     def _on_answer(
         self, handle: WorkerHandle, msg: Result | ErrorMsg | Done, frames: list[Any]

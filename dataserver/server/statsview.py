@@ -16,9 +16,10 @@ import time
 from typing import Any
 
 from dataserver.counting import Counts
+from dataserver.data.fetchcache import directory_usage
 from dataserver.server.counts import Reject
 from dataserver.server.store import Store
-from dataserver.server.view import StoreUsage
+from dataserver.server.view import FetchCacheUsage, StoreUsage
 
 STATS_RATE = 20.0  # answers per second, sustained, per bucket
 STATS_BURST = 40.0  # answers at once after a quiet spell
@@ -70,9 +71,19 @@ def peer_address(frame: Any) -> str:
 class StatsView:
     """The rate of public STATS answers of one front, and the store usage they report."""
 
-    def __init__(self, rejected: Counts[Reject], store: Store | None) -> None:
+    def __init__(
+        self,
+        rejected: Counts[Reject],
+        store: Store | None,
+        fetch_cache: tuple[str, str, int] | None = None,
+    ) -> None:
+        """``fetch_cache``: (directory, "memory" or "disk", budget) of the fetch cache."""
         self._rejected = rejected
         self._store = store
+        self._fetch_dir = fetch_cache
+        self._fetch_usage = (
+            None if fetch_cache is None else FetchCacheUsage(fetch_cache[1], 0, 0, fetch_cache[2])
+        )
         self._buckets = {
             True: TokenBucket(STATS_RATE, STATS_BURST),  # on this host
             False: TokenBucket(STATS_RATE, STATS_BURST),
@@ -90,10 +101,20 @@ class StatsView:
 
     def refresh(self, now: float) -> None:
         """Housekeeping: read the store's usage if the last read is a second old."""
-        if self._store is None or now - self._usage_at < USAGE_EVERY_S:
+        if now - self._usage_at < USAGE_EVERY_S:
             return
         self._usage_at = now
-        self._usage = StoreUsage(**self._store.usage())
+        if self._store is not None:
+            self._usage = StoreUsage(**self._store.usage())
+        if self._fetch_dir is not None:
+            directory, where, budget = self._fetch_dir
+            files, nbytes = directory_usage(directory)
+            self._fetch_usage = FetchCacheUsage(where, files, nbytes, budget)
+
+    @property
+    def fetch_usage(self) -> FetchCacheUsage | None:
+        """The fetch cache's usage as last read; None without one."""
+        return self._fetch_usage
 
     @property
     def usage(self) -> StoreUsage | None:

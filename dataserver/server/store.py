@@ -654,6 +654,7 @@ class Store:
         population: int = 0,
         into: bool = False,
         recent: bool = False,
+        misses: Callable[[list[int]], None] | None = None,
     ) -> tuple[list[Source | None], int]:
         """``get`` for many keys under one lock: the sources (``make(i)`` for the i-th key
         where the store lacks it, or None where ``make`` raised: call ``make(i)`` again to
@@ -667,7 +668,9 @@ class Store:
         composes in both modes: its twin, ``Task.recent``), so every one is kept, as when
         the dataset fits, whatever subset a larger dataset has admitted: the ring keeps
         what is recent, and no source is decoded again for its window (with the subset
-        alone, a store half the dataset decoded two sources per mosaic, not one)."""
+        alone, a store half the dataset decoded two sources per mosaic, not one).
+        ``misses(ks)``: told the keys this call will make, before it makes any (a dataset
+        in object storage starts fetching them all at once)."""
         out: list[Source | None] = [None] * len(keys)
         views: list[int] = []  # positions of hits
         mine: list[int] = []  # keys this call makes
@@ -690,6 +693,8 @@ class Store:
                     (mine if claim is Claim.MINE else later).append(i)
         finally:
             self._unlock()
+        if misses is not None and mine + later:
+            misses(mine + later)
         placed = self._make_and_keep(keys, mine, kept, make, out, into)
         if placed >= 0:
             views.append(placed)

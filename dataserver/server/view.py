@@ -13,7 +13,7 @@ who reaches the data port may ask); the front logs those for the operator.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from types import MappingProxyType
 from typing import Any
 
@@ -34,6 +34,17 @@ class StoreUsage:
     admitted: float = 1.0
     mean_entry_bytes: int = 0
     admission: str = ""  # why it keeps what it keeps (``Store.usage``)
+
+
+@dataclass(frozen=True)
+class FetchCacheUsage:
+    """What the fetch cache holds (all workers' shares), as its last read saw it: encoded
+    bytes fetched from object stores (``dataserver.data.fetchcache``)."""
+
+    where: str  # "memory" or "disk" (--fetch-cache DIR)
+    files: int
+    bytes: int
+    capacity_bytes: int  # --fetch-cache-gb
 
 
 @dataclass(frozen=True)
@@ -78,6 +89,7 @@ class ServerView:
     counters: Mapping[str, int]  # read-only copies (``frozen``) of ``Count``s
     rejected: Mapping[str, int]  # ... of ``Reject``s
     heartbeat_interval_s: float = 0.5  # what clients are told to beat at (``beats.BeatRule``)
+    fetch_cache: FetchCacheUsage | None = None  # None: no fetch cache
 
     @staticmethod
     def frozen(counts: Counts[Any]) -> Mapping[str, int]:
@@ -137,6 +149,7 @@ class ServerView:
                 "max_task_mb": limits.max_task_mb,
             },
             "store": self._store_stats(),
+            "fetch_cache": None if self.fetch_cache is None else asdict(self.fetch_cache),
             "sources": self.sources,
             "counters": dict(self.counters),  # (declared names only, in their order: ``frozen``)
             "rejected": dict(self.rejected),

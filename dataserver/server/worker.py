@@ -31,6 +31,7 @@ import signal
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -42,6 +43,7 @@ import zmq
 
 from dataserver.counting import Counts
 from dataserver.data.pipeline import Recipe
+from dataserver.data.remote import FetchSettings, FetchTally, configure, fetcher_if_used
 from dataserver.data.sample import SampleError
 from dataserver.data.spec import build_dataset, parse_spec
 from dataserver.landing import landing_socket
@@ -59,6 +61,7 @@ from dataserver.protocol import (
     Task,
     decode,
 )
+from dataserver.protocol.messages import MAX_FETCH_TIMES
 from dataserver.security import reply_id
 from dataserver.server.compose import Composer, TaskClock
 from dataserver.server.config import WorkerConfig
@@ -118,6 +121,7 @@ class Worker:
         self._stop = threading.Event()  # BYE came (or ``stop()``)
         self.landings = Landings(self.counters)
         self._next_tally = 0.0  # when the front may next be told of dropped result conns
+        self._held: deque[list[Any]] = deque()  # messages taken early (``_look_ahead``)
 
     def stop(self) -> None:
         """Ask the loop to finish (from any thread); it notices within ``POLL_MS``."""
@@ -200,34 +204,73 @@ class Worker:
             poller.unregister(fd)
         for fd in fds - watched:
             poller.register(fd, zmq.POLLIN)
-        events = dict(poller.poll(POLL_MS))
+        events = dict(poller.poll(0 if self._held else POLL_MS))
         if results is not None:
             guard.run("worker.claims", results.read_claims)
-            self._tally(sock, results)
+        self._tally(sock, results)
         for fd in fds & events.keys():
             guard.run("worker.landing", self.landings.on_readable, fd)
-        if sock in events:
+        if self._held:  # (taken off the socket early by ``_look_ahead``: next in order)
+            frames = self._held.popleft()
+        elif sock in events:
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return fds
-            guard.run("worker.message", self._on_frames, frames, sock, results)
+        else:
+            return fds
+        guard.run("worker.message", self._on_frames, frames, sock, results)
         return fds
 
-    def _tally(self, sock: zmq.Socket[Any], results: DirectResults) -> None:
-        """Tell the front the result connections shut down since the last TALLY (at most
-        once a second, and only when there are some)."""
+    def _look_ahead(self, sock: zmq.Socket[Any]) -> None:
+        """Start fetching the next task's objects before this one runs (a dataset in object
+        storage: its ``prefetch``): the front gives a worker its next task before this one
+        ends (``routing.PIPELINE``); it is taken off the socket now and handled next, in
+        order. Not without a fetch cache when there is a store: a source the store holds
+        needs no bytes, and without the cache a fetched object would be fetched for nothing."""
+        prefetch = getattr(self.dataset, "prefetch", None)
+        if prefetch is None or self._held:
+            return
+        if self.store is not None and self.config.fetch_cache is None:
+            return
+        try:
+            frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return
+        self._held.append(frames)
+        try:
+            msg = decode(frames)
+        except ProtocolError:
+            return  # (counted when it is handled)
+        if isinstance(msg, Task):
+            excluded = set(msg.exclude)
+            wanted = [i for i in dict.fromkeys(msg.indices) if i not in excluded and i < self.size]
+            try:
+                prefetch(wanted)
+            except Exception as exc:  # (its own error comes when the task reads it)
+                log.debug("worker %d: prefetch: %s", self.worker_id, exc)
+
+    def _tally(self, sock: zmq.Socket[Any], results: DirectResults | None) -> None:
+        """Tell the front the result connections shut down and what was fetched since the
+        last TALLY (at most once a second, and only when there is something to tell)."""
         now = time.monotonic()
         if now < self._next_tally:
             return
         self._next_tally = now + TALLY_S
-        dropped = results.conns.take_dropped()
-        if dropped:
+        dropped = results.conns.take_dropped() if results is not None else {}
+        used = fetcher_if_used()
+        fetched = used.take_tally() if used is not None else FetchTally()
+        if dropped or fetched:
             tally = Tally(
                 worker=self.worker_id,
                 idle_dropped=dropped.get(Reject.RESULTS_IDLE_DROPPED, 0),
                 over_limit_dropped=dropped.get(Reject.RESULTS_OVER_LIMIT_DROPPED, 0),
                 unfinished_dropped=dropped.get(Reject.RESULTS_UNFINISHED_DROPPED, 0),
+                fetches=fetched.fetches,
+                fetch_bytes=fetched.bytes,
+                fetch_retries=fetched.retries,
+                fetch_errors=fetched.errors,
+                fetch_us=tuple(int(s * 1e6) for s in fetched.seconds[:MAX_FETCH_TIMES]),
             )
             sock.send_multipart(tally.encode(), zmq.NOBLOCK)
 
@@ -267,6 +310,7 @@ class Worker:
         if not isinstance(msg, Task):
             return
         self._current = msg  # named in the report if what follows raises
+        self._look_ahead(sock)
         inject("worker.task")
         out = self._run_guarded(msg)
         if isinstance(out, Result) and out.landed:
@@ -416,6 +460,16 @@ def main(argv: list[str] | None = None) -> int:
     keep_large_blocks()
     cv2.setNumThreads(1)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+
+    configure(
+        FetchSettings(
+            cache_dir=config.fetch_cache,
+            cache_where=config.fetch_where,
+            cache_bytes=config.fetch_cache_bytes,
+            share=(config.worker_id, max(1, config.fetch_slots)),
+            max_fetches=config.max_fetches,
+        )
+    )
 
     def build() -> Any:
         return build_dataset(parse_spec(config.dataset, config.dataset_args))

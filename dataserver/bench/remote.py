@@ -1,0 +1,175 @@
+"""``dataserver bench --only remote``: the bench's set served from an object store, as loose
+objects (``coco:s3://...``) and as tar shards (``wds:s3://...``), behind added latency,
+side by side with the same images on local disk.
+
+The store is moto's S3 app under waitress, with a proxy adding ``REMOTE_DELAY_MS`` to what
+it sends back (``objstore.py``): a real S3 API and real latency on loopback, not a cloud's
+throughput. Every server runs without the store of decoded sources (``--cache-gb 0``), so
+each epoch reads every image: epoch 1 from the store, epoch 2 from the fetch cache
+(``--fetch-cache-gb``, in memory) that epoch 1 filled. Each side is a fresh server and a
+fresh client process (``side.py``'s ``epochs``), alternating, ``--rounds`` times, medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from dataserver.bench.common import Progress, med, rounds, run_side, server
+
+REMOTE_DELAY_MS = 30.0
+
+
+def _shard_mb(ann: str, shards: int = 8) -> float:
+    """A shard size that cuts the bench's set into about ``shards`` shards (the issue's
+    ~100 MB shards would hold the whole small set in one)."""
+    folder = Path(ann).parent
+    total = sum(p.stat().st_size for p in folder.glob("*.jpg"))
+    return max(0.01, total / shards / (1 << 20))
+
+
+def _fetches(address: str) -> int:
+    """The server's ``fetches`` once workers have told it all (TALLY: once a second)."""
+    from dataserver.admin import fetch_stats
+
+    last = -1
+    for _ in range(30):
+        now = int(fetch_stats(address, 10)["counters"].get("fetches", 0))
+        if now == last:
+            return now
+        last = now
+        time.sleep(1.2)
+    return last
+
+
+def epochs_side(args: argparse.Namespace) -> dict[str, Any]:
+    """A fresh client's two whole epochs against a fresh server: the time from building
+    the client to its first batch, each epoch's images/s, and the GETs each epoch cost."""
+    import dataserver_client  # noqa: F401  (imported before the clock starts)
+    from dataserver_client import DataServerClient
+
+    start = time.perf_counter()
+    size = (args.image_size, args.image_size)
+    out: dict[str, Any] = {}
+    with DataServerClient(
+        args.address, batch_size=args.batch_size, image_size=size, device="cpu"
+    ) as client:
+        before = 0
+        for epoch in (1, 2):
+            client.set_epoch(epoch - 1)
+            began = time.perf_counter()
+            images = 0
+            for batch in client:
+                if not images and epoch == 1:
+                    out["first_batch_ms"] = 1000 * (time.perf_counter() - start)
+                images += len(batch)
+            out[f"epoch{epoch}_images_per_s"] = images / (time.perf_counter() - began)
+            out["images"] = images
+            fetched = _fetches(args.address)  # (untimed: between the epochs)
+            out[f"epoch{epoch}_fetches"] = fetched - before
+            before = fetched
+    return out
+
+
+def fig_remote(args: argparse.Namespace, spec: str, progress: Progress) -> dict[str, Any]:
+    try:
+        from dataserver.bench.objstore import ObjectStore
+    except ImportError as exc:  # (moto or waitress missing)
+        return {"skipped": f"needs the test extra (moto[server], waitress): {exc}"}
+    from dataserver.data.shards import build_index, expand, write_shards
+
+    ann = spec[len("coco:") :]
+    with tempfile.TemporaryDirectory(prefix="ds-bench-wds-") as tmp:
+        paths = write_shards(ann, None, tmp, _shard_mb(ann))
+        last = len(paths) - 1
+        with ObjectStore(delay_ms=REMOTE_DELAY_MS) as store:
+            loose = store.put_tree(Path(ann).parent, "coco")
+            shards = store.put_tree(Path(tmp), "wds")
+            specs = {
+                "local": spec,
+                "loose": f"coco:{loose}annotations.json:{loose}",
+                "shards": f"wds:{shards}shard-{{000000..{last:06d}}}.tar",
+            }
+            saved = dict(os.environ)
+            os.environ.update(store.env())  # (the servers' environment: never on the wire)
+            try:
+                names = sorted(p.name for p in Path(ann).parent.glob("*.jpg"))
+                rate = _store_rate([(f"{loose}{n}", None, None) for n in names])
+                index = build_index(expand(specs["shards"][len("wds:") :]))
+                ranges = [
+                    (index.shards[int(s)], int(o), int(n))
+                    for s, o, n in zip(index.shard, index.offset, index.size, strict=True)
+                ]
+                range_rate = _store_rate(ranges)
+                progress(
+                    f"the store's own GET rate: {rate:,.0f}/s whole, {range_rate:,.0f}/s ranges"
+                )
+                runs = rounds(args, progress, {k: _side(args, v) for k, v in specs.items()})
+            finally:
+                os.environ.clear()
+                os.environ.update(saved)
+    out = _figures(runs, len(paths))
+    out["store_gets_per_s"] = round(rate, 1)
+    out["store_range_gets_per_s"] = round(range_rate, 1)
+    for side, store_rate in (("loose", rate), ("shards", range_rate)):
+        bound = min(store_rate, out["local_epoch1_images_per_s"])
+        out[f"{side}_epoch1_vs_bound"] = round(out[f"{side}_epoch1_images_per_s"] / bound, 3)
+    return out
+
+
+def _store_rate(wanted: Sequence[tuple[str, int | None, int | None]], threads: int = 32) -> float:
+    """GETs a second the store answers (behind its latency) to ``threads`` readers in
+    this process (objects whole, or byte ranges): the bound on a first epoch when it is
+    below local disk's rate."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from dataserver.data.remote import Fetcher, FetchSettings
+
+    fetcher = Fetcher(FetchSettings(max_fetches=threads))
+    began = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(lambda w: fetcher.read(*w), wanted))
+    return len(wanted) / (time.perf_counter() - began)
+
+
+def _side(args: argparse.Namespace, spec: str) -> Any:
+    flags = ["--dataset", spec, "--workers", str(args.workers), "--cache-gb", "0"]
+    flags += ["--bind", "tcp://127.0.0.1:0"]
+
+    def run() -> dict[str, Any]:
+        with server(flags) as (address, _pids):
+            return run_side("epochs", args, address=address)
+
+    return run
+
+
+def _figures(runs: dict[str, list[dict[str, Any]]], shards: int) -> dict[str, Any]:
+    def m(side: str, key: str) -> float:
+        return med([r[key] for r in runs[side]])
+
+    out: dict[str, Any] = {
+        "added_latency_ms": REMOTE_DELAY_MS,
+        "loss": "none",
+        "images": runs["local"][0]["images"],
+        "shards": shards,
+    }
+    for side in ("local", "loose", "shards"):
+        out[f"{side}_epoch1_images_per_s"] = round(m(side, "epoch1_images_per_s"), 1)
+        out[f"{side}_epoch2_images_per_s"] = round(m(side, "epoch2_images_per_s"), 1)
+        out[f"{side}_first_batch_ms"] = round(m(side, "first_batch_ms"), 1)
+    for side in ("loose", "shards"):
+        for e in (1, 2):
+            key = f"epoch{e}_images_per_s"
+            out[f"{side}_epoch{e}_vs_local"] = round(m(side, key) / m("local", key), 3)
+            out[f"{side}_epoch{e}_requests"] = int(m(side, f"epoch{e}_fetches"))
+    out["shards_index_requests"] = shards  # (the front reads each shard once, at start)
+    out["not_measured"] = (
+        "a real cloud's throughput per prefix, GCS and Azure, bytes in flight, the peers "
+        "(a DataLoader fetching with obstore, WebDataset's pipeline)"
+    )
+    return out
