@@ -2,7 +2,7 @@
 be counted (``dataserver.counting.Counts`` takes nothing else).
 
 The engine keeps two ``Counts`` and hands them to its ``Handlers``: ``Count``, events of
-normal work (``client.stats()``'s top level; the first eight show from the start, at 0),
+normal work (``client.stats()``'s top level; those in ``SHOWN`` from the start, at 0),
 and ``Reject``, messages refused, by reason (``client.stats()["rejected"]``). The
 lookahead keeps a third, ``Flip``: what the mode flips did (``client.stats()["flips"]``).
 """
@@ -31,6 +31,10 @@ class Count(StrEnum):
     ASKED_AGAIN_DROPPED = "asked_again_dropped"
     ASKED_AGAIN_RESULTS_BROKEN = "asked_again_results_broken"
     ASKED_AGAIN_DEADLINE = "asked_again_deadline"
+    # a slow server's task sent to a second server too (``hedging.py``), and how often the
+    # second copy answered first
+    HEDGED = "hedged"
+    HEDGE_WON = "hedge_won"
 
 
 # Shown in ``client.stats()`` from the start, at 0.
@@ -43,6 +47,8 @@ SHOWN = (
     Count.SERVERS_LEFT,
     Count.SERVERS_DRAINED,
     Count.SERVERS_LOST,
+    Count.HEDGED,
+    Count.HEDGE_WON,
 )
 
 # An ERROR's ``kind`` that asks the client to ask again, and what it counts.

@@ -6,6 +6,7 @@ their methods and tells the ledger and the links what went where."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -17,6 +18,7 @@ from dataserver_client.affinity import Affinity
 from dataserver_client.assembly import HostBuffers
 from dataserver_client.book import PlanBook
 from dataserver_client.config import ClientConfig
+from dataserver_client.hedging import Hedging
 from dataserver_client.ledger import TaskLedger, TaskRecord
 from dataserver_client.links import Links, LinkState, ServerLink
 
@@ -35,8 +37,10 @@ class Sender:
         links: Links,
         buffers: HostBuffers,
         landing: LandingArea | None,
+        hedging: Hedging[ServerLink],
     ) -> None:
         self._config = config
+        self._hedging = hedging
         self._book = book
         self._ledger = ledger
         self._affinity = affinity
@@ -45,9 +49,13 @@ class Sender:
         self._landing = landing
 
     def dispatch(self) -> None:
-        """Send waiting tasks while some server has free credit for them."""
+        """Send waiting tasks while some server has free credit for them. A slow outlier
+        (``hedging.py``) takes one now and then, as a probe."""
         ledger = self._ledger
-        skip: set[ServerLink] = set()  # links with nothing they should take now
+        now = time.monotonic()
+        hedging = self._hedging
+        # links with nothing they should take now (outliers: but a probe when one is due)
+        skip = {lk for lk in hedging.outliers if not hedging.probe_due(lk, now)}
         while ledger.pending:
             link = self._links.best(skip)
             if link is None:
@@ -62,12 +70,28 @@ class Sender:
                 return
             link.sent(rec.task_id, len(rec.images) * rec.sizes.image_bytes)
             ledger.sent(rec, link, generation)
+            if link in hedging.outliers:
+                hedging.probed(link, now)
+                skip.add(link)
 
-    def _task(self, rec: TaskRecord, link: ServerLink) -> tuple[Task, int | None]:
+    def hedge(self, rec: TaskRecord, link: ServerLink) -> bool:
+        """Send a second copy of ``rec`` (out with a slow server) to ``link``; False when
+        it could not go. The copy never lands: its pixels come over the socket, received
+        only while the task is still wanted, so the copy that loses writes nothing."""
+        task, _ = self._task(rec, link, landing=False)
+        if not link.send(task.encode()):
+            return False
+        link.sent(rec.task_id, len(rec.images) * rec.sizes.image_bytes)
+        self._ledger.hedged(rec, link)
+        return True
+
+    def _task(
+        self, rec: TaskRecord, link: ServerLink, landing: bool = True
+    ) -> tuple[Task, int | None]:
         """The TASK for ``rec`` on ``link``, and the landing generation it names (None: its
-        images come back over the socket)."""
+        images come back over the socket; always without ``landing``)."""
         book, cfg = self._book, self._config
-        where = self._landing_place(rec, link)
+        where = self._landing_place(rec, link) if landing else None
         land: dict[str, Any] = {}
         if where is not None:
             region, generation, offset = where

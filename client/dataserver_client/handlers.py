@@ -30,6 +30,7 @@ from dataserver_client.config import ClientConfig
 from dataserver_client.counts import ASKED_AGAIN, Count, Reject
 from dataserver_client.dispatch import Sender
 from dataserver_client.errors import DataServerError, NotAuthorized
+from dataserver_client.hedging import Hedging
 from dataserver_client.ledger import TaskLedger, TaskRecord
 from dataserver_client.links import (
     DatasetInfo,
@@ -70,6 +71,7 @@ class Handlers:
         fail: Callable[[BaseException], None],
         watch: Callable[[ServerLink], None],
         unwatch: Callable[[ServerLink], None],
+        hedging: Hedging[ServerLink],
     ) -> None:
         self.config = config
         self.book = book
@@ -86,6 +88,7 @@ class Handlers:
         self._resets: list[ServerLink] = []  # links whose sockets go (``reset_links``)
         self._trim_at: float | None = None  # when to give a closed link's memory back
         self._unwatch = unwatch
+        self.hedging = hedging  # (the engine's: the sender reads its outliers too)
         self.deadlines = Deadlines(floor=1.0, initial=max(1.0, config.timeout / 3))
         self._last_progress = time.monotonic()
 
@@ -141,7 +144,7 @@ class Handlers:
         if result.session != link.session or link.state is LinkState.BANNED:
             return None
         rec = self.ledger.wanted(result.task_id, result.plan_version)
-        if rec is None or rec.link is not link:
+        if rec is None or not rec.sent_to(link):
             return None
         if len(result.images) != len(rec.slots):
             raise WrongAnswer(
@@ -155,12 +158,13 @@ class Handlers:
         sent = link.release(task_id)
         if sent is not None:
             self.deadlines.observe(time.monotonic() - sent)
+            self.hedging.observe(link, time.monotonic() - sent)
 
     def on_result(self, link: ServerLink, msg: Result) -> None:
         self._answered(link, msg.task_id)
         link.answered()
         rec = self.ledger.wanted(msg.task_id, msg.plan_version)
-        if rec is None or (rec.link is not link and rec.avoid is link and not msg.landed):
+        if rec is None or (not rec.sent_to(link) and rec.avoid is link and not msg.landed):
             # A superseded plan, a second answer after asking again, or the answer over the
             # socket of a server that let the task expire and was asked again elsewhere (its
             # pixels were not received: ``_destinations``): late, not wrong. (A landed one
@@ -179,6 +183,8 @@ class Handlers:
             self.book.on_failure(rec, "sample", left_out(link.address, msg))
             return
         self.counters.count(Count.RESULTS)
+        if self.ledger.settle(rec, link):
+            self.counters.count(Count.HEDGE_WON)
         if msg.landed:
             self.counters.count(Count.RESULTS_LANDED)
         self.book.on_result(rec, msg)
@@ -197,8 +203,8 @@ class Handlers:
         asked again elsewhere, unless it is out with another server or waiting to be sent
         (a forged answer to a task sent elsewhere, or asked again already)."""
         self._bad_server(link, why)
-        if rec.link is link:
-            self.ledger.ask_again([rec])
+        if rec.sent_to(link):
+            self.ledger.ask_again([rec], lost=link)
 
     def on_error(self, link: ServerLink, msg: ErrorMsg) -> None:
         if msg.task_id is None:
@@ -206,19 +212,19 @@ class Handlers:
             return
         self._answered(link, msg.task_id)
         rec = self.ledger.wanted(msg.task_id, msg.plan_version)
-        if rec is None or rec.link is not link:
+        if rec is None or not rec.sent_to(link):
             self.counters.count(Count.LATE)  # (or about a task it was not given: not its to fail)
             return
         if msg.kind in ASKED_AGAIN:
             # A result that may never arrive (its worker died right after sending it), or
             # one the server would not hold for us: ask again (a late copy is dropped).
             self.counters.count(ASKED_AGAIN[msg.kind])
-            self.ledger.ask_again([rec])
+            self.ledger.ask_again([rec], lost=link)
         elif msg.kind == "control_missing":  # it never had our control values: send them
             self.sender.send_control(link)
-            self.ledger.ask_again([rec])
+            self.ledger.ask_again([rec], lost=link)
         elif msg.kind == "unknown_session":  # the server restarted or forgot us: handshake again
-            self.ledger.ask_again([rec])
+            self.ledger.ask_again([rec], lost=link)
             link.forget_session()
         elif msg.kind in ("sample", "poison") and msg.index not in (None, *rec.indices):
             self.rejected.count(Reject.WRONG_ANSWER)  # it blamed a sample the task lacks
@@ -252,7 +258,7 @@ class Handlers:
             if link.release(tid) is not None:
                 self.counters.count(Count.CANCELLED)
             rec = self.ledger.get(tid)
-            if rec is not None and rec.link is link:
+            if rec is not None and rec.sent_to(link):
                 # Cancelled though still wanted: send it again, to another server if any.
                 self.ledger.ask_again([rec], away_from=link)
 
@@ -337,6 +343,7 @@ class Handlers:
             self.counters.count(Count.SERVERS_LEFT)
             self._unwatch(link)
             self.links.remove(link)
+            self.hedging.forget(link)
             self._servers_changed(lookahead=False)
             self._move_tasks(link)
         self._servers_changed()
@@ -414,7 +421,7 @@ class Handlers:
         """The ready servers changed: how many tasks they can work on at once (the book
         cuts batches into enough tasks to keep them all busy), where keys route; and
         (``lookahead``) whether the lookahead is still worth it."""
-        ready = self.links.ready()
+        ready = self.hedging.usable(self.links.ready())  # (a slow outlier: probes only)
         # A server's credit (WELCOME) is what its workers run plus as many again queued
         # there for them: half of it runs at once.
         slots = sum(lk.credit // 2 for lk in ready)
@@ -423,7 +430,7 @@ class Handlers:
         self.book.servers_changed(ready, slots, min(budgets) if budgets else None, stores)
 
     def _move_tasks(self, link: ServerLink) -> int:
-        n = self.ledger.ask_again(self.ledger.records(link.take_outstanding()))
+        n = self.ledger.ask_again(self.ledger.records(link.take_outstanding()), lost=link)
         self.counters.count(Count.REISSUED, n)
         return n
 
@@ -471,3 +478,40 @@ class Handlers:
             )
         )
         self._last_progress = now
+
+    def hedge(self, now: float) -> None:
+        """Slow servers (``hedging.py``): judge which are outliers (routing leaves them out
+        when that changes), then send a second copy of each task that has waited on a
+        server past its hedge delay to the peer with the most free credit (never one that
+        has the task, nor an outlier), once a task."""
+        hedging = self.hedging
+        ready = self.links.ready()
+        if hedging.judge(ready, now):
+            outliers = [lk.address for lk in hedging.outliers]
+            log.info("slow servers (probes only until they recover): %s", outliers or "none")
+            self._servers_changed(lookahead=False)
+        if not hedging.enabled or len(ready) < 2:
+            return
+        for link, delay in hedging.delays(ready).items():
+            for task_id, sent in list(link.outstanding.items()):  # (oldest first)
+                if now - sent < delay:
+                    break
+                rec = self.ledger.get(task_id)
+                if rec is not None and not self._hedge(rec, link, now):
+                    return  # no credit free anywhere: hedges never queue ahead of tasks
+
+    def _hedge(self, rec: TaskRecord, link: ServerLink, now: float) -> bool:
+        """Hedge ``rec``, slow on ``link``, if it should be; False: no server had credit."""
+        if rec.hedge is not None or rec.link is not link:
+            return True  # (hedged already, or a copy that lost)
+        if rec.probe_of is not None or rec.probes_left:
+            return True  # poison probing counts its answers: one copy each
+        skip = set(self.hedging.outliers) | {link}
+        if rec.avoid is not None and now < rec.avoid_until:
+            skip.add(rec.avoid)
+        target = self.links.best(skip)
+        if target is None:
+            return False
+        if self.sender.hedge(rec, target):
+            self.counters.count(Count.HEDGED)
+        return True
