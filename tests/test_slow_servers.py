@@ -33,14 +33,20 @@ def _args(hold_ms: float = 0.0, share: float = 1.0) -> tuple[str, ...]:
 
 
 def _epoch(addresses: list[str], **options: Any) -> tuple[list[Any], dict[str, Any], float]:
-    """One epoch's batches, the client's stats after it, and how long it took."""
+    """One epoch's batches, the client's stats after it, and the longest ``next()`` wait."""
     with make_client(
         addresses, batch_size=8, image_size=(32, 32), stitch_k=1, timeout=60, **options
     ) as client:
         client.set_epoch(0)
-        started = time.monotonic()
-        batches = list(client)
-        return batches, client.stats(), time.monotonic() - started
+        batches, longest = [], 0.0
+        it = iter(client)
+        while True:
+            started = time.monotonic()
+            batch = next(it, None)
+            longest = max(longest, time.monotonic() - started)
+            if batch is None:
+                return batches, client.stats(), longest
+            batches.append(batch)
 
 
 def _same(batches: list[Any], reference: list[Any]) -> None:
@@ -60,16 +66,20 @@ def test_a_slow_server_does_not_stall_the_epoch(
     healthy = start_server(*_args(), workers=1)
     reference, _, _ = _epoch([healthy.address])
     slow = start_server(*_args(hold_ms, share), workers=1)
-    batches, stats, took = _epoch([healthy.address, slow.address])
+    started = time.monotonic()
+    batches, stats, longest = _epoch([healthy.address, slow.address])
+    took = time.monotonic() - started
     _same(batches, reference)
-    # Without hedging the slow server holds its share of tasks: 0.9 s a sample of half the
-    # epoch (~40 s), or 3 s for each held sample past the answer deadline; with it, the
-    # healthy server does the work in well under a second. The bound only catches a stall.
-    assert took < 12, (took, stats["hedging"])
+    # Without hedging a batch with a task on the slow server waits for it (its held
+    # samples, or the answer deadline, >= 1 s, then a second server): 22 s for the epoch
+    # held 0.9 s a sample, 4 s with 15% held 3 s, on the main before hedging. With it the
+    # healthy server has answered within a few of its own answer times. Both bounds are
+    # generous (about 0.1 s and 0.4 s here): they catch a stall, not a slowdown.
+    assert longest < 1.0, (longest, stats["hedging"])
+    assert took < 15, (took, stats["hedging"])
     assert stats["hedged"] >= 1 and stats["hedge_won"] >= 1, stats
     if share == 1.0:  # (an outlier, seen from its answers: it got probes only)
         assert slow.address in stats["hedging"]["outliers"], stats["hedging"]
-    print(f"epoch with a slow server: {took:.2f} s, {stats['hedged']} hedged", stats["hedging"])
 
 
 def test_healthy_servers_are_hedged_rarely(start_server: Any) -> None:
@@ -78,6 +88,7 @@ def test_healthy_servers_are_hedged_rarely(start_server: Any) -> None:
     reference, _, _ = _epoch([a.address])
     batches, stats, _ = _epoch([a.address, b.address])
     _same(batches, reference)
+    print("hedged", stats["hedged"], "of", sum(s["sent"] for s in stats["servers"]))
     tasks = sum(s["sent"] for s in stats["servers"]) - stats["hedged"]
     # About 1 in 20 tasks outlasts its peers' p95 (x1.25); a shared, busy test machine
     # makes that noisier, hence the margin: the point is "a few", not "every".

@@ -64,7 +64,8 @@ class Sender:
             if rec is None:
                 skip.add(link)
                 continue
-            task, generation = self._task(rec, link)
+            # (a probe of an outlier never lands: a slow writer would hold its batch's seal)
+            task, generation = self._task(rec, link, landing=link not in hedging.outliers)
             if not link.send(task.encode()):
                 ledger.unsent(rec)  # not connected after all: try again shortly
                 return

@@ -183,11 +183,24 @@ class Handlers:
             self.book.on_failure(rec, "sample", left_out(link.address, msg))
             return
         self.counters.count(Count.RESULTS)
-        if self.ledger.settle(rec, link):
-            self.counters.count(Count.HEDGE_WON)
+        if rec.hedge is not None:
+            self._settle(rec, link)
         if msg.landed:
             self.counters.count(Count.RESULTS_LANDED)
         self.book.on_result(rec, msg)
+
+    def _settle(self, rec: TaskRecord, link: ServerLink) -> None:
+        """``link`` answered the hedged ``rec`` first: the other copy is cancelled, and its
+        server is seen as at least as slow as it has been on it (it may never answer)."""
+        other = rec.link if link is rec.hedge else rec.hedge
+        sent = other.sent_at(rec.task_id) if other is not None else None
+        if other is not None and sent is not None:
+            self.hedging.observe(other, time.monotonic() - sent)
+        batch = self.book.batch_of(rec)
+        if batch is not None:
+            batch.race_settled()
+        if self.ledger.settle(rec, link):
+            self.counters.count(Count.HEDGE_WON)
 
     def _sealed(self, rec: TaskRecord) -> bool:
         """Whether every image of ``rec`` carries the seal record (generation, task id) a

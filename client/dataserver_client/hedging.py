@@ -33,7 +33,7 @@ from typing import Generic, Protocol, TypeVar
 
 WINDOW = 32  # recent answer latencies kept a server (its p95)
 RECENT = 8  # the last answers its typical latency is the median of (recovery is seen soon)
-MIN_SEEN = 8  # answers from a server before its p95 is believed (a hedge delay)
+MIN_SEEN = 4  # answers from a server before its p95 is believed (a hedge delay)
 MIN_TYPICAL = 3  # ... before its median is (whether it is an outlier)
 HEDGE_QUANTILE = 0.95
 HEDGE_FACTOR = 1.25
