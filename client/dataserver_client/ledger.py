@@ -278,7 +278,7 @@ class TaskLedger:
         for that one instead (its copy with the server gone is dropped when it comes)."""
         gone = away_from if away_from is not None else lost
         until = time.monotonic() + AVOID_S
-        wanted = []
+        wanted: list[TaskRecord] = []
         for rec in recs:
             if not self.is_wanted(rec):
                 continue
