@@ -6,7 +6,6 @@ their methods and tells the ledger and the links what went where."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -52,10 +51,8 @@ class Sender:
         """Send waiting tasks while some server has free credit for them. A slow outlier
         (``hedging.py``) takes one now and then, as a probe."""
         ledger = self._ledger
-        now = time.monotonic()
-        hedging = self._hedging
-        # links with nothing they should take now (outliers: but a probe when one is due)
-        skip = {lk for lk in hedging.outliers if not hedging.probe_due(lk, now)}
+        # links with nothing they should take now (a slow outlier: copies only, hedging.py)
+        skip = set(self._hedging.outliers)
         while ledger.pending:
             link = self._links.best(skip)
             if link is None:
@@ -64,26 +61,23 @@ class Sender:
             if rec is None:
                 skip.add(link)
                 continue
-            # (a probe of an outlier never lands: a slow writer would hold its batch's seal)
-            task, generation = self._task(rec, link, landing=link not in hedging.outliers)
+            task, generation = self._task(rec, link)
             if not link.send(task.encode()):
                 ledger.unsent(rec)  # not connected after all: try again shortly
                 return
             link.sent(rec.task_id, len(rec.images) * rec.sizes.image_bytes)
             ledger.sent(rec, link, generation)
-            if link in hedging.outliers:
-                hedging.probed(link, now)
-                skip.add(link)
 
-    def hedge(self, rec: TaskRecord, link: ServerLink) -> bool:
-        """Send a second copy of ``rec`` (out with a slow server) to ``link``; False when
-        it could not go. The copy never lands: its pixels come over the socket, received
-        only while the task is still wanted, so the copy that loses writes nothing."""
+    def hedge(self, rec: TaskRecord, link: ServerLink, probe: bool = False) -> bool:
+        """Send a second copy of ``rec`` (out with a slow server; with ``probe``, out with
+        a healthy one, and ``link`` the slow server probed) to ``link``; False when it could
+        not go. The copy never lands: its pixels come over the socket, received only while
+        the task is still wanted, so the copy that loses writes nothing."""
         task, _ = self._task(rec, link, landing=False)
         if not link.send(task.encode()):
             return False
         link.sent(rec.task_id, len(rec.images) * rec.sizes.image_bytes)
-        self._ledger.hedged(rec, link)
+        self._ledger.hedged(rec, link, probe)
         return True
 
     def _task(

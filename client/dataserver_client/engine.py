@@ -330,6 +330,7 @@ class Engine(threading.Thread):
         more = self.book.fill(deeper=1)
         if self.ledger.cancels:
             self.sender.cancel()
+        self.handlers.send_hedges()  # (queued by the tick: ahead of new tasks)
         self.sender.dispatch()
         return more
 

@@ -89,6 +89,7 @@ class Handlers:
         self._trim_at: float | None = None  # when to give a closed link's memory back
         self._unwatch = unwatch
         self.hedging = hedging  # (the engine's: the sender reads its outliers too)
+        self._hedges: dict[int, None] = {}  # task ids waiting for a second copy, in order
         self.deadlines = Deadlines(floor=1.0, initial=max(1.0, config.timeout / 3))
         self._last_progress = time.monotonic()
 
@@ -190,12 +191,10 @@ class Handlers:
         self.book.on_result(rec, msg)
 
     def _settle(self, rec: TaskRecord, link: ServerLink) -> None:
-        """``link`` answered the hedged ``rec`` first: the other copy is cancelled, and its
-        server is seen as at least as slow as it has been on it (it may never answer)."""
-        other = rec.link if link is rec.hedge else rec.hedge
-        sent = other.sent_at(rec.task_id) if other is not None else None
-        if other is not None and sent is not None:
-            self.hedging.observe(other, time.monotonic() - sent)
+        """``link`` answered the hedged ``rec`` first: the other copy is cancelled (unless
+        it is a probe: its answer time is what it is for), and the batch is told that copy
+        may still be writing the same bytes (``PlanBook`` then copies the batch out rather
+        than wait for that writer)."""
         batch = self.book.batch_of(rec)
         if batch is not None:
             batch.race_settled()
@@ -493,38 +492,71 @@ class Handlers:
         self._last_progress = now
 
     def hedge(self, now: float) -> None:
-        """Slow servers (``hedging.py``): judge which are outliers (routing leaves them out
-        when that changes), then send a second copy of each task that has waited on a
-        server past its hedge delay to the peer with the most free credit (never one that
-        has the task, nor an outlier), once a task."""
+        """Slow servers (``hedging.py``), each tick: judge which are outliers (routing
+        leaves them out when that changes); queue for a second copy each task that has
+        waited on a server past its hedge delay (``send_hedges``); give each outlier due a
+        probe a copy of a task out with a healthy server, to see whether it recovered."""
         hedging = self.hedging
         ready = self.links.ready()
         if hedging.judge(ready, now):
             outliers = [lk.address for lk in hedging.outliers]
-            log.info("slow servers (probes only until they recover): %s", outliers or "none")
+            log.info("slow servers (copies only until they recover): %s", outliers or "none")
             self._servers_changed(lookahead=False)
         if not hedging.enabled or len(ready) < 2:
+            self._hedges.clear()
             return
         for link, delay in hedging.delays(ready).items():
             for task_id, sent in list(link.outstanding.items()):  # (oldest first)
-                if now - sent < delay:
+                if now - sent >= delay and _hedgeable(self.ledger.get(task_id), link):
+                    self._hedges[task_id] = None
+                elif now - sent < delay:
                     break
-                rec = self.ledger.get(task_id)
-                if rec is not None and not self._hedge(rec, link, now):
-                    return  # no credit free anywhere: hedges never queue ahead of tasks
+        for outlier in hedging.outliers:
+            if hedging.probe_due(outlier, now):
+                self._probe(outlier, ready, now)
+        self.send_hedges()
 
-    def _hedge(self, rec: TaskRecord, link: ServerLink, now: float) -> bool:
-        """Hedge ``rec``, slow on ``link``, if it should be; False: no server had credit."""
-        if rec.hedge is not None or rec.link is not link:
-            return True  # (hedged already, or a copy that lost)
-        if rec.probe_of is not None or rec.probes_left:
-            return True  # poison probing counts its answers: one copy each
-        skip = set(self.hedging.outliers) | {link}
-        if rec.avoid is not None and now < rec.avoid_until:
-            skip.add(rec.avoid)
-        target = self.links.best(skip)
-        if target is None:
-            return False
-        if self.sender.hedge(rec, target):
-            self.counters.count(Count.HEDGED)
-        return True
+    def send_hedges(self) -> None:
+        """Send the queued second copies while a server that has none of the task has
+        free credit: the engine calls this before new tasks go out (a hedged task's batch
+        is the one the trainer waits on sooner); never to an outlier."""
+        while self._hedges:
+            task_id = next(iter(self._hedges))
+            rec = self.ledger.get(task_id)
+            if rec is None or rec.link is None or not _hedgeable(rec, rec.link):
+                del self._hedges[task_id]
+                continue
+            skip = set(self.hedging.outliers) | {rec.link}
+            if rec.avoid is not None and time.monotonic() < rec.avoid_until:
+                skip.add(rec.avoid)
+            target = self.links.best(skip)
+            if target is None:
+                return  # (no credit free: the next turn tries again)
+            del self._hedges[task_id]
+            if self.sender.hedge(rec, target):
+                self.counters.count(Count.HEDGED)
+
+    def _probe(self, outlier: ServerLink, ready: list[ServerLink], now: float) -> None:
+        """Give ``outlier`` a copy of the newest task out with a healthy server: its answer
+        time is measured (a probe never holds a batch: the healthy copy answers it)."""
+        for link in ready:
+            if link is outlier or link in self.hedging.outliers or not link.outstanding:
+                continue
+            rec = self.ledger.get(next(reversed(link.outstanding)))
+            if rec is not None and _hedgeable(rec, link) and outlier.free > 0:
+                if self.sender.hedge(rec, outlier, probe=True):
+                    self.hedging.probed(outlier, now)
+                    self.counters.count(Count.HEDGED)
+                return
+
+
+def _hedgeable(rec: TaskRecord | None, link: ServerLink) -> bool:
+    """Whether ``rec``, out with ``link``, may get a second copy: still wanted, sent there
+    last, not hedged yet, no poison probe (those count their answers: one copy each)."""
+    return (
+        rec is not None
+        and rec.link is link
+        and rec.hedge is None
+        and rec.probe_of is None
+        and not rec.probes_left
+    )

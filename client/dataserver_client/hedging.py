@@ -16,8 +16,10 @@ work of one task on a server that had credit free.
 - **Outliers.** A server whose typical latency (the median of its last ``RECENT`` answers,
   or the age of its oldest unanswered task when that is larger: a server that answers
   nothing is seen too) is over ``OUTLIER_FACTOR`` x its peers' median and over
-  ``OUTLIER_FLOOR_S`` gets no new task, only a probe when it has none outstanding and
-  ``PROBE_S`` passed since its last one, so its recovery is seen; keys stop routing to it.
+  ``OUTLIER_FLOOR_S`` gets no task of its own and no hedge: keys stop routing to it. When
+  it has nothing outstanding, at most every ``PROBE_S``, it gets a probe: a copy of a task
+  out with a healthy server (never on a batch's critical path; not cancelled, so its
+  answer time is measured), and once its answers are back to its peers' it is used again.
   Never every ready server at once.
 
 No sockets, no threads: the I/O thread is the only caller. ``Handlers.hedge`` acts on it.
@@ -66,7 +68,7 @@ class Figures:
     hedge_delay_s: float | None  # the least delay before a hedge over the servers now
     p50_s: dict[str, float]  # each server's median answer time (its last RECENT answers)
     p95_s: dict[str, float]
-    outliers: list[str]  # servers getting probes only
+    outliers: list[str]  # servers getting probes only (copies of tasks out elsewhere)
 
 
 def _quantile(ordered: list[float], q: float) -> float:
@@ -175,11 +177,11 @@ class Hedging(Generic[P]):
         return [p for p in ready if p not in self._outliers]
 
     def probe_due(self, peer: P, now: float) -> bool:
-        """Whether the outlier ``peer`` may be given one task now (it has none out)."""
+        """Whether the outlier ``peer`` may be given a probe now (it has nothing out)."""
         return _oldest(peer) is None and now - self._probed.get(peer, 0.0) >= PROBE_S
 
     def probed(self, peer: P, now: float) -> None:
-        """The outlier ``peer`` was given a task (a probe) at ``now``."""
+        """The outlier ``peer`` was given a probe at ``now``."""
         if peer in self._outliers:
             self._probed[peer] = now
 

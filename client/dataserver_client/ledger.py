@@ -57,6 +57,7 @@ class TaskRecord:
     avoid: ServerLink | None = None  # a server that cancelled it or let it expire ...
     avoid_until: float = 0.0  # ... is not given it again before this (monotonic) time
     hedge: ServerLink | None = None  # a second server it went to while ``link`` was slow
+    probing: bool = False  # ... or: the copy ``hedge`` has probes a slow server's recovery
 
     def sent_to(self, link: ServerLink) -> bool:
         """Whether a copy of it is out with ``link`` (the last send, or its hedge)."""
@@ -241,10 +242,11 @@ class TaskLedger:
         if land_gen is not None:
             rec.land_gen = land_gen
 
-    def hedged(self, rec: TaskRecord, link: ServerLink) -> None:
-        """A second copy of ``rec`` went to ``link`` (its first is slow where it is): the
+    def hedged(self, rec: TaskRecord, link: ServerLink, probe: bool = False) -> None:
+        """A second copy of ``rec`` went to ``link`` (its first is slow where it is; with
+        ``probe``, ``link`` is a slow server whose answer time is measured on a copy): the
         answer of either is taken, the first to come (``settle``)."""
-        rec.hedge = link
+        rec.hedge, rec.probing = link, probe
 
     def settle(self, rec: TaskRecord, link: ServerLink) -> bool:
         """``link``'s answer to ``rec`` is taken: the other copy of a hedged task is
@@ -254,7 +256,7 @@ class TaskLedger:
             return False
         won = link is rec.hedge
         other = rec.link if won else rec.hedge
-        if other is not None:
+        if other is not None and not (rec.probing and not won):  # (a probe answers, late)
             self._to_cancel.append((other, rec.task_id))
         return won
 
@@ -284,14 +286,14 @@ class TaskLedger:
                 continue
             if gone is not None and rec.hedge is not None and rec.sent_to(gone):
                 rec.link = rec.hedge if rec.link is gone else rec.link
-                rec.hedge = None
+                rec.hedge, rec.probing = None, False
                 rec.avoid, rec.avoid_until = gone, until  # (its late answer: dropped as late)
                 continue
             wanted.append(rec)
         again = sorted(wanted, key=lambda r: (r.step, r.slots[0]))
         for rec in reversed(again):
             rec.link = None
-            rec.hedge = None
+            rec.hedge, rec.probing = None, False
             if away_from is not None:
                 rec.prefer = None
                 rec.avoid, rec.avoid_until = away_from, until

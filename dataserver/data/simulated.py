@@ -72,7 +72,9 @@ class Held(Simulated):
     def __init__(self, n: int, ms: float, size: int, hold_ms: float, share: float) -> None:
         super().__init__(n, ms, size)
         if hold_ms < 0 or not 0.0 <= share <= 1.0:
-            raise ValueError(f"held: hold_ms must be >= 0 and share in [0, 1], got {hold_ms}, {share}")
+            raise ValueError(
+                f"held: hold_ms must be >= 0 and share in [0, 1], got {hold_ms}, {share}"
+            )
         self.hold, self.share = hold_ms / 1000.0, share
         self.fingerprint = f"{n}-{size}"
 
