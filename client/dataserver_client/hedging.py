@@ -146,6 +146,10 @@ class Hedging(Generic[P]):
             return waited if waited > 0 else None
         return max(seen.p50, waited)
 
+    def _answered(self, peer: P, count: int) -> bool:
+        seen = self._seen.get(peer)
+        return seen is not None and len(seen.recent) >= count
+
     def judge(self, ready: list[P], now: float) -> bool:
         """Decide which of ``ready`` are outliers now; True when that changed."""
         outliers: set[P] = set()
@@ -155,6 +159,9 @@ class Hedging(Generic[P]):
             for peer in ready:
                 mine = typical[peer]
                 reference = _median_without(ordered, mine)
+                if peer in self._outliers and not self._answered(peer, MIN_TYPICAL):
+                    outliers.add(peer)  # (until its probes answered: then judged again)
+                    continue
                 if mine is None or reference is None:
                     continue
                 if mine > max(OUTLIER_FLOOR_S, OUTLIER_FACTOR * reference):
@@ -164,6 +171,7 @@ class Hedging(Generic[P]):
         changed = outliers != self._outliers
         for peer in outliers - self._outliers:
             self._probed[peer] = now  # (its tasks out are its probe: the next after PROBE_S)
+            self._seen.pop(peer, None)  # (judged from here on by its answers since)
         self._outliers = frozenset(outliers)
         return changed
 
