@@ -506,7 +506,7 @@ class Handlers:
             self._hedges.clear()
             return
         for link, delay in hedging.delays(ready).items():
-            for task_id, sent in list(link.outstanding.items()):  # (oldest first)
+            for task_id, sent in link.outstanding.items():  # (oldest first; not changed here)
                 if now - sent >= delay and _hedgeable(self.ledger.get(task_id), link):
                     self._hedges[task_id] = None
                 elif now - sent < delay:

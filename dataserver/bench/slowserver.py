@@ -8,7 +8,7 @@ so a slow server stays slow); one of them is slow in one of four ways:
 - ``hold_3s``: every sample held 3 s (past the deadline);
 - ``tail_5pct_2s``: 5% of the samples (by a hash of the index) held 2 s: a heavy tail;
 - ``throttled_10pct``: a healthy server stopped 90 ms of every 100 ms (SIGSTOP/SIGCONT to
-  its front and worker, by a helper process: ``python -m dataserver.bench.slowserver``).
+  its front and worker, by a helper process: ``python -m dataserver.bench.throttle``).
 
 Each case runs with ``hedge=True`` (the default) and ``hedge=False`` (what the client did
 before hedging), side by side, alternating, ``--rounds`` times, medians. Reported against
@@ -44,7 +44,6 @@ CASES = {
     "hold_3s": {"hold_ms": 3000.0, "share": 1.0},
     "tail_5pct_2s": {"hold_ms": 2000.0, "share": 0.05},
 }
-STOP_S, CYCLE_S = 0.09, 0.1  # the throttle: stopped 90 ms of every 100 ms
 
 
 def _flags(hold_ms: float = 0.0, share: float = 1.0) -> list[str]:
@@ -72,9 +71,9 @@ def _server(hold_ms: float = 0.0, share: float = 1.0) -> Iterator[tuple[str, lis
 
 @contextmanager
 def _throttled(pids: list[int]) -> Iterator[None]:
-    """``pids`` stopped ``STOP_S`` of every ``CYCLE_S`` by a helper process meanwhile."""
+    """``pids`` stopped 90 ms of every 100 ms by a helper process meanwhile."""
     helper = subprocess.Popen(
-        [sys.executable, "-m", "dataserver.bench.slowserver", *map(str, pids)],
+        [sys.executable, "-m", "dataserver.bench.throttle", *map(str, pids)],
         stdin=subprocess.PIPE,
     )
     try:
@@ -87,29 +86,6 @@ def _throttled(pids: list[int]) -> Iterator[None]:
                 os.kill(pid, signal.SIGCONT)
             except ProcessLookupError:
                 pass
-
-
-def throttle(pids: list[int]) -> None:
-    """The helper: stop ``pids``, wait ``STOP_S``, let them go, wait the rest of the cycle,
-    until SIGTERM (then they are let go)."""
-    running = [True]
-    signal.signal(signal.SIGTERM, lambda *_: running.__setitem__(0, False))
-
-    def send(sig: int) -> None:
-        for pid in pids:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-
-    try:
-        while running[0]:
-            send(signal.SIGSTOP)
-            time.sleep(STOP_S)
-            send(signal.SIGCONT)
-            time.sleep(CYCLE_S - STOP_S)
-    finally:
-        send(signal.SIGCONT)
 
 
 def slow_server_side(args: argparse.Namespace) -> dict[str, Any]:
@@ -219,7 +195,3 @@ def fig_slow_server(args: argparse.Namespace, spec: str, progress: Progress) -> 
                 _case(args, progress, [healthy, other]), alone, pair_p99
             )
     return out
-
-
-if __name__ == "__main__":  # the throttle's helper process
-    throttle([int(p) for p in sys.argv[1:]])
