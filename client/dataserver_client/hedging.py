@@ -19,7 +19,8 @@ work of one task on a server that had credit free.
   ``OUTLIER_FLOOR_S`` gets no task of its own and no hedge: keys stop routing to it. When
   it has nothing outstanding, at most every ``PROBE_S``, it gets a probe: a copy of a task
   out with a healthy server (never on a batch's critical path; not cancelled, so its
-  answer time is measured), and once its answers are back to its peers' it is used again.
+  answer time is measured), and once ``MIN_TYPICAL`` answers since put it within
+  ``RECOVER`` x that bar it is used again.
   Never every ready server at once.
 
 No sockets, no threads: the I/O thread is the only caller. ``Handlers.hedge`` acts on it.
@@ -41,7 +42,8 @@ HEDGE_QUANTILE = 0.95
 HEDGE_FACTOR = 1.25
 HEDGE_FLOOR_S = 0.05  # never hedge a task younger than this
 OUTLIER_FACTOR = 4.0
-OUTLIER_FLOOR_S = 0.25  # a server answering within this is never an outlier
+OUTLIER_FLOOR_S = 0.15  # a server answering within this is never an outlier
+RECOVER = 0.5  # an outlier is used again once within half the bar that made it one
 PROBE_S = 0.5  # an outlier gets one task at most this often, when it has none
 
 
@@ -164,8 +166,9 @@ class Hedging(Generic[P]):
                     continue
                 if mine is None or reference is None:
                     continue
-                if mine > max(OUTLIER_FLOOR_S, OUTLIER_FACTOR * reference):
-                    outliers.add(peer)
+                bar = max(OUTLIER_FLOOR_S, OUTLIER_FACTOR * reference)
+                if mine > (bar * RECOVER if peer in self._outliers else bar):
+                    outliers.add(peer)  # (the lower bar back in: no flapping at the edge)
             if len(outliers) == len(ready):  # (never every server: someone must work)
                 outliers.clear()
         changed = outliers != self._outliers
