@@ -38,7 +38,8 @@ def _epoch(addresses: list[str], **options: Any) -> tuple[list[Any], dict[str, A
         addresses, batch_size=8, image_size=(32, 32), stitch_k=1, timeout=60, **options
     ) as client:
         client.set_epoch(0)
-        batches, longest = [], 0.0
+        batches: list[Any] = []
+        longest = 0.0
         it = iter(client)
         while True:
             started = time.monotonic()
