@@ -105,3 +105,44 @@ def test_hedge_off_sends_no_second_copy(start_server: Any) -> None:
     _same(batches, reference)
     assert stats["hedged"] == 0 and stats["hedging"]["enabled"] is False
     assert stats["hedging"]["outliers"] == []
+
+
+class _Peer:
+    """What the policy reads of a server link: its unanswered tasks, oldest first."""
+
+    def __init__(self) -> None:
+        self.outstanding: dict[int, float] = {}
+
+
+def test_the_policy_sets_an_outlier_aside_and_takes_it_back() -> None:
+    """``Hedging`` alone: a server 30x slower than its peers is an outlier (never every
+    server), the hedge delay comes from the others' p95, and a server comes back only
+    once its answers since are within half the bar."""
+    from dataserver_client.hedging import HEDGE_FACTOR, MIN_TYPICAL, Hedging
+
+    fast, other, slow = _Peer(), _Peer(), _Peer()
+    policy: Hedging[_Peer] = Hedging()
+    for _ in range(16):
+        policy.observe(fast, 0.2)
+        policy.observe(other, 0.3)
+        policy.observe(slow, 9.0)
+    assert policy.judge([fast, other, slow], now=100.0)
+    assert policy.outliers == {slow}
+    assert policy.usable([fast, other, slow]) == [fast, other]
+    delays = policy.delays([fast, other, slow])
+    assert slow in delays and delays[slow] == pytest.approx(HEDGE_FACTOR * 0.3)
+    # Alone with one peer, the slow one is still the outlier, never both.
+    assert not policy.judge([fast, slow], now=100.0) and policy.outliers == {slow}
+    # Its answers since: slow still, then in line: it is used again only then.
+    for _ in range(MIN_TYPICAL):
+        policy.observe(slow, 5.0)
+    policy.judge([fast, other, slow], now=101.0)
+    assert policy.outliers == {slow}
+    for _ in range(8):
+        policy.observe(slow, 0.3)
+    assert policy.judge([fast, other, slow], now=102.0) and policy.outliers == frozenset()
+    # Switched off: nothing hedged, nothing set aside.
+    off: Hedging[_Peer] = Hedging(enabled=False)
+    off.observe(fast, 0.02)
+    off.observe(slow, 5.0)
+    assert not off.judge([fast, slow], now=1.0) and off.delays([fast, slow]) == {}

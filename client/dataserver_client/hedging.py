@@ -9,10 +9,12 @@ cancelled, or dropped as late when it comes), so a second copy is harmless: it c
 work of one task on a server that had credit free.
 
 - **Hedge.** A task outstanding on a server for longer than the hedge delay of that server
-  (``HEDGE_FACTOR`` x the ``HEDGE_QUANTILE`` of the last ``WINDOW`` answer times of its peers that
-  are not outliers, never below ``HEDGE_FLOOR_S``) is sent once more, to the peer with the
-  most free credit. With no slow server about 1 task in 20 outlasts its peers' p95, fewer
-  past 1.25 times it; a hedge only takes credit left free after the waiting tasks went out.
+  (``HEDGE_FACTOR`` x the median over its peers that are not outliers of their
+  ``HEDGE_QUANTILE`` of their last ``WINDOW`` answer times, never below ``HEDGE_FLOOR_S``)
+  is sent once more, to the peer with the most free credit (never an outlier), queued
+  ahead of new tasks (its batch is the one the trainer waits on sooner). With no slow
+  server about 1 task in 20 outlasts its peers' p95, fewer past 1.25 times it, and a hedge
+  waits for credit to come free: the extra work is bounded by that share.
 - **Outliers.** A server whose typical latency (the median of its last ``RECENT`` answers,
   or the age of its oldest unanswered task when that is larger: a server that answers
   nothing is seen too) is over ``OUTLIER_FACTOR`` x its peers' median and over
@@ -44,7 +46,7 @@ HEDGE_FLOOR_S = 0.05  # never hedge a task younger than this
 OUTLIER_FACTOR = 4.0
 OUTLIER_FLOOR_S = 0.15  # a server answering within this is never an outlier
 RECOVER = 0.5  # an outlier is used again once within half the bar that made it one
-PROBE_S = 0.5  # an outlier gets one task at most this often, when it has none
+PROBE_S = 0.5  # an outlier gets one probe at most this often, when it has nothing out
 
 
 class Peer(Hashable, Protocol):
@@ -95,13 +97,15 @@ class _Seen:
 
     def __init__(self) -> None:
         self.recent: deque[float] = deque(maxlen=WINDOW)
+        self.count = 0
         self.p50 = 0.0
         self.p95 = 0.0
 
     def add(self, latency: float) -> None:
         self.recent.append(latency)
-        ordered = sorted(self.recent)  # (32 floats: cheaper than keeping an order)
-        self.p95 = _quantile(ordered, HEDGE_QUANTILE)
+        self.count += 1
+        if self.count <= MIN_SEEN or self.count % 8 == 0:  # (the p95 of 32 moves slowly)
+            self.p95 = _quantile(sorted(self.recent), HEDGE_QUANTILE)
         last = sorted(
             self.recent[i] for i in range(max(0, len(self.recent) - RECENT), len(self.recent))
         )
