@@ -467,6 +467,9 @@ def _add_bench(sub: Any) -> None:
     p.add_argument("--scale-clients", type=int, default=64, help="scale (a): task sessions")
     p.add_argument("--scale-workers", type=int, default=2, help="scale (a): the server's workers")
     p.add_argument("--scale-seconds", type=float, default=5.0, help="scale: each timed window")
+    p.add_argument(
+        "--slow-seconds", type=float, default=6.0, help="slow_server: each run's timed window"
+    )
     p.add_argument("--scale-batches", type=int, default=300, help="scale (b): timed batches")
     p.add_argument(
         "--scale-rate-servers",

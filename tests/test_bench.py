@@ -208,3 +208,22 @@ def test_bench_remote_figure(tmp_path: Path) -> None:
         assert figure[f"{side}_epoch1_vs_local"] > 0 and figure[f"{side}_epoch2_vs_local"] > 0
         assert figure[f"{side}_epoch1_requests"] >= 16
         assert figure[f"{side}_epoch2_requests"] == 0  # (the fetch cache holds the set)
+
+
+@pytest.mark.timeout(300)
+def test_bench_slow_server_figure(tmp_path: Path) -> None:
+    """The slow-server figure on a tiny configuration: every case reports both sides (hedging
+    on and off) against the healthy server alone and a healthy pair."""
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "dataserver.cli", "bench", "--images", "8", "--batch-size", "8"]
+    cmd += ["--rounds", "1", "--slow-seconds", "0.5", "--json", str(out), "--only", "slow_server"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    figure = json.loads(out.read_text())["slow_server"]
+    assert figure["healthy_alone_images_per_s"] > 0
+    assert 0 <= figure["extra_work_no_slow_server"] <= 1
+    for case in ("healthy_pair", "hold_0.9s", "hold_3s", "tail_5pct_2s", "throttled_10pct"):
+        for side in ("hedge_on", "hedge_off"):
+            assert figure[case][side]["vs_healthy_alone"] > 0, (case, side)
+            assert figure[case][side]["p99_wait_ms"] > 0, (case, side)
+        assert figure[case]["hedge_off"]["hedged_share"] == 0

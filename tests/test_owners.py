@@ -26,6 +26,7 @@ from dataserver_client.epoch import REGULAR, STITCH, BatchPlan, ImagePlan
 from dataserver_client.errors import DataServerError
 from dataserver_client.handlers import Handlers
 from dataserver_client.handoff import Handoff, Stuck
+from dataserver_client.hedging import Hedging
 from dataserver_client.ledger import TaskLedger
 from dataserver_client.links import Links, LinkState, ServerLink
 from dataserver_client.pacing import Pacing
@@ -329,6 +330,7 @@ def _handlers(
         fail=lambda exc: None,
         watch=lambda link: None,
         unwatch=lambda link: None,
+        hedging=Hedging(),
     )
 
 

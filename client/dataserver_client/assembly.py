@@ -53,18 +53,20 @@ class HostBuffers:
         if landing is not None and self.pinned:
             self._registered = _register(landing)
 
-    def take(self, shape: tuple[int, ...]) -> torch.Tensor:
+    def take(self, shape: tuple[int, ...], land: bool = True) -> torch.Tensor:
+        """A buffer of ``shape``: a landing region while one is free (never with ``land``
+        False), else host memory (pinned for CUDA)."""
         if not self.pinned:
             self._reclaim()
         self._seal_given()
-        free = self._free.get(shape)
+        free = self._free.get(shape) if land else None  # (a free one may be a region)
         if free:
             tensor, event = free.pop()
             if event is not None:
                 event.synchronize()  # the device copy that read it is done
             return tensor
         nbytes = int(np.prod(shape))
-        landing = self.landing
+        landing = self.landing if land else None
         region = landing.take() if landing is not None and nbytes <= landing.region_bytes else None
         if landing is not None and region is not None:
             base = torch.from_numpy(landing.buffer(region)[:nbytes])
@@ -214,6 +216,22 @@ class InflightBatch:
         self.dropped: set[int] = set()
         self.skipped: list[int] = []
         self.error: DataServerError | None = None
+        self.raced = False  # a task of it was hedged, and answered by one copy of two
+
+    def race_settled(self) -> None:
+        """A hedged task of it was answered: the other copy, if it landed, may still be
+        writing the same bytes into its slots (``moved``)."""
+        self.raced = True
+
+    def moved(self, host: torch.Tensor) -> torch.Tensor:
+        """Its pixels copied into ``host``, which it uses from now on (a hedged task's
+        losing copy holds a lock on its landing buffer, writing the very bytes the winner
+        gave: the copy is whole, and the buffer is sealed before it serves again). Returns
+        the buffer it left, for the caller to give back."""
+        old = self.host
+        host.copy_(old)
+        self.host, self.array = host, host.numpy()
+        return old
 
     @property
     def complete(self) -> bool:

@@ -115,6 +115,15 @@ class DataServerClient:
     ``on_error="skip"`` leaves a 3-tile mosaic). ``mosaic_p`` (with "window" only): the
     probability, per output, of a mosaic, drawn by (seed, epoch, position); an output that
     is not one is its anchor alone, as a regular image, in the same batch.
+
+    ``hedge`` (default on): with several servers, a task that waits on one server longer
+    than its peers' recent p95 answer time (x1.25, at least 50 ms) is sent to a second
+    server too, the first answer taken (the other cancelled or dropped: every index is
+    still delivered once, bit-identical); a server whose answers are several times slower
+    than its peers' gets no new work but a probe every half second until it recovers
+    (README, "Slow servers"; ``stats()``: ``hedged``, ``hedge_won``, ``hedging``). With no
+    slow server it hedges a few percent of tasks, on credit left free; ``hedge=False``
+    turns both off.
     """
 
     def __init__(
@@ -146,6 +155,7 @@ class DataServerClient:
         letterbox: str = "top-left",
         mosaic_partners: str = "consume",
         mosaic_p: float = 1.0,
+        hedge: bool = True,
     ) -> None:
         if rank is None or world_size is None:
             auto_rank, auto_world = default_rank_world()
@@ -180,6 +190,7 @@ class DataServerClient:
             letterbox=letterbox,
             mosaic_partners=mosaic_partners,
             mosaic_p=mosaic_p,  # (checked as given, as pad_value)
+            hedge=bool(hedge),
         )
         self.config.validate()
         curve = _load_curve(curve_server_key, curve_secret_key)

@@ -54,6 +54,7 @@ class ClientConfig:
     letterbox: str = "top-left"  # where a regular image sits in its canvas: or "center"
     mosaic_partners: str = "consume"  # "window": YOLO's mosaic, each sample an anchor
     mosaic_p: float = 1.0  # with "window": the probability, per output, of a mosaic
+    hedge: bool = True  # a slow server's tasks are hedged to another, outliers set aside
 
     def __post_init__(self) -> None:
         # (h, w) given as a pair becomes a FixedSize: every reader sees one schedule type

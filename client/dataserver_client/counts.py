@@ -2,7 +2,7 @@
 be counted (``dataserver.counting.Counts`` takes nothing else).
 
 The engine keeps two ``Counts`` and hands them to its ``Handlers``: ``Count``, events of
-normal work (``client.stats()``'s top level; the first eight show from the start, at 0),
+normal work (``client.stats()``'s top level; those in ``SHOWN`` from the start, at 0),
 and ``Reject``, messages refused, by reason (``client.stats()["rejected"]``). The
 lookahead keeps a third, ``Flip``: what the mode flips did (``client.stats()["flips"]``).
 """
@@ -38,6 +38,10 @@ class Count(StrEnum):
     # one that changed something held back by its server's handshake rate (``handshakes``)
     WELCOME_UNCHANGED = "welcome_unchanged"
     WELCOME_HELD = "welcome_held"
+    # a slow server's task sent to a second server too (``hedging.py``), and how often the
+    # second copy answered first
+    HEDGED = "hedged"
+    HEDGE_WON = "hedge_won"
 
 
 # Shown in ``client.stats()`` from the start, at 0.
@@ -50,6 +54,8 @@ SHOWN = (
     Count.SERVERS_LEFT,
     Count.SERVERS_DRAINED,
     Count.SERVERS_LOST,
+    Count.HEDGED,
+    Count.HEDGE_WON,
 )
 
 # An ERROR's ``kind`` that asks the client to ask again, and what it counts.

@@ -17,6 +17,7 @@ from dataserver_client.affinity import Affinity
 from dataserver_client.assembly import HostBuffers
 from dataserver_client.book import PlanBook
 from dataserver_client.config import ClientConfig
+from dataserver_client.hedging import Hedging
 from dataserver_client.ledger import TaskLedger, TaskRecord
 from dataserver_client.links import Links, LinkState, ServerLink
 
@@ -35,8 +36,10 @@ class Sender:
         links: Links,
         buffers: HostBuffers,
         landing: LandingArea | None,
+        hedging: Hedging[ServerLink],
     ) -> None:
         self._config = config
+        self._hedging = hedging
         self._book = book
         self._ledger = ledger
         self._affinity = affinity
@@ -45,9 +48,11 @@ class Sender:
         self._landing = landing
 
     def dispatch(self) -> None:
-        """Send waiting tasks while some server has free credit for them."""
+        """Send waiting tasks while some server has free credit for them. A slow outlier
+        (``hedging.py``) takes one now and then, as a probe."""
         ledger = self._ledger
-        skip: set[ServerLink] = set()  # links with nothing they should take now
+        # links with nothing they should take now (a slow outlier: copies only, hedging.py)
+        skip = set(self._hedging.outliers)
         while ledger.pending:
             link = self._links.best(skip)
             if link is None:
@@ -63,11 +68,25 @@ class Sender:
             link.sent(rec.task_id, len(rec.images) * rec.sizes.image_bytes)
             ledger.sent(rec, link, generation)
 
-    def _task(self, rec: TaskRecord, link: ServerLink) -> tuple[Task, int | None]:
+    def hedge(self, rec: TaskRecord, link: ServerLink, probe: bool = False) -> bool:
+        """Send a second copy of ``rec`` (out with a slow server; with ``probe``, out with
+        a healthy one, and ``link`` the slow server probed) to ``link``; False when it could
+        not go. The copy never lands: its pixels come over the socket, received only while
+        the task is still wanted, so the copy that loses writes nothing."""
+        task, _ = self._task(rec, link, landing=False)
+        if not link.send(task.encode()):
+            return False
+        link.sent(rec.task_id, len(rec.images) * rec.sizes.image_bytes)
+        self._ledger.hedged(rec, link, probe)
+        return True
+
+    def _task(
+        self, rec: TaskRecord, link: ServerLink, landing: bool = True
+    ) -> tuple[Task, int | None]:
         """The TASK for ``rec`` on ``link``, and the landing generation it names (None: its
-        images come back over the socket)."""
+        images come back over the socket; always without ``landing``)."""
         book, cfg = self._book, self._config
-        where = self._landing_place(rec, link)
+        where = self._landing_place(rec, link) if landing else None
         land: dict[str, Any] = {}
         if where is not None:
             region, generation, offset = where

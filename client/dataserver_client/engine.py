@@ -67,6 +67,7 @@ from dataserver_client.errors import DataServerError, ServerUnreachable
 from dataserver_client.fds import FdBudget, new_context, raise_fd_limit
 from dataserver_client.handlers import Handlers
 from dataserver_client.handoff import Handoff
+from dataserver_client.hedging import Hedging
 from dataserver_client.ledger import TaskLedger
 from dataserver_client.links import DatasetInfo, EventKind, Links, LinkState, ServerLink
 from dataserver_client.resume import Deal, Position
@@ -110,6 +111,7 @@ class Engine(threading.Thread):
         self.buffers = HostBuffers(config.device, keep=config.prefetch + 4, landing=self.landing)
         self.ledger = TaskLedger()
         self.affinity: Affinity[ServerLink] = Affinity()
+        self.hedging: Hedging[ServerLink] = Hedging(config.hedge)
         self.book = PlanBook(config, handoff, self.mover, self.buffers, self.ledger, self.affinity)
         self.handshake: Future[DatasetInfo] = Future()
         self.counters = Counts(Count, shown=SHOWN)
@@ -217,6 +219,7 @@ class Engine(threading.Thread):
                 links,
                 self.buffers,
                 self.landing,
+                self.hedging,
             )
             self.handlers = Handlers(
                 self.config,
@@ -232,6 +235,7 @@ class Engine(threading.Thread):
                 fail=self._fail,
                 watch=self._watch,
                 unwatch=self._unwatch,
+                hedging=self.hedging,
             )
             discovery = Discovery(self.config.addresses, self.config.discovery_interval, self.wake)
             discovery.start()
@@ -324,6 +328,7 @@ class Engine(threading.Thread):
                 self.handlers.trim(now)
                 self.handlers.expire(now)
                 self.handlers.welcomes_due(now)
+                self.handlers.hedge(now)
                 self.handlers.check_progress(now)
 
     def _drain_pipe(self) -> None:
@@ -341,6 +346,7 @@ class Engine(threading.Thread):
         more = self.book.fill(deeper=1)
         if self.ledger.cancels:
             self.sender.cancel()
+        self.handlers.send_hedges()  # (queued by the tick: ahead of new tasks)
         self.sender.dispatch()
         return more
 
@@ -527,6 +533,9 @@ class Engine(threading.Thread):
             "lookahead": None if lookahead is None else dataclasses.asdict(lookahead),
             "skipped_poison_images": self.ledger.skipped_poison,
             "task_deadline_s": round(self.handlers.deadlines.value, 3),
+            "hedging": dataclasses.asdict(
+                self.hedging.figures(self.links.ready(), {lk: lk.address for lk in self.links})
+            ),
             "host_buffers_allocated": self.buffers.allocated,
             "servers": [dataclasses.asdict(link.stats()) for link in self.links],
             "fds": dataclasses.asdict(self.links.fds()),

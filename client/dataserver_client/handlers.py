@@ -41,6 +41,7 @@ from dataserver_client.counts import ASKED_AGAIN, Count, Reject
 from dataserver_client.dispatch import Sender
 from dataserver_client.errors import DataServerError, NotAuthorized
 from dataserver_client.handshakes import HeldWelcome, WelcomeMemo
+from dataserver_client.hedging import Hedging
 from dataserver_client.ledger import TaskLedger, TaskRecord
 from dataserver_client.links import (
     DatasetInfo,
@@ -81,6 +82,7 @@ class Handlers:
         fail: Callable[[BaseException], None],
         watch: Callable[[ServerLink], None],
         unwatch: Callable[[ServerLink], None],
+        hedging: Hedging[ServerLink],
     ) -> None:
         self.config = config
         self.book = book
@@ -98,6 +100,8 @@ class Handlers:
         self._trim_at: float | None = None  # when to give a closed link's memory back
         self._unwatch = unwatch
         self._held: set[ServerLink] = set()  # links holding a WELCOME back (``welcomes_due``)
+        self.hedging = hedging  # (the engine's: the sender reads its outliers too)
+        self._hedges: dict[int, None] = {}  # task ids waiting for a second copy, in order
         self.deadlines = Deadlines(floor=1.0, initial=max(1.0, config.timeout / 3))
         self._last_progress = time.monotonic()
 
@@ -161,7 +165,7 @@ class Handlers:
         if result.session != link.session or link.state is LinkState.BANNED:
             return None
         rec = self.ledger.wanted(result.task_id, result.plan_version)
-        if rec is None or (rec.link is not link and not self.ledger.waiting_from(rec, link)):
+        if rec is None or (not rec.sent_to(link) and not self.ledger.waiting_from(rec, link)):
             return None
         if len(result.images) != len(rec.slots):
             raise WrongAnswer(
@@ -175,6 +179,7 @@ class Handlers:
         sent = link.release(task_id)
         if sent is not None:
             self.deadlines.observe(time.monotonic() - sent)
+            self.hedging.observe(link, time.monotonic() - sent)
 
     def on_result(self, link: ServerLink, msg: Result) -> None:
         self._answered(link, msg.task_id)
@@ -182,7 +187,10 @@ class Handlers:
         rec = self.ledger.wanted(msg.task_id, msg.plan_version)
         waiting = rec is not None and self.ledger.waiting_from(rec, link)
         if rec is None or (
-            rec.link is not link and not waiting and link in rec.sent_to and not msg.landed
+            not rec.sent_to(link)
+            and not waiting
+            and (link in rec.had or rec.avoid is link)
+            and not msg.landed
         ):
             # A superseded plan, a second answer after asking again, or the answer of a
             # server that had the task before it was sent elsewhere (it expired, or a result
@@ -207,9 +215,22 @@ class Handlers:
             self.book.on_failure(rec, "sample", left_out(link.address, msg))
             return
         self.counters.count(Count.RESULTS)
+        if rec.hedge is not None:
+            self._settle(rec, link)
         if msg.landed:
             self.counters.count(Count.RESULTS_LANDED)
         self.book.on_result(rec, msg)
+
+    def _settle(self, rec: TaskRecord, link: ServerLink) -> None:
+        """``link`` answered the hedged ``rec`` first: the other copy is cancelled (unless
+        it is a probe: its answer time is what it is for), and the batch is told that copy
+        may still be writing the same bytes (``PlanBook`` then copies the batch out rather
+        than wait for that writer)."""
+        batch = self.book.batch_of(rec)
+        if batch is not None:
+            batch.race_settled()
+        if self.ledger.settle(rec, link):
+            self.counters.count(Count.HEDGE_WON)
 
     def _sealed(self, rec: TaskRecord) -> bool:
         """Whether every image of ``rec`` carries the seal record (generation, task id) a
@@ -225,8 +246,8 @@ class Handlers:
         asked again elsewhere, unless it is out with another server or waiting to be sent
         (a forged answer to a task sent elsewhere, or asked again already)."""
         self._bad_server(link, why)
-        if rec.link is link:
-            self.ledger.ask_again([rec])
+        if rec.sent_to(link):
+            self.ledger.ask_again([rec], lost=link)
 
     def on_error(self, link: ServerLink, msg: ErrorMsg) -> None:
         if msg.task_id is None:
@@ -234,19 +255,19 @@ class Handlers:
             return
         self._answered(link, msg.task_id)
         rec = self.ledger.wanted(msg.task_id, msg.plan_version)
-        if rec is None or rec.link is not link:
+        if rec is None or not rec.sent_to(link):
             self.counters.count(Count.LATE)  # (or about a task it was not given: not its to fail)
             return
         if msg.kind in ASKED_AGAIN:
             # A result that may never arrive (its worker died right after sending it), or
             # one the server would not hold for us: ask again (a late copy is dropped).
             self.counters.count(ASKED_AGAIN[msg.kind])
-            self.ledger.ask_again([rec])
+            self.ledger.ask_again([rec], lost=link)
         elif msg.kind == "control_missing":  # it never had our control values: send them
             self.sender.send_control(link)
-            self.ledger.ask_again([rec])
+            self.ledger.ask_again([rec], lost=link)
         elif msg.kind == "unknown_session":  # the server restarted or forgot us: handshake again
-            self.ledger.ask_again([rec])
+            self.ledger.ask_again([rec], lost=link)
             link.forget_session()
         elif msg.kind in ("sample", "poison") and msg.index not in (None, *rec.indices):
             self.rejected.count(Reject.WRONG_ANSWER)  # it blamed a sample the task lacks
@@ -280,7 +301,7 @@ class Handlers:
             if link.release(tid) is not None:
                 self.counters.count(Count.CANCELLED)
             rec = self.ledger.get(tid)
-            if rec is not None and rec.link is link:
+            if rec is not None and rec.sent_to(link):
                 # Cancelled though still wanted: send it again, to another server if any.
                 self.ledger.ask_again([rec], away_from=link)
 
@@ -403,6 +424,7 @@ class Handlers:
             self.counters.count(Count.SERVERS_LEFT)
             self._unwatch(link)
             self.links.remove(link)
+            self.hedging.forget(link)
             self._servers_changed(lookahead=False)
             self._move_tasks(link)
         self._servers_changed()
@@ -480,7 +502,7 @@ class Handlers:
         """The ready servers changed: how many tasks they can work on at once (the book
         cuts batches into enough tasks to keep them all busy), where keys route; and
         (``lookahead``) whether the lookahead is still worth it."""
-        ready = self.links.ready()
+        ready = self.hedging.usable(self.links.ready())  # (a slow outlier: probes only)
         # A server's credit (WELCOME) is what its workers run plus as many again queued
         # there for them: half of it runs at once.
         slots = sum(lk.credit // 2 for lk in ready)
@@ -489,7 +511,7 @@ class Handlers:
         self.book.servers_changed(ready, slots, min(budgets) if budgets else None, stores)
 
     def _move_tasks(self, link: ServerLink) -> int:
-        n = self.ledger.ask_again(self.ledger.records(link.take_outstanding()))
+        n = self.ledger.ask_again(self.ledger.records(link.take_outstanding()), lost=link)
         self.counters.count(Count.REISSUED, n)
         return n
 
@@ -537,3 +559,73 @@ class Handlers:
             )
         )
         self._last_progress = now
+
+    def hedge(self, now: float) -> None:
+        """Slow servers (``hedging.py``), each tick: judge which are outliers (routing
+        leaves them out when that changes); queue for a second copy each task that has
+        waited on a server past its hedge delay (``send_hedges``); give each outlier due a
+        probe a copy of a task out with a healthy server, to see whether it recovered."""
+        hedging = self.hedging
+        ready = self.links.ready()
+        if hedging.judge(ready, now):
+            outliers = [lk.address for lk in hedging.outliers]
+            log.info("slow servers (copies only until they recover): %s", outliers or "none")
+            self._servers_changed(lookahead=False)
+        if not hedging.enabled or len(ready) < 2:
+            self._hedges.clear()
+            return
+        for link, delay in hedging.delays(ready).items():
+            for task_id, sent in link.outstanding.items():  # (oldest first; not changed here)
+                if now - sent >= delay and _hedgeable(self.ledger.get(task_id), link):
+                    self._hedges[task_id] = None
+                elif now - sent < delay:
+                    break
+        for outlier in hedging.outliers:
+            if hedging.probe_due(outlier, now):
+                self._probe(outlier, ready, now)
+        self.send_hedges()
+
+    def send_hedges(self) -> None:
+        """Send the queued second copies while a server that has none of the task has
+        free credit: the engine calls this before new tasks go out (a hedged task's batch
+        is the one the trainer waits on sooner); never to an outlier."""
+        while self._hedges:
+            task_id = next(iter(self._hedges))
+            rec = self.ledger.get(task_id)
+            if rec is None or rec.link is None or not _hedgeable(rec, rec.link):
+                del self._hedges[task_id]
+                continue
+            skip = set(self.hedging.outliers) | {rec.link}
+            if rec.avoid is not None and time.monotonic() < rec.avoid_until:
+                skip.add(rec.avoid)
+            target = self.links.best(skip)
+            if target is None:
+                return  # (no credit free: the next turn tries again)
+            del self._hedges[task_id]
+            if self.sender.hedge(rec, target):
+                self.counters.count(Count.HEDGED)
+
+    def _probe(self, outlier: ServerLink, ready: list[ServerLink], now: float) -> None:
+        """Give ``outlier`` a copy of the newest task out with a healthy server: its answer
+        time is measured (a probe never holds a batch: the healthy copy answers it)."""
+        for link in ready:
+            if link is outlier or link in self.hedging.outliers or not link.outstanding:
+                continue
+            rec = self.ledger.get(next(reversed(link.outstanding)))
+            if rec is not None and _hedgeable(rec, link) and outlier.free > 0:
+                if self.sender.hedge(rec, outlier, probe=True):
+                    self.hedging.probed(outlier, now)
+                    self.counters.count(Count.HEDGED)
+                return
+
+
+def _hedgeable(rec: TaskRecord | None, link: ServerLink) -> bool:
+    """Whether ``rec``, out with ``link``, may get a second copy: still wanted, sent there
+    last, not hedged yet, no poison probe (those count their answers: one copy each)."""
+    return (
+        rec is not None
+        and rec.link is link
+        and rec.hedge is None
+        and rec.probe_of is None
+        and not rec.probes_left
+    )

@@ -3,8 +3,9 @@ to be sent, and what was sent where.
 
 A ``TaskRecord`` is in the ledger while its answer is still wanted. An answer is taken
 when its task is still wanted under the same plan_version, from the server it was last
-sent to: results are deterministic, so a second answer (after a task was asked again) is
-dropped. Records are created, changed and dropped only here; the plan book says which
+sent to or the one it was hedged to (``hedged``: a second copy while the first is slow;
+the first answer of the two wins, ``settle``): results are deterministic, so a second
+answer (after a task was asked again, or the other copy of a hedge) is dropped. Records are created, changed and dropped only here; the plan book says which
 tasks a batch needs, the engine says where one was sent.
 
 Poison probing lives here too: a stitched task that kills workers is split into one-source
@@ -57,7 +58,13 @@ class TaskRecord:
     avoid_until: float = 0.0  # ... is not given it again before this (monotonic) time
     # Every server it was ever sent to: an answer from one of them is the task's answer
     # (results are deterministic), never a wrong one, even after it was asked again.
-    sent_to: tuple[ServerLink, ...] = ()
+    had: tuple[ServerLink, ...] = ()
+    hedge: ServerLink | None = None  # a second server it went to while ``link`` was slow
+    probing: bool = False  # ... or: the copy ``hedge`` has probes a slow server's recovery
+
+    def sent_to(self, link: ServerLink) -> bool:
+        """Whether a copy of it is out with ``link`` (the last send, or its hedge)."""
+        return link is self.link or link is self.hedge
 
     @property
     def step(self) -> int:
@@ -111,7 +118,7 @@ class TaskLedger:
         ``link`` had it before: its answer from ``link`` is still the one wanted (a dropped
         result connection asks again for what a server owes while that server's answers are
         on their way through its front)."""
-        return rec.link is None and link in rec.sent_to
+        return rec.link is None and link in rec.had
 
     def records(self, task_ids: list[int]) -> list[TaskRecord]:
         return [self._tasks[t] for t in task_ids if t in self._tasks]
@@ -242,26 +249,63 @@ class TaskLedger:
         """``rec`` went to ``link`` (landing with generation ``land_gen``; None keeps the
         one of an earlier send, whose landed answer may still come)."""
         rec.link = link
-        if link not in rec.sent_to:
-            rec.sent_to = (*rec.sent_to, link)
+        if link not in rec.had:
+            rec.had = (*rec.had, link)
         if land_gen is not None:
             rec.land_gen = land_gen
+
+    def hedged(self, rec: TaskRecord, link: ServerLink, probe: bool = False) -> None:
+        """A second copy of ``rec`` went to ``link`` (its first is slow where it is; with
+        ``probe``, ``link`` is a slow server whose answer time is measured on a copy): the
+        answer of either is taken, the first to come (``settle``)."""
+        rec.hedge, rec.probing = link, probe
+
+    def settle(self, rec: TaskRecord, link: ServerLink) -> bool:
+        """``link``'s answer to ``rec`` is taken: the other copy of a hedged task is
+        cancelled (a server that has not begun it drops it; one that has answers late and
+        the answer is dropped). True when the answer was the hedge's."""
+        if rec.hedge is None:
+            return False
+        won = link is rec.hedge
+        other = rec.link if won else rec.hedge
+        if other is not None and not (rec.probing and not won):  # (a probe answers, late)
+            self._to_cancel.append((other, rec.task_id))
+        return won
 
     def unsent(self, rec: TaskRecord) -> None:
         """A send of ``rec`` failed (the server was not connected after all): it goes back
         to the head of the queue."""
         self._pending.appendleft(rec)
 
-    def ask_again(self, recs: list[TaskRecord], away_from: ServerLink | None = None) -> int:
+    def ask_again(
+        self,
+        recs: list[TaskRecord],
+        away_from: ServerLink | None = None,
+        lost: ServerLink | None = None,
+    ) -> int:
         """Put still-wanted tasks at the head of the queue, in plan order; how many.
         ``away_from``: the server that cancelled them or let them expire: they lose their
         affinity to it (any server takes them) and it is not given them again for
         ``AVOID_S`` (a server cancelling all it gets would otherwise get the same tasks
-        again at once, tens of thousands of times a second)."""
-        again = sorted((r for r in recs if self.is_wanted(r)), key=lambda r: (r.step, r.slots[0]))
+        again at once, tens of thousands of times a second). ``lost`` (or ``away_from``):
+        the server whose copy is gone; a hedged task whose other copy is still out waits
+        for that one instead (its copy with the server gone is dropped when it comes)."""
+        gone = away_from if away_from is not None else lost
         until = time.monotonic() + AVOID_S
+        wanted: list[TaskRecord] = []
+        for rec in recs:
+            if not self.is_wanted(rec):
+                continue
+            if gone is not None and rec.hedge is not None and rec.sent_to(gone):
+                rec.link = rec.hedge if rec.link is gone else rec.link
+                rec.hedge, rec.probing = None, False
+                rec.avoid, rec.avoid_until = gone, until  # (its late answer: dropped as late)
+                continue
+            wanted.append(rec)
+        again = sorted(wanted, key=lambda r: (r.step, r.slots[0]))
         for rec in reversed(again):
             rec.link = None
+            rec.hedge, rec.probing = None, False
             if away_from is not None:
                 rec.prefer = None
                 rec.avoid, rec.avoid_until = away_from, until

@@ -25,6 +25,7 @@ from typing import Any
 from dataserver.bench.cpu import WARMUP, timed
 from dataserver.bench.multiscale import multiscale_side
 from dataserver.bench.remote import epochs_side
+from dataserver.bench.slowserver import slow_server_side
 
 
 def endless_loader(loader: Any) -> Iterator[int]:
@@ -310,6 +311,7 @@ SIDES = {
     "epochs": epochs_side,
     "flip_stall": flip_stall_side,
     "multiscale": multiscale_side,
+    "slow_server": slow_server_side,
     "ultralytics": yolo_ultralytics_side,
     "yolo_service": yolo_service_side,
 }

@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from dataserver.hashing import MASK64, mix64
+
 
 class Simulated:
     deterministic = True  # __getitem__ is a pure function of the index
@@ -59,3 +61,31 @@ class Predecoded:
 def predecoded(n: int = 64, size: int = 512) -> Predecoded:
     """The factory ``--dataset dataserver.data.simulated:predecoded`` names."""
     return Predecoded(n, size)
+
+
+class Held(Simulated):
+    """``Simulated``'s samples, some held ``hold_ms`` longer (a share ``share`` of them, by
+    a hash of the index; 1.0: every one): a slow but correct server, whose answers are the
+    same as a healthy one's (the fingerprint leaves the costs out, so a held server and a
+    healthy one serve one session together). An overloaded node, a congested disk."""
+
+    def __init__(self, n: int, ms: float, size: int, hold_ms: float, share: float) -> None:
+        super().__init__(n, ms, size)
+        if hold_ms < 0 or not 0.0 <= share <= 1.0:
+            raise ValueError(
+                f"held: hold_ms must be >= 0 and share in [0, 1], got {hold_ms}, {share}"
+            )
+        self.hold, self.share = hold_ms / 1000.0, share
+        self.fingerprint = f"{n}-{size}"
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        if self.hold > 0 and mix64(index) < self.share * MASK64:
+            time.sleep(self.hold)
+        return super().__getitem__(index)
+
+
+def held(
+    n: int = 4096, ms: float = 10.0, size: int = 32, hold_ms: float = 0.0, share: float = 1.0
+) -> Held:
+    """The factory ``--dataset dataserver.data.simulated:held`` names."""
+    return Held(n, ms, size, hold_ms, share)
