@@ -1,4 +1,4 @@
-"""The ``dataserver`` command: serve, synth, demo, stats, bench, keygen."""
+"""The ``dataserver`` command: serve, synth, index, demo, stats, bench, keygen."""
 
 from __future__ import annotations
 
@@ -75,6 +75,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         metrics_bind=args.metrics_bind,
         idle_timeout=args.idle_timeout,
         heartbeat_rate=args.heartbeat_rate,
+        index_cache=args.index_cache,
     )
 
     def announce(front: Any) -> None:
@@ -95,15 +96,46 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_synth(args: argparse.Namespace) -> int:
-    from dataserver.data.coco import write_synthetic_coco
+    from dataserver.data.coco import write_coco_annotations, write_synthetic_coco
 
     if args.images < 1:
         return _fail("dataserver synth", "--images must be >= 1")
     from tqdm import tqdm
 
     with tqdm(total=args.images, unit="image", desc="dataserver synth") as bar:
-        path = write_synthetic_coco(args.out_dir, args.images, args.seed, bar.update)
-    print(f"wrote {args.images} images and {path}; serve them with --dataset coco:{path}")
+        if args.annotations_only:
+            path = write_coco_annotations(
+                args.out_dir, args.images, args.seed, args.boxes, bar.update
+            )
+        else:
+            path = write_synthetic_coco(args.out_dir, args.images, args.seed, bar.update)
+    what = "annotations of" if args.annotations_only else ""
+    print(f"wrote {what} {args.images} images and {path}; serve them with --dataset coco:{path}")
+    return 0
+
+
+# ---------------------------------------------------------------------- index
+
+
+def cmd_index(args: argparse.Namespace) -> int:
+    from dataserver.data.index import DetectionIndex, IndexCache
+    from dataserver.data.spec import parse_spec, prepare_index
+    from dataserver.server import index_progress
+
+    try:
+        spec = parse_spec(args.source, args.dataset_args)
+        with index_progress(args.source) as progress:
+            shared, how = prepare_index(spec, IndexCache(args.index_cache), progress)
+    except SpecError as exc:
+        return _fail("dataserver index", str(exc))
+    if shared is None:
+        return _fail("dataserver index", f"{args.source} has no index to build (no annotations)")
+    what = f"{shared.nbytes / (1 << 20):.1f} MiB"
+    if shared.mapped.meta.get("detection"):
+        det = DetectionIndex(shared.mapped)
+        what = f"{len(det)} images, {len(det.all_boxes)} boxes, {what}"
+    where = IndexCache(args.index_cache).path_for(shared.mapped.source)
+    print(f"index of {args.source}: {how} ({what}) at {where}")
     return 0
 
 
@@ -196,6 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _add_serve(sub)
     _add_synth(sub)
+    _add_index(sub)
     _add_demo(sub)
     _add_stats(sub)
     _add_keygen(sub)
@@ -323,6 +356,13 @@ def _add_serve(sub: Any) -> None:
         "told to beat every sessions/N s (0.5 to 10 s, at most a third of --session-ttl and "
         f"--idle-timeout) (default {DEFAULT_HEARTBEAT_RATE:g})",
     )
+    p.add_argument(
+        "--index-cache",
+        metavar="DIR",
+        default=None,
+        help="where annotation indexes are cached (built once per source, shared by every "
+        "server on the volume; default: $XDG_CACHE_HOME/dataserver or ~/.cache/dataserver)",
+    )
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=cmd_serve)
 
@@ -334,7 +374,32 @@ def _add_synth(sub: Any) -> None:
     p.add_argument("out_dir")
     p.add_argument("--images", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--annotations-only",
+        action="store_true",
+        help="write annotations.json alone (no JPEGs): a large set to index, for benchmarks",
+    )
+    p.add_argument(
+        "--boxes", type=int, default=7, help="--annotations-only: boxes per image (default 7)"
+    )
     p.set_defaults(func=cmd_synth)
+
+
+def _add_index(sub: Any) -> None:
+    p = sub.add_parser(
+        "index",
+        help="build a dataset's annotation index into the cache ahead of serving it "
+        "(an init container, a Slurm prologue)",
+    )
+    p.add_argument("source", help="coco:ANNOTATIONS.json | yolo:DATA.yaml[:SPLIT] | package.module:factory")
+    p.add_argument("--dataset-args", default=None, help="JSON object of keyword arguments for a factory")
+    p.add_argument(
+        "--index-cache",
+        metavar="DIR",
+        default=None,
+        help="the cache directory (default: $XDG_CACHE_HOME/dataserver or ~/.cache/dataserver)",
+    )
+    p.set_defaults(func=cmd_index)
 
 
 def _add_demo(sub: Any) -> None:

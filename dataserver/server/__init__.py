@@ -5,15 +5,18 @@ from __future__ import annotations
 import logging
 import os
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
+from dataserver.data.index import IndexCache
 from dataserver.data.spec import (
     build_dataset,
     dataset_categories,
     dataset_fingerprint,
     dataset_sizes,
     parse_spec,
+    prepare_index,
 )
 from dataserver.server.config import ConfigError, ServerConfig
 from dataserver.server.conns import raise_fd_limit
@@ -38,13 +41,28 @@ def ready_line(front: Front) -> str:
     return (
         f"dataserver ready data={front.endpoints['data']} control={front.endpoints['control']} "
         f"workers={front.n_workers} samples={front.dataset_len} dataset={front.config.dataset} "
-        f"sources={front.sources()}"
+        f"sources={front.sources()} index_cache={IndexCache(front.config.index_cache).dir}"
     )
 
 
 def parse_ready_line(line: str) -> dict[str, str]:
-    """The fields of a ``ready_line`` (data, control, workers, samples, dataset, sources)."""
+    """The fields of a ``ready_line`` (data, control, workers, samples, dataset, sources,
+    index_cache)."""
     return dict(part.split("=", 1) for part in line.split()[2:])
+
+
+@contextmanager
+def index_progress(what: str) -> Iterator[Callable[[float], None]]:
+    """``progress(fraction)`` for an index being built: a tqdm bar on stderr, shown once
+    the build has taken 2 s (a cached start shows nothing)."""
+    from tqdm import tqdm
+
+    with tqdm(total=100, desc=f"indexing {what}", unit="%", delay=2.0, leave=False) as bar:
+
+        def progress(fraction: float) -> None:
+            bar.update(max(0, round(100 * fraction) - bar.n))
+
+        yield progress
 
 
 def serve(config: ServerConfig, on_ready: Callable[[Front], Any]) -> None:
@@ -61,7 +79,12 @@ def serve(config: ServerConfig, on_ready: Callable[[Front], Any]) -> None:
     soft, hard = raise_fd_limit()
     log.info("pid %d; fd limit %d (hard %d)", os.getpid(), soft, hard)
     spec = parse_spec(config.dataset, config.dataset_args)
-    dataset = build_dataset(spec)
+    # The annotation index: built (or loaded from the cache) once, here; the workers map it.
+    with index_progress(config.dataset) as progress:
+        shared, how = prepare_index(spec, IndexCache(config.index_cache), progress)
+    if shared is not None:
+        log.info("index of %s: %s (%d MiB)", config.dataset, how, shared.nbytes >> 20)
+    dataset = build_dataset(spec, None if shared is None else shared.mapped)
     size = len(dataset)
     if size < 1:
         raise ConfigError(f"--dataset {config.dataset}: the dataset is empty")
@@ -70,7 +93,8 @@ def serve(config: ServerConfig, on_ready: Callable[[Front], Any]) -> None:
     categories = dataset_categories(dataset)
     sizes = dataset_sizes(dataset, size)
     del dataset
-    front = Front(config, size, fingerprint, deterministic, categories, sizes)
+    index = None if shared is None else (shared.fd, shared.nbytes)
+    front = Front(config, size, fingerprint, deterministic, categories, sizes, index)
     previous = {
         signal.SIGINT: signal.signal(signal.SIGINT, lambda *_: front.stop()),
         # SIGTERM (a scale-down, a rolling update): drain first; a second one stops at once.

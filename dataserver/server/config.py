@@ -64,6 +64,8 @@ class ServerConfig:
     idle_timeout: float = DEFAULT_IDLE_TIMEOUT  # peer connections silent this long are dropped
     # Heartbeats a second the front asks of all its sessions together (``beats.BeatRule``)
     heartbeat_rate: float = DEFAULT_HEARTBEAT_RATE
+    # Where annotation indexes are cached (None: the per-user default, ``index.IndexCache``)
+    index_cache: str | None = None
 
     def worker_count(self) -> int:
         return self.workers if self.workers > 0 else (os.cpu_count() or 1)
@@ -200,6 +202,9 @@ class WorkerConfig:
     # (index fd, arena fd) of the store's memfds the worker inherits, and its size
     store_fds: tuple[int, int] | None = None
     store_bytes: int = 0
+    # The shared annotation index's memfd the worker inherits (``data.index``), and its size
+    index_fd: int | None = None
+    index_bytes: int = 0
     results_bind: str | None = None  # its direct-result socket (may hold "{slot}" until for_slot)
     local_results: bool = False  # ... also on ipc, for clients on this host
     curve: tuple[str, str] | None = None  # (secret key, authorized keys)
@@ -236,7 +241,7 @@ class WorkerConfig:
                 parse = partial(_pair, int)
             elif kind.startswith("tuple[str"):
                 parse = partial(_pair, str)
-            elif kind == "int":
+            elif kind in ("int", "int | None"):
                 parse = int
             elif kind == "float":
                 parse = float

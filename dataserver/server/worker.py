@@ -43,6 +43,7 @@ import zmq
 from dataserver.counting import Counts
 from dataserver.data.pipeline import Recipe
 from dataserver.data.sample import SampleError
+from dataserver.data.index import MappedIndex, SharedIndex
 from dataserver.data.spec import build_dataset, parse_spec
 from dataserver.landing import landing_socket
 from dataserver.loop import MessageGuard, fault, inject, serve
@@ -417,10 +418,14 @@ def main(argv: list[str] | None = None) -> int:
     cv2.setNumThreads(1)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
 
+    index: MappedIndex | None = None
+
     def build() -> Any:
-        return build_dataset(parse_spec(config.dataset, config.dataset_args))
+        return build_dataset(parse_spec(config.dataset, config.dataset_args), index)
 
     try:
+        if config.index_fd is not None:  # the server's index: mapped, never parsed here
+            index = SharedIndex.attach(config.index_fd, config.index_bytes).mapped
         dataset = build()
         len(dataset)
     except Exception as exc:
