@@ -30,7 +30,6 @@ import mmap
 import os
 import stat
 import struct
-import sys
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -80,13 +79,10 @@ class SourceId:
     detail: str = ""
 
     def key(self) -> str:
-        """The cache file's name: a digest of every field and the format version."""
-        text = msgspec.json.encode([FORMAT_VERSION, asdict(self)])
+        """The cache file's name: one per source (kind, path, detail); what the file holds
+        is checked against the rest (size, mtime, digest) and the format when loaded."""
+        text = msgspec.json.encode([self.kind, self.path, self.detail])
         return f"{self.kind}-{hashlib.blake2b(text, digest_size=16).hexdigest()}.idx"
-
-    def short(self) -> str:
-        """16 hex digits, equal only for the same source (a dataset's fingerprint)."""
-        return self.key().rsplit("-", 1)[1][:16]
 
 
 def file_digest(path: str | os.PathLike[str]) -> str:
@@ -324,9 +320,11 @@ def default_cache_dir() -> Path:
 class IndexCache:
     """Index files in one directory of this user's (created 0700): one per source
     identity. A directory (or file) another user owns or can write is refused
-    (``IndexProblem``): the index decides what every worker reads."""
+    (``IndexProblem``): the index decides what every worker reads. The default directory
+    (none given) that cannot be used is a warning: the index is built, not cached."""
 
     def __init__(self, directory: str | os.PathLike[str] | None = None) -> None:
+        self.explicit = bool(directory)
         self.dir = Path(directory) if directory else default_cache_dir()
 
     def _check_dir(self) -> None:
@@ -341,12 +339,18 @@ class IndexCache:
         return self.dir / source.key()
 
     def load_or_build(
-        self, source: SourceId, build: Callable[[], Columns], quiet: bool = False
+        self, source: SourceId, build: Callable[[], Columns]
     ) -> tuple[SharedIndex, str]:
         """The index of ``source``: its cache file when whole and of this very source,
         else built (``build()``) and written to the cache. Returns the shared index and
         what happened (``cached``, ``built``, or ``rebuilt: WHY``: logged as one line)."""
-        self._check_dir()
+        try:
+            self._check_dir()
+        except IndexProblem as exc:
+            if self.explicit:
+                raise
+            log.warning("%s; the index is built and not cached", exc)
+            return SharedIndex.from_columns(build(), source), "built (not cached)"
         path = self.path_for(source)
         why = ""
         if path.exists():
@@ -357,10 +361,7 @@ class IndexCache:
                 why = str(exc)
             except OSError as exc:
                 why = f"{path}: {exc.strerror or exc}"
-            line = f"index cache {path}: rebuilding ({why})"
-            if not quiet:
-                print(f"dataserver: {line}", file=sys.stderr, flush=True)
-            log.warning(line)
+            log.warning("index cache %s: rebuilding (%s)", path, why)
         columns = build()
         shared = SharedIndex.from_columns(columns, source)
         self._write(path, shared)

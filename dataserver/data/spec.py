@@ -163,18 +163,22 @@ def prepare_index(
     hook = getattr(factory, "shared_index", None)
     if hook is None:
         return None, ""
-    return plugin_index(spec, hook, cache), "plugin"
+    shared = plugin_index(spec, hook, cache)
+    return shared, "" if shared is None else "plugin"
 
 
-def plugin_index(spec: DatasetSpec, hook: Callable[..., Any], cache: IndexCache | None) -> SharedIndex:
+def plugin_index(
+    spec: DatasetSpec, hook: Callable[..., Any], cache: IndexCache | None
+) -> SharedIndex | None:
     """A factory's ``shared_index(**args)`` (given ``index_cache`` too when it takes it):
-    a mapping of names to numpy arrays (or a ``SharedIndex`` it had cached), shared."""
+    a mapping of names to numpy arrays (or a ``SharedIndex`` it had cached; None: no
+    index), shared."""
     kwargs = dict(spec.args)
     if "index_cache" in inspect.signature(hook).parameters:
         kwargs["index_cache"] = cache or IndexCache()
     try:
         made = hook(**kwargs)
-        if isinstance(made, SharedIndex):
+        if made is None or isinstance(made, SharedIndex):
             return made
         if not isinstance(made, Mapping):
             raise TypeError(f"it returned {type(made).__name__}, not a mapping of arrays")
