@@ -122,10 +122,14 @@ def cmd_index(args: argparse.Namespace) -> int:
     from dataserver.data.spec import parse_spec, prepare_index
     from dataserver.server import index_progress
 
+    def lines(fraction: float) -> None:  # for a server that runs this (server/indexing.py)
+        print(f"progress {fraction:.3f}", flush=True)
+
     try:
         spec = parse_spec(args.source, args.dataset_args)
         with index_progress(args.source) as progress:
-            shared, how = prepare_index(spec, IndexCache(args.index_cache), progress)
+            tell = lines if args.progress_lines else progress
+            shared, how = prepare_index(spec, IndexCache(args.index_cache), tell)
     except SpecError as exc:
         return _fail("dataserver index", str(exc))
     if shared is None:
@@ -158,6 +162,10 @@ def cmd_stats(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(stats, indent=2, sort_keys=True))
         return 0 if healthy or not args.check else 1
+    if stats.get("indexing") is not None:  # bound, its index being built: alive, not ready
+        print(f"server {stats['server_id']}, up {stats['uptime_s']} s")
+        print(f"  indexing {stats['indexing']} ({stats.get('dataset')})")
+        return 1 if args.check else 0
     print(f"server {stats['server_id']}, up {stats['uptime_s']} s")
     print(f"  dataset        {stats['fingerprint']} ({stats['dataset_len']} samples)")
     print(
@@ -399,6 +407,7 @@ def _add_index(sub: Any) -> None:
         default=None,
         help="the cache directory (default: $XDG_CACHE_HOME/dataserver or ~/.cache/dataserver)",
     )
+    p.add_argument("--progress-lines", action="store_true", help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_index)
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -229,3 +231,38 @@ def test_served_boxes_come_from_the_index(start_server: Any, coco_dir: Path, tmp
                 assert sorted(int(x) for x in target["labels"]) == sorted(by_image.get(image_id, []))
                 seen += 1
         assert seen == len(doc["images"])
+
+
+def test_ports_first_and_readiness_while_indexing(tmp_path: Path) -> None:
+    """A first build binds first: STATS answers ``indexing N%`` (``--check`` fails,
+    liveness holds) until the ready line; then ``--check`` passes. A busy port is an
+    error before the index is built (the cache stays empty)."""
+    out = tmp_path / "set"
+    assert dataserver("synth", str(out), "--images", "300000", "--annotations-only").returncode == 0
+    cache = tmp_path / "cache"
+    ann = f"coco:{out / 'annotations.json'}"
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        done = dataserver("serve", "--dataset", ann, "--workers", "1", "--bind", f"tcp://127.0.0.1:{port}", "--index-cache", str(cache))
+        assert done.returncode == 1 and "cannot bind" in done.stderr, done.stderr
+        assert not any(cache.glob("*.idx")), "the index was built before the bind"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dataserver.cli", "serve", "--dataset", ann, "--workers", "1",
+         "--bind", "tcp://127.0.0.1:0", "--cache-gb", "0", "--index-cache", str(cache)],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=server_env(),
+    )
+    try:
+        assert proc.stdout is not None
+        first = proc.stdout.readline()
+        assert first.startswith("dataserver indexing data="), first
+        address = first.split()[2].split("=", 1)[1]
+        probe = dataserver("stats", address, "--check", "--timeout", "10")
+        assert probe.returncode == 1 and "indexing" in probe.stdout, probe
+        ready = proc.stdout.readline()
+        assert ready.startswith("dataserver ready") and f"data={address}" in ready, ready
+        assert dataserver("stats", address, "--check").returncode == 0
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(30)

@@ -165,7 +165,7 @@ def write_index(fd: int, columns: Columns, source: SourceId) -> int:
     os.ftruncate(fd, total)
     os.pwrite(fd, head, 0)
     for offset, a in places:
-        view = memoryview(a.reshape(-1).view(np.uint8))
+        view = a.reshape(-1).view(np.uint8).data
         done = 0
         while done < len(view):
             done += os.pwrite(fd, view[done : done + (256 << 20)], offset + done)
@@ -338,18 +338,28 @@ class IndexCache:
     def path_for(self, source: SourceId) -> Path:
         return self.dir / source.key()
 
-    def load_or_build(
-        self, source: SourceId, build: Callable[[], Columns]
-    ) -> tuple[SharedIndex, str]:
-        """The index of ``source``: its cache file when whole and of this very source,
-        else built (``build()``) and written to the cache. Returns the shared index and
-        what happened (``cached``, ``built``, or ``rebuilt: WHY``: logged as one line)."""
+    def usable(self) -> bool:
+        """The directory can hold indexes (made if missing). False for an unusable default
+        (warned); ``IndexProblem`` for an unusable directory that was given."""
         try:
             self._check_dir()
         except IndexProblem as exc:
             if self.explicit:
                 raise
-            log.warning("%s; the index is built and not cached", exc)
+            log.warning("%s; indexes are built and not cached", exc)
+            return False
+        return True
+
+    def load_or_build(
+        self, source: SourceId, build: Callable[[], Columns] | None
+    ) -> tuple[SharedIndex | None, str]:
+        """The index of ``source``: its cache file when whole and of this very source,
+        else built (``build()``) and written to the cache. Returns the shared index and
+        what happened (``cached``, ``built``, or ``rebuilt: WHY``: logged as one line).
+        ``build`` None: only a cached index, else (None, ``uncached``)."""
+        if not self.usable():
+            if build is None:
+                return None, "uncached"
             return SharedIndex.from_columns(build(), source), "built (not cached)"
         path = self.path_for(source)
         why = ""
@@ -361,7 +371,11 @@ class IndexCache:
                 why = str(exc)
             except OSError as exc:
                 why = f"{path}: {exc.strerror or exc}"
+            if build is None:
+                return None, "uncached"
             log.warning("index cache %s: rebuilding (%s)", path, why)
+        if build is None:
+            return None, "uncached"
         columns = build()
         shared = SharedIndex.from_columns(columns, source)
         self._write(path, shared)

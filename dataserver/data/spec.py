@@ -134,24 +134,24 @@ def prepare_index(
     spec: DatasetSpec,
     cache: IndexCache | None = None,
     progress: Callable[[float], None] | None = None,
+    cached_only: bool = False,
 ) -> tuple[SharedIndex | None, str]:
     """The index a spec's processes share, built once (``None`` for a source without
     one: synthetic, a factory without ``shared_index``), and how it was had (``cached``,
     ``built``, ``rebuilt: WHY``, ``plugin``). Annotation sources go through ``cache``
     (default: the per-user cache directory); ``progress(f)`` is told 0..1 while building.
+    ``cached_only``: an annotation source not cached is not built: (None, ``uncached``).
     ``SpecError`` says what is wrong, naming the file."""
     try:
         if spec.kind == "coco":
             ann = spec.args["annotations"]
             source = file_source("coco", ann)
-            return (cache or IndexCache()).load_or_build(
-                source, lambda: coco_columns(ann, progress)
-            )
+            build = None if cached_only else (lambda: coco_columns(ann, progress))
+            return (cache or IndexCache()).load_or_build(source, build)
         if spec.kind == "yolo":
             layout = YoloLayout.read(spec.args["data"], spec.args["split"])
-            return (cache or IndexCache()).load_or_build(
-                layout.source(), lambda: layout.columns(progress)
-            )
+            columns = None if cached_only else (lambda: layout.columns(progress))
+            return (cache or IndexCache()).load_or_build(layout.source(), columns)
     except AnnotationError as exc:
         raise SpecError(str(exc)) from None
     except (OSError, ValueError) as exc:

@@ -21,6 +21,7 @@ from dataserver.data.spec import (
 from dataserver.server.config import ConfigError, ServerConfig
 from dataserver.server.conns import raise_fd_limit
 from dataserver.server.front import Front, WorkerStartError
+from dataserver.server.indexing import IndexingPorts, build_ahead
 from dataserver.server.memory import FRONT_TRIM_THRESHOLD, keep_large_blocks
 
 log = logging.getLogger("dataserver.serve")
@@ -79,9 +80,26 @@ def serve(config: ServerConfig, on_ready: Callable[[Front], Any]) -> None:
     soft, hard = raise_fd_limit()
     log.info("pid %d; fd limit %d (hard %d)", os.getpid(), soft, hard)
     spec = parse_spec(config.dataset, config.dataset_args)
-    # The annotation index: built (or loaded from the cache) once, here; the workers map it.
-    with index_progress(config.dataset) as progress:
-        shared, how = prepare_index(spec, IndexCache(config.index_cache), progress)
+    # The annotation index: loaded from the cache, or built once (the workers map it). A
+    # build binds the ports first and answers STATS ("indexing N%") while a one-shot
+    # ``dataserver index`` runs (CURVE servers build it before binding: STATS is keyed).
+    cache = IndexCache(config.index_cache)
+    shared, how = prepare_index(spec, cache, cached_only=True)
+    if how == "uncached" and config.curve is None and cache.usable():
+        ports = IndexingPorts(config)
+        print(
+            f"dataserver indexing data={ports.data_endpoint} control={ports.control_endpoint} "
+            f"dataset={config.dataset} index_cache={cache.dir}",
+            flush=True,
+        )
+        try:
+            build_ahead(spec, cache, ports)
+            config = ports.bound()
+        finally:
+            ports.close()
+    if shared is None:
+        with index_progress(config.dataset) as progress:
+            shared, how = prepare_index(spec, cache, progress)
     if shared is not None:
         log.info("index of %s: %s (%d MiB)", config.dataset, how, shared.nbytes >> 20)
     dataset = build_dataset(spec, None if shared is None else shared.mapped)
