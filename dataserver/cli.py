@@ -82,7 +82,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(ready_line(front), flush=True)
 
     try:
-        serve(config, announce)
+        serve(config, announce, lambda line: print(line, flush=True))
     except (SpecError, ConfigError, CurveKeyError) as exc:
         return _fail("dataserver serve", str(exc))
     except (WorkerStartError, MetricsPortError) as exc:
@@ -399,8 +399,12 @@ def _add_index(sub: Any) -> None:
         help="build a dataset's annotation index into the cache ahead of serving it "
         "(an init container, a Slurm prologue)",
     )
-    p.add_argument("source", help="coco:ANNOTATIONS.json | yolo:DATA.yaml[:SPLIT] | package.module:factory")
-    p.add_argument("--dataset-args", default=None, help="JSON object of keyword arguments for a factory")
+    p.add_argument(
+        "source", help="coco:ANNOTATIONS.json | yolo:DATA.yaml[:SPLIT] | package.module:factory"
+    )
+    p.add_argument(
+        "--dataset-args", default=None, help="JSON object of keyword arguments for a factory"
+    )
     p.add_argument(
         "--index-cache",
         metavar="DIR",

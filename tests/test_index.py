@@ -57,19 +57,31 @@ def coco_doc() -> dict[str, Any]:
     }
 
 
-def expected(doc: dict[str, Any]) -> list[tuple[str, tuple[int, int], list[list[float]], list[int]]]:
+def expected(
+    doc: dict[str, Any],
+) -> list[tuple[str, tuple[int, int], list[list[float]], list[int]]]:
     """What the index must hold, computed from the JSON with plain Python."""
     out = []
     for im in doc["images"]:
         h, w = im.get("height", 0), im.get("width", 0)
         boxes, labels = [], []
         for a in doc["annotations"]:
-            if a["image_id"] != im["id"] or a.get("iscrowd") or a["bbox"][2] <= 0 or a["bbox"][3] <= 0:
+            if (
+                a["image_id"] != im["id"]
+                or a.get("iscrowd")
+                or a["bbox"][2] <= 0
+                or a["bbox"][3] <= 0
+            ):
                 continue
             x, y, bw, bh = a["bbox"]
             box = [x, y, x + bw, y + bh]
             if h and w:
-                box = [min(max(box[0], 0), w), min(max(box[1], 0), h), min(max(box[2], 0), w), min(max(box[3], 0), h)]
+                box = [
+                    min(max(box[0], 0), w),
+                    min(max(box[1], 0), h),
+                    min(max(box[2], 0), w),
+                    min(max(box[3], 0), h),
+                ]
             boxes.append(box)
             labels.append(a["category_id"])
         out.append((im["file_name"], (h, w), boxes, labels))
@@ -119,7 +131,9 @@ def test_cache_used_invalidated_and_rebuilt_from_damage(tmp_path: Path) -> None:
     doc["annotations"][1]["bbox"] = [11.5, 20, 30, 40]
     ann.write_text(json.dumps(doc))
     changed = dataserver(*args)
-    assert ": rebuilt: " in changed.stdout and "source mtime_ns is" in changed.stdout, changed.stdout
+    assert ": rebuilt: " in changed.stdout and "source mtime_ns is" in changed.stdout, (
+        changed.stdout
+    )
     assert read_cached(cache, ann).boxes(0)[0, 0] == 11.5
     # The cache file truncated: rebuilt, with one line saying why.
     path = IndexCache(cache).path_for(file_source("coco", ann))
@@ -154,8 +168,14 @@ BAD_AT = json.dumps(coco_doc()).index('"annotations": [') + len('"annotations": 
     ("mutate", "says"),
     [
         (lambda text: text.replace('"annotations": [', '"annotations": [#'), f"byte {BAD_AT}: "),
-        (lambda text: text.replace('"id": 3', '"id": 7'), "$.images[2]: image id 7 is listed twice"),
-        (lambda text: text.replace('"category_id": 90', '"category_id": "90"'), "$.annotations[5].category_id"),
+        (
+            lambda text: text.replace('"id": 3', '"id": 7'),
+            "$.images[2]: image id 7 is listed twice",
+        ),
+        (
+            lambda text: text.replace('"category_id": 90', '"category_id": "90"'),
+            "$.annotations[5].category_id",
+        ),
     ],
     ids=["malformed", "image-twice", "label-type"],
 )
@@ -213,7 +233,9 @@ def test_workers_map_the_index_and_do_not_grow_with_the_dataset(
     assert large - small < 24 << 20, (sizes, "a worker's own memory grew with the dataset")
 
 
-def test_served_boxes_come_from_the_index(start_server: Any, coco_dir: Path, tmp_path: Path) -> None:
+def test_served_boxes_come_from_the_index(
+    start_server: Any, coco_dir: Path, tmp_path: Path
+) -> None:
     """A COCO set served through the index: the boxes and labels a batch carries are the
     JSON's (scaled to the output), for every image of an epoch."""
     ann = coco_dir / "annotations.json"
@@ -228,7 +250,9 @@ def test_served_boxes_come_from_the_index(start_server: Any, coco_dir: Path, tmp
         for batch in client:
             for idx, target in zip(batch.indices, batch.targets, strict=True):
                 image_id = doc["images"][idx[0] if isinstance(idx, list) else idx]["id"]
-                assert sorted(int(x) for x in target["labels"]) == sorted(by_image.get(image_id, []))
+                assert sorted(int(x) for x in target["labels"]) == sorted(
+                    by_image.get(image_id, [])
+                )
                 seen += 1
         assert seen == len(doc["images"])
 
@@ -245,13 +269,40 @@ def test_ports_first_and_readiness_while_indexing(tmp_path: Path) -> None:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        done = dataserver("serve", "--dataset", ann, "--workers", "1", "--bind", f"tcp://127.0.0.1:{port}", "--index-cache", str(cache))
+        done = dataserver(
+            "serve",
+            "--dataset",
+            ann,
+            "--workers",
+            "1",
+            "--bind",
+            f"tcp://127.0.0.1:{port}",
+            "--index-cache",
+            str(cache),
+        )
         assert done.returncode == 1 and "cannot bind" in done.stderr, done.stderr
         assert not any(cache.glob("*.idx")), "the index was built before the bind"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "dataserver.cli", "serve", "--dataset", ann, "--workers", "1",
-         "--bind", "tcp://127.0.0.1:0", "--cache-gb", "0", "--index-cache", str(cache)],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=server_env(),
+        [
+            sys.executable,
+            "-m",
+            "dataserver.cli",
+            "serve",
+            "--dataset",
+            ann,
+            "--workers",
+            "1",
+            "--bind",
+            "tcp://127.0.0.1:0",
+            "--cache-gb",
+            "0",
+            "--index-cache",
+            str(cache),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=server_env(),
     )
     try:
         assert proc.stdout is not None

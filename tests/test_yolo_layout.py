@@ -117,7 +117,15 @@ def test_a_label_line_of_4_fields_is_refused_naming_file_and_line(tmp_path: Path
     bad = tmp_path / "ds" / "labels" / "train" / "train002.txt"
     bad.write_text("0 0.5 0.5 0.1 0.1\n1 0.5 0.5 0.2\n")
     done = subprocess.run(
-        [sys.executable, "-m", "dataserver.cli", "index", f"yolo:{data}", "--index-cache", str(tmp_path / "c")],
+        [
+            sys.executable,
+            "-m",
+            "dataserver.cli",
+            "index",
+            f"yolo:{data}",
+            "--index-cache",
+            str(tmp_path / "c"),
+        ],
         capture_output=True,
         text=True,
         env=server_env(),

@@ -83,22 +83,10 @@ def coco_columns(path: str | Path, progress: Callable[[float], None] | None = No
     doc = decode_coco(path, data)
     del data
     tick(0.6)
-    images, anns = doc.images, doc.annotations
-    n = len(images)
-    by_id: dict[int | str, int] = {}
-    for i, im in enumerate(images):
-        if by_id.setdefault(im.id, i) != i:
-            raise AnnotationError(
-                f"{path}: $.images[{i}]: image id {im.id!r} is listed twice "
-                f"(first at $.images[{by_id[im.id]}])"
-            )
-    hw = np.zeros((n, 2), dtype=np.int32)
-    for i, im in enumerate(images):
-        h, w = im.height, im.width
-        if isinstance(h, int) and isinstance(w, int) and h > 0 and w > 0:
-            hw[i] = h, w
-    files = [im.file_name for im in images]
-    del images
+    anns, cats = doc.annotations, doc.categories
+    files, hw, by_id = _image_table(path, doc.images)
+    del doc  # (the images' structs go)
+    n = len(files)
     m = len(anns)
     slots = np.fromiter((by_id.get(a.image_id, -1) for a in anns), np.int64, m)
     del by_id
@@ -106,8 +94,54 @@ def coco_columns(path: str | Path, progress: Callable[[float], None] | None = No
     crowd = np.fromiter((bool(a.iscrowd) for a in anns), np.bool_, m)
     labels = np.fromiter((a.category_id for a in anns), np.int64, m)
     xywh = np.array([a.bbox for a in anns], dtype=np.float64).reshape(m, 4)
-    del anns, doc.annotations
+    del anns
     tick(0.85)
+    _check_annotations(path, labels, xywh)
+    keep = (slots >= 0) & ~crowd & (xywh[:, 2] > 0) & (xywh[:, 3] > 0)
+    slots, labels, xywh = slots[keep], labels[keep], xywh[keep]
+    clipped, moved, empty = _clip(hw, slots, xywh)
+    slots, labels, clipped = slots[~empty], labels[~empty], clipped[~empty]
+    order = np.argsort(slots, kind="stable")
+    box_offsets = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(np.bincount(slots, minlength=n), out=box_offsets[1:])
+    categories = [(c.id, c.name) for c in cats]
+    for j, (cid, _) in enumerate(categories):
+        if not 0 <= cid <= MAX_LABEL:
+            raise AnnotationError(f"{path}: $.categories[{j}].id: {cid} is not 0..{MAX_LABEL}")
+    meta = {
+        "images": n,
+        "boxes": len(slots),
+        "clipped": moved,
+        "dropped": int(m - len(slots)),
+        "without_area": int(empty.sum()),
+    }
+    columns = detection_columns(
+        files, hw, clipped[order], labels[order], box_offsets, categories, meta
+    )
+    tick(1.0)
+    return columns
+
+
+def _image_table(
+    path: Path, images: list[_Image]
+) -> tuple[list[str], np.ndarray, dict[int | str, int]]:
+    """File names, (h, w) (0: not given) and the slot of each image id; an id listed
+    twice is refused."""
+    by_id: dict[int | str, int] = {}
+    hw = np.zeros((len(images), 2), dtype=np.int32)
+    for i, im in enumerate(images):
+        if by_id.setdefault(im.id, i) != i:
+            raise AnnotationError(
+                f"{path}: $.images[{i}]: image id {im.id!r} is listed twice "
+                f"(first at $.images[{by_id[im.id]}])"
+            )
+        h, w = im.height, im.width
+        if isinstance(h, int) and isinstance(w, int) and h > 0 and w > 0:
+            hw[i] = h, w
+    return [im.file_name for im in images], hw, by_id
+
+
+def _check_annotations(path: Path, labels: np.ndarray, xywh: np.ndarray) -> None:
     bad = np.flatnonzero((labels < 0) | (labels > MAX_LABEL))
     if len(bad):
         first = int(bad[0])
@@ -118,10 +152,14 @@ def coco_columns(path: str | Path, progress: Callable[[float], None] | None = No
     if not np.isfinite(xywh).all():
         first = int(np.flatnonzero(~np.isfinite(xywh).all(axis=1))[0])
         raise AnnotationError(f"{path}: $.annotations[{first}].bbox: not finite")
-    keep = (slots >= 0) & ~crowd & (xywh[:, 2] > 0) & (xywh[:, 3] > 0)
-    slots, labels, xywh = slots[keep], labels[keep], xywh[keep]
+
+
+def _clip(
+    hw: np.ndarray, slots: np.ndarray, xywh: np.ndarray
+) -> tuple[np.ndarray, int, np.ndarray]:
+    """xyxy boxes clipped to their image where its size is known (as the pipeline would),
+    how many moved, and which have no area left."""
     xyxy = np.concatenate([xywh[:, :2], xywh[:, :2] + xywh[:, 2:]], axis=1)
-    # Clip to the image where its size is known (as the pipeline would); count what moved.
     size = hw[slots][:, ::-1].astype(np.float64)  # (w, h) per box
     known = size[:, 0] > 0
     limit = np.where(known[:, None], np.concatenate([size, size], axis=1), np.inf)
@@ -129,26 +167,7 @@ def coco_columns(path: str | Path, progress: Callable[[float], None] | None = No
     clipped[~known] = xyxy[~known]
     moved = int((clipped != xyxy).any(axis=1).sum())
     empty = (clipped[:, 2] <= clipped[:, 0]) | (clipped[:, 3] <= clipped[:, 1])
-    slots, labels, clipped = slots[~empty], labels[~empty], clipped[~empty]
-    order = np.argsort(slots, kind="stable")
-    box_offsets = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum(np.bincount(slots, minlength=n), out=box_offsets[1:])
-    categories = [(c.id, c.name) for c in doc.categories]
-    for j, (cid, _) in enumerate(categories):
-        if not 0 <= cid <= MAX_LABEL:
-            raise AnnotationError(f"{path}: $.categories[{j}].id: {cid} is not 0..{MAX_LABEL}")
-    meta = {
-        "images": n,
-        "boxes": int(len(slots)),
-        "clipped": moved,
-        "dropped": int(m - len(slots)),
-        "without_area": int(empty.sum()),
-    }
-    columns = detection_columns(
-        files, hw, clipped[order], labels[order], box_offsets, categories, meta
-    )
-    tick(1.0)
-    return columns
+    return clipped, moved, empty
 
 
 def _read(path: Path, tick: Callable[[float], None]) -> bytearray:

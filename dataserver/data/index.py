@@ -137,7 +137,9 @@ def _layout(columns: Columns, source: SourceId) -> tuple[bytes, list[tuple[int, 
     arrays = {k: np.ascontiguousarray(v) for k, v in columns.arrays.items()}
     for name, a in arrays.items():
         if a.dtype.str not in DTYPES:
-            raise IndexProblem(f"index array {name!r}: dtype {a.dtype} is not one of {sorted(DTYPES)}")
+            raise IndexProblem(
+                f"index array {name!r}: dtype {a.dtype} is not one of {sorted(DTYPES)}"
+            )
     # The header's length depends on the offsets it holds: lay out twice, the second time
     # with room for the first's widest numbers.
     room = 0
@@ -192,41 +194,61 @@ def map_index(fd: int, size: int, what: str, expect: SourceId | None = None) -> 
     if size < _PREFIX.size:
         raise IndexDamaged(f"{what}: {size} bytes, shorter than an index's prefix")
     m = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    arrays: dict[str, np.ndarray] = {}
     try:
-        magic, version, _, hlen = _PREFIX.unpack_from(m, 0)
-        if magic != MAGIC:
-            raise IndexDamaged(f"{what}: not an index file (magic {magic!r})")
-        if version != FORMAT_VERSION:
-            raise IndexDamaged(f"{what}: format version {version}, this dataserver reads {FORMAT_VERSION}")
-        if _PREFIX.size + hlen > size:
-            raise IndexDamaged(f"{what}: header of {hlen} bytes runs past the end ({size} bytes)")
-        try:
-            header = msgspec.json.decode(m[_PREFIX.size : _PREFIX.size + hlen], type=_Header)
-            source = msgspec.convert(header.source, SourceId)
-        except msgspec.MsgspecError as exc:
-            raise IndexDamaged(f"{what}: header unreadable: {exc}") from None
-        if header.total != size:
-            raise IndexDamaged(f"{what}: {size} bytes, the header says {header.total} (truncated?)")
+        header, source, end = _header(m, size, what)
         if expect is not None:
-            for name, want in asdict(expect).items():
-                have = getattr(source, name)
-                if have != want:
-                    raise IndexDamaged(f"{what}: source {name} is {have!r}, now {want!r}")
-        arrays: dict[str, np.ndarray] = {}
+            _same_source(source, expect, what)
         for e in header.arrays:
-            if e.dtype not in DTYPES:
-                raise IndexDamaged(f"{what}: array {e.name!r} has dtype {e.dtype!r}")
-            dtype = np.dtype(e.dtype)
-            count = int(np.prod(e.shape, dtype=np.int64)) if e.shape else 1
-            if min(e.shape, default=0) < 0 or count * dtype.itemsize != e.nbytes:
-                raise IndexDamaged(f"{what}: array {e.name!r}: shape {e.shape} is not {e.nbytes} bytes")
-            if e.offset % ALIGN or e.offset < _PREFIX.size + hlen or e.offset + e.nbytes > size:
-                raise IndexDamaged(f"{what}: array {e.name!r} lies outside the file")
-            arrays[e.name] = np.frombuffer(m, dtype, count, e.offset).reshape(e.shape)
+            arrays[e.name] = _array(m, e, end, size, what)
     except BaseException:
+        arrays.clear()  # (their views of the mapping first)
         m.close()
         raise
     return MappedIndex(arrays, header.meta, source, size, m)
+
+
+def _header(m: mmap.mmap, size: int, what: str) -> tuple[_Header, SourceId, int]:
+    """The header, the source it names, and where it ends; checked."""
+    magic, version, _, hlen = _PREFIX.unpack_from(m, 0)
+    if magic != MAGIC:
+        raise IndexDamaged(f"{what}: not an index file (magic {magic!r})")
+    if version != FORMAT_VERSION:
+        raise IndexDamaged(
+            f"{what}: format version {version}, this dataserver reads {FORMAT_VERSION}"
+        )
+    end = _PREFIX.size + hlen
+    if end > size:
+        raise IndexDamaged(f"{what}: header of {hlen} bytes runs past the end ({size} bytes)")
+    try:
+        header = msgspec.json.decode(m[_PREFIX.size : end], type=_Header)
+        source = msgspec.convert(header.source, SourceId)
+    except msgspec.MsgspecError as exc:
+        raise IndexDamaged(f"{what}: header unreadable: {exc}") from None
+    if header.total != size:
+        raise IndexDamaged(f"{what}: {size} bytes, the header says {header.total} (truncated?)")
+    return header, source, end
+
+
+def _array(m: mmap.mmap, e: _Entry, start: int, size: int, what: str) -> np.ndarray:
+    """One array's view of the mapping, its dtype, shape and bounds checked."""
+    if e.dtype not in DTYPES:
+        raise IndexDamaged(f"{what}: array {e.name!r} has dtype {e.dtype!r}")
+    dtype = np.dtype(e.dtype)
+    count = int(np.prod(e.shape, dtype=np.int64)) if e.shape else 1
+    if min(e.shape, default=0) < 0 or count * dtype.itemsize != e.nbytes:
+        raise IndexDamaged(f"{what}: array {e.name!r}: shape {e.shape} is not {e.nbytes} bytes")
+    if e.offset % ALIGN or e.offset < start or e.offset + e.nbytes > size:
+        raise IndexDamaged(f"{what}: array {e.name!r} lies outside the file")
+    return np.frombuffer(m, dtype, count, e.offset).reshape(e.shape)
+
+
+def _same_source(have: SourceId, want: SourceId, what: str) -> None:
+    """``IndexDamaged`` naming the first field of the source identity that differs."""
+    for name, value in asdict(want).items():
+        old = getattr(have, name)
+        if old != value:
+            raise IndexDamaged(f"{what}: source {name} is {old!r}, now {value!r}")
 
 
 class SharedIndex:
@@ -305,10 +327,7 @@ class SharedIndex:
 
 def check_source(mapped: MappedIndex, expect: SourceId, what: str) -> None:
     """``IndexDamaged`` naming the first field of the source identity that differs."""
-    for name, want in asdict(expect).items():
-        have = getattr(mapped.source, name)
-        if have != want:
-            raise IndexDamaged(f"{what}: source {name} is {have!r}, now {want!r}")
+    _same_source(mapped.source, expect, what)
 
 
 def default_cache_dir() -> Path:
@@ -470,7 +489,9 @@ class DetectionIndex:
         a = mapped.arrays
         missing = [k for k in DETECTION_ARRAYS if k not in a]
         if missing or not mapped.meta.get("detection"):
-            raise IndexProblem(f"not a detection index (no {', '.join(missing) or 'detection meta'})")
+            raise IndexProblem(
+                f"not a detection index (no {', '.join(missing) or 'detection meta'})"
+            )
         self.mapped = mapped
         self._names, self._name_off = a["names"], a["name_offsets"]
         self.hw = a["hw"]

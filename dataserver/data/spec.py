@@ -31,9 +31,16 @@ import numpy as np
 
 from dataserver.data.coco import CocoDataset
 from dataserver.data.cocoindex import AnnotationError, coco_columns
-from dataserver.data.index import Columns, IndexCache, MappedIndex, SharedIndex, SourceId, file_source
-from dataserver.data.yololayout import YoloLayout, yolo_dataset
+from dataserver.data.index import (
+    Columns,
+    IndexCache,
+    MappedIndex,
+    SharedIndex,
+    SourceId,
+    file_source,
+)
 from dataserver.data.synthetic import SyntheticDataset
+from dataserver.data.yololayout import YoloLayout, yolo_dataset
 from dataserver.protocol.fields import MAX_LABEL
 from dataserver.protocol.messages import (
     MAX_CATEGORIES,
@@ -186,7 +193,9 @@ def plugin_index(
         source = SourceId("plugin", spec.text, 0, 0, "", spec.args_json)
         return SharedIndex.from_columns(Columns(arrays), source)
     except Exception as exc:
-        raise SpecError(f"{spec.text}.shared_index(**args) failed: {type(exc).__name__}: {exc}") from None
+        raise SpecError(
+            f"{spec.text}.shared_index(**args) failed: {type(exc).__name__}: {exc}"
+        ) from None
 
 
 def _factory(spec: DatasetSpec) -> Callable[..., Any]:
@@ -210,20 +219,8 @@ def build_dataset(spec: DatasetSpec, index: MappedIndex | None = None) -> Any:
     ``SpecError`` saying why it cannot be built."""
     if spec.kind == "synthetic":
         return SyntheticDataset(**spec.args)
-    if spec.kind == "coco":
-        try:
-            return CocoDataset(spec.args["annotations"], spec.args["image_dir"], index)
-        except AnnotationError as exc:
-            raise SpecError(str(exc)) from None
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise SpecError(f"coco: cannot load {spec.args['annotations']}: {exc}") from None
-    if spec.kind == "yolo":
-        try:
-            return yolo_dataset(spec.args["data"], spec.args["split"], index)
-        except AnnotationError as exc:
-            raise SpecError(str(exc)) from None
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise SpecError(f"yolo: cannot load {spec.args['data']}: {exc}") from None
+    if spec.kind in ("coco", "yolo"):
+        return _annotated(spec, index)
     factory = _factory(spec)
     kwargs = dict(spec.args)
     if index is not None:
@@ -235,6 +232,19 @@ def build_dataset(spec: DatasetSpec, index: MappedIndex | None = None) -> Any:
     if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
         raise SpecError(f"{spec.text} returned {type(dataset).__name__}, not a dataset")
     return dataset
+
+
+def _annotated(spec: DatasetSpec, index: MappedIndex | None) -> Any:
+    """A coco or yolo spec's dataset; ``SpecError`` naming the file."""
+    what = spec.args.get("annotations") or spec.args.get("data")
+    try:
+        if spec.kind == "coco":
+            return CocoDataset(spec.args["annotations"], spec.args["image_dir"], index)
+        return yolo_dataset(spec.args["data"], spec.args["split"], index)
+    except AnnotationError as exc:
+        raise SpecError(str(exc)) from None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise SpecError(f"{spec.kind}: cannot load {what}: {exc}") from None
 
 
 def dataset_fingerprint(spec: DatasetSpec, dataset: Any) -> str:

@@ -128,7 +128,7 @@ class YoloVal:
         if len(unknown):
             i = int(unknown[0])
             raise ValueError(
-                f"mode 'val' needs each image's height and width (in the annotation file, or "
+                f"mode 'val' needs each image's 'height' and 'width' (in the annotations, or "
                 f"readable from the image); image {i} ({base.files[i]}) has none"
             )
         self.base = base
@@ -177,7 +177,7 @@ class YoloVal:
         return f"YoloVal({self.base!r}, imgsz={self.imgsz})"
 
 
-def yolo_set(
+def _yolo_set(
     annotations: str | None = None,
     image_dir: str | None = None,
     images: int = 2048,
@@ -234,4 +234,14 @@ def yolo_set_index(
     return None
 
 
-yolo_set.shared_index = yolo_set_index  # type: ignore[attr-defined]
+class YoloSetFactory:
+    """``yolo_set``: the plugin factory (``_yolo_set``'s arguments), with its
+    ``shared_index`` (``yolo_set_index``): the server indexes the annotations once."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> YoloSet | YoloVal:
+        return _yolo_set(*args, **kwargs)
+
+    shared_index = staticmethod(yolo_set_index)
+
+
+yolo_set = YoloSetFactory()

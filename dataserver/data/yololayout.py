@@ -39,7 +39,22 @@ from dataserver.data.index import (
 
 # Ultralytics' IMG_FORMATS (ultralytics.data.utils).
 IMG_FORMATS = frozenset(
-    {"avif", "bmp", "dng", "heic", "heif", "jp2", "jpeg", "jpeg2000", "jpg", "mpo", "png", "tif", "tiff", "webp"}
+    {
+        "avif",
+        "bmp",
+        "dng",
+        "heic",
+        "heif",
+        "jp2",
+        "jpeg",
+        "jpeg2000",
+        "jpg",
+        "mpo",
+        "png",
+        "tif",
+        "tiff",
+        "webp",
+    }
 )
 
 
@@ -125,7 +140,7 @@ class YoloLayout:
         try:
             from PIL import Image
         except ImportError:  # sizes stay unknown
-            Image = None  # type: ignore[assignment]  # noqa: N806
+            Image = None  # type: ignore[assignment]
         for i, image in enumerate(self.images):
             rows = read_label_file(self.label_file(image), nc)
             parts.append(rows)
@@ -147,7 +162,7 @@ class YoloLayout:
         files = [f[len(root) :] if f.startswith(root) else f for f in self.images]
         meta: dict[str, Any] = {
             "images": n,
-            "boxes": int(len(rows)),
+            "boxes": len(rows),
             "normalized": 1,
             "root": str(self.root),
         }
@@ -167,32 +182,46 @@ def read_label_file(path: str, nc: int) -> np.ndarray:
     except FileNotFoundError:
         return np.zeros((0, 5), np.float32)
     lines = [(no, x.split()) for no, x in enumerate(text.strip().splitlines(), 1) if x.strip()]
-    if any(len(x) > 6 for _, x in lines):  # segments: their bounding boxes
-        out = []
-        for no, x in lines:
-            if len(x) < 7 or len(x) % 2 == 0:
-                raise AnnotationError(f"{path}: line {no}: {len(x)} fields; a segment row is cls x1 y1 x2 y2 ...")
-            xy = _floats(path, no, x[1:]).reshape(-1, 2)
-            lo, hi = xy.min(0), xy.max(0)
-            out.append([_floats(path, no, x[:1])[0], *(lo + hi) / 2, *(hi - lo)])
-        rows = np.array(out, dtype=np.float32).reshape(-1, 5)
-    else:
-        for no, x in lines:
-            if len(x) != 5:
-                raise AnnotationError(f"{path}: line {no}: {len(x)} fields, a box is cls cx cy w h")
-        rows = np.array([_floats(path, no, x) for no, x in lines], dtype=np.float32).reshape(-1, 5)
+    rows = _rows(path, lines)
     if not len(rows):
         return rows
-    for k, (no, _) in enumerate(lines):
-        r = rows[k]
-        if r[0] % 1 or not 0 <= r[0] < nc:
-            raise AnnotationError(f"{path}: line {no}: class {r[0]:g} is not an integer 0..{nc - 1}")
-        if r[1:].max() > 1.01 or (r.min() < 0 and (r.min() < -0.01 or r[3:5].min() < 0)):
-            raise AnnotationError(f"{path}: line {no}: coordinates {r[1:].tolist()} are not normalized 0..1")
+    bad_class = (rows[:, 0] % 1 != 0) | (rows[:, 0] < 0) | (rows[:, 0] >= nc)
+    low = rows.min(axis=1)
+    bad_xy = (rows[:, 1:].max(axis=1) > 1.01) | (
+        (low < 0) & ((low < -0.01) | (rows[:, 3:5].min(axis=1) < 0))
+    )
+    for k in np.flatnonzero(bad_class | bad_xy)[:1]:
+        no, r = lines[k][0], rows[k]
+        if bad_class[k]:
+            raise AnnotationError(
+                f"{path}: line {no}: class {r[0]:g} is not an integer 0..{nc - 1}"
+            )
+        raise AnnotationError(
+            f"{path}: line {no}: coordinates {r[1:].tolist()} are not normalized 0..1"
+        )
     _, keep = np.unique(rows, axis=0, return_index=True)
     if len(keep) < len(rows):  # Ultralytics' duplicate removal (sorted rows)
         rows = rows[keep]
     return rows
+
+
+def _rows(path: str, lines: list[tuple[int, list[str]]]) -> np.ndarray:
+    """(cls, cx, cy, w, h) rows; segment rows (more than 6 fields) by their bounding box."""
+    if not any(len(x) > 6 for _, x in lines):
+        for no, x in lines:
+            if len(x) != 5:
+                raise AnnotationError(f"{path}: line {no}: {len(x)} fields, a box is cls cx cy w h")
+        return np.array([_floats(path, no, x) for no, x in lines], dtype=np.float32).reshape(-1, 5)
+    out = []
+    for no, x in lines:
+        if len(x) < 7 or len(x) % 2 == 0:
+            raise AnnotationError(
+                f"{path}: line {no}: {len(x)} fields; a segment row is cls x1 y1 x2 y2 ..."
+            )
+        xy = _floats(path, no, x[1:]).reshape(-1, 2)
+        lo, hi = xy.min(0), xy.max(0)
+        out.append([_floats(path, no, x[:1])[0], *(lo + hi) / 2, *(hi - lo)])
+    return np.array(out, dtype=np.float32).reshape(-1, 5)
 
 
 def _floats(path: str, no: int, fields: list[str]) -> np.ndarray:

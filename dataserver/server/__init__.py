@@ -66,10 +66,16 @@ def index_progress(what: str) -> Iterator[Callable[[float], None]]:
         yield progress
 
 
-def serve(config: ServerConfig, on_ready: Callable[[Front], Any]) -> None:
-    """Build the dataset once (to check its spec and learn its size), then run the front
-    until SIGINT, or SIGTERM and a drain (``--drain-seconds``). Raises ``SpecError``/``ConfigError`` for bad flags and
-    ``WorkerStartError`` when no worker can start."""
+def serve(
+    config: ServerConfig,
+    on_ready: Callable[[Front], Any],
+    on_indexing: Callable[[str], Any] = lambda line: None,
+) -> None:
+    """Index the dataset's annotations once (from the cache, or built: then the ports are
+    bound first and ``on_indexing(line)`` is told where), build the dataset on that index
+    (to check its spec and learn its size), then run the front until SIGINT, or SIGTERM
+    and a drain (``--drain-seconds``). Raises ``SpecError``/``ConfigError`` for bad flags
+    and ``WorkerStartError`` when no worker can start."""
     config.validate()
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # whatever a user's dataset imports, no GPU here
     # The front keeps less at a heap's top than a worker: what it frees there is mostly
@@ -87,10 +93,9 @@ def serve(config: ServerConfig, on_ready: Callable[[Front], Any]) -> None:
     shared, how = prepare_index(spec, cache, cached_only=True)
     if how == "uncached" and config.curve is None and cache.usable():
         ports = IndexingPorts(config)
-        print(
+        on_indexing(
             f"dataserver indexing data={ports.data_endpoint} control={ports.control_endpoint} "
-            f"dataset={config.dataset} index_cache={cache.dir}",
-            flush=True,
+            f"dataset={config.dataset} index_cache={cache.dir}"
         )
         try:
             build_ahead(spec, cache, ports)

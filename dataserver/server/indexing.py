@@ -54,6 +54,10 @@ class IndexingPorts:
         self.data_endpoint = self._data.getsockopt_string(zmq.LAST_ENDPOINT)
         self.control_endpoint = self._control.getsockopt_string(zmq.LAST_ENDPOINT)
 
+    def tell(self, fraction: float) -> None:
+        """The build's progress, 0..1 (its reader thread's)."""
+        self.fraction = fraction
+
     def bound(self) -> ServerConfig:
         """``config`` with the endpoints these ports took (a ``:0`` became a port)."""
         return replace(self.config, bind=self.data_endpoint, control_bind=self.control_endpoint)
@@ -105,24 +109,10 @@ def build_ahead(spec: DatasetSpec, cache: IndexCache, ports: IndexingPorts) -> N
         cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True
     )
     errors: list[str] = []
-
-    def read_progress() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            if line.startswith(PROGRESS):
-                try:
-                    ports.fraction = float(line[len(PROGRESS) :])
-                except ValueError:
-                    pass
-
-    def read_errors() -> None:
-        assert proc.stderr is not None
-        for line in proc.stderr:
-            errors.append(line.rstrip("\n"))
-            if "error:" not in line and "\r" not in line:
-                sys.stderr.write(line)  # its warnings (a rebuild, and why)
-
-    readers = [threading.Thread(target=f, daemon=True) for f in (read_progress, read_errors)]
+    readers = [
+        threading.Thread(target=_read_progress, args=(proc, ports), daemon=True),
+        threading.Thread(target=_read_errors, args=(proc, errors), daemon=True),
+    ]
     for t in readers:
         t.start()
     try:
@@ -137,3 +127,22 @@ def build_ahead(spec: DatasetSpec, cache: IndexCache, ports: IndexingPorts) -> N
     if proc.returncode != 0:
         last = next((e for e in reversed(errors) if e.strip()), f"exit status {proc.returncode}")
         raise SpecError(last.split("error: ", 1)[-1])
+
+
+def _read_progress(proc: subprocess.Popen[str], ports: IndexingPorts) -> None:
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith(PROGRESS):
+            try:
+                ports.tell(float(line[len(PROGRESS) :]))
+            except ValueError:
+                pass
+
+
+def _read_errors(proc: subprocess.Popen[str], errors: list[str]) -> None:
+    """Its stderr kept; its warnings (a rebuild, and why) passed on as they come."""
+    assert proc.stderr is not None
+    for line in proc.stderr:
+        errors.append(line.rstrip("\n"))
+        if "error:" not in line and "\r" not in line:
+            sys.stderr.write(line)

@@ -41,9 +41,9 @@ import msgspec
 import zmq
 
 from dataserver.counting import Counts
+from dataserver.data.index import MappedIndex, SharedIndex
 from dataserver.data.pipeline import Recipe
 from dataserver.data.sample import SampleError
-from dataserver.data.index import MappedIndex, SharedIndex
 from dataserver.data.spec import build_dataset, parse_spec
 from dataserver.landing import landing_socket
 from dataserver.loop import MessageGuard, fault, inject, serve
