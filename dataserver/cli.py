@@ -515,6 +515,16 @@ def _add_bench(sub: Any) -> None:
         help="scale (c): each session holds a result connection to each worker, as a real "
         "client's (0: none, to weigh the front alone with fewer processes' load)",
     )
+    p.add_argument(
+        "--index-images", type=int, default=1_000_000, help="index: images of its annotation set"
+    )
+    p.add_argument("--index-boxes", type=int, default=7, help="index: boxes per image")
+    p.add_argument(
+        "--index-peer-images",
+        type=int,
+        default=20_000,
+        help="index: images of the YOLO-layout set Ultralytics' label cache is built from",
+    )
     p.add_argument("--only", default=None, help="comma-separated figures to run")
     p.add_argument("--json", default=None, help="also write the results here")
     p.set_defaults(func=cmd_bench)
