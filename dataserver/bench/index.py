@@ -63,6 +63,8 @@ def fig_index(args: argparse.Namespace, spec: str, progress: Progress) -> dict[s
                 f"PSS {run['pss_mb']:.0f} MB"
             )
             out[f"cached_start_ready_s_workers_{workers}"] = run["ready_s"]
+            # (context: the same server on a 1-image set, the start's floor on this host)
+            out[f"one_image_ready_s_workers_{workers}"] = empty["ready_s"]
             out[f"pss_all_mb_workers_{workers}"] = run["pss_mb"]
             out[f"pss_front_mb_workers_{workers}"] = run["front_pss_mb"]
             out[f"pss_worker_mb_workers_{workers}"] = run["worker_pss_mb"]
