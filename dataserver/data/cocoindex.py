@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from itertools import chain
 from pathlib import Path
 
 import msgspec
@@ -93,7 +94,8 @@ def coco_columns(path: str | Path, progress: Callable[[float], None] | None = No
     tick(0.7)
     crowd = np.fromiter((bool(a.iscrowd) for a in anns), np.bool_, m)
     labels = np.fromiter((a.category_id for a in anns), np.int64, m)
-    xywh = np.array([a.bbox for a in anns], dtype=np.float64).reshape(m, 4)
+    # (one flat pass: half the time of an array built from M tuples)
+    xywh = np.fromiter(chain.from_iterable(a.bbox for a in anns), np.float64, 4 * m).reshape(m, 4)
     del anns
     tick(0.85)
     _check_annotations(path, labels, xywh)
