@@ -163,7 +163,7 @@ def prepare_index(
         raise SpecError(str(exc)) from None
     except (OSError, ValueError) as exc:
         what = spec.args.get("annotations") or spec.args.get("data")
-        raise SpecError(f"{spec.kind}: cannot index {what}: {exc}") from None
+        raise SpecError(f"{spec.kind}: cannot load {what}: {exc}") from None
     if spec.kind != "plugin":
         return None, ""
     factory = _factory(spec)
