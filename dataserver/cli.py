@@ -1,4 +1,4 @@
-"""The ``dataserver`` command: serve, synth, demo, stats, bench, keygen."""
+"""The ``dataserver`` command: serve, synth, index, demo, stats, bench, keygen."""
 
 from __future__ import annotations
 
@@ -79,13 +79,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         fetch_cache=args.fetch_cache,
         fetch_cache_gb=args.fetch_cache_gb,
         max_fetches=args.max_fetches,
+        index_cache=args.index_cache,
     )
 
     def announce(front: Any) -> None:
         print(ready_line(front), flush=True)
 
     try:
-        serve(config, announce)
+        serve(config, announce, lambda line: print(line, flush=True))
     except (SpecError, ConfigError, CurveKeyError) as exc:
         return _fail("dataserver serve", str(exc))
     except (WorkerStartError, MetricsPortError) as exc:
@@ -99,15 +100,50 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_synth(args: argparse.Namespace) -> int:
-    from dataserver.data.coco import write_synthetic_coco
+    from dataserver.data.coco import write_coco_annotations, write_synthetic_coco
 
     if args.images < 1:
         return _fail("dataserver synth", "--images must be >= 1")
     from tqdm import tqdm
 
     with tqdm(total=args.images, unit="image", desc="dataserver synth") as bar:
-        path = write_synthetic_coco(args.out_dir, args.images, args.seed, bar.update)
-    print(f"wrote {args.images} images and {path}; serve them with --dataset coco:{path}")
+        if args.annotations_only:
+            path = write_coco_annotations(
+                args.out_dir, args.images, args.seed, args.boxes, bar.update
+            )
+        else:
+            path = write_synthetic_coco(args.out_dir, args.images, args.seed, bar.update)
+    what = "annotations of" if args.annotations_only else ""
+    print(f"wrote {what} {args.images} images and {path}; serve them with --dataset coco:{path}")
+    return 0
+
+
+# ---------------------------------------------------------------------- index
+
+
+def cmd_index(args: argparse.Namespace) -> int:
+    from dataserver.data.index import DetectionIndex, IndexCache
+    from dataserver.data.spec import parse_spec, prepare_index
+    from dataserver.server import index_progress
+
+    def lines(fraction: float) -> None:  # for a server that runs this (server/indexing.py)
+        print(f"progress {fraction:.3f}", flush=True)
+
+    try:
+        spec = parse_spec(args.source, args.dataset_args)
+        with index_progress(args.source) as progress:
+            tell = lines if args.progress_lines else progress
+            shared, how = prepare_index(spec, IndexCache(args.index_cache), tell)
+    except SpecError as exc:
+        return _fail("dataserver index", str(exc))
+    if shared is None:
+        return _fail("dataserver index", f"{args.source} has no index to build (no annotations)")
+    what = f"{shared.nbytes / (1 << 20):.1f} MiB"
+    if shared.mapped.meta.get("detection"):
+        det = DetectionIndex(shared.mapped)
+        what = f"{len(det)} images, {len(det.all_boxes)} boxes, {what}"
+    where = IndexCache(args.index_cache).path_for(shared.mapped.source)
+    print(f"index of {args.source}: {how} ({what}) at {where}")
     return 0
 
 
@@ -148,6 +184,10 @@ def cmd_stats(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(stats, indent=2, sort_keys=True))
         return 0 if healthy or not args.check else 1
+    if stats.get("indexing") is not None:  # bound, its index being built: alive, not ready
+        print(f"server {stats['server_id']}, up {stats['uptime_s']} s")
+        print(f"  indexing {stats['indexing']} ({stats.get('dataset')})")
+        return 1 if args.check else 0
     print(f"server {stats['server_id']}, up {stats['uptime_s']} s")
     print(f"  dataset        {stats['fingerprint']} ({stats['dataset_len']} samples)")
     print(
@@ -219,6 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(sub)
     _add_synth(sub)
     _add_shards(sub)
+    _add_index(sub)
     _add_demo(sub)
     _add_stats(sub)
     _add_keygen(sub)
@@ -369,6 +410,13 @@ def _add_serve(sub: Any) -> None:
         help="object-store requests in flight per server, shared by its workers "
         f"(default {DEFAULT_MAX_FETCHES})",
     )
+    p.add_argument(
+        "--index-cache",
+        metavar="DIR",
+        default=None,
+        help="where annotation indexes are cached (built once per source, shared by every "
+        "server on the volume; default: $XDG_CACHE_HOME/dataserver or ~/.cache/dataserver)",
+    )
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=cmd_serve)
 
@@ -380,6 +428,14 @@ def _add_synth(sub: Any) -> None:
     p.add_argument("out_dir")
     p.add_argument("--images", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--annotations-only",
+        action="store_true",
+        help="write annotations.json alone (no JPEGs): a large set to index, for benchmarks",
+    )
+    p.add_argument(
+        "--boxes", type=int, default=7, help="--annotations-only: boxes per image (default 7)"
+    )
     p.set_defaults(func=cmd_synth)
 
 
@@ -393,6 +449,28 @@ def _add_shards(sub: Any) -> None:
     p.add_argument("--image-dir", default=None, help="(default: the annotation file's folder)")
     p.add_argument("--shard-mb", type=float, default=100.0, help="about this much a shard")
     p.set_defaults(func=cmd_shards)
+
+
+def _add_index(sub: Any) -> None:
+    p = sub.add_parser(
+        "index",
+        help="build a dataset's annotation index into the cache ahead of serving it "
+        "(an init container, a Slurm prologue)",
+    )
+    p.add_argument(
+        "source", help="coco:ANNOTATIONS.json | yolo:DATA.yaml[:SPLIT] | package.module:factory"
+    )
+    p.add_argument(
+        "--dataset-args", default=None, help="JSON object of keyword arguments for a factory"
+    )
+    p.add_argument(
+        "--index-cache",
+        metavar="DIR",
+        default=None,
+        help="the cache directory (default: $XDG_CACHE_HOME/dataserver or ~/.cache/dataserver)",
+    )
+    p.add_argument("--progress-lines", action="store_true", help=argparse.SUPPRESS)
+    p.set_defaults(func=cmd_index)
 
 
 def _add_demo(sub: Any) -> None:
@@ -497,6 +575,16 @@ def _add_bench(sub: Any) -> None:
         default=1,
         help="scale (c): each session holds a result connection to each worker, as a real "
         "client's (0: none, to weigh the front alone with fewer processes' load)",
+    )
+    p.add_argument(
+        "--index-images", type=int, default=1_000_000, help="index: images of its annotation set"
+    )
+    p.add_argument("--index-boxes", type=int, default=7, help="index: boxes per image")
+    p.add_argument(
+        "--index-peer-images",
+        type=int,
+        default=20_000,
+        help="index: images of the YOLO-layout set Ultralytics' label cache is built from",
     )
     p.add_argument("--only", default=None, help="comma-separated figures to run")
     p.add_argument("--json", default=None, help="also write the results here")

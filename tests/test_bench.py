@@ -227,3 +227,25 @@ def test_bench_slow_server_figure(tmp_path: Path) -> None:
             assert figure[case][side]["vs_healthy_alone"] > 0, (case, side)
             assert figure[case][side]["p99_wait_ms"] > 0, (case, side)
         assert figure[case]["hedge_off"]["hedged_share"] == 0
+
+
+@pytest.mark.timeout(200)
+def test_bench_index_figure(tmp_path: Path) -> None:
+    """The index figure on a tiny configuration: first and cached starts, PSS at 2 and 8
+    workers, the first batch, and Ultralytics' label cache beside our index."""
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "dataserver.cli", "bench", "--only", "index", "--images", "4"]
+    cmd += ["--index-images", "2000", "--index-peer-images", "100", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=190)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    figure = json.loads(out.read_text())["index"]
+    assert figure["images"] == 2000 and figure["index_mb"] > 0
+    for key in (
+        "first_start_ready_s",
+        "cached_start_ready_s_workers_2",
+        "first_batch_after_ready_s",
+    ):
+        assert figure[key] > 0
+    assert figure["pss_all_mb_workers_8"] > figure["pss_all_mb_workers_2"] > 0
+    for side in ("ultralytics_cache_build", "ultralytics_cache_load", "dataserver_index_build"):
+        assert figure[f"{side}_s"] > 0 and figure[f"{side}_rss_mb"] > 0

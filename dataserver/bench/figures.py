@@ -21,6 +21,7 @@ from dataserver.bench.common import (
     served,
     server,
 )
+from dataserver.bench.index import fig_index
 from dataserver.bench.multiscale import fig_multiscale
 from dataserver.bench.peers import fig_dataloader
 from dataserver.bench.remote import fig_remote
@@ -492,8 +493,9 @@ FIGURES: dict[str, Callable[[argparse.Namespace, str, Progress], dict[str, Any]]
     "ultralytics": fig_ultralytics,
     "remote": fig_remote,
     "slow_server": fig_slow_server,
+    "index": fig_index,
 }
 # Run only when named (``--only``): 4 servers x 8 workers on one small host measure the
 # processes fighting over its cores, not the design; ``scale`` measures what bounds a job;
 # ``slow_server`` (minutes of slow servers on purpose) measures a fault, not a rate.
-OPT_IN = frozenset({"coordination", "ultralytics", "remote", "slow_server"})
+OPT_IN = frozenset({"coordination", "ultralytics", "remote", "slow_server", "index"})

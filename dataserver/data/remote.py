@@ -399,6 +399,12 @@ class Fetcher:
                     raise FetchError(url, kind, _scrub(str(exc))) from None
                 time.sleep(random.uniform(0.0, min(2.0, 0.05 * 2**attempt)))
 
+    def identity(self, url: str) -> tuple[int, str]:
+        """An object's size and the store's ETag (or its last-modified time where the store
+        gives no ETag): what an index built from it is keyed by."""
+        meta = self._head(url)
+        return int(meta["size"]), str(meta.get("e_tag") or meta.get("last_modified") or "")
+
     def take_tally(self) -> FetchTally:
         """What was fetched since the last call (and start afresh)."""
         with self._lock:
@@ -466,6 +472,11 @@ def size_of(path: str | os.PathLike[str]) -> int:
     if is_remote(path):
         return fetcher().size(str(path))
     return os.path.getsize(path)
+
+
+def object_identity(url: str) -> tuple[int, str]:
+    """A remote object's size and ETag (``Fetcher.identity``). Raises ``OSError``."""
+    return fetcher().identity(url)
 
 
 def prefetch(wanted: Iterable[tuple[str, int | None, int | None]]) -> None:

@@ -254,7 +254,8 @@ class ShardDataset:
                 raise
         else:
             self.categories = _categories(where, json.loads(raw))
-        self.image_hw = list(self.index.hw)
+        # each image's (height, width) as its JSON gives them (0: not given), as ``CocoDataset``
+        self.hw = np.array([hw or (0, 0) for hw in self.index.hw], dtype=np.int32).reshape(-1, 2)
 
     def __len__(self) -> int:
         return len(self.index)

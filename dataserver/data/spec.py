@@ -6,26 +6,43 @@ same spec string and JSON arguments.
     synthetic                        the embedded default (2048 generated images, seed 0)
     synthetic:images=N,seed=S        N generated images from seed S
     coco:ANNOTATIONS.json[:IMAGE_DIR] a COCO-format set on disk or in object storage
+    yolo:DATA.yaml[:SPLIT]           Ultralytics' YOLO layout (split ``train`` by default)
     wds:URLS                         WebDataset tar shards (a brace pattern: ``shards.py``)
     package.module:factory           a user's dataset: factory(**json.loads(--dataset-args))
+
+An annotation source (coco, yolo, a factory with ``shared_index``) is indexed once per
+server (``prepare_index``, in the front or ``dataserver index``); every process builds its
+dataset on the mapped index (``build_dataset(spec, index)``) and parses nothing.
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib
+import inspect
 import json
 import os
 import re
 import sys
 import tarfile
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from dataserver.data.coco import CocoDataset
+from dataserver.data.cocoindex import AnnotationError, coco_columns
+from dataserver.data.index import (
+    Columns,
+    IndexCache,
+    MappedIndex,
+    SharedIndex,
+    SourceId,
+    source_of,
+)
 from dataserver.data.synthetic import SyntheticDataset
+from dataserver.data.yololayout import YoloLayout, yolo_dataset
 from dataserver.protocol.fields import MAX_LABEL
 from dataserver.protocol.messages import (
     MAX_ANNOUNCED_SIZES,
@@ -76,16 +93,28 @@ def _parse_coco(text: str) -> DatasetSpec:
     return DatasetSpec(text, "coco", {"annotations": ann, "image_dir": image_dir or None})
 
 
+def _parse_yolo(text: str) -> DatasetSpec:
+    rest = text[len("yolo:") :]
+    data, sep, split = rest.rpartition(":")
+    if not sep or not data.endswith((".yaml", ".yml")):
+        data, split = rest, ""
+    if not data:
+        raise SpecError("yolo: needs a path, as in yolo:DATA.yaml[:SPLIT]")
+    return DatasetSpec(text, "yolo", {"data": data, "split": split or "train"})
+
+
 def parse_spec(text: str, args_json: str | None = None) -> DatasetSpec:
     """Parse a ``--dataset`` value (and ``--dataset-args``); raise ``SpecError``."""
     args = _parse_args(args_json)
-    builtin = text == "synthetic" or text.startswith(("synthetic:", "coco:", "wds:"))
+    builtin = text == "synthetic" or text.startswith(("synthetic:", "coco:", "yolo:", "wds:"))
     if builtin and args:
         raise SpecError("--dataset-args is only for package.module:factory datasets")
     if text == "synthetic" or text.startswith("synthetic:"):
         return DatasetSpec(text, "synthetic", _parse_synthetic(text))
     if text.startswith("coco:"):
         return _parse_coco(text)
+    if text.startswith("yolo:"):
+        return _parse_yolo(text)
     if text.startswith("wds:"):
         if not text[4:]:
             raise SpecError("wds: needs shards, as in wds:/data/train-{000000..000009}.tar")
@@ -94,7 +123,8 @@ def parse_spec(text: str, args_json: str | None = None) -> DatasetSpec:
         return DatasetSpec(text, "plugin", args, json.dumps(args, sort_keys=True))
     raise SpecError(
         f"unknown dataset {text!r}: expected synthetic, synthetic:images=N,seed=S, "
-        "coco:ANNOTATIONS.json[:IMAGE_DIR], wds:URLS or package.module:factory"
+        "coco:ANNOTATIONS.json[:IMAGE_DIR], yolo:DATA.yaml[:SPLIT], wds:URLS or "
+        "package.module:factory"
     )
 
 
@@ -114,17 +144,68 @@ def _parse_synthetic(text: str) -> dict[str, int]:
     return values
 
 
-def build_dataset(spec: DatasetSpec) -> Any:
-    """Build the dataset a spec names; raise ``SpecError`` saying why it cannot be built."""
-    if spec.kind == "synthetic":
-        return SyntheticDataset(**spec.args)
-    if spec.kind == "coco":
-        try:
-            return CocoDataset(spec.args["annotations"], spec.args["image_dir"])
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise SpecError(f"coco: cannot load {spec.args['annotations']}: {exc}") from None
-    if spec.kind == "wds":
-        return _build_shards(spec.args["pattern"])
+def prepare_index(
+    spec: DatasetSpec,
+    cache: IndexCache | None = None,
+    progress: Callable[[float], None] | None = None,
+    cached_only: bool = False,
+) -> tuple[SharedIndex | None, str]:
+    """The index a spec's processes share, built once (``None`` for a source without
+    one: synthetic, a factory without ``shared_index``), and how it was had (``cached``,
+    ``built``, ``rebuilt: WHY``, ``plugin``). Annotation sources go through ``cache``
+    (default: the per-user cache directory); ``progress(f)`` is told 0..1 while building.
+    ``cached_only``: an annotation source not cached is not built: (None, ``uncached``).
+    ``SpecError`` says what is wrong, naming the file."""
+    try:
+        if spec.kind == "coco":
+            ann = spec.args["annotations"]
+            source = source_of("coco", ann)
+            build = None if cached_only else (lambda: coco_columns(ann, progress))
+            return (cache or IndexCache()).load_or_build(source, build)
+        if spec.kind == "yolo":
+            layout = YoloLayout.read(spec.args["data"], spec.args["split"])
+            columns = None if cached_only else (lambda: layout.columns(progress))
+            return (cache or IndexCache()).load_or_build(layout.source(), columns)
+    except AnnotationError as exc:
+        raise SpecError(str(exc)) from None
+    except (OSError, ValueError) as exc:
+        what = spec.args.get("annotations") or spec.args.get("data")
+        raise SpecError(f"{spec.kind}: cannot load {what}: {exc}") from None
+    if spec.kind != "plugin":
+        return None, ""
+    factory = _factory(spec)
+    hook = getattr(factory, "shared_index", None)
+    if hook is None:
+        return None, ""
+    shared = plugin_index(spec, hook, cache)
+    return shared, "" if shared is None else "plugin"
+
+
+def plugin_index(
+    spec: DatasetSpec, hook: Callable[..., Any], cache: IndexCache | None
+) -> SharedIndex | None:
+    """A factory's ``shared_index(**args)`` (given ``index_cache`` too when it takes it):
+    a mapping of names to numpy arrays (or a ``SharedIndex`` it had cached; None: no
+    index), shared."""
+    kwargs = dict(spec.args)
+    if "index_cache" in inspect.signature(hook).parameters:
+        kwargs["index_cache"] = cache or IndexCache()
+    try:
+        made = hook(**kwargs)
+        if made is None or isinstance(made, SharedIndex):
+            return made
+        if not isinstance(made, Mapping):
+            raise TypeError(f"it returned {type(made).__name__}, not a mapping of arrays")
+        arrays = {str(k): np.asarray(v) for k, v in made.items()}
+        source = SourceId("plugin", spec.text, 0, 0, "", spec.args_json)
+        return SharedIndex.from_columns(Columns(arrays), source)
+    except Exception as exc:
+        raise SpecError(
+            f"{spec.text}.shared_index(**args) failed: {type(exc).__name__}: {exc}"
+        ) from None
+
+
+def _factory(spec: DatasetSpec) -> Callable[..., Any]:
     module_name, _, factory_name = spec.text.partition(":")
     # Like gunicorn and uvicorn: a user's module in the working directory is importable.
     if os.getcwd() not in sys.path:
@@ -136,8 +217,25 @@ def build_dataset(spec: DatasetSpec) -> Any:
     factory = getattr(module, factory_name, None)
     if not callable(factory):
         raise SpecError(f"{module_name!r} has no callable {factory_name!r}")
+    return factory
+
+
+def build_dataset(spec: DatasetSpec, index: MappedIndex | None = None) -> Any:
+    """Build the dataset a spec names, on the server's shared ``index`` when it has one
+    (``prepare_index``; without it an annotation source is indexed here); raise
+    ``SpecError`` saying why it cannot be built."""
+    if spec.kind == "synthetic":
+        return SyntheticDataset(**spec.args)
+    if spec.kind in ("coco", "yolo"):
+        return _annotated(spec, index)
+    if spec.kind == "wds":
+        return _build_shards(spec.args["pattern"])
+    factory = _factory(spec)
+    kwargs = dict(spec.args)
+    if index is not None:
+        kwargs["index"] = index
     try:
-        dataset = factory(**spec.args)
+        dataset = factory(**kwargs)
     except Exception as exc:
         raise SpecError(f"{spec.text}(**args) raised {type(exc).__name__}: {exc}") from None
     if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
@@ -153,6 +251,19 @@ def _build_shards(pattern: str) -> Any:
         return ShardDataset(pattern)
     except (OSError, ValueError, KeyError, TypeError, tarfile.TarError) as exc:
         raise SpecError(f"wds: cannot index {pattern}: {exc}") from None
+
+
+def _annotated(spec: DatasetSpec, index: MappedIndex | None) -> Any:
+    """A coco or yolo spec's dataset; ``SpecError`` naming the file."""
+    what = spec.args.get("annotations") or spec.args.get("data")
+    try:
+        if spec.kind == "coco":
+            return CocoDataset(spec.args["annotations"], spec.args["image_dir"], index)
+        return yolo_dataset(spec.args["data"], spec.args["split"], index)
+    except AnnotationError as exc:
+        raise SpecError(str(exc)) from None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise SpecError(f"{spec.kind}: cannot load {what}: {exc}") from None
 
 
 def dataset_fingerprint(spec: DatasetSpec, dataset: Any) -> str:

@@ -32,9 +32,12 @@ import cv2
 import numpy as np
 
 from dataserver.data.coco import CocoDataset
+from dataserver.data.cocoindex import coco_columns
+from dataserver.data.index import IndexCache, MappedIndex, SharedIndex, file_source
 from dataserver.data.sample import Sample, SampleError
 from dataserver.data.synthetic import SyntheticDataset
 from dataserver.data.yolo import HYPERPARAMETERS, YoloAugment, yolo_hyp
+from dataserver.data.yololayout import YoloLayout, yolo_dataset
 
 CONTROL_KEY = "yolo"
 
@@ -114,21 +117,22 @@ class YoloVal:
     deterministic = True
     scaleup = False
 
-    def __init__(self, base: CocoDataset, imgsz: int = 640) -> None:
+    def __init__(self, base: Any, imgsz: int = 640) -> None:
         if not isinstance(imgsz, int) or isinstance(imgsz, bool) or imgsz < 1:
             raise ValueError(f"imgsz must be a positive int, got {imgsz!r}")
-        sizes = getattr(base, "image_hw", None)
+        sizes = getattr(base, "hw", None)
         if sizes is None:
-            raise ValueError("mode 'val' serves a COCO annotation file (give 'annotations')")
-        for i, hw in enumerate(sizes):
-            if hw is None:
-                raise ValueError(
-                    f"mode 'val' needs each image's 'height' and 'width' in the annotation "
-                    f"file; image {i} ({base.files[i]}) has none"
-                )
+            raise ValueError("mode 'val' serves annotations ('annotations' or 'data')")
+        shapes = np.asarray(sizes, dtype=np.int64).reshape(-1, 2)
+        unknown = np.flatnonzero((shapes <= 0).any(axis=1))
+        if len(unknown):
+            i = int(unknown[0])
+            raise ValueError(
+                f"mode 'val' needs each image's 'height' and 'width' (in the annotations, or "
+                f"readable from the image); image {i} ({base.files[i]}) has none"
+            )
         self.base = base
         self.imgsz = imgsz
-        shapes = np.array(sizes, dtype=np.int64).reshape(-1, 2)
         self.order = (shapes[:, 0] / shapes[:, 1]).argsort()
         self.sizes = [(int(h), int(w)) for h, w in shapes[self.order]]
         own = getattr(base, "fingerprint", repr(base))
@@ -173,7 +177,7 @@ class YoloVal:
         return f"YoloVal({self.base!r}, imgsz={self.imgsz})"
 
 
-def yolo_set(
+def _yolo_set(
     annotations: str | None = None,
     image_dir: str | None = None,
     images: int = 2048,
@@ -181,22 +185,63 @@ def yolo_set(
     hyp: Mapping[str, Any] | None = None,
     mode: str = "train",
     imgsz: int = 640,
+    data: str | None = None,
+    split: str = "train",
+    index: MappedIndex | None = None,
 ) -> YoloSet | YoloVal:
     """The plugin factory: a COCO set at ``annotations`` (``image_dir`` defaulting to its
-    folder), else the synthetic set of ``images`` from ``seed``; ``hyp`` overrides
-    Ultralytics' default hyperparameters. ``mode="val"``: the COCO set for validation
-    (``YoloVal``, resized to ``imgsz``; no ``hyp``)."""
+    folder), or the ``split`` of Ultralytics' YOLO layout ``data`` (a ``data.yaml``), else
+    the synthetic set of ``images`` from ``seed``; ``hyp`` overrides Ultralytics' default
+    hyperparameters. ``mode="val"``: the annotated set for validation (``YoloVal``,
+    resized to ``imgsz``; no ``hyp``). ``index``: the server's shared index of the
+    annotations (``yolo_set_index``, built once per server), else they are indexed here."""
     if mode not in ("train", "val"):
         raise ValueError(f"mode must be 'train' or 'val', got {mode!r}")
+    if annotations and data:
+        raise ValueError("give 'annotations' (COCO) or 'data' (a YOLO data.yaml), not both")
+    if annotations:
+        base: Any = CocoDataset(annotations, image_dir, index)
+    elif data:
+        base = yolo_dataset(data, split, index)
+    elif mode == "val":
+        raise ValueError("mode 'val' serves annotations: give 'annotations' or 'data'")
+    else:
+        base = SyntheticDataset(images=images, seed=seed)
     if mode == "val":
-        if not annotations:
-            raise ValueError("mode 'val' serves a COCO annotation file: give 'annotations'")
         if hyp:
             raise ValueError("mode 'val' takes no 'hyp': validation images are not augmented")
-        return YoloVal(CocoDataset(annotations, image_dir), imgsz)
-    base = (
-        CocoDataset(annotations, image_dir)
-        if annotations
-        else SyntheticDataset(images=images, seed=seed)
-    )
+        return YoloVal(base, imgsz)
     return YoloSet(base, hyp)
+
+
+def yolo_set_index(
+    annotations: str | None = None,
+    data: str | None = None,
+    split: str = "train",
+    index_cache: IndexCache | None = None,
+    **_: Any,
+) -> SharedIndex | None:
+    """``yolo_set``'s shared index (its ``shared_index``): the annotations indexed once
+    per server, through the index cache; None for the synthetic set."""
+    cache = index_cache or IndexCache()
+    if annotations:
+        return cache.load_or_build(
+            file_source("coco", annotations), lambda: coco_columns(annotations)
+        )[0]
+    if data:
+        layout = YoloLayout.read(data, split)
+        return cache.load_or_build(layout.source(), layout.columns)[0]
+    return None
+
+
+class YoloSetFactory:
+    """``yolo_set``: the plugin factory (``_yolo_set``'s arguments), with its
+    ``shared_index`` (``yolo_set_index``): the server indexes the annotations once."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> YoloSet | YoloVal:
+        return _yolo_set(*args, **kwargs)
+
+    shared_index = staticmethod(yolo_set_index)
+
+
+yolo_set = YoloSetFactory()

@@ -6,11 +6,13 @@ import logging
 import os
 import shutil
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
 from dataserver.data.fetchcache import memory_dir
+from dataserver.data.index import IndexCache
 from dataserver.data.remote import FetchSettings, configure
 from dataserver.data.spec import (
     DatasetSpec,
@@ -19,10 +21,12 @@ from dataserver.data.spec import (
     dataset_fingerprint,
     dataset_sizes,
     parse_spec,
+    prepare_index,
 )
 from dataserver.server.config import ConfigError, ServerConfig
 from dataserver.server.conns import raise_fd_limit
 from dataserver.server.front import Front, WorkerStartError
+from dataserver.server.indexing import IndexingPorts, build_ahead
 from dataserver.server.memory import FRONT_TRIM_THRESHOLD, keep_large_blocks
 
 log = logging.getLogger("dataserver.serve")
@@ -43,19 +47,40 @@ def ready_line(front: Front) -> str:
     return (
         f"dataserver ready data={front.endpoints['data']} control={front.endpoints['control']} "
         f"workers={front.n_workers} samples={front.dataset_len} dataset={front.config.dataset} "
-        f"sources={front.sources()}"
+        f"sources={front.sources()} index_cache={IndexCache(front.config.index_cache).dir}"
     )
 
 
 def parse_ready_line(line: str) -> dict[str, str]:
-    """The fields of a ``ready_line`` (data, control, workers, samples, dataset, sources)."""
+    """The fields of a ``ready_line`` (data, control, workers, samples, dataset, sources,
+    index_cache)."""
     return dict(part.split("=", 1) for part in line.split()[2:])
 
 
-def serve(config: ServerConfig, on_ready: Callable[[Front], Any]) -> None:
-    """Build the dataset once (to check its spec and learn its size), then run the front
-    until SIGINT, or SIGTERM and a drain (``--drain-seconds``). Raises ``SpecError``/``ConfigError`` for bad flags and
-    ``WorkerStartError`` when no worker can start."""
+@contextmanager
+def index_progress(what: str) -> Iterator[Callable[[float], None]]:
+    """``progress(fraction)`` for an index being built: a tqdm bar on stderr, shown once
+    the build has taken 2 s (a cached start shows nothing)."""
+    from tqdm import tqdm
+
+    with tqdm(total=100, desc=f"indexing {what}", unit="%", delay=2.0, leave=False) as bar:
+
+        def progress(fraction: float) -> None:
+            bar.update(max(0, round(100 * fraction) - bar.n))
+
+        yield progress
+
+
+def serve(
+    config: ServerConfig,
+    on_ready: Callable[[Front], Any],
+    on_indexing: Callable[[str], Any] = lambda line: None,
+) -> None:
+    """Index the dataset's annotations once (from the cache, or built: then the ports are
+    bound first and ``on_indexing(line)`` is told where), build the dataset on that index
+    (to check its spec and learn its size), then run the front until SIGINT, or SIGTERM
+    and a drain (``--drain-seconds``). Raises ``SpecError``/``ConfigError`` for bad flags
+    and ``WorkerStartError`` when no worker can start."""
     config.validate()
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # whatever a user's dataset imports, no GPU here
     # The front keeps less at a heap's top than a worker: what it frees there is mostly
@@ -71,18 +96,44 @@ def serve(config: ServerConfig, on_ready: Callable[[Front], Any]) -> None:
         # The in-memory fetch cache: a private directory of /dev/shm, removed at exit.
         config = replace(config, fetch_memory_dir=memory_dir())
     try:
-        _serve(config, spec, on_ready)
+        _serve(config, spec, on_ready, on_indexing)
     finally:
         if config.fetch_memory_dir is not None:
             shutil.rmtree(config.fetch_memory_dir, ignore_errors=True)
 
 
-def _serve(config: ServerConfig, spec: DatasetSpec, on_ready: Callable[[Front], Any]) -> None:
+def _serve(
+    config: ServerConfig,
+    spec: DatasetSpec,
+    on_ready: Callable[[Front], Any],
+    on_indexing: Callable[[str], Any],
+) -> None:
     fetch = config.fetch_dir()
     # The front fetches only to learn the dataset (annotations, a shard index it leaves in
     # the cache's directory for its workers); it keeps no object's bytes.
     configure(FetchSettings(cache_dir=None if fetch is None else fetch[0]))
-    dataset = build_dataset(spec)
+    # The annotation index: loaded from the cache, or built once (the workers map it). A
+    # build binds the ports first and answers STATS ("indexing N%") while a one-shot
+    # ``dataserver index`` runs (CURVE servers build it before binding: STATS is keyed).
+    cache = IndexCache(config.index_cache)
+    shared, how = prepare_index(spec, cache, cached_only=True)
+    if how == "uncached" and config.curve is None and cache.usable():
+        ports = IndexingPorts(config)
+        on_indexing(
+            f"dataserver indexing data={ports.data_endpoint} control={ports.control_endpoint} "
+            f"dataset={config.dataset} index_cache={cache.dir}"
+        )
+        try:
+            build_ahead(spec, cache, ports)
+            config = ports.bound()
+        finally:
+            ports.close()
+    if shared is None:
+        with index_progress(config.dataset) as progress:
+            shared, how = prepare_index(spec, cache, progress)
+    if shared is not None:
+        log.info("index of %s: %s (%d MiB)", config.dataset, how, shared.nbytes >> 20)
+    dataset = build_dataset(spec, None if shared is None else shared.mapped)
     size = len(dataset)
     if size < 1:
         raise ConfigError(f"--dataset {config.dataset}: the dataset is empty")
@@ -91,7 +142,8 @@ def _serve(config: ServerConfig, spec: DatasetSpec, on_ready: Callable[[Front], 
     categories = dataset_categories(dataset)
     sizes = dataset_sizes(dataset, size)
     del dataset
-    front = Front(config, size, fingerprint, deterministic, categories, sizes)
+    index = None if shared is None else (shared.fd, shared.nbytes)
+    front = Front(config, size, fingerprint, deterministic, categories, sizes, index)
     previous = {
         signal.SIGINT: signal.signal(signal.SIGINT, lambda *_: front.stop()),
         # SIGTERM (a scale-down, a rolling update): drain first; a second one stops at once.

@@ -82,6 +82,9 @@ class ServerConfig:
             return self.fetch_cache, "disk"
         return None if self.fetch_memory_dir is None else (self.fetch_memory_dir, "memory")
 
+    # Where annotation indexes are cached (None: the per-user default, ``index.IndexCache``)
+    index_cache: str | None = None
+
     def worker_count(self) -> int:
         return self.workers if self.workers > 0 else (os.cpu_count() or 1)
 
@@ -224,6 +227,9 @@ class WorkerConfig:
     # (index fd, arena fd) of the store's memfds the worker inherits, and its size
     store_fds: tuple[int, int] | None = None
     store_bytes: int = 0
+    # The shared annotation index's memfd the worker inherits (``data.index``), and its size
+    index_fd: int | None = None
+    index_bytes: int = 0
     results_bind: str | None = None  # its direct-result socket (may hold "{slot}" until for_slot)
     local_results: bool = False  # ... also on ipc, for clients on this host
     curve: tuple[str, str] | None = None  # (secret key, authorized keys)
@@ -267,7 +273,7 @@ class WorkerConfig:
                 parse = partial(_pair, int)
             elif kind.startswith("tuple[str"):
                 parse = partial(_pair, str)
-            elif kind == "int":
+            elif kind in ("int", "int | None"):
                 parse = int
             elif kind == "float":
                 parse = float

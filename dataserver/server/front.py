@@ -141,18 +141,22 @@ class Front:
         deterministic: bool = True,
         categories: tuple[tuple[int, str], ...] = (),
         sizes: np.ndarray | None = None,
+        index: tuple[int, int] | None = None,
     ) -> None:
         """``deterministic``: the dataset says its ``__getitem__`` is a pure function of
         the index (``deterministic = True``); only then may the store keep its output.
         ``categories``: the dataset's (label, name) pairs, checked (announced in WELCOME);
         ``sizes``: its per-sample (h, w), checked (``spec.dataset_sizes``): their count and
-        digest announced in WELCOME, the table answered on request (``announce.py``)."""
+        digest announced in WELCOME, the table answered on request (``announce.py``);
+        ``index``: the (memfd, size) of the shared annotation index its workers inherit and
+        map."""
         self.config = config
         self.dataset_len = dataset_len
         self.fingerprint = fingerprint
         self.deterministic = deterministic
         self.categories = categories
         self.announced = Announced(sizes)
+        self.index = index
         self.server_id = uuid.uuid4().hex[:12]
         self.n_workers = config.worker_count()
         # Credit per client: PIPELINE tasks at each worker plus as many again queued here,
@@ -251,6 +255,8 @@ class Front:
             max_queued_mb=config.max_queued_mb,
             store_fds=self.store.fds if self.store is not None else None,
             store_bytes=self.store.capacity if self.store is not None else 0,
+            index_fd=None if self.index is None else self.index[0],
+            index_bytes=0 if self.index is None else self.index[1],
             results_bind=direct,
             local_results=config.local_results,
             curve=config.curve,

@@ -185,7 +185,10 @@ class WorkerPool:
         config = self.config.for_slot(slot, os.getpid())
         cmd = [sys.executable, "-m", "dataserver.server.worker", config.to_json()]
         # The store's memfds keep their numbers in the worker (the only fds it inherits).
-        pass_fds = config.store_fds or ()
+        pass_fds = (
+            *(config.store_fds or ()),
+            *(() if config.index_fd is None else (config.index_fd,)),
+        )
         env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
         running = self._slots.get(slot)
         if running is None:

@@ -42,6 +42,7 @@ import msgspec
 import zmq
 
 from dataserver.counting import Counts
+from dataserver.data.index import MappedIndex, SharedIndex
 from dataserver.data.pipeline import Recipe
 from dataserver.data.remote import FetchSettings, FetchTally, configure, fetcher_if_used
 from dataserver.data.sample import SampleError
@@ -470,11 +471,14 @@ def main(argv: list[str] | None = None) -> int:
             max_fetches=config.max_fetches,
         )
     )
+    index: MappedIndex | None = None
 
     def build() -> Any:
-        return build_dataset(parse_spec(config.dataset, config.dataset_args))
+        return build_dataset(parse_spec(config.dataset, config.dataset_args), index)
 
     try:
+        if config.index_fd is not None:  # the server's index: mapped, never parsed here
+            index = SharedIndex.attach(config.index_fd, config.index_bytes).mapped
         dataset = build()
         len(dataset)
     except Exception as exc:
