@@ -26,8 +26,9 @@ import msgpack
 import numpy as np
 
 # 4: session secrets (auth, tags); 5: per-task sizes, augment, mosaic; 6: pad_value and
-# letterbox in TASK, categories in WELCOME, files and orig_sizes in RESULT; partners in TASK
-PROTOCOL_VERSION = 6
+# letterbox in TASK, categories in WELCOME, files and orig_sizes in RESULT; partners in TASK;
+# 7: fit and augment in TASK, content in RESULT (an older server would ignore them)
+PROTOCOL_VERSION = 7
 MAGIC = b"DS" + str(PROTOCOL_VERSION).encode()
 
 MAX_FRAMES = 16
