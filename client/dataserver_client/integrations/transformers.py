@@ -79,9 +79,10 @@ def _size_of(processor: Any) -> dict[str, Any]:
     size = getattr(processor, "size", None)
     if size is None:
         return {}
+    keys = ("height", "width", "max_height", "max_width", "shortest_edge", "longest_edge")
     if isinstance(size, Mapping):
-        return {k: v for k, v in size.items() if v is not None}
-    return {k: v for k, v in vars(size).items() if v is not None}
+        return {k: size[k] for k in keys if size.get(k) is not None}
+    return {k: getattr(size, k) for k in keys if getattr(size, k, None) is not None}
 
 
 def served_geometry(processor: Any, warn: Any = log.warning) -> tuple[tuple[int, int], str]:
@@ -239,7 +240,7 @@ class DataServerTrainer(Trainer):
     ) -> None:
         if image_processor is None:
             raise ValueError("DataServerTrainer needs the model's image_processor")
-        fmt = str(getattr(image_processor, "format", "coco_detection"))
+        fmt = str(getattr(getattr(image_processor, "format", None), "value", "coco_detection"))
         if "coco_detection" not in fmt:
             raise ValueError(
                 f"DataServerTrainer: image_processor format {fmt!r}: COCO detection only"
@@ -424,7 +425,7 @@ def coco_map(prediction: EvalPrediction) -> dict[str, float]:
     for (logits, pred_boxes), labels in zip(
         prediction.predictions, prediction.label_ids, strict=True
     ):
-        logits, pred_boxes = np.asarray(logits), np.asarray(pred_boxes)
+        scores_all, boxes_all = np.asarray(logits), np.asarray(pred_boxes)
         for n, label in enumerate(labels):
             image_id = len(images) + 1
             oh, ow = (int(v) for v in np.asarray(label["orig_size"]))
@@ -437,10 +438,10 @@ def coco_map(prediction: EvalPrediction) -> dict[str, float]:
                 annotations.append(
                     {**ann, "bbox": box.tolist(), "area": float(box[2] * box[3]), "iscrowd": 0}
                 )
-            scores = 1 / (1 + np.exp(-logits[n].astype(np.float64)))
+            scores = 1 / (1 + np.exp(-scores_all[n].astype(np.float64)))
             classes = scores.shape[-1]
             top_k = np.argsort(-scores.ravel())[:MAX_DETECTIONS]
-            boxes = to_original(pred_boxes[n][top_k // classes], label, canvas)
+            boxes = to_original(boxes_all[n][top_k // classes], label, canvas)
             for box, k in zip(boxes, top_k, strict=True):
                 detections.append(
                     {
