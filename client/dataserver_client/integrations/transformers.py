@@ -251,11 +251,7 @@ class DataServerTrainer(Trainer):
                 log.warning(
                     "dataserver: TrainingArguments.%s has no effect (the servers load)", name
                 )
-        if getattr(args, "eval_do_concat_batches", False):
-            log.warning(
-                "dataserver: TrainingArguments.eval_do_concat_batches is turned off: each "
-                "image holds its own number of boxes"
-            )
+        if getattr(args, "eval_do_concat_batches", False):  # (images hold their own box counts)
             args = _replace(args, eval_do_concat_batches=False)
         kwargs.setdefault("compute_metrics", coco_map)
         kwargs.setdefault("processing_class", image_processor)
