@@ -21,8 +21,8 @@ pytest.importorskip("transformers")
 pytest.importorskip("pycocotools")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import torch  # noqa: E402
-from transformers import (  # noqa: E402
+import torch
+from transformers import (
     RTDetrConfig,
     RTDetrForObjectDetection,
     RTDetrImageProcessor,
@@ -31,7 +31,7 @@ from transformers import (  # noqa: E402
     TrainingArguments,
 )
 
-from dataserver_client.integrations.transformers import DataServerTrainer  # noqa: E402
+from dataserver_client.integrations.transformers import DataServerTrainer
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -142,7 +142,9 @@ def test_trains_and_evaluates(servers: dict[str, Server], tmp_path: Path) -> Non
     assert trainer.model.config.id2label == {0: "red", 1: "green", 2: "blue", 3: "yellow"}
 
 
-def test_served_validation_is_the_processors_own(servers: dict[str, Server], tmp_path: Path) -> None:
+def test_served_validation_is_the_processors_own(
+    servers: dict[str, Server], tmp_path: Path
+) -> None:
     """Each val image as the processor makes it from the raw image and its COCO annotation
     (category ids mapped to 0..n-1 as the HF guide does): sizes exactly, pixels within
     interpolation (cv2's bilinear against torchvision's antialiased one), boxes and labels
@@ -161,9 +163,15 @@ def test_served_validation_is_the_processors_own(servers: dict[str, Server], tmp
                 annotation = {
                     "image_id": index,
                     "annotations": [
-                        {"bbox": [x1, y1, x2 - x1, y2 - y1], "category_id": int(c) - 1,
-                         "area": float((x2 - x1) * (y2 - y1)), "iscrowd": 0}
-                        for (x1, y1, x2, y2), c in zip(boxes.tolist(), sample["labels"], strict=True)
+                        {
+                            "bbox": [x1, y1, x2 - x1, y2 - y1],
+                            "category_id": int(c) - 1,
+                            "area": float((x2 - x1) * (y2 - y1)),
+                            "iscrowd": 0,
+                        }
+                        for (x1, y1, x2, y2), c in zip(
+                            boxes.tolist(), sample["labels"], strict=True
+                        )
                     ],
                 }
                 want = proc(images=sample["image"], annotations=annotation, return_tensors="pt")
@@ -217,7 +225,9 @@ def record(trainer: DataServerTrainer, seen: list[int]) -> None:
 
 
 @pytest.mark.parametrize("stop", [3, 4])
-def test_resume_mid_epoch_and_at_its_end(servers: dict[str, Server], tmp_path: Path, stop: int) -> None:
+def test_resume_mid_epoch_and_at_its_end(
+    servers: dict[str, Server], tmp_path: Path, stop: int
+) -> None:
     """Stopped after ``stop`` steps (3: mid-epoch, 4 = N / 4: at the epoch's end), saved,
     resumed from the checkpoint: each epoch delivers every sample exactly once, in the
     order of an unbroken run."""
