@@ -10,7 +10,7 @@ import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -54,15 +54,15 @@ def servers() -> Iterator[dict[str, Server]]:
 
 def tiny_model(seed: int = 0) -> RTDetrForObjectDetection:
     torch.manual_seed(seed)
-    backbone = RTDetrResNetConfig(
+    backbone_kw: dict[str, Any] = dict(
         embedding_size=16,
         hidden_sizes=[16, 32, 64, 64],
         depths=[1, 1, 1, 1],
         layer_type="basic",
         out_features=["stage2", "stage3", "stage4"],
     )
-    config = RTDetrConfig(
-        backbone_config=backbone,
+    config_kw: dict[str, Any] = dict(
+        backbone_config=RTDetrResNetConfig(**backbone_kw),
         use_pretrained_backbone=False,
         encoder_hidden_dim=32,
         encoder_in_channels=[32, 64, 64],
@@ -78,7 +78,7 @@ def tiny_model(seed: int = 0) -> RTDetrForObjectDetection:
         decoder_attention_heads=2,
         num_labels=4,
     )
-    return RTDetrForObjectDetection(config)
+    return RTDetrForObjectDetection(RTDetrConfig(**config_kw))
 
 
 def processor() -> RTDetrImageProcessor:
@@ -139,7 +139,12 @@ def test_trains_and_evaluates(servers: dict[str, Server], tmp_path: Path) -> Non
     assert last < first, seen.losses
     assert np.isfinite(metrics["eval_loss"]) and np.isfinite(metrics["eval_map"])
     assert 0.0 <= metrics["eval_map"] <= 1.0
-    assert trainer.model.config.id2label == {0: "red", 1: "green", 2: "blue", 3: "yellow"}
+    assert cast(Any, trainer.model).config.id2label == {
+        0: "red",
+        1: "green",
+        2: "blue",
+        3: "yellow",
+    }
 
 
 def test_served_validation_is_the_processors_own(
@@ -174,7 +179,11 @@ def test_served_validation_is_the_processors_own(
                         )
                     ],
                 }
-                want = proc(images=sample["image"], annotations=annotation, return_tensors="pt")
+                want = proc(
+                    images=sample["image"],
+                    annotations=annotation,  # type: ignore[call-arg]
+                    return_tensors="pt",
+                )
                 pixels, target = want["pixel_values"][0], want["labels"][0]
                 assert image.shape == pixels.shape
                 # (cv2 samples the dark noisy ground where torchvision averages it: compared

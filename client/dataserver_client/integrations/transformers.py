@@ -220,6 +220,17 @@ class ServedLoader:
         return len(self.client) - int(state["step"])
 
 
+class ServedData:
+    """What the Trainer holds as its ``eval_dataset``: the val servers' address (the
+    batches come from ``get_eval_dataloader``)."""
+
+    def __init__(self, address: Any) -> None:
+        self.address = address
+
+    def __repr__(self) -> str:
+        return f"ServedData({self.address!r})"
+
+
 class DataServerTrainer(Trainer):
     """A ``transformers.Trainer`` whose training and evaluation batches come from
     dataserver pools at ``train``/``val`` (any address ``DataServerClient`` takes), made
@@ -253,6 +264,10 @@ class DataServerTrainer(Trainer):
                 )
         if getattr(args, "eval_do_concat_batches", False):  # (images hold their own box counts)
             args = _replace(args, eval_do_concat_batches=False)
+        if kwargs.get("eval_dataset") is not None or kwargs.get("train_dataset") is not None:
+            raise ValueError("DataServerTrainer takes train=/val= addresses, not datasets")
+        if val is not None:  # (the Trainer checks an eval_strategy has something to evaluate)
+            kwargs["eval_dataset"] = ServedData(val)
         kwargs.setdefault("compute_metrics", coco_map)
         kwargs.setdefault("processing_class", image_processor)
         super().__init__(model=model, args=args, **kwargs)
@@ -269,7 +284,8 @@ class DataServerTrainer(Trainer):
 
     def _client(self, address: Any, *, val: bool) -> DataServerClient:
         args = self.args
-        seed = args.data_seed if getattr(args, "data_seed", None) is not None else args.seed
+        data_seed = getattr(args, "data_seed", None)
+        seed = args.seed if data_seed is None else data_seed
         batch = args.per_device_eval_batch_size if val else args.per_device_train_batch_size
         return DataServerClient(
             address,
@@ -312,7 +328,7 @@ class DataServerTrainer(Trainer):
         return loader
 
     def get_eval_dataloader(self, eval_dataset: Any = None) -> Any:
-        if eval_dataset is not None:
+        if eval_dataset is not None and not isinstance(eval_dataset, ServedData):
             raise ValueError("DataServerTrainer evaluates its val servers: no eval_dataset")
         if self.val_address is None:
             raise ValueError("DataServerTrainer: evaluation needs val= servers")
@@ -343,14 +359,23 @@ class DataServerTrainer(Trainer):
 
     # ------------------------------------------------------------ checkpoints
 
-    def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any) -> Any:
-        if isinstance(resume_from_checkpoint, bool) and resume_from_checkpoint:
-            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
-            if resume_from_checkpoint is None:
+    def train(
+        self,
+        resume_from_checkpoint: str | bool | None = None,
+        trial: Any = None,
+        ignore_keys_for_eval: list[str] | None = None,
+    ) -> Any:
+        """``Trainer.train``; a checkpoint (``True``: the last in ``output_dir``) also gives
+        the training client its state (unless ``ignore_data_skip``)."""
+        resume: str | None = None
+        if resume_from_checkpoint is True:
+            resume = get_last_checkpoint(str(self.args.output_dir))
+            if resume is None:
                 raise ValueError(f"no checkpoint found in {self.args.output_dir}")
-        resume = resume_from_checkpoint or None
+        elif isinstance(resume_from_checkpoint, str) and resume_from_checkpoint:
+            resume = resume_from_checkpoint
         self._resume_from = None if self.args.ignore_data_skip else resume
-        return super().train(resume_from_checkpoint=resume, **kwargs)
+        return super().train(resume, trial, ignore_keys_for_eval)
 
     def _load_client_state(self, loader: ServedLoader, checkpoint: str) -> None:
         path = os.path.join(checkpoint, STATE_FILE)
@@ -417,7 +442,9 @@ def coco_map(prediction: EvalPrediction) -> dict[str, float]:
     from pycocotools.coco import COCO
     from pycocotools.cocoeval import COCOeval
 
-    images, annotations, detections = [], [], []
+    images: list[dict[str, Any]] = []
+    annotations: list[dict[str, Any]] = []
+    detections: list[dict[str, Any]] = []
     for (logits, pred_boxes), labels in zip(
         prediction.predictions, prediction.label_ids, strict=True
     ):
