@@ -199,7 +199,7 @@ class ServedLoader:
             self.client.set_epoch(int(epoch))
 
     def resumed_step(self) -> int:
-        """Batches a loaded state had delivered of its epoch."""
+        """Batches of the epoch handed out (before its first batch: a loaded state's)."""
         return int(self.client.state_dict(gather=False)["step"])
 
     def finished(self) -> bool:
@@ -210,14 +210,10 @@ class ServedLoader:
         if not self.train:
             self.client.set_epoch(0)
         epoch = iter(self.client)
-        self.delivered = len(self.client) - self._length_left()
+        self.delivered = self.resumed_step()  # (0, or a loaded state's batches)
         for batch in epoch:
             self.delivered += 1
             yield self.prepare(batch)
-
-    def _length_left(self) -> int:
-        state = self.client.state_dict(gather=False)
-        return len(self.client) - int(state["step"])
 
 
 class ServedData:
