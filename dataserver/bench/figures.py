@@ -23,6 +23,7 @@ from dataserver.bench.common import (
 )
 from dataserver.bench.multiscale import fig_multiscale
 from dataserver.bench.peers import fig_dataloader
+from dataserver.bench.transformers import fig_transformers
 from dataserver.bench.ultralytics import fig_ultralytics
 from dataserver.demo import start_server, stop_server
 
@@ -488,7 +489,8 @@ FIGURES: dict[str, Callable[[argparse.Namespace, str, Progress], dict[str, Any]]
     "augment": fig_augment,
     "scale": fig_scale,
     "ultralytics": fig_ultralytics,
+    "transformers": fig_transformers,
 }
 # Run only when named (``--only``): 4 servers x 8 workers on one small host measure the
 # processes fighting over its cores, not the design; ``scale`` measures what bounds a job.
-OPT_IN = frozenset({"coordination", "ultralytics"})
+OPT_IN = frozenset({"coordination", "ultralytics", "transformers"})

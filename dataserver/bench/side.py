@@ -292,6 +292,18 @@ def yolo_service_side(args: argparse.Namespace) -> dict[str, Any]:
     return service_side(args)
 
 
+def hf_guide_side(args: argparse.Namespace) -> dict[str, Any]:
+    from dataserver.bench.transformers import guide_side
+
+    return guide_side(args)
+
+
+def hf_service_side(args: argparse.Namespace) -> dict[str, Any]:
+    from dataserver.bench.transformers import service_side
+
+    return service_side(args)
+
+
 def spdl_side(args: argparse.Namespace) -> dict[str, Any]:
     from dataserver.bench.spdl_side import spdl_side as side
 
@@ -310,6 +322,8 @@ SIDES = {
     "multiscale": multiscale_side,
     "ultralytics": yolo_ultralytics_side,
     "yolo_service": yolo_service_side,
+    "hf_guide": hf_guide_side,
+    "hf_service": hf_service_side,
 }
 
 
