@@ -202,6 +202,59 @@ def test_served_validation_is_the_processors_own(
         trainer.close()
 
 
+def test_a_letterbox_processor_gets_its_pixel_mask(
+    servers: dict[str, Server], tmp_path: Path
+) -> None:
+    """A processor that keeps the aspect (``max_height``/``max_width``) and pads
+    (``do_pad``, ``pad_size`` the canvas): served as a top-left letterbox, ``pixel_mask``
+    and labels as the processor's own, image by image."""
+    size = {"max_height": SIDE, "max_width": SIDE}
+    pad = {"height": SIDE, "width": SIDE}
+    proc = RTDetrImageProcessor(size=size, do_pad=True, pad_size=pad)
+    trainer = DataServerTrainer(
+        model=tiny_model(),
+        args=arguments(tmp_path),
+        train=servers["train"].address,
+        val=servers["val"].address,
+        image_processor=proc,
+    )
+    try:
+        inputs = next(iter(trainer.get_eval_dataloader()))
+    finally:
+        trainer.close()
+    masks = inputs["pixel_mask"]
+    padded = 0
+    for n, label in enumerate(inputs["labels"]):
+        sample = DATA[int(label["image_id"])]
+        annotation = {
+            "image_id": int(label["image_id"]),
+            "annotations": [
+                {"bbox": [x1, y1, x2 - x1, y2 - y1], "category_id": int(c) - 1,
+                 "area": float((x2 - x1) * (y2 - y1)), "iscrowd": 0}
+                for (x1, y1, x2, y2), c in zip(
+                    sample["boxes"].tolist(), sample["labels"], strict=True
+                )
+            ],
+        }  # fmt: skip
+        want = proc(
+            images=sample["image"],
+            annotations=annotation,  # type: ignore[call-arg]
+            return_tensors="pt",
+        )
+        assert torch.equal(masks[n], want["pixel_mask"][0])
+        target = want["labels"][0]
+        assert label["size"].tolist() == target["size"].tolist()
+        assert label["class_labels"].tolist() == target["class_labels"].tolist()
+        assert torch.allclose(label["boxes"], target["boxes"], atol=1e-5)
+        inside = masks[n].bool()
+        image = inputs["pixel_values"][n]
+        assert bool((image[:, ~inside] == 0).all()) and bool(
+            (want["pixel_values"][0][:, ~inside] == 0).all()
+        )
+        padded += int((~inside).sum()) > 0
+    assert padded  # (the test sees padding: a 480x640 or 360x640 image is among them)
+
+
 def pooled(image: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.avg_pool2d(image[None], 4)[0]
 

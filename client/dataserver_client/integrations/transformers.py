@@ -19,9 +19,9 @@ processor's own semantics:
 - Labels as the processor makes them (``format`` COCO detection): ``class_labels`` the
   dataset's categories as indices 0..n-1 (``id2label`` from ``client.categories``, set on
   the model's config), ``boxes`` normalized cxcywh (``do_convert_annotations``; else xyxy
-  pixels), ``area``, ``iscrowd``, ``orig_size`` (the image as read), ``size`` (the
-  picture in its canvas), ``image_id`` (the dataset index), plus ``content`` (top, left, h,
-  w: where the picture lies) and ``canvas`` (its h, w), which the model ignores and the
+  pixels), ``area``, ``iscrowd``, ``orig_size`` (the image as read), ``size`` (the canvas,
+  as the processor's after its padding), ``image_id`` (the dataset index), plus
+  ``content`` (top, left, h, w: where the picture lies), which the model ignores and the
   metric reads. ``pixel_mask`` (letterbox only: 0 on
   the padding) from ``batch.content``.
 - Validation clients are never augmented (``augment=False``). Evaluation reports
@@ -165,10 +165,9 @@ class Prepare:
                     "area": area,
                     "iscrowd": torch.zeros(len(boxes), dtype=torch.int64, device=device),
                     "orig_size": torch.tensor(orig, dtype=torch.int64, device=device),
-                    "size": torch.tensor((h, w), dtype=torch.int64, device=device),
+                    "size": torch.tensor((height, width), dtype=torch.int64, device=device),
                     "image_id": torch.tensor(batch.indices[i][0], device=device),
                     "content": torch.tensor((top, left, h, w), dtype=torch.int64, device=device),
-                    "canvas": torch.tensor((height, width), dtype=torch.int64, device=device),
                 }
             )
         inputs: dict[str, Any] = {"pixel_values": images, "labels": labels}
@@ -449,7 +448,7 @@ def coco_map(prediction: EvalPrediction) -> dict[str, float]:
             image_id = len(images) + 1
             oh, ow = (int(v) for v in np.asarray(label["orig_size"]))
             images.append({"id": image_id, "height": oh, "width": ow})
-            ch, cw = (int(v) for v in np.asarray(label["canvas"]))
+            ch, cw = (int(v) for v in np.asarray(label["size"]))
             canvas = (ch, cw)
             truth = to_original(np.asarray(label["boxes"]).reshape(-1, 4), label, canvas)
             for box, cls in zip(truth, np.asarray(label["class_labels"]).tolist(), strict=True):
