@@ -76,7 +76,7 @@ def guide_side(args: argparse.Namespace) -> dict[str, Any]:
     processor = RTDetrImageProcessor(size={"height": size, "width": size})
     transforms = guide_transforms(True, "coco", "category")
 
-    class GuideDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    class GuideDataset(torch.utils.data.Dataset):
         def __len__(self) -> int:
             return len(base)
 
@@ -92,7 +92,7 @@ def guide_side(args: argparse.Namespace) -> dict[str, Any]:
             ]  # fmt: skip
             result = processor(
                 images=out["image"],
-                annotations={"image_id": index, "annotations": annotations},
+                annotations={"image_id": index, "annotations": annotations},  # type: ignore[call-arg]
                 return_tensors="pt",
             )
             return {"pixel_values": result["pixel_values"][0], "labels": result["labels"][0]}
