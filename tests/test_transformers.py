@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
@@ -318,3 +320,39 @@ def test_resume_mid_epoch_and_at_its_end(
         resumed.close()
     assert first + rest == whole
     assert sorted(whole[:N]) == list(range(N)) and sorted(whole[N:]) == list(range(N))
+
+
+def test_two_ranks_resume_mid_epoch(servers: dict[str, Server], tmp_path: Path) -> None:
+    """Under torchrun (2 CPU ranks, gloo): the client state saved beside a checkpoint (a
+    collective: both ranks save) resumes each rank where it stood; every rank's batches
+    are those of an unbroken run, and each epoch holds every sample once across ranks."""
+    job = Path(__file__).parent / "plugins" / "hf_ddp_job.py"
+    here = Path(__file__).parent
+    path = os.pathsep.join([str(here), str(here / "plugins"), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+
+    def run(output: str, record: str, *extra: str) -> None:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        cmd += ["--nproc_per_node", "2", str(job), "--train", servers["train"].address]
+        cmd += ["--output", str(tmp_path / output), "--record", str(tmp_path / record), *extra]
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+        assert done.returncode == 0, done.stderr[-3000:]
+
+    def lines(record: str, rank: int) -> list[list[int]]:
+        text = (tmp_path / f"{record}.rank{rank}").read_text()
+        return [json.loads(line) for line in text.splitlines()]
+
+    run("whole", "whole")
+    run("part", "first", "--stop-after", "3")  # checkpoint-2, then one step more
+    run("part", "rest", "--resume")
+    per_epoch = N // 2 // 2  # batches a rank trains in an epoch (2 ranks, batch 2)
+    for rank in (0, 1):
+        assert lines("first", rank)[:2] + lines("rest", rank) == lines("whole", rank)
+    for epoch in (0, 1):
+        got = [
+            i
+            for rank in (0, 1)
+            for batch in lines("whole", rank)[epoch * per_epoch : (epoch + 1) * per_epoch]
+            for i in batch
+        ]
+        assert sorted(got) == list(range(N))
