@@ -33,7 +33,7 @@ from transformers import (
     TrainingArguments,
 )
 
-from dataserver_client.integrations.transformers import DataServerTrainer
+from dataserver_client.integrations.transformers import DataServerTrainer, served_geometry
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -356,3 +356,16 @@ def test_two_ranks_resume_mid_epoch(servers: dict[str, Server], tmp_path: Path) 
             for i in batch
         ]
         assert sorted(got) == list(range(N))
+
+
+def test_the_processors_geometry_is_read_or_refused_by_name() -> None:
+    said: list[str] = []
+    assert served_geometry(processor(), said.append) == ((SIDE, SIDE), "stretch")
+    assert not said
+    letterbox = RTDetrImageProcessor(size={"max_height": 48, "max_width": 80})
+    assert served_geometry(letterbox, said.append) == ((48, 80), "letterbox")
+    detr = RTDetrImageProcessor(size={"shortest_edge": 800, "longest_edge": 1333}, resample=3)
+    assert served_geometry(detr, said.append) == ((1333, 1333), "letterbox")
+    assert any("resample" in s for s in said) and any("longest_edge" in s for s in said)
+    with pytest.raises(ValueError, match="do_resize=False"):
+        served_geometry(RTDetrImageProcessor(do_resize=False))

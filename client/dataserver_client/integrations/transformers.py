@@ -73,6 +73,7 @@ IGNORED_ARGS: dict[str, Any] = {
     "auto_find_batch_size": False,
 }
 MAX_DETECTIONS = 100  # per image, as COCOeval's maxDets
+BILINEAR = 2  # PIL's (and transformers' PILImageResampling) number for bilinear
 
 
 def _size_of(processor: Any) -> dict[str, Any]:
@@ -93,6 +94,12 @@ def served_geometry(processor: Any, warn: Any = log.warning) -> tuple[tuple[int,
         raise ValueError(
             "DataServerTrainer: image_processor has do_resize=False; the servers resize to "
             "a fixed canvas: give the processor a size"
+        )
+    resample = getattr(processor, "resample", BILINEAR)
+    if int(getattr(resample, "value", resample)) != BILINEAR:
+        warn(
+            f"dataserver: image_processor resample={resample!r}: the servers resize with "
+            "OpenCV's bilinear interpolation"
         )
     size = _size_of(processor)
     if "height" in size and "width" in size:
