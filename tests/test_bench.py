@@ -249,3 +249,22 @@ def test_bench_index_figure(tmp_path: Path) -> None:
     assert figure["pss_all_mb_workers_8"] > figure["pss_all_mb_workers_2"] > 0
     for side in ("ultralytics_cache_build", "ultralytics_cache_load", "dataserver_index_build"):
         assert figure[f"{side}_s"] > 0 and figure[f"{side}_rss_mb"] > 0
+
+
+@pytest.mark.timeout(420)
+def test_bench_transformers_figure(tmp_path: Path) -> None:
+    """The Hugging Face guide's DataLoader (Albumentations and the image processor in its
+    workers) against DataServerTrainer's loader: both rates, both CPU costs."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("albumentations")
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "dataserver.cli", "bench", "--images", "24", "--batches", "3"]
+    cmd += ["--image-size", "64", "--batch-size", "4", "--workers", "1", "--json", str(out)]
+    cmd += ["--rounds", "1", "--only", "transformers"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    figure = json.loads(out.read_text())["transformers"]
+    assert figure["guide_images_per_s"] > 0 and figure["dataserver_images_per_s"] > 0
+    assert figure["guide_cpu_ms_per_image"] >= 0 and figure["dataserver_cpu_ms_per_image"] >= 0
+    assert figure["vs_guide"] > 0

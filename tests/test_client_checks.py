@@ -74,6 +74,24 @@ def box_outside(task: Task) -> Answer:
     return images, counts, failed, boxes, labels
 
 
+def content_outside(task: Task, frames: list[Any]) -> list[Any]:
+    """An honest RESULT but for its content boxes: each reaching past its canvas."""
+    images, counts, failed, boxes, labels = honest(task)
+    out_h, out_w = task.out_hw
+    return Result(
+        session=task.session,
+        task_id=task.task_id,
+        plan_version=task.plan_version,
+        images=images,
+        box_counts=counts,
+        failed=failed,
+        pixels=np.zeros((len(task.images), 3, *task.out_hw), np.uint8),
+        boxes=np.asarray(boxes, np.float32).reshape(-1, 4),
+        labels=np.asarray(labels, np.int64),
+        content=((4, 0, out_h, out_w),) * len(images),
+    ).encode()
+
+
 def wrong_indices(task: Task) -> Answer:
     """Answers with other samples than those asked (each index + 1)."""
     _, counts, failed, boxes, labels = honest(task)
@@ -252,6 +270,17 @@ def test_bad_boxes_or_labels_drop_the_server_and_the_real_one_finishes(
     real: Server, answer: Callable[[Task], Answer]
 ) -> None:
     fake = fake_beside(real, answer)
+    try:
+        with make_client([fake.address, real.address], timeout=20, **KW) as c:
+            check_exactly_once_from_real(c, fake)
+            assert c.stats()["rejected"]["bad_boxes"] == 1
+    finally:
+        fake.close()
+
+
+def test_content_boxes_outside_the_canvas_drop_the_server(real: Server) -> None:
+    """``batch.content`` is only ever what a server said within its canvas."""
+    fake = fake_beside(real, honest, content_outside)
     try:
         with make_client([fake.address, real.address], timeout=20, **KW) as c:
             check_exactly_once_from_real(c, fake)

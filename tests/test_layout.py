@@ -146,6 +146,8 @@ FOREIGN_OWNERS_ALLOWED: dict[str, str] = {
     "(sample.gt_instances = ...), as mmengine documents",
     "IterBasedTrainLoop": "the mmengine bridge hands the loop its batches through the "
     "loop's dataloader_iterator, the attribute mmengine's loop reads them from",
+    "COCO": "pycocotools' COCO is filled in memory by setting its dataset, then createIndex() "
+    "(what its own loadRes does)",
     "os": "os.environ is the process's environment, set before a library or a child reads it",
     "sys": "sys.path and sys.modules are the interpreter's import state, there to be set",
     "tarfile.TarInfo": "tarfile takes a member's header as attributes (info.size = n) before "

@@ -288,6 +288,8 @@ def test_a_manifest_is_plain_data(servers: dict[Any, Server]) -> None:
         "fingerprint",
         "pad_value",
         "letterbox",
+        "fit",
+        "augment",
         "mosaic_partners",
         "mosaic_p",
     }

@@ -397,8 +397,8 @@ def test_val_batches_equal_ultralytics_own_square_loader(
     pools: dict[str, Any], tmp_path: Path
 ) -> None:
     """Against Ultralytics' own val loader on the same images (rect=False: the square
-    letterbox the service makes): the same sizes, ori_shape, ratio_pad, cls and boxes (a
-    mirrored image's boxes mirrored), 114 in the same places, the pixels within
+    letterbox the service makes): the same sizes, ori_shape, ratio_pad, cls and boxes (no
+    image mirrored: the val client asks augment=False), 114 in the same places, the pixels within
     interpolation (mean absolute difference <= 1)."""
     from ultralytics.cfg import get_cfg
     from ultralytics.data import build_dataloader, build_yolo_dataset
@@ -420,12 +420,15 @@ def test_val_batches_equal_ultralytics_own_square_loader(
             for a, b in zip(mine["ratio_pad"], their["ratio_pad"], strict=True):
                 assert a[1] == tuple(b[1]) and np.allclose(a[0], b[0]), (a, b)
             for i in range(len(mine["im_file"])):
-                _same_image(mine, their, i)
+                assert not _same_image(mine, their, i), i  # (the val client: augment=False)
     finally:
         ours.close()
 
 
-def _same_image(mine: dict[str, Any], their: dict[str, Any], i: int) -> None:
+def _same_image(mine: dict[str, Any], their: dict[str, Any], i: int) -> bool:
+    """Image i of both batches is the same picture (ours mirrored, or not); returns whether
+    ours was."""
+
     def boxes(batch: dict[str, Any]) -> np.ndarray:
         at = batch["batch_idx"] == i
         rows = torch.cat([batch["cls"][at], batch["bboxes"][at]], 1).numpy()
@@ -451,6 +454,7 @@ def _same_image(mine: dict[str, Any], their: dict[str, Any], i: int) -> None:
     assert bool((a[:, outside] == 114).all()) and bool((b[:, outside] == 114).all())
     difference = float((a - b).abs().float().mean())
     assert difference <= 1.0, difference  # (0.0 today: the same resize, bit for bit)
+    return flipped
 
 
 def test_the_hyperparameters_sent_are_the_ones_the_servers_read() -> None:

@@ -10,7 +10,7 @@ with DataServerClient("tcp://127.0.0.1:5555", batch_size=16) as client:
             client.feedback(small_ratio)
 """
 
-from dataserver_client.batch import Batch
+from dataserver_client.batch import Batch, content_mask
 from dataserver_client.client import DataServerClient, iterate_epochs
 from dataserver_client.errors import DataServerError, NotAuthorized, ServerUnreachable
 from dataserver_client.sizes import MultiScale, StepSizes
@@ -23,6 +23,7 @@ __all__ = [
     "NotAuthorized",
     "ServerUnreachable",
     "StepSizes",
+    "content_mask",
     "iterate_epochs",
 ]
 __version__ = "0.1.0"

@@ -78,9 +78,21 @@ def result_problem(
         # whatever was there before (a stale batch), which must never be delivered.
         return Reject.LANDED_UNSEALED, f"task {msg.task_id}: said it landed, wrote no seal"
     assert msg.boxes is not None and msg.labels is not None  # (receive checked them)
-    problem = boxes_problem(msg.boxes, msg.labels, rec.sizes.out)
+    problem = boxes_problem(msg.boxes, msg.labels, rec.sizes.out) or content_problem(
+        msg, rec.sizes.out
+    )
     if problem is not None:
         return Reject.BAD_BOXES, f"task {msg.task_id}: {problem}"
+    return None
+
+
+def content_problem(msg: Result, out_hw: tuple[int, int]) -> str | None:
+    """What is wrong with ``msg``'s content boxes (where each picture lies): one outside
+    its canvas of ``out_hw``, or empty."""
+    out_h, out_w = out_hw
+    for top, left, h, w in msg.content or ():
+        if not h or not w or top + h > out_h or left + w > out_w:
+            return f"content box {(top, left, h, w)} is not within its {out_h}x{out_w} canvas"
     return None
 
 

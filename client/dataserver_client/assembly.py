@@ -212,6 +212,8 @@ class InflightBatch:
         self.indices: list[list[int] | None] = [None] * n
         self.files: list[str] = [""] * n  # each image's anchor's file ("" unknown)
         self.orig_sizes: list[tuple[int, int]] = [(0, 0)] * n  # and its original (h, w)
+        out_h, out_w = plan.sizes.out  # where its picture lies (the whole canvas: unsaid)
+        self.content: list[tuple[int, int, int, int]] = [(0, 0, out_h, out_w)] * n
         self.pending = n
         self.dropped: set[int] = set()
         self.skipped: list[int] = []
@@ -249,7 +251,8 @@ class InflightBatch:
         and their boxes and labels in slot order, ``box_counts`` of them a slot (kept as
         views: ``deliver`` copies them all once). ``failed``: the sources the answer left
         out (on_error="skip"), counted as skipped. ``files``, ``orig_sizes``: each image's
-        anchor's file and original (h, w), when the server said.
+        anchor's file and original (h, w), and where its picture lies in its canvas
+        (``content``), when the server said.
         A slot with no indices (every source failed) is left out. In a window mosaic
         (``plan.partners``) only anchors count: a slot whose anchor failed is left out and
         its anchor skipped; a partner that failed leaves its mosaic a tile short, and is
@@ -262,7 +265,7 @@ class InflightBatch:
             result.boxes,
             result.labels,
         )
-        failed, files, orig_sizes = result.failed, result.files, result.orig_sizes
+        failed = result.failed
         window = self.plan.partners
         if not window:
             self.skipped.extend(i for i, _ in failed)
@@ -280,13 +283,20 @@ class InflightBatch:
             else:
                 self.dropped.add(slot)
             start = stop
-        if files is not None:
-            for slot, file in zip(slots, files, strict=True):
-                self.files[slot] = file
-        if orig_sizes is not None:
-            for slot, (h, w) in zip(slots, orig_sizes, strict=True):
-                self.orig_sizes[slot] = (int(h), int(w))
+        self._describe(slots, result)
         self.pending -= len(slots)
+
+    def _describe(self, slots: tuple[int, ...], result: Result) -> None:
+        """Each slot's file, original size and content box, where the server said."""
+        if result.files is not None:
+            for slot, file in zip(slots, result.files, strict=True):
+                self.files[slot] = file
+        if result.orig_sizes is not None:
+            for slot, (h, w) in zip(slots, result.orig_sizes, strict=True):
+                self.orig_sizes[slot] = (int(h), int(w))
+        if result.content is not None:
+            for slot, (top, left, h, w) in zip(slots, result.content, strict=True):
+                self.content[slot] = (int(top), int(left), int(h), int(w))
 
     def _place(self, slots: tuple[int, ...], pixels: np.ndarray | None) -> None:
         """Copy an answer's pixels into its slots, unless received there already."""
@@ -373,11 +383,12 @@ class DeviceMover:
             indices = [list(inflight.indices[s] or []) for s in keep]
             files = [inflight.files[s] for s in keep]
             orig_sizes = [inflight.orig_sizes[s] for s in keep]
+            content = [inflight.content[s] for s in keep]
         else:  # (every slot answered: its lists as they are, each made for this batch)
             boxes = cast("list[np.ndarray]", inflight.boxes)
             labels = cast("list[np.ndarray]", inflight.labels)
             indices = cast("list[list[int]]", inflight.indices)
-            files, orig_sizes = inflight.files, inflight.orig_sizes
+            files, orig_sizes, content = inflight.files, inflight.orig_sizes, inflight.content
         counts = [len(b) for b in boxes]
         all_boxes = torch.from_numpy(np.concatenate([_NO_BOXES, *boxes], dtype=np.float32))
         all_labels = torch.from_numpy(np.concatenate([_NO_LABELS, *labels], dtype=np.int64))
@@ -419,6 +430,7 @@ class DeviceMover:
             manifest=manifest if manifest is not None else {},
             files=files,
             orig_sizes=orig_sizes,
+            content=content,
         )
         return Delivery(batch, event)
 

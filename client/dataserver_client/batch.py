@@ -8,6 +8,23 @@ from typing import Any
 import torch
 
 
+def content_mask(
+    content: list[tuple[int, int, int, int]],
+    height: int,
+    width: int,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """int64 (N, height, width): 1 inside each image's (top, left, h, w) box, 0 outside
+    (DETR's ``pixel_mask``)."""
+    rows = torch.arange(height, device=device)
+    cols = torch.arange(width, device=device)
+    boxes = torch.tensor(content, dtype=torch.int64, device=device).reshape(-1, 4)
+    top, left, h, w = (boxes[:, i, None] for i in range(4))
+    inside_y = (rows[None] >= top) & (rows[None] < top + h)
+    inside_x = (cols[None] >= left) & (cols[None] < left + w)
+    return (inside_y[:, :, None] & inside_x[:, None, :]).to(torch.int64)
+
+
 @dataclass
 class Batch:
     """One training batch.
@@ -34,6 +51,14 @@ class Batch:
       sample named it ("" when it named none); ``orig_sizes``: one (h, w) per image, the
       anchor's size as read, before any resize (the sample's ``orig_size``, else the
       decoded image's; (0, 0) when the server did not say).
+    - ``content``: one ``(top, left, height, width)`` per image: where its picture lies in
+      its canvas (a regular image's letterbox; the whole canvas for a stretched image, a
+      stitched or mosaic image, or one through the dataset's ``augment_composed``, and when
+      the server did not say). Every pixel outside it is ``pad_value``. The padding mask
+      (1: picture, 0: padding), as DETR-family models take it: ``mask()`` (or
+      ``content_mask(batch.content, h, w)``). The box (top, left, h, w) and the original
+      size (``orig_sizes``) map boxes back to original pixels:
+      ``x_orig = (x - left) * orig_w / width``, likewise y.
     """
 
     images: torch.Tensor
@@ -50,6 +75,13 @@ class Batch:
     partners: bool = False
     files: list[str] = field(default_factory=list)
     orig_sizes: list[tuple[int, int]] = field(default_factory=list)
+    content: list[tuple[int, int, int, int]] = field(default_factory=list)
+
+    def mask(self) -> torch.Tensor:
+        """The padding mask of ``images``: int64 (N, H, W) on their device, 1 where a
+        picture lies (``content``), 0 on padding."""
+        height, width = int(self.images.shape[-2]), int(self.images.shape[-1])
+        return content_mask(self.content, height, width, self.images.device)
 
     def __len__(self) -> int:
         return int(self.images.shape[0])

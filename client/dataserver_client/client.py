@@ -105,6 +105,13 @@ class DataServerClient:
     YOLO): every pixel no sample covers (letterbox padding, mosaic gaps, empty cells);
     ``letterbox``: "top-left" (default) or "center" (Ultralytics' ``LetterBox``: a regular
     image, and each cell of a grid, centred, its boxes shifted with it).
+    ``fit``: "letterbox" (default: each source resized to fit its cell, aspect kept, the
+    rest ``pad_value``) or "stretch" (resized to the whole cell, aspect not kept, as the
+    DETR-family processors do; a mosaic's sources are stretched to the image size before
+    they are cut). ``augment=False``: neither the servers' built-in flip nor the dataset's
+    ``augment``/``augment_composed`` run (what a validation client asks). Both travel in
+    ``state_dict()`` and ``batch.manifest``. ``batch.content`` says where each picture
+    lies in its canvas (a padding mask: ``dataserver_client.content_mask``).
 
     ``mosaic_partners`` (with ``stitch_layout="mosaic"``): "consume" (default: a mosaic
     consumes its 4 samples, Stitcher's semantics) or "window" (YOLO's: every sample of the
@@ -156,6 +163,8 @@ class DataServerClient:
         mosaic_partners: str = "consume",
         mosaic_p: float = 1.0,
         hedge: bool = True,
+        augment: bool = True,
+        fit: str = "letterbox",
     ) -> None:
         if rank is None or world_size is None:
             auto_rank, auto_world = default_rank_world()
@@ -191,6 +200,8 @@ class DataServerClient:
             mosaic_partners=mosaic_partners,
             mosaic_p=mosaic_p,  # (checked as given, as pad_value)
             hedge=bool(hedge),
+            fit=fit,
+            augment=augment,  # (checked as given: a bool)
         )
         self.config.validate()
         curve = _load_curve(curve_server_key, curve_secret_key)

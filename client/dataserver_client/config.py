@@ -10,7 +10,7 @@ import torch
 
 from dataserver.endpoint import endpoint_problem
 from dataserver.protocol import MAX_IMAGE_SIDE, MAX_INT
-from dataserver_client.epoch import LAYOUTS, LETTERBOXES, Layout
+from dataserver_client.epoch import FITS, LAYOUTS, LETTERBOXES, Layout
 from dataserver_client.partners import PARTNER_MODES, WINDOW
 from dataserver_client.sizes import SizeSchedule, schedule_of
 
@@ -52,6 +52,8 @@ class ClientConfig:
     max_dataset_len: int = MAX_DATASET_LEN  # refuse servers announcing more samples
     pad_value: int = 0  # every pixel no sample covers (114 for YOLO)
     letterbox: str = "top-left"  # where a regular image sits in its canvas: or "center"
+    fit: str = "letterbox"  # how a source is fitted into its cell: or "stretch"
+    augment: bool = True  # False: no flip, no dataset augment (a validation client)
     mosaic_partners: str = "consume"  # "window": YOLO's mosaic, each sample an anchor
     mosaic_p: float = 1.0  # with "window": the probability, per output, of a mosaic
     hedge: bool = True  # a slow server's tasks are hedged to another, outliers set aside
@@ -131,6 +133,10 @@ class ClientConfig:
             return f"pad_value must be an integer in 0..255, got {pad!r}"
         if self.letterbox not in LETTERBOXES:
             return f"letterbox must be one of {', '.join(LETTERBOXES)}, got {self.letterbox!r}"
+        if self.fit not in FITS:
+            return f"fit must be one of {', '.join(FITS)}, got {self.fit!r}"
+        if not isinstance(self.augment, bool):
+            return f"augment must be True or False, got {self.augment!r}"
         return None
 
     def _partners_problem(self) -> str | None:
@@ -155,6 +161,8 @@ class ClientConfig:
             self.drop_last,
             pad_value=self.pad_value,
             letterbox=self.letterbox,
+            fit=self.fit,
+            augment=self.augment,
             mosaic_partners=self.mosaic_partners,
             mosaic_p=float(self.mosaic_p),
         )

@@ -122,6 +122,8 @@ class Sender:
             recent=int(book.twinned),
             pad_value=plan.pad_value,
             letterbox=plan.letterbox,
+            fit=plan.fit,
+            augment=int(plan.augment),
             **rec.sizes.wire(),
             **land,
         )

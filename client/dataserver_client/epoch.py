@@ -29,6 +29,7 @@ STITCH = "stitch"
 MODES = (REGULAR, STITCH)
 LAYOUTS = ("spatial", "batch", "mosaic")
 LETTERBOXES = ("top-left", "center")
+FITS = ("letterbox", "stretch")  # how a source is fitted into its cell
 
 
 ShardLike = IndexSeq | np.ndarray  # a shard: lazy (``order.Shard``) or, in tests, an array
@@ -104,6 +105,8 @@ class Layout:
     mosaic_p: float = 1.0  # a window mosaic's probability, per output
     pad_value: int = 0  # what the servers pad with
     letterbox: str = "top-left"  # where a regular image sits: or "center"
+    fit: str = "letterbox"  # how a source is fitted into its cell: or "stretch"
+    augment: bool = True  # False: no flip, no dataset augment (validation)
 
     @property
     def grid(self) -> int:
@@ -162,6 +165,8 @@ class BatchPlan:
     partners: bool = False  # a window mosaic: each image's indices[0] its anchor (consumed)
     pad_value: int = 0  # (the layout's; a rebuilt batch: its manifest's)
     letterbox: str = "top-left"
+    fit: str = "letterbox"
+    augment: bool = True
 
 
 def split_runs(n: int, parts: int) -> list[range]:
@@ -286,6 +291,8 @@ class Cursor:
             partners=partners,
             pad_value=self.layout.pad_value,
             letterbox=self.layout.letterbox,
+            fit=self.layout.fit,
+            augment=self.layout.augment,
         )
 
     def next_plan(self) -> BatchPlan | None:

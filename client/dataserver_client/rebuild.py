@@ -23,7 +23,15 @@ from typing import TYPE_CHECKING, Any
 
 from dataserver.protocol import MAX_IMAGE_SIDE, MAX_INT, BatchSizes, control_problem
 from dataserver_client.assembly import Delivery, InflightBatch, Sealing
-from dataserver_client.epoch import LETTERBOXES, MODES, REGULAR, BatchPlan, ImagePlan, Layout
+from dataserver_client.epoch import (
+    FITS,
+    LETTERBOXES,
+    MODES,
+    REGULAR,
+    BatchPlan,
+    ImagePlan,
+    Layout,
+)
 from dataserver_client.partners import CONSUME, PARTNER_MODES, WINDOW
 from dataserver_client.sizes import schedule_of
 
@@ -60,6 +68,8 @@ def manifest_of(batch: InflightBatch, layout: Layout, on_error: str) -> dict[str
         "on_error": batch.on_error or on_error,
         "pad_value": plan.pad_value,
         "letterbox": plan.letterbox,
+        "fit": plan.fit,
+        "augment": plan.augment,
         "mosaic_partners": layout.mosaic_partners,
         "mosaic_p": layout.mosaic_p,
     }
@@ -136,6 +146,18 @@ def _padding(manifest: dict[str, Any]) -> tuple[int, str]:
     return pad_value, str(letterbox)
 
 
+def _fitting(manifest: dict[str, Any]) -> tuple[str, bool]:
+    """The manifest's ``fit`` and ``augment``, checked (absent: a manifest of a client
+    before they existed, which letterboxed and augmented)."""
+    fit = manifest.get("fit", "letterbox")
+    if fit not in FITS:
+        raise ValueError(f"manifest 'fit' must be one of {FITS}, got {fit!r}")
+    augment = manifest.get("augment", True)
+    if not isinstance(augment, bool):
+        raise ValueError(f"manifest 'augment' must be True or False, got {augment!r}")
+    return str(fit), augment
+
+
 def plan_of(manifest: Any, dataset_len: int) -> tuple[BatchPlan, dict[str, Any], str]:
     """The batch plan a manifest names, its control values and ``on_error``: every field
     checked (ValueError naming it)."""
@@ -167,6 +189,7 @@ def plan_of(manifest: Any, dataset_len: int) -> tuple[BatchPlan, dict[str, Any],
     if on_error not in ("raise", "skip"):
         raise ValueError(f"manifest 'on_error' must be 'raise' or 'skip', got {on_error!r}")
     pad_value, letterbox = _padding(manifest)
+    fitting, augment = _fitting(manifest)
     out = fit
     if mode != REGULAR and layout == "batch":
         side = math.isqrt(k)
@@ -186,6 +209,8 @@ def plan_of(manifest: Any, dataset_len: int) -> tuple[BatchPlan, dict[str, Any],
         partners=_partners(manifest, layout, mode),
         pad_value=pad_value,
         letterbox=letterbox,
+        fit=fitting,
+        augment=augment,
     )
     return plan, dict(control), str(on_error)
 

@@ -72,6 +72,8 @@ CONFIG_KEYS = (
     "drop_last",
     "pad_value",
     "letterbox",
+    "fit",
+    "augment",
     "mosaic_partners",
     "mosaic_p",
 )
@@ -79,6 +81,8 @@ CONFIG_KEYS = (
 CONFIG_DEFAULTS: dict[str, Any] = {
     "pad_value": 0,
     "letterbox": "top-left",
+    "fit": "letterbox",
+    "augment": True,
     "mosaic_partners": "consume",
     "mosaic_p": 1.0,
 }

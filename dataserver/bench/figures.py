@@ -26,6 +26,7 @@ from dataserver.bench.multiscale import fig_multiscale
 from dataserver.bench.peers import fig_dataloader
 from dataserver.bench.remote import fig_remote
 from dataserver.bench.slowserver import fig_slow_server
+from dataserver.bench.transformers import fig_transformers
 from dataserver.bench.ultralytics import fig_ultralytics
 from dataserver.demo import start_server, stop_server
 
@@ -494,8 +495,11 @@ FIGURES: dict[str, Callable[[argparse.Namespace, str, Progress], dict[str, Any]]
     "remote": fig_remote,
     "slow_server": fig_slow_server,
     "index": fig_index,
+    "transformers": fig_transformers,
 }
 # Run only when named (``--only``): 4 servers x 8 workers on one small host measure the
 # processes fighting over its cores, not the design; ``scale`` measures what bounds a job;
 # ``slow_server`` (minutes of slow servers on purpose) measures a fault, not a rate.
-OPT_IN = frozenset({"coordination", "ultralytics", "remote", "slow_server", "index"})
+OPT_IN = frozenset(
+    {"coordination", "ultralytics", "remote", "slow_server", "index", "transformers"}
+)

@@ -294,6 +294,18 @@ def yolo_service_side(args: argparse.Namespace) -> dict[str, Any]:
     return service_side(args)
 
 
+def hf_guide_side(args: argparse.Namespace) -> dict[str, Any]:
+    from dataserver.bench.transformers import guide_side
+
+    return guide_side(args)
+
+
+def hf_service_side(args: argparse.Namespace) -> dict[str, Any]:
+    from dataserver.bench.transformers import service_side
+
+    return service_side(args)
+
+
 def spdl_side(args: argparse.Namespace) -> dict[str, Any]:
     from dataserver.bench.spdl_side import spdl_side as side
 
@@ -314,6 +326,8 @@ SIDES = {
     "slow_server": slow_server_side,
     "ultralytics": yolo_ultralytics_side,
     "yolo_service": yolo_service_side,
+    "hf_guide": hf_guide_side,
+    "hf_service": hf_service_side,
 }
 
 

@@ -8,7 +8,8 @@ epoch, index) and the batch's parameters, and never stored.
 
 1. ``read``: the dataset's sample, checked (``SampleError`` names the index).
 2. ``fit``: resized to fit the stored size (``BatchSizes.stored``: the largest size of a
-   multi-scale schedule, else the image size), keeping its aspect ratio, as CHW planes
+   multi-scale schedule, else the image size), keeping its aspect ratio (the task's ``fit``
+   "letterbox"; "stretch": resized to the whole size, aspect not kept), as CHW planes
    (``Source``). The expensive, mode-independent part: the same fitted source serves a
    regular image, a cell of a stitched one or a mosaic, every epoch, every size of the
    schedule and every job asking for that size.
@@ -17,6 +18,8 @@ epoch, index) and the batch's parameters, and never stored.
    ``rng`` from (seed, epoch, index) only (``augment_rng``); its answer checked. A window
    mosaic's partner (``Task.partners``) is drawn for its (anchor, cell) instead
    (``partner_rng``, ``partner_flip``): the same source partnering two anchors differs.
+   Not run for a task with ``augment`` 0 (validation), nor the flip, nor
+   ``augment_composed``.
 5. ``flip_of`` and composition: ``compose_into`` places each source at the top-left of its
    cell, or centred in it (the task's ``letterbox``), on the task's ``pad_value`` (fitted
    into the cell when the cell is smaller), mirrored when its flip says so,
@@ -131,19 +134,30 @@ def scales_up(dataset: Any) -> bool:
 PlanesFor = Callable[[int, int, int, int], "np.ndarray | None"]
 
 
+def sized(
+    height: int, width: int, out_h: int, out_w: int, scaleup: bool, stretch: bool
+) -> tuple[int, int]:
+    """The size an image of (height, width) takes in (out_h, out_w): all of it when
+    ``stretch`` (the aspect ratio not kept, ``scaleup`` ignored), else ``fit_size``'s."""
+    if stretch:
+        return out_h, out_w
+    return fit_size(height, width, out_h, out_w, scaleup)
+
+
 def fit(
     sample: Sample,
     hw: Sequence[int],
     scaleup: bool = True,
     planes_for: PlanesFor | None = None,
     hwc: bool = False,
+    stretch: bool = False,
 ) -> Source:
     """``sample`` resized to fit (H, W) keeping its aspect ratio (``scaleup=False``: only
-    shrunk), as CHW planes (``hwc``: an (h, w, 3) image), in ``planes_for``'s array where
-    it gives one; boxes scaled by the exact per-axis factors, clipped, degenerate ones
-    dropped."""
+    shrunk; ``stretch``: resized to (H, W) exactly), as CHW planes (``hwc``: an (h, w, 3)
+    image), in ``planes_for``'s array where it gives one; boxes scaled by the exact
+    per-axis factors, clipped, degenerate ones dropped."""
     height, width = sample.image.shape[:2]
-    new_h, new_w = fit_size(height, width, int(hw[0]), int(hw[1]), scaleup)
+    new_h, new_w = sized(height, width, int(hw[0]), int(hw[1]), scaleup, stretch)
     resize = (new_h, new_w) != (height, width)
     place = None
     if planes_for is not None:
@@ -184,20 +198,24 @@ def _scaled(
 
 
 def prepare(
-    dataset: Any, index: int, hw: Sequence[int], planes_for: PlanesFor | None = None
+    dataset: Any,
+    index: int,
+    hw: Sequence[int],
+    planes_for: PlanesFor | None = None,
+    stretch: bool = False,
 ) -> Source:
     """``read`` then ``fit`` into ``hw`` (the stored size) in the dataset's layout
-    (``layout_of``): what a worker does on a store miss."""
+    (``layout_of``; ``stretch``: to all of ``hw``): what a worker does on a store miss."""
     hwc = layout_of(dataset) == "hwc"
-    return fit(read(dataset, index), hw, scales_up(dataset), planes_for, hwc)
+    return fit(read(dataset, index), hw, scales_up(dataset), planes_for, hwc, stretch)
 
 
-def refit(source: Source, hw: Sequence[int], scaleup: bool = True) -> Source:
+def refit(source: Source, hw: Sequence[int], scaleup: bool = True, stretch: bool = False) -> Source:
     """``source`` (fitted to the stored size) fitted into ``hw``, keeping its aspect
-    ratio (``scaleup=False``: only shrunk), in its layout; itself when it fits exactly
-    already."""
+    ratio (``scaleup=False``: only shrunk; ``stretch``: resized to ``hw`` exactly), in its
+    layout; itself when it fits exactly already."""
     height, width = source.hw
-    new_h, new_w = fit_size(height, width, int(hw[0]), int(hw[1]), scaleup)
+    new_h, new_w = sized(height, width, int(hw[0]), int(hw[1]), scaleup, stretch)
     if (new_h, new_w) == (height, width):
         return source
     if source.hwc:
@@ -242,6 +260,12 @@ class Recipe:
     pad_value: int = 0  # every pixel no source covers
     letterbox: str = "top-left"  # where a source smaller than its cell sits: or "center"
     partners: bool = False  # window mosaics: images[i][0] an anchor, the rest its partners
+    fit: str = "letterbox"  # how a source is fitted into its cell: or "stretch"
+    augment: bool = True  # False: no flip, no ``augment``, no ``augment_composed``
+
+    @property
+    def stretch(self) -> bool:
+        return self.fit == "stretch"
 
     def params(self, index: int) -> dict[str, Any]:
         """``augment``'s ``params`` for sample ``index`` (a fresh dict: it may keep it)."""
@@ -378,14 +402,15 @@ def place(
     flip: bool,
     center: bool = False,
     scaleup: bool = True,
+    stretch: bool = False,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Write ``source`` at the top-left of the cell (y0, x0, cell_h, cell_w) of a
     ``canvas`` in its layout (CHW, or (H, W, 3) for an HWC source) (``center``: centred in
     it, ``letterbox_offset``), fitted into the cell (``scaleup=False``: only when it is
-    larger), mirrored when ``flip``. Returns its boxes in canvas pixels and their labels
-    (clipped; degenerate ones dropped)."""
+    larger; ``stretch``: resized to the whole cell), mirrored when ``flip``. Returns its
+    boxes in canvas pixels and their labels (clipped; degenerate ones dropped)."""
     height, width = source.hw
-    new_h, new_w = fit_size(height, width, cell_h, cell_w, scaleup)
+    new_h, new_w = sized(height, width, cell_h, cell_w, scaleup, stretch)
     if center:
         top, left = letterbox_offset(cell_h, cell_w, new_h, new_w)
         y0, x0 = y0 + top, x0 + left
@@ -414,7 +439,7 @@ def place(
 class Composed:
     """One output image's boxes, labels, the indices it holds (cell order) and the
     sources left out as (index, reason); ``content``: for an image of one cell, the (top,
-    left, h, w) its picture covers."""
+    left, h, w) its picture covers (None: the whole canvas, ``content_of``)."""
 
     boxes: np.ndarray
     labels: np.ndarray
@@ -433,10 +458,12 @@ def compose_into(
     center: bool = False,
     scaleup: bool = True,
     hwc: bool = False,
+    stretch: bool = False,
 ) -> Composed:
     """Compose one output image into the CHW ``canvas`` (``hwc``: an (H, W, 3) one, for
     HWC sources), filled with the padding value, from ``indices`` (cell t = (t // grid,
-    t % grid); ``center``: each source centred in its cell). With ``skip_errors`` a
+    t % grid); ``center``: each source centred in its cell; ``stretch``: resized to the whole
+    cell). With ``skip_errors`` a
     failing source leaves its cell empty and is reported; without, its ``SampleError``
     propagates."""
     out_h, out_w = canvas.shape[:2] if hwc else canvas.shape[1:]
@@ -457,7 +484,16 @@ def compose_into(
             source = in_layout(source, hwc)
         row, col = divmod(t, grid)
         boxes, labels = place(
-            canvas, row * cell_h, col * cell_w, cell_h, cell_w, source, flips[t], center, scaleup
+            canvas,
+            row * cell_h,
+            col * cell_w,
+            cell_h,
+            cell_w,
+            source,
+            flips[t],
+            center,
+            scaleup,
+            stretch,
         )
         all_boxes.append(boxes)
         all_labels.append(labels)
@@ -466,11 +502,20 @@ def compose_into(
         content = None
         if grid == 1:
             height, width = source.hw
-            new_h, new_w = fit_size(height, width, out_h, out_w, scaleup)
+            new_h, new_w = sized(height, width, out_h, out_w, scaleup, stretch)
             top, left = letterbox_offset(out_h, out_w, new_h, new_w) if center else (0, 0)
             content = (top, left, new_h, new_w)
         return Composed(all_boxes[1], all_labels[1], kept, failed, content)
     return Composed(np.concatenate(all_boxes), np.concatenate(all_labels), kept, failed)
+
+
+def content_of(composed: Composed, out_hw: Sequence[int]) -> tuple[int, int, int, int]:
+    """(top, left, h, w) of the picture of one output image in its canvas of ``out_hw``:
+    where its one source lies (a regular image), else the whole canvas (a stitched or mosaic
+    image, or one through ``augment_composed``, which may move its picture anywhere)."""
+    if composed.content is not None:
+        return composed.content
+    return 0, 0, int(out_hw[0]), int(out_hw[1])
 
 
 def in_layout(source: Source, hwc: bool) -> Source:
@@ -488,10 +533,14 @@ def in_layout(source: Source, hwc: bool) -> Source:
 
 def finished(dataset: Any, index: int, stored: Source, recipe: Recipe, draw: Draw = None) -> Source:
     """A source as stored (fitted to ``recipe.sizes.stored``) made ready to compose: fitted
-    into the batch's size, then augmented (``draw``: see ``augmented``). Never stored."""
+    into the batch's size, then augmented (``draw``: see ``augmented``; not with
+    ``recipe.augment`` False). Never stored."""
     sizes, grow = recipe.sizes, scales_up(dataset)
-    source = stored if sizes.stored == sizes.fit else refit(stored, sizes.fit, grow)
-    return augmented(dataset, index, source, recipe, draw)
+    if sizes.stored != sizes.fit:
+        stored = refit(stored, sizes.fit, grow, recipe.stretch)
+    if not recipe.augment:
+        return stored
+    return augmented(dataset, index, stored, recipe, draw)
 
 
 def compose_image(
@@ -517,19 +566,19 @@ def compose_image(
     window = recipe.partners and layout == "mosaic"
     if window and len(indices) == 1:  # no mosaic drawn for this anchor: a regular image
         layout, grid = "grid", 1
-    hook = hook_of(dataset)
+    hook = hook_of(dataset) if recipe.augment else None
     if hook is None and not filled:
         canvas.fill(recipe.pad_value)
     if layout != "mosaic":
         grow = scales_up(dataset)
         return _compose_grid(canvas, get_source, indices, grid, recipe, skip_errors, hook, grow)
-    flips = [flip_of(recipe.seed, recipe.epoch, i) for i in indices]
+    flips = [recipe.augment and flip_of(recipe.seed, recipe.epoch, i) for i in indices]
     from dataserver.data.mosaic import compose_mosaic, mosaic_rng
 
     sources: list[Source | None] = []
     kept: list[int] = []
     failed: list[tuple[int, str]] = []
-    if window:
+    if window and recipe.augment:
         anchor = indices[0]
         for t in range(1, len(indices)):
             flips[t] = partner_flip(recipe.seed, recipe.epoch, anchor, t)
@@ -543,8 +592,9 @@ def compose_image(
             sources.append(None)
             failed.append((index, str(exc)))
     rng = mosaic_rng(recipe.seed, recipe.epoch, indices)
-    if hook is None:
-        boxes, labels = compose_mosaic(canvas, sources, flips, rng)
+    if hook is None:  # (HWC sources of a dataset whose augment_composed is off: as planes)
+        planes = [None if s is None else in_layout(s, False) for s in sources]
+        boxes, labels = compose_mosaic(canvas, planes, flips, rng)
         return Composed(boxes, labels, kept, failed)
     done = Composed(np.zeros((0, 4), np.float32), np.zeros((0,), np.int64), kept, failed)
     return _after(hook, canvas, sources, done, indices[0], recipe, skip_errors, rng)
@@ -562,14 +612,18 @@ def _compose_grid(
 ) -> Composed:
     """``compose_into`` as ``recipe`` says, then ``hook`` (which flips the whole image, as
     Ultralytics does: its sources are not mirrored), the image composed HWC for it."""
-    center = recipe.letterbox == "center"
+    center, stretch = recipe.letterbox == "center", recipe.stretch
     if hook is None:
-        flips = [flip_of(recipe.seed, recipe.epoch, i) for i in indices]
-        return compose_into(canvas, get_source, indices, grid, flips, skip_errors, center, scaleup)
+        flips = [recipe.augment and flip_of(recipe.seed, recipe.epoch, i) for i in indices]
+        return compose_into(
+            canvas, get_source, indices, grid, flips, skip_errors, center, scaleup, False, stretch
+        )
     flat = [False] * len(indices)
     _, out_h, out_w = canvas.shape
     image = np.full((out_h, out_w, 3), recipe.pad_value, np.uint8)
-    done = compose_into(image, get_source, indices, grid, flat, skip_errors, center, scaleup, True)
+    done = compose_into(
+        image, get_source, indices, grid, flat, skip_errors, center, scaleup, True, stretch
+    )
     return _after(hook, canvas, None, done, indices[0], recipe, skip_errors, image=image)
 
 
@@ -632,17 +686,30 @@ def compose_one(
     pad_value: int = 0,
     letterbox: str = "top-left",
     partners: bool = False,
+    fit: str = "letterbox",
+    augment: bool = True,
 ) -> tuple[np.ndarray, Composed]:
     """One output image straight from the dataset (no store): what the DataLoader baseline
     and the tests run. Bit-identical to what a worker sends for the same task
     (``partners``: the task's flag, a window mosaic)."""
     canvas = np.full((3, *sizes.out), pad_value, dtype=np.uint8)
     recipe = Recipe(
-        seed, epoch, step, mode, sizes, dict(control or {}), pad_value, letterbox, partners
+        seed,
+        epoch,
+        step,
+        mode,
+        sizes,
+        dict(control or {}),
+        pad_value,
+        letterbox,
+        partners,
+        fit,
+        augment,
     )
 
     def source(i: int, draw: Draw = None) -> Source:
-        return finished(dataset, i, prepare(dataset, i, sizes.stored), recipe, draw)
+        stored = prepare(dataset, i, sizes.stored, None, recipe.stretch)
+        return finished(dataset, i, stored, recipe, draw)
 
     composed = compose_image(canvas, source, indices, grid, layout, recipe, False, dataset)
     return canvas, composed

@@ -114,6 +114,8 @@ SizesCount = Annotated[int, In(0, MAX_ANNOUNCED_SIZES)]
 Digest = Annotated[bytes, Len(0, DIGEST_BYTES)]
 FileName = Annotated[str, Len(0, MAX_FILE)]
 OrigSide = Annotated[int, In(0, MAX_ORIG_SIDE)]
+Side0 = Annotated[int, In(0, MAX_IMAGE_SIDE)]
+Box4 = tuple[Side0, Side0, Side0, Side0]  # (top, left, h, w) of a picture in its canvas
 # How often the server asks a client to beat, in ms (0: it says nothing; the client keeps its
 # own). The wire bounds it loosely: the client refuses what is beyond its own bounds
 # (``dataserver_client.beats``), counted, and keeps beating as it did.
@@ -372,6 +374,12 @@ class Task(Message, kw_only=True):
     # cells), and where a source smaller than its cell sits in it.
     pad_value: Annotated[int, In(0, 255)] = 0
     letterbox: Annotated[str, Meta(pattern=r"\A(top-left|center)\Z")] = "top-left"
+    # How a source is fitted into its cell: "letterbox" (aspect kept, the rest padded) or
+    # "stretch" (resized to the whole cell, aspect not kept). Its sources are stored apart.
+    fit: Annotated[str, Meta(pattern=r"\A(letterbox|stretch)\Z")] = "letterbox"
+    # 0: no augmentation at all (neither the built-in flip nor the dataset's ``augment`` or
+    # ``augment_composed``): what a validation client asks.
+    augment: Flag01 = 1
 
     def _check(self, arrays: list[np.ndarray] | None) -> None:
         Message._check(self, arrays)
@@ -433,6 +441,10 @@ class Result(Message, kw_only=True):
     orig_sizes: Annotated[tuple[tuple[OrigSide, OrigSide], ...], Len(0, MAX_TASK_IMAGES)] | None = (
         None
     )
+    # Per image: (top, left, h, w) of the picture in its canvas (the whole canvas for a
+    # stitched or mosaic image, or one through ``augment_composed``). Absent: a worker that
+    # does not say.
+    content: Annotated[tuple[Box4, ...], Len(0, MAX_TASK_IMAGES)] | None = None
     pixels: Any = None  # np.ndarray | None (msgspec cannot type an array field)
     boxes: Any = None
     labels: Any = None
@@ -457,7 +469,7 @@ class Result(Message, kw_only=True):
         self.pixels = self.boxes = self.labels = None
         if len(self.box_counts) != len(self.images):
             raise ProtocolError(f"{len(self.box_counts)} box counts for {len(self.images)} images")
-        for name in ("files", "orig_sizes"):
+        for name in ("files", "orig_sizes", "content"):
             each = getattr(self, name)
             if each is not None and len(each) != len(self.images):
                 raise ProtocolError(f"{len(each)} {name} for {len(self.images)} images")

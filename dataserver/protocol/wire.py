@@ -27,7 +27,8 @@ import numpy as np
 
 # 4: session secrets (auth, tags); 5: per-task sizes, augment, mosaic; 6: pad_value and
 # letterbox in TASK, categories in WELCOME, files and orig_sizes in RESULT; partners in TASK;
-# 7: per-sample sizes on request (SIZES, in chunks), WELCOME's sizes_count and sizes_digest
+# 7: per-sample sizes on request (SIZES, in chunks), WELCOME's sizes_count and sizes_digest;
+# fit and augment in TASK, content in RESULT (an older server would ignore them)
 PROTOCOL_VERSION = 7
 MAGIC = b"DS" + str(PROTOCOL_VERSION).encode()
 

@@ -22,6 +22,7 @@ from dataserver.data.pipeline import (
     Source,
     SourceOf,
     compose_image,
+    content_of,
     finished,
     layout_of,
     prepare,
@@ -91,7 +92,7 @@ class Composer:
                 self.running.image(image_of.get(index, 0))
             start = time.perf_counter_ns()
             try:
-                return prepare(dataset, index, stored, planes_for)
+                return prepare(dataset, index, stored, planes_for, recipe.stretch)
             finally:
                 clock.made((time.perf_counter_ns() - start) // 1000)
 
@@ -99,11 +100,8 @@ class Composer:
         oldest = -1
         ahead = _prefetcher(dataset, wanted, now=self.store is None)
         if self.store is not None:
-            hwc = layout_of(dataset) == "hwc"  # (its sources' bytes are HWC: a key of its own)
-            parts = (
-                (self.fingerprint, stored, ckey, "hwc") if hwc else (self.fingerprint, stored, ckey)
-            )
-            keys = index_keys(store_key(*parts), wanted)
+            hwc = layout_of(dataset) == "hwc"
+            keys = index_keys(store_key(*self._key_parts(hwc, stored, ckey, recipe)), wanted)
             population = len(dataset)  # (the store keeps a subset of a larger dataset)
             sources, oldest = self.store.fetch(
                 keys,
@@ -130,6 +128,19 @@ class Composer:
             got.clear()  # the store wrote over a source as we read it: compose from scratch
             result = self._compose_with(task, dataset, source, recipe, ids, dest, clock)
         return result
+
+    def _key_parts(
+        self, hwc: bool, stored: tuple[int, int], ckey: str, recipe: Recipe
+    ) -> tuple[object, ...]:
+        """What determines a stored source besides its index: the dataset, the stored size,
+        the control state, and whatever changes its bytes: HWC sources, a stretch fit
+        (each a key of its own; a letterboxed CHW source keeps the keys it always had)."""
+        parts: tuple[object, ...] = (self.fingerprint, stored, ckey)
+        if hwc:
+            parts = (*parts, "hwc")
+        if recipe.stretch:
+            parts = (*parts, "stretch")
+        return parts
 
     def _compose_with(
         self,
@@ -166,6 +177,7 @@ class Composer:
 
         files: list[str] = []
         origs: list[tuple[int, int]] = []
+        content: list[tuple[int, int, int, int]] = []
         for n, indices in enumerate(task.images):
             if self.running is not None:
                 self.running.image(n)
@@ -181,6 +193,7 @@ class Composer:
             file, orig = meta.get(done.indices[0], ("", (0, 0))) if done.indices else ("", (0, 0))
             files.append(file)
             origs.append(orig)
+            content.append(content_of(done, (out_h, out_w)))
         return Result(
             images=tuple(kept),
             box_counts=tuple(len(b) for b in boxes),
@@ -191,6 +204,7 @@ class Composer:
             labels=np.concatenate(labels),
             files=tuple(files) if any(files) else None,
             orig_sizes=tuple(origs),
+            content=tuple(content),
             decoded=clock.decoded,
             decode_us=clock.decode_us(),
             task_us=clock.task_us(),

@@ -387,6 +387,8 @@ class Worker:
             task.pad_value,
             task.letterbox,
             bool(task.partners),
+            task.fit,
+            bool(task.augment),
         )
         shape = (len(task.images), 3, *sizes.out)
         try:

@@ -242,8 +242,8 @@ class DataServerDataModule(pl.LightningDataModule):
     ``client_kwargs`` go to each ``DataServerClient`` (``batch_size``, ``image_size``,
     ``seed``, ``stitch_*``, ...).
 
-    The validation client gets the same ``client_kwargs`` with ``shuffle=False`` and
-    ``drop_last=False`` (a ``MultiScale`` or ``StepSizes`` ``image_size`` becomes its
+    The validation client gets the same ``client_kwargs`` with ``shuffle=False``,
+    ``drop_last=False`` and ``augment=False`` (never flipped nor augmented) (a ``MultiScale`` or ``StepSizes`` ``image_size`` becomes its
     largest size); nothing steers it, so its batches are regular. With several ranks each validates its shard, as
     Lightning's ``DistributedSampler`` does (drop_last False: the last batches of some ranks
     repeat a sample or two).
@@ -274,7 +274,7 @@ class DataServerDataModule(pl.LightningDataModule):
         if kwargs.get("device") is None and self.trainer is not None:
             kwargs["device"] = self.trainer.strategy.root_device
         if val:
-            kwargs.update(shuffle=False, drop_last=False)
+            kwargs.update(shuffle=False, drop_last=False, augment=False)
             size = kwargs.get("image_size")
             if isinstance(size, MultiScale | StepSizes):
                 kwargs["image_size"] = size.stored

@@ -463,7 +463,8 @@ def val_loader(
     rect: bool = True,
 ) -> ServedLoader:
     """The validation loader: a ``DataServerClient`` on ``address`` in epoch order
-    (``shuffle=False``), regular images letterboxed centred on 114 where the client can,
+    (``shuffle=False``, ``augment=False``: never mirrored nor augmented), regular images
+    letterboxed centred on 114 where the client can,
     sharded across the ranks. ``rect`` (Ultralytics' val loader's): batches grouped by
     aspect, each its own shape (``ultralytics_val``), where the val dataset announces its
     sizes (``yolo_set`` in mode "val"); else, or without ``rect``, square ``imgsz`` (a
@@ -475,6 +476,10 @@ def val_loader(
         extra.update(letterbox="center", pad_value=PAD_VALUE)
     else:
         warn("dataserver: this client has no letterbox/pad_value: val images sit top-left on 0")
+    if "augment" in accepted:  # (no built-in flip: only yolo_set's val mode was never mirrored)
+        extra["augment"] = False
+    else:
+        warn("dataserver: this client has no augment switch: val images may be mirrored")
     imgsz = int(args.imgsz)
     client = DataServerClient(
         address, batch_size=int(batch_size), image_size=(imgsz, imgsz), shuffle=False,
