@@ -259,6 +259,8 @@ class TaskLedger:
         ``probe``, ``link`` is a slow server whose answer time is measured on a copy): the
         answer of either is taken, the first to come (``settle``)."""
         rec.hedge, rec.probing = link, probe
+        if link not in rec.had:  # (its answer, however late, is never a wrong one)
+            rec.had = (*rec.had, link)
 
     def settle(self, rec: TaskRecord, link: ServerLink) -> bool:
         """``link``'s answer to ``rec`` is taken: the other copy of a hedged task is

@@ -178,7 +178,7 @@ def _measured(setup: str, body: str) -> dict[str, float]:
     if done.returncode != 0:
         raise RuntimeError(done.stderr[-2000:])
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    return {"s": round(result["s"], 2), "rss_mb": round(result["rss_mb"], 1)}
+    return {"s": round(result["s"], 4), "rss_mb": round(result["rss_mb"], 1)}
 
 
 def _peer(args: argparse.Namespace, ann: Path, root: Path, progress: Progress) -> dict[str, Any]:
