@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from clients import make_client
 from conftest import Server
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from dataserver_client.epoch import shard_size
@@ -283,7 +283,9 @@ def test_a_tampered_state_is_refused_naming_a_field_or_delivers_what_it_says_rem
         delivered = load_everywhere(bad, world)
     except ValueError as exc:
         assert FIELD.search(str(exc)), exc
+        event("refused")
         return
+    event("loaded")
     if fresh_start(bad, world):
         assert Counter(delivered) == Counter(normal_epoch(bad, world))
         return
