@@ -540,11 +540,14 @@ def check_parts(state: dict[str, Any]) -> None:
     if isinstance(deal, IntervalDeal):
         check_deal(deal, world)
     own_only = ranks is None  # a one-rank state: its own fields are its rank's entry
+    # (A legacy bitmap counts its deal in O(N): counted once, each rank's share from it.)
+    count = None if deal is None else deal.count
     for r, entry in [(rank, state)] if ranks is None else enumerate(ranks):
         where = "state" if own_only else f"state 'ranks'[{r}]"
-        share = (
-            shard_size(dataset_len, world, drop_last) if deal is None else deal.share_len(r, world)
-        )
+        if count is None:
+            share = shard_size(dataset_len, world, drop_last)
+        else:  # as Deal.share_len
+            share = count // world + int(r < count % world)
         position, step = int(entry["position"]), int(entry["step"])
         if position > share:
             raise ValueError(
