@@ -372,6 +372,10 @@ class BitmapDeal(Deal):
         )
         if not isinstance(world, int) or world < 1 or not isinstance(data, bytes):
             raise ValueError("state 'deal' is malformed")
+        if world > MAX_STATE_RANKS:  # its bitmap would be sized by it: bounded first
+            raise ValueError(
+                f"state 'deal' 'plan_world_size' {world} is more than {MAX_STATE_RANKS} ranks"
+            )
         total = world * shard_size(dataset_len, world, drop_last)
         nbytes = (total + 7) // 8
         try:
@@ -499,6 +503,101 @@ def check_state(state: Any, expected: dict[str, Any]) -> None:
                 f"state 'ranks' hold more than {MAX_STATE_CONTROL_BYTES} bytes of control "
                 f"values (at rank {r})"
             )
+    check_parts(state)
+
+
+# What a job-wide state's own fields must agree on with its entry in ``ranks`` (its rank's
+# part, copied there by ``state_dict``); the control values are left out (a NaN is not
+# equal to itself), the rest decide what is delivered.
+OWN_KEYS = ("position", "step", "mode", "control_seq", "feedback_seq")
+
+
+def check_parts(state: dict[str, Any]) -> None:
+    """Refuse a state whose parts disagree, naming the field (its entries each checked by
+    ``check_entry`` already, its dataset and configuration the loading client's): what
+    ``state_dict`` writes always agrees, so a state that does not was altered, and loading
+    it could deliver fewer samples than it says remain (issue 39: an empty epoch, silently).
+
+    - its own fields and its entry in ``ranks`` (``OWN_KEYS``);
+    - its deal (``check_deal``): the levels' world sizes and the job's, and an epoch with
+      samples;
+    - every rank's position within its share of the epoch (of the deal, when the epoch has
+      one), and its step within the batches that position allows, not only the loading
+      rank's: an elastic resume deals what every rank left.
+    """
+    world, rank = state["world_size"], state["rank"]
+    ranks: list[dict[str, Any]] | None = state.get("ranks")
+    if ranks is not None:
+        own = ranks[rank]
+        for key in OWN_KEYS:
+            if key in state and state[key] != own[key]:
+                raise ValueError(
+                    f"state 'ranks'[{rank}] {key!r} is {own[key]!r} but the state's own {key!r} "
+                    f"(rank {rank}'s) is {state[key]!r}"
+                )
+    dataset_len, drop_last = int(state["dataset_len"]), bool(state["drop_last"])
+    legacy = state["version"] in LEGACY_VERSIONS
+    deal_state = state.get("deal")
+    deal = (
+        None if deal_state is None else deal_from_state(deal_state, dataset_len, drop_last, legacy)
+    )
+    if isinstance(deal, IntervalDeal):
+        check_deal(deal, world)
+    own_only = ranks is None  # a one-rank state: its own fields are its rank's entry
+    # (A legacy bitmap counts its deal in O(N): counted once, each rank's share from it.)
+    count = None if deal is None else deal.count
+    for r, entry in [(rank, state)] if ranks is None else enumerate(ranks):
+        where = "state" if own_only else f"state 'ranks'[{r}]"
+        if count is None:
+            share = shard_size(dataset_len, world, drop_last)
+        else:  # as Deal.share_len
+            share = count // world + int(r < count % world)
+        position, step = int(entry["position"]), int(entry["step"])
+        if position > share:
+            raise ValueError(
+                f"{where} 'position' {position} is not in 0..{share} (rank {r}'s share of the "
+                f"epoch, of {world} ranks)"
+            )
+        most = position if deal is None else deal.total
+        if step > most:
+            raise ValueError(
+                f"{where} 'step' {step} is not in 0..{most} (batches rank {r} can have taken)"
+            )
+
+
+def check_deal(deal: IntervalDeal, world: int) -> None:
+    """A deal as ``undelivered`` makes them: its first level is the job of ``plan_world``
+    ranks that saved a normal epoch with samples in it, something of it delivered (else the
+    resume starts a normal epoch, not a deal); each later level, and the job of ``world``
+    ranks that holds the deal, is of another world size than the level before (a deal is
+    made only by a resume on another number of ranks)."""
+    first = deal.levels[0]
+    if first.world != deal.plan_world:
+        raise ValueError(
+            f"state 'deal' 'levels'[0] 'world_size' {first.world} is not its "
+            f"'plan_world_size' {deal.plan_world}"
+        )
+    if deal.total == 0:
+        raise ValueError(
+            f"state 'deal' 'plan_world_size' {deal.plan_world} leaves the epoch no sample "
+            "(a deal of an empty epoch is never made)"
+        )
+    if not first.done.any():
+        raise ValueError(
+            "state 'deal' 'levels'[0] 'positions' are all 0: nothing was delivered, and a "
+            "deal is made only once something was"
+        )
+    for i in range(1, len(deal.levels)):
+        if deal.levels[i].world == deal.levels[i - 1].world:
+            raise ValueError(
+                f"state 'deal' 'levels'[{i}] 'world_size' {deal.levels[i].world} is that of "
+                f"the level before (a deal is made only by a resume on another world size)"
+            )
+    if deal.levels[-1].world == world:
+        raise ValueError(
+            f"state 'world_size' {world} is that of its deal's last level (a deal is made "
+            "only by a resume on another world size)"
+        )
 
 
 def check_version(state: Any) -> None:
