@@ -123,7 +123,9 @@ def test_served_validation_is_rfdetrs_own(servers: dict[str, Server]) -> None:
                 mirrored = float(np.abs(pixels - want[:, ::-1]).mean())
                 assert straight < 6 and straight < mirrored / 2, (index, straight, mirrored)
                 x1, y1, x2, y2 = torch.from_numpy(sample["boxes"]).unbind(-1)
-                cxcywh = torch.stack([(x1 + x2) / 2 / w, (y1 + y2) / 2 / h, (x2 - x1) / w, (y2 - y1) / h], -1)
+                cxcywh = torch.stack(
+                    [(x1 + x2) / 2 / w, (y1 + y2) / 2 / h, (x2 - x1) / w, (y2 - y1) / h], -1
+                )
                 torch.testing.assert_close(target["boxes"], cxcywh, atol=1e-5, rtol=0)
                 assert target["labels"].tolist() == [int(c) - 1 for c in sample["labels"]]
     finally:

@@ -133,7 +133,7 @@ def rfdetr_batch(batch: Batch, classes: ClassIndex) -> tuple[Any, list[dict[str,
         boxes = target["boxes"].to(images.device)
         x1, y1, x2, y2 = boxes.unbind(-1)
         cxcywh = torch.stack([(x1 + x2) / 2, (y1 + y2) / 2, x2 - x1, y2 - y1], -1) / scale
-        top, left, h, w = content[i]
+        h, w = content[i][2], content[i][3]
         orig = batch.orig_sizes[i] if batch.orig_sizes and batch.orig_sizes[i][0] else (h, w)
         labels = classes(target["labels"].to(images.device))
         targets.append(
@@ -235,26 +235,14 @@ def train_rfdetr(
     ``eval_interval`` epochs by RF-DETR's COCO evaluation). Returns the data module (its
     clients closed). See the module for what is honoured and what is warned about."""
     try:
-        from rfdetr.detr import _prepare_run_config, _save_training_config
+        from rfdetr.detr import _prepare_run_config
         from rfdetr.training import RFDETRModelModule, build_trainer
-        from rfdetr.utilities.distributed import is_main_process
     except ModuleNotFoundError as exc:
         raise ImportError(
             'train_rfdetr needs RF-DETR\'s training stack: pip install "dataserver[rfdetr]"'
         ) from exc
 
-    for name in IGNORED:
-        if kwargs.get(name) is not None:
-            log.warning("dataserver: RF-DETR argument %s has no effect (the servers load)", name)
-    kwargs = {k: v for k, v in kwargs.items() if k not in ("dataset_dir", "dataset_file")}
-    if kwargs.pop("save_dataset_grids", False):
-        log.warning("dataserver: RF-DETR argument save_dataset_grids has no effect")
-    kwargs["save_dataset_grids"] = False
-    if kwargs.get("multi_scale") in ("per-sample",):
-        log.warning("dataserver: multi_scale='per-sample' is RF-DETR's dataset transform: not run")
-    if kwargs.get("batch_size") == "auto":
-        raise ValueError("train_rfdetr: batch_size='auto' probes RF-DETR's own dataset; give a number")
-
+    kwargs = _checked(kwargs)
     config, accelerator, devices = _prepare_run_config(model, dataset_dir=None, **kwargs)
     datamodule = RFDETRServedDataModule(
         model.model_config, config, train, val, **dict(client_kwargs or {})
@@ -277,8 +265,35 @@ def train_rfdetr(
     trainer = build_trainer(config, model.model_config, **trainer_kwargs)
     trainer.fit(module, datamodule, ckpt_path=config.resume or None)
 
-    # RFDETR.train()'s post-fit steps: weights, args, class names, the saved config.
+    _after_fit(model, module, config, names)
+    return datamodule
+
+
+def _checked(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """RF-DETR's training arguments less those about its own loading (each warned about by
+    name when given); ``save_dataset_grids`` off (it renders RF-DETR's own datasets)."""
+    for name in IGNORED:
+        if kwargs.get(name) is not None:
+            log.warning("dataserver: RF-DETR argument %s has no effect (the servers load)", name)
+    kwargs = {k: v for k, v in kwargs.items() if k not in ("dataset_dir", "dataset_file")}
+    if kwargs.pop("save_dataset_grids", False):
+        log.warning("dataserver: RF-DETR argument save_dataset_grids has no effect")
+    kwargs["save_dataset_grids"] = False
+    if kwargs.get("multi_scale") == "per-sample":
+        log.warning("dataserver: multi_scale='per-sample' is RF-DETR's dataset transform: not run")
+    if kwargs.get("batch_size") == "auto":
+        raise ValueError(
+            "train_rfdetr: batch_size='auto' probes RF-DETR's own dataset; give a number"
+        )
+    return kwargs
+
+
+def _after_fit(model: Any, module: Any, config: Any, names: list[str]) -> None:
+    """``RFDETR.train()``'s post-fit steps: the trained weights onto ``model.model``, its
+    ``args`` from the run's config, class names (explicit ones win), the saved config."""
     from rfdetr._namespace import _namespace_from_configs
+    from rfdetr.detr import _save_training_config
+    from rfdetr.utilities.distributed import is_main_process
 
     model.model.model = module.model
     model.model.args = _namespace_from_configs(model.model_config, config)
@@ -291,4 +306,3 @@ def train_rfdetr(
         model.model.class_names = names
     if is_main_process():
         _save_training_config(config, model.model_config, model.model.class_names)
-    return datamodule
