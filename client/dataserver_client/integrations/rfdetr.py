@@ -63,14 +63,20 @@ Trainer side only (RF-DETR imports torch); nothing in the core imports this modu
 from __future__ import annotations
 
 import logging
+from argparse import Namespace
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from dataserver_client.batch import Batch, content_mask
 from dataserver_client.errors import DataServerError
 from dataserver_client.integrations.lightning import Address, DataServerDataModule
+
+if TYPE_CHECKING:
+    from rfdetr.config import ModelConfig
+    from rfdetr.detr import RFDETR
+    from rfdetr.inference import ModelContext
 
 log = logging.getLogger(__name__)
 
@@ -252,11 +258,8 @@ def train_rfdetr(
     datamodule.setup("validate" if val is not None else "fit")
     names = datamodule.class_names or []
     datamodule.teardown("probe")  # (fit builds its clients anew, on its device)
-    if names and "num_classes" not in getattr(model.model_config, "model_fields_set", set()):
-        model.model_config.num_classes = len(names)
-        args = getattr(model.model, "args", None)
-        if args is not None:
-            args.num_classes = len(names)
+    if names:
+        _align_num_classes(model, len(names))
 
     module = RFDETRModelModule(model.model_config, config)
     trainer_kwargs: dict[str, Any] = {"accelerator": accelerator}
@@ -295,14 +298,30 @@ def _after_fit(model: Any, module: Any, config: Any, names: list[str]) -> None:
     from rfdetr.detr import _save_training_config
     from rfdetr.utilities.distributed import is_main_process
 
-    model.model.model = module.model
-    model.model.args = _namespace_from_configs(model.model_config, config)
-    model._has_been_trained = True
-    model.remove_optimized_model()
+    detector: RFDETR = model
+    context: ModelContext = detector.model
+    context.model = module.model
+    context.args = _namespace_from_configs(detector.model_config, config)
+    detector._has_been_trained = True
+    detector.remove_optimized_model()
     explicit = getattr(config, "class_names", None)
     if explicit is not None:
-        model.model.class_names = explicit
+        context.class_names = explicit
     elif names:
-        model.model.class_names = names
+        context.class_names = names
     if is_main_process():
-        _save_training_config(config, model.model_config, model.model.class_names)
+        _save_training_config(config, detector.model_config, context.class_names)
+
+
+def _align_num_classes(model: Any, classes: int) -> None:
+    """``model_config.num_classes`` (and its ``args``) set to the dataset's class count before
+    the module is built, as ``RFDETR._align_num_classes_from_dataset`` does; an explicit
+    ``num_classes`` is kept."""
+    detector: RFDETR = model
+    cfg: ModelConfig = detector.model_config
+    if classes == cfg.num_classes or "num_classes" in cfg.model_fields_set:
+        return
+    cfg.num_classes = classes
+    args: Namespace | None = getattr(detector.model, "args", None)
+    if args is not None:
+        args.num_classes = classes
