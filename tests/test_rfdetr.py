@@ -131,3 +131,29 @@ def test_served_validation_is_rfdetrs_own(servers: dict[str, Server]) -> None:
     finally:
         dm.teardown("validate")
     assert sorted(seen) == list(range(N // 2))
+
+
+def test_resumes_from_its_checkpoint(servers: dict[str, Server], tmp_path: Path) -> None:
+    """The training client's state rides in RF-DETR's own ``last.ckpt``; ``resume=`` goes on
+    with the next epoch (client and Lightning alike), not a repeat of the first."""
+    kw = dict(
+        batch_size=4, resolution=SIDE, device="cpu", multi_scale=False, use_ema=False,
+        run_test=False, progress_bar=False, output_dir=str(tmp_path),
+    )  # fmt: skip
+    train_rfdetr(RFDETRNano(pretrain_weights=None), servers["train"].address, epochs=1, **kw)
+    last = tmp_path / "last.ckpt"
+    saved = torch.load(last, map_location="cpu", weights_only=False)
+    state = saved["RFDETRServedDataModule"]["client"]
+    assert (saved["epoch"], saved["global_step"]) == (0, N // 4)
+    assert (state["epoch"], state["step"]) == (1, 0)  # the next epoch, from its start
+    train_rfdetr(
+        RFDETRNano(pretrain_weights=None),
+        servers["train"].address,
+        epochs=2,
+        resume=str(last),
+        **kw,
+    )
+    saved = torch.load(last, map_location="cpu", weights_only=False)
+    state = saved["RFDETRServedDataModule"]["client"]
+    assert (saved["epoch"], saved["global_step"]) == (1, 2 * N // 4)
+    assert (state["epoch"], state["step"]) == (2, 0)
