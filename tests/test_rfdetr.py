@@ -13,6 +13,7 @@ import math
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import cv2
 import numpy as np
@@ -136,7 +137,7 @@ def test_served_validation_is_rfdetrs_own(servers: dict[str, Server]) -> None:
 def test_resumes_from_its_checkpoint(servers: dict[str, Server], tmp_path: Path) -> None:
     """The training client's state rides in RF-DETR's own ``last.ckpt``; ``resume=`` goes on
     with the next epoch (client and Lightning alike), not a repeat of the first."""
-    kw = dict(
+    kw: dict[str, Any] = dict(
         batch_size=4, resolution=SIDE, device="cpu", multi_scale=False, use_ema=False,
         run_test=False, progress_bar=False, output_dir=str(tmp_path),
     )  # fmt: skip
