@@ -148,6 +148,13 @@ FOREIGN_OWNERS_ALLOWED: dict[str, str] = {
     "loop's dataloader_iterator, the attribute mmengine's loop reads them from",
     "COCO": "pycocotools' COCO is filled in memory by setting its dataset, then createIndex() "
     "(what its own loadRes does)",
+    "RFDETR": "train_rfdetr ends as RFDETR.train() ends: it marks the detector trained "
+    "(_has_been_trained, what train() sets)",
+    "ModelContext": "RFDETR.train() syncs the trained module, args and class_names onto the "
+    "detector's ModelContext by these attributes; train_rfdetr does the same",
+    "ModelConfig": "RF-DETR aligns num_classes to the dataset by setting it on the pydantic "
+    "ModelConfig before building its module (_align_num_classes_from_dataset)",
+    "Namespace": "RF-DETR's legacy model args are an argparse Namespace it updates in place",
     "os": "os.environ is the process's environment, set before a library or a child reads it",
     "sys": "sys.path and sys.modules are the interpreter's import state, there to be set",
     "tarfile.TarInfo": "tarfile takes a member's header as attributes (info.size = n) before "
