@@ -100,6 +100,8 @@ BASE: dict[str, Any] = {
     "stitch_layout": "spatial",
     "pad_value": 0,
     "letterbox": "top-left",
+    "fit": "letterbox",
+    "augment": True,
     "mosaic_partners": "consume",
     "mosaic_p": 1.0,
     "image_size": [32, 32],
