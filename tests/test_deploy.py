@@ -38,7 +38,7 @@ ALTERNATIVE_HPA = re.compile(
     r"^# --- alternative HorizontalPodAutoscaler \(end\) ---$",
     re.S | re.M,
 )
-# SPEC.md's metric names (server, then trainer side); histograms add _bucket/_sum/_count.
+# The contract's metric names (docs/contract.md, "Metrics": server, then trainer side); histograms add _bucket/_sum/_count.
 METRICS = {
     "dataserver_samples_served_total",
     "dataserver_decode_seconds",

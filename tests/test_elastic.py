@@ -1,4 +1,4 @@
-"""Elastic resume (SPEC "Additions", issue 9 point 7): a state saved by a job of N ranks and
+"""Elastic resume (docs/contract.md, issue 9 point 7): a state saved by a job of N ranks and
 loaded by a job of M != N ranks: together the new ranks deliver exactly the samples the old
 job had not delivered in that epoch, each once, in the saved mode; the next epoch is a
 normal one of M ranks. Delivered means: ``next()`` returned its batch on its rank before

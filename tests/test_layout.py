@@ -102,7 +102,7 @@ def test_the_server_side_never_imports_torch() -> None:
 
 # ---------------------------------------------------------------- who writes what
 #
-# A field is written only by the object that holds it (STYLE.md, DEVELOPERS.md): by its
+# A field is written only by the object that holds it (the house style, DEVELOPERS.md): by its
 # methods, or, for a record (a dataclass or a msgspec Struct), by the code of the module that
 # defines the record. The test below reads every module of both packages and reports, as a
 # write into another object's field:
@@ -474,7 +474,7 @@ def foreign_writes(path: Path) -> list[str]:
 
 def test_no_module_writes_another_objects_fields() -> None:
     """A field is written only by methods of the object that holds it, or for a record by the
-    module that defines it (STYLE.md); in both packages."""
+    module that defines it (the house style); in both packages."""
     found = [
         w
         for base in PACKAGES.values()

@@ -63,7 +63,7 @@ class Resume:
 class DataServerClient:
     """Iterate over one rank's shard of an epoch, assembled into batches on ``device``.
 
-    Guarantees (see SPEC.md): every index of the shard exactly once per epoch, in the
+    Guarantees (see docs/contract.md): every index of the shard exactly once per epoch, in the
     order fixed by (seed, epoch); ``feedback``/``set_mode``/``control`` are honoured by the
     very next batch ``next()`` returns, whatever the prefetch depth; the same seed, epoch
     and feedback sequence give bit-identical batches on any number of workers or servers;
@@ -128,7 +128,7 @@ class DataServerClient:
     server too, the first answer taken (the other cancelled or dropped: every index is
     still delivered once, bit-identical); a server whose answers are several times slower
     than its peers' gets no new work but a probe every half second until it recovers
-    (README, "Slow servers"; ``stats()``: ``hedged``, ``hedge_won``, ``hedging``). With no
+    (docs/failures.md, "Slow servers"; ``stats()``: ``hedged``, ``hedge_won``, ``hedging``). With no
     slow server it hedges a few percent of tasks, on credit left free; ``hedge=False``
     turns both off.
     """

@@ -15,7 +15,7 @@ from dataserver_client.partners import PARTNER_MODES, WINDOW
 from dataserver_client.sizes import SizeSchedule, schedule_of
 
 # The most samples a server may announce (WELCOME's dataset_len) before the client refuses
-# it (SPEC: "``max_dataset_len`` default 2^40"). The epoch order is computed per position
+# it (docs/contract.md: "``max_dataset_len=2**40``"). The epoch order is computed per position
 # (order.py), so a claim costs no memory; what the bound still guards is a server announcing
 # an absurd size by mistake. A dataset beyond it: raise ``max_dataset_len``, up to what the
 # protocol carries at all (WELCOME_MAX_DATASET_LEN; a legacy state's epoch, in the order of

@@ -127,7 +127,7 @@ def quarter_store_gb(images: int, side: int) -> str:
 def larger_than_store(args: argparse.Namespace, spec: str, progress: Progress) -> dict[str, Any]:
     """A dataset 4x the store's bytes (sources at the stored size): epoch 2 onward with a
     store of a quarter of them against ``--cache-gb 0``, on one server each, rounds
-    alternating; the store's hit rate after its first epoch (SPEC: >= 0.97 of no store,
+    alternating; the store's hit rate after its first epoch (docs/contract.md: >= 0.97 of no store,
     hit rate >= 0.9 x store/dataset bytes)."""
     side = args.image_size
     dataset_bytes = synth_bytes(args.images, side)

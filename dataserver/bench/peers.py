@@ -10,7 +10,7 @@ parallelism, in alternating rounds:
   seconds long, not the first second of a new server); ``first_nostore``: the same with
   ``--cache-gb 0``, on the same data, whose difference is what the store's first lap
   costs;
-- ``dataloader``: the tuned ``DataLoader(num_workers=W)`` SPEC describes
+- ``dataloader``: the tuned ``DataLoader(num_workers=W)`` docs/benchmarks.md describes
   (``dataserver.bench.baselines``);
 - ``spdl``: SPDL's pipeline, ``concurrency=W`` (``dataserver.bench.spdl_side``), when the
   ``spdl`` extra is installed;
@@ -176,7 +176,7 @@ def fig_dataloader(args: argparse.Namespace, spec: str, progress: Progress) -> d
         # What filling the store costs a first epoch, CPU per image (same data, same
         # rounds, fresh servers): its pages are fresh memory.
         "store_first_lap_cpu_ms_per_image": round(cpu["default"] - cpu["first_nostore"], 2),
-        # SPEC: default flags' first epoch >= 0.95 of --cache-gb 0's on the same data.
+        # docs/contract.md: default flags' first epoch >= 0.95 of --cache-gb 0's on the same data.
         "default_first_epoch_vs_no_store": round(rate["default"] / rate["first_nostore"], 3),
         # the same, round by round (each pair run one after the other: the machine's drift
         # between rounds cancels)
