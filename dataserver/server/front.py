@@ -471,7 +471,9 @@ class Front:
         self.admin.setsockopt(zmq.MAXMSGSIZE, 4096)
         self.admin.bind(f"ipc://{self._tmpdir}/{adminsock.ADMIN_NAME}")
         self.endpoints["admin"] = self.admin.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._admin_entry = adminsock.register(self.endpoints["data"], self.endpoints["admin"])
+        self._admin_entry = adminsock.register(
+            self.endpoints["data"], self.endpoints["admin"], self.server_id
+        )
 
     def _drain(
         self, sock: zmq.Socket[Any], site: str, handler: Callable[[list[Any]], None]
