@@ -119,6 +119,7 @@ class Reject(StrEnum):
     ADMIN_UNEXPECTED_TYPE = "admin_unexpected_type"
     ADMIN_RATE = "admin_rate"
     SCRAPE_RATE = "scrape_rate"  # (the scrape server's figure, copied in at each report)
+    SCRAPE_TOTAL = "scrape_total"  # ... all peers together over their rate (same)
     # workers (this server's own children)
     WORKER_MALFORMED = "worker_malformed"
     WORKER_UNEXPECTED = "worker_unexpected"

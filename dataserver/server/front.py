@@ -617,6 +617,8 @@ class Front:
             self.counters.record(Count.TASKS_PACED, self.scheduler.paced)
         if self.metrics is not None and self.metrics.rate_refused:
             self.rejected.record(Reject.SCRAPE_RATE, self.metrics.rate_refused)
+        if self.metrics is not None and self.metrics.total_refused:
+            self.rejected.record(Reject.SCRAPE_TOTAL, self.metrics.total_refused)
         config, scheduler, pool = self.config, self.scheduler, self.pool
         draining = self.draining_since
         return ServerView(
