@@ -20,15 +20,36 @@ def fetch_stats(
 ) -> dict[str, Any]:
     """Ask a live server for its counters (raises TimeoutError when it does not answer).
     On the server's own host, as its user, over its admin socket (``adminsock``: never
-    crowded out by other users' STATS), else, or when that does not answer, over
-    ``address``."""
-    admin = adminsock.lookup(address)
-    if admin is not None:
+    crowded out by other users' STATS; trusted only when verified, and its answer only
+    with the ``server_id`` registered), else, or when that does not answer, over
+    ``address``. Where a server of this user is registered at that port here, an answer
+    over ``address`` with another ``server_id`` is refused (``ProtocolError``): another
+    process holds the port of a server that is gone."""
+    expected = adminsock.registered(address)
+    for found in expected:
+        if not found.live:
+            continue
         try:
-            return _ask(admin, timeout, None, None)
+            stats = _ask(found.admin, timeout, None, None)
         except (TimeoutError, ProtocolError, zmq.ZMQError):
-            pass  # (a server that just went, or is replaced: ask over the address)
-    return _ask(address, timeout, curve_server_key, curve_secret_key)
+            continue  # (a server that just went, or is replaced: ask over the address)
+        if stats.get("server_id") != found.server_id:
+            raise ProtocolError(
+                f"the admin socket of server {found.server_id} (pid {found.pid}) answered "
+                f"as {stats.get('server_id')!r}"
+            )
+        return stats
+    stats = _ask(address, timeout, curve_server_key, curve_secret_key)
+    ids = {found.server_id for found in expected}
+    if expected and stats.get("server_id") not in ids:
+        named = ", ".join(
+            f"{f.server_id} (pid {f.pid}, {'running' if f.live else 'gone'})" for f in expected
+        )
+        raise ProtocolError(
+            f"{address} answered as server {stats.get('server_id')!r}, but the server "
+            f"registered at that port on this host is {named}: another process holds the port"
+        )
+    return stats
 
 
 def _ask(

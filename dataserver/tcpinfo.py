@@ -116,6 +116,25 @@ def loopback_uid(fd: int) -> int | None:
     return _diag_uid(family, peer, ours)
 
 
+def peer_key(fd: int) -> str | None:
+    """Who is at the other end of TCP socket ``fd``, for a bound that charges a peer:
+    ``uid:N`` over loopback (every local user shares 127.0.0.1), else its address; None
+    when it is not a connected TCP socket."""
+    try:
+        sock = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return None
+    with sock:
+        try:
+            if sock.family not in (socket.AF_INET, socket.AF_INET6):
+                return None
+            host = str(sock.getpeername()[0])
+        except OSError:
+            return None
+    uid = loopback_uid(fd)
+    return host if uid is None else f"uid:{uid}"
+
+
 def _packed(family: int, host: str) -> bytes:
     return socket.inet_pton(family, host).ljust(16, b"\x00")
 

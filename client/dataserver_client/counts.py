@@ -75,6 +75,7 @@ class Reject(StrEnum):
     OTHER_SESSION = "other_session"
     FROM_BANNED_SERVER = "from_banned_server"
     UNFINISHED_MESSAGE = "unfinished_message"  # a server's message over our bound
+    TOO_MANY_FRAMES = "too_many_frames"  # a message of more than MAX_FRAMES (left unread)
     # a server's answer that is wrong (the server is banned: ``bad_server``)
     WRONG_ANSWER = "wrong_answer"
     LANDED_UNSEALED = "landed_unsealed"

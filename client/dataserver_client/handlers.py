@@ -53,7 +53,7 @@ from dataserver_client.links import (
     ServerLink,
     WelcomeProblem,
 )
-from dataserver_client.receive import WrongAnswer, receive
+from dataserver_client.receive import TooManyFrames, WrongAnswer, receive
 
 log = logging.getLogger("dataserver_client")
 
@@ -127,6 +127,12 @@ class Handlers:
                 self.counters.count(Count.WELCOME_HELD)
                 self._held.add(link)
                 continue
+            except TooManyFrames as exc:  # the socket is in the middle of it: closed
+                self.rejected.count(Reject.TOO_MANY_FRAMES)
+                if link.state is LinkState.BANNED:  # (banned before: closed all the same)
+                    self._resets.append(link)
+                self._bad_server(link, f"it sent {exc}")
+                return
             except WrongAnswer as exc:  # well-formed, for a task we want, and wrong
                 link.heard()
                 self.rejected.count(Reject.WRONG_ANSWER)

@@ -24,6 +24,18 @@ dead worker) gets ``EMFILE``. This module keeps that bounded:
     libzmq holds of a message not yet complete. Over ``max_unfinished`` the connection is
     shut down: libzmq bounds a frame (``MAXMSGSIZE``), not the frames of a message, and a
     multipart message that never ends held 1 GiB in the front.
+  - **weighed by frames** (issue 40): libzmq keeps a ``zmq_msg_t`` (64 bytes) for every
+    frame, and an empty frame is 2 bytes on the wire: 8 MB of unfinished empty frames grew
+    the front by 244 MiB while the byte bound (32 MiB) saw 8 MB. The unfinished bytes are
+    weighed at the worst case, ``WEIGHT`` (32) bytes of memory each, against
+    ``max_unfinished`` and ``total_unfinished``; a whole message is credited its exact
+    bytes on the wire (``wire_bytes``), never more, so the credit many tiny messages
+    earned (64 a frame read, 2 sent) cannot hide a later unfinished one.
+  - **too many frames** (``read_message``): a message of more than ``MAX_FRAMES`` frames is
+    never taken whole: at the first frame too many its connection is shut down, its peer
+    (the uid over loopback, else the address) barred for ``BAR_S`` (its new connections
+    shut down as they come), and the rest read off and dropped. One message of 500,000
+    empty frames a second took the front's whole core (~2 us a frame read).
   - **the cap** (``fd_budget``: the fd limit less a reserve for the workers, at most a few
     per session): one connection too many shuts down another, never the newcomer while
     another can go: first the one untied to a live session for longest (a peer that
@@ -37,6 +49,7 @@ import logging
 import os
 import resource
 import socket
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -44,12 +57,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from dataserver.counting import Counts
 from dataserver.fdlimit import raise_fd_limit as _raise_fd_limit
+from dataserver.protocol import MAX_FRAMES
 from dataserver.server.counts import Dropped, Reject, Tracked, dropped
 from dataserver.tcpinfo import libc as _c
-from dataserver.tcpinfo import loopback_uid, malloc_trim
+from dataserver.tcpinfo import loopback_uid, malloc_trim, peer_key
 from dataserver.tcpinfo import peer_of as _peer
 from dataserver.tcpinfo import tcp_info as _tcp_info
 
@@ -57,7 +72,12 @@ log = logging.getLogger("dataserver.conns")
 
 CHECK_S = 1.0  # how often connections are looked at ...
 CHECKS_PER_S = 4000  # ... but no more than this many looks a second (then each less often)
-FRAME_BYTES = 64  # a frame's header and, with CURVE, its box: counted as consumed with it
+FRAME_COST = 64  # what libzmq keeps of every frame it holds (a zmq_msg_t in its pipe)
+MIN_FRAME_WIRE = 2  # the fewest bytes a frame takes on the wire (an empty one's header)
+WEIGHT = FRAME_COST // MIN_FRAME_WIRE  # memory an unfinished byte may cost, at worst
+CURVE_BOX = 33  # a CURVE MESSAGE's own bytes: name (8), nonce (8), MAC (16), flags (1)
+CUT_KEPT_S = 10.0  # a connection shut down for what it held is remembered so long
+BAR_S = 60.0  # a peer that sent a message of too many frames: its connections refused so long
 HANDSHAKE_BYTES = 4096  # the ZMTP greeting and handshake (CURVE's included), before messages
 PING_BYTES_PER_S = 16  # ZMTP PINGs and PONGs a live peer sends (one of ~9 bytes every few s)
 UNFINISHED_TOTAL = 256 << 20  # the bytes of unfinished messages all connections may hold
@@ -117,6 +137,39 @@ def fd_budget(soft_limit: int, workers: int, max_sessions: int) -> int:
     return max(8, min(soft_limit - reserve, CONNS_PER_SESSION * max_sessions + 256))
 
 
+def wire_bytes(size: int, curve: bool = False) -> int:
+    """The bytes a frame of ``size`` bytes took on the wire (ZMTP 3: a 2-byte header to
+    255 bytes, 9 above; with CURVE, a MESSAGE command boxing it)."""
+    body = size + CURVE_BOX if curve else size
+    return body + (2 if body < 256 else 9)
+
+
+def _srcfd(frame: Any) -> int:
+    try:
+        return int(frame.get(zmq.SRCFD))
+    except (zmq.ZMQError, AttributeError, TypeError, ValueError):
+        return -1
+
+
+def read_message(
+    sock: zmq.Socket[Any], skip: int, flooded: Callable[[int], None]
+) -> list[Any] | None:
+    """The next whole message on ``sock`` (``zmq.Again`` when none), read a frame at a
+    time: ``skip`` frames the socket adds (a ROUTER's identity) and at most ``MAX_FRAMES``
+    of the peer's. At the first frame beyond, ``flooded(fd)`` is told the connection (to
+    shut it down before more comes), the rest is read off and dropped, and None returned."""
+    frames = [sock.recv(zmq.NOBLOCK, copy=False)]
+    while frames[-1].more:
+        if len(frames) >= MAX_FRAMES + skip:
+            flooded(_srcfd(frames[-1]))
+            frames.clear()
+            while sock.getsockopt(zmq.RCVMORE):  # (~2 us a frame: the peer pays no more)
+                sock.recv()
+            return None
+        frames.append(sock.recv(copy=False))
+    return frames
+
+
 def _shutdown(fd: int, peer: bytes) -> bool:
     """Shut down socket ``fd`` if it still leads to ``peer`` (True: it was)."""
     try:
@@ -133,6 +186,97 @@ def _shutdown(fd: int, peer: bytes) -> bool:
             os.close(dup)
 
 
+class Barred:
+    """Peers (``tcpinfo.peer_key``) that sent a message of too many frames, each until
+    ``BAR_S`` after its last: their new connections are shut down as they come. Shared by
+    the loop and a ``Gate``'s thread (a lock)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._until: dict[str, float] = {}
+
+    def bar(self, key: str, now: float) -> bool:
+        """Bar ``key`` from ``now``; whether it was not barred already."""
+        with self._lock:
+            new = key not in self._until
+            self._until[key] = now + BAR_S
+            return new
+
+    def holds(self, fd: int, now: float) -> bool:
+        """Whether connection ``fd`` is a barred peer's (asked of the kernel only while
+        some peer is barred)."""
+        with self._lock:
+            for gone in [k for k, until in self._until.items() if until <= now]:
+                del self._until[gone]
+            if not self._until:
+                return False
+        key = peer_key(fd)
+        with self._lock:
+            return key is not None and key in self._until
+
+
+class Gate:
+    """A public socket's monitor read by a thread of its own: a barred peer's new
+    connection is shut down the moment it is accepted, even while the loop is busy reading
+    off a message of too many frames that came before the bar (~2 us a frame): a peer
+    that reconnected at once had its next message whole before the loop saw the
+    connection. Every event goes on, in order, to ``events`` (an inproc PAIR the loop
+    polls as it polled the monitor); a connection shut down here carries a third frame,
+    ``BARRED``."""
+
+    BARRED = b"barred"
+
+    def __init__(self, ctx: zmq.Context[Any], monitor: zmq.Socket[Any], barred: Barred) -> None:
+        self._monitor = monitor
+        self._barred = barred
+        endpoint = f"inproc://dataserver-gate-{id(self):x}"
+        self.events = ctx.socket(zmq.PAIR)
+        self.events.setsockopt(zmq.RCVHWM, 0)  # (events are small; none may be lost)
+        self.events.setsockopt(zmq.LINGER, 0)
+        self.events.bind(endpoint)
+        self._out = ctx.socket(zmq.PAIR)
+        self._out.setsockopt(zmq.SNDHWM, 0)
+        self._out.setsockopt(zmq.LINGER, 0)
+        self._out.connect(endpoint)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="conn-gate", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._monitor, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                if not poller.poll(250):
+                    continue
+                for _ in range(4096):
+                    try:
+                        frames = self._monitor.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self._out.send_multipart(self._judged(frames))
+        except zmq.ZMQError:  # (the context is going: the server stops)
+            pass
+        finally:
+            self._out.close(linger=0)
+            self._monitor.close(linger=0)
+
+    def _judged(self, frames: list[bytes]) -> list[bytes]:
+        event = parse_monitor_message(frames)
+        if event["event"] == zmq.EVENT_ACCEPTED:
+            fd = int(event["value"])
+            if self._barred.holds(fd, time.monotonic()):
+                peer = _peer(fd)
+                if peer is not None and _shutdown(fd, peer):
+                    return [*frames, self.BARRED]
+        return frames
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.events.close(linger=0)
+
+
 @dataclass
 class Conn:
     socket: Tracked
@@ -147,6 +291,9 @@ class Conn:
     # asked of the kernel the first time a cap needs it (``ConnTracker.peer_of``).
     uid: int | None = None
     uid_asked: bool = False
+    # Who it is for a bar (``tcpinfo.peer_key``), asked when it is shut down for what it
+    # held (it must be asked while the connection is there).
+    key: str | None = None
 
     def unfinished(self, now: float) -> int:
         """The bytes libzmq holds of messages not read yet (an estimate from above: what
@@ -156,13 +303,22 @@ class Conn:
         slack = HANDSHAKE_BYTES + PING_BYTES_PER_S * int(now - self.accepted + 1)
         return max(0, self.received - self.base - self.consumed - slack)
 
+    def weight(self, now: float) -> int:
+        """What its unfinished bytes may cost the process at worst: each a frame's share
+        (``WEIGHT``: an empty frame is 2 bytes sent and 64 kept)."""
+        return WEIGHT * self.unfinished(now)
+
 
 class ConnTracker:
-    """Every TCP connection peers hold on the public sockets, by fd; idle ones, ones
-    holding more than ``max_unfinished`` bytes of unfinished messages and ones beyond
-    ``limit`` are shut down. Counted in ``rejected`` (``counts.dropped``):
-    ``<socket>_idle_dropped``, ``<socket>_unfinished_dropped``, ``<socket>_over_limit_dropped``. ``live``: whether a
-    session id is still open (a connection tied to a closed one counts as untied)."""
+    """Every TCP connection peers hold on the public sockets, by fd; idle ones, ones whose
+    unfinished messages may cost more than ``max_unfinished`` bytes (``Conn.weight``), ones
+    beyond ``limit``, ones that sent a message of too many frames (``flooded``) and new ones
+    of a peer barred for that are shut down. Counted in ``rejected`` (``counts.dropped``):
+    ``<socket>_idle_dropped``, ``<socket>_unfinished_dropped``,
+    ``<socket>_over_limit_dropped``, ``<socket>_frames_dropped``,
+    ``<socket>_barred_dropped``. ``live``: whether a session id is still open (a
+    connection tied to a closed one counts as untied). ``curve``: its socket's frames come
+    boxed (``wire_bytes``)."""
 
     def __init__(
         self,
@@ -173,8 +329,14 @@ class ConnTracker:
         live: Callable[[bytes], bool] = lambda session: False,
         total_unfinished: int = UNFINISHED_TOTAL,
         every: float = CHECK_S,
+        curve: bool = False,
+        barred: Barred | None = None,
     ) -> None:
         self.idle_timeout = idle_timeout
+        self.curve = curve
+        # Peers that sent a message of too many frames: their connections are shut down
+        # as they come (``BAR_S``; a ``Gate`` may share it).
+        self.barred = Barred() if barred is None else barred
         self.limit = limit
         self._rejected = rejected
         self.max_unfinished = max_unfinished
@@ -196,6 +358,9 @@ class ConnTracker:
         self._trim_after: float | None = None
         self.trims = 0
         self._warned = False
+        # Connections shut down for what they held, by fd, and when: a message of too many
+        # frames read off after its connection was cut is its peer's (``flooded``).
+        self._cut: dict[int, tuple[Conn, float]] = {}
 
     def accepted(self, name: Tracked, fd: int, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
@@ -203,6 +368,11 @@ class ConnTracker:
         info = _tcp_info(fd) if peer is not None else None
         if peer is None or info is None:  # ipc, or gone already: nothing to judge it by
             self.conns.pop(fd, None)
+            return
+        if self.barred.holds(fd, now):
+            self.conns.pop(fd, None)
+            if _shutdown(fd, peer):
+                self._rejected.count(dropped(name, "barred_dropped"))
             return
         conn = self.conns[fd] = Conn(name, peer, now, now, info[1], info[1])
         self._order.append((fd, conn))
@@ -213,14 +383,41 @@ class ConnTracker:
         """A message was read (``frames``, of which the first ``skip`` were added by the
         socket, a ROUTER's identity): count its bytes as consumed on its connection. The
         connection's fd, or -1 (ipc, or unknown)."""
-        try:
-            fd = int(frames[-1].get(zmq.SRCFD))
-        except (zmq.ZMQError, AttributeError, TypeError, ValueError):
+        fd = _srcfd(frames[-1])
+        if fd < 0:
             return -1
         conn = self.conns.get(fd)
-        if conn is not None:
-            conn.consumed += sum(len(f) + FRAME_BYTES for f in frames[skip:])
+        if conn is not None:  # (its exact bytes: more would hide an unfinished message)
+            conn.consumed += sum(wire_bytes(len(f), self.curve) for f in frames[skip:])
         return fd
+
+    def flooded(self, name: Tracked, fd: int, now: float | None = None) -> None:
+        """Connection ``fd`` of socket ``name`` sent a message of more than ``MAX_FRAMES``
+        frames (counted ``<name>_frames_dropped``, whether or not it was shut down for
+        what it held already): shut it down and bar its peer for ``BAR_S`` (``accepted``
+        and a ``Gate`` refuse its new connections)."""
+        now = time.monotonic() if now is None else now
+        cut = self._cut.get(fd)
+        conn = cut[0] if cut is not None else self.conns.get(fd)
+        key = conn.key if conn is not None and conn.key is not None else None
+        if key is None and (fd in self.conns or (conn is None and fd >= 0)):
+            key = peer_key(fd)  # (a connection this loop has not seen accepted yet, too)
+        if key is not None and self.barred.bar(key, now):
+            log.warning(
+                "%s sent a message of more than %d frames: its connections are refused for %g s",
+                key,
+                MAX_FRAMES,
+                BAR_S,
+            )
+        self._rejected.count(dropped(name, "frames_dropped"))
+        if fd in self.conns:
+            self._held.pop(fd, None)
+            live = self.conns.pop(fd)
+            live.key = key
+            if _shutdown(fd, live.peer):
+                self._cut[fd] = (live, now)
+        elif conn is None and fd >= 0 and (peer := _peer(fd)) is not None:
+            _shutdown(fd, peer)
 
     def peer_of(self, fd: int, address: str) -> str:
         """Who connection ``fd`` (of remote ``address``) is, for the caps that charge a
@@ -247,11 +444,19 @@ class ConnTracker:
         self._held.pop(fd, None)
         if self.conns.pop(fd, None) is not None:
             self._disconnects += 1
+        if fd in self._cut:
+            # One shut down for what it held has gone: libzmq frees its frames as the
+            # socket's thread takes the news, trim after that (not TRIM_S later).
+            self._trim_after = time.monotonic() + self.every / 2
 
     def _drop(self, fd: int, reason: Dropped) -> None:
         self._held.pop(fd, None)
         conn = self.conns.pop(fd)
+        if reason == "unfinished_dropped":
+            conn.key = peer_key(fd)
         if _shutdown(fd, conn.peer):
+            if reason == "unfinished_dropped":
+                self._cut[fd] = (conn, time.monotonic())
             self._rejected.count(dropped(conn.socket, reason))
             log.info("%s connection fd %d: %s; shut down", conn.socket, fd, reason)
 
@@ -303,6 +508,8 @@ class ConnTracker:
                 if fd in self.conns:
                     self._drop(fd, "unfinished_dropped")
                 self._trim_after = now + self.every / 2
+        for fd in [fd for fd, (_, when) in self._cut.items() if now - when > CUT_KEPT_S]:
+            del self._cut[fd]
         soon = self._trim_after is not None and now >= self._trim_after
         if soon or (self._disconnects and now >= self._next_trim):
             self._disconnects = 0
@@ -357,7 +564,7 @@ class ConnTracker:
         if now - conn.active > self.idle_timeout:
             self._drop(fd, "idle_dropped")
             return 0
-        held = conn.unfinished(now)
+        held = conn.weight(now)
         if held > self.max_unfinished:
             self._drop(fd, "unfinished_dropped")
             self._trim_after = now + self.every / 2

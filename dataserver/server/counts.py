@@ -21,7 +21,9 @@ from typing import Literal, get_args
 
 Watched = Literal["data", "control"]  # the front's public sockets (their monitors)
 Tracked = Literal["data", "control", "results"]  # sockets a ConnTracker judges
-Dropped = Literal["idle_dropped", "over_limit_dropped", "unfinished_dropped"]
+Dropped = Literal[
+    "idle_dropped", "over_limit_dropped", "unfinished_dropped", "frames_dropped", "barred_dropped"
+]
 LandingRefusal = Literal["fd", "peer", "silent", "mac"]
 
 
@@ -117,6 +119,7 @@ class Reject(StrEnum):
     ADMIN_UNEXPECTED_TYPE = "admin_unexpected_type"
     ADMIN_RATE = "admin_rate"
     SCRAPE_RATE = "scrape_rate"  # (the scrape server's figure, copied in at each report)
+    SCRAPE_TOTAL = "scrape_total"  # ... all peers together over their rate (same)
     # workers (this server's own children)
     WORKER_MALFORMED = "worker_malformed"
     WORKER_UNEXPECTED = "worker_unexpected"
@@ -129,12 +132,18 @@ class Reject(StrEnum):
     DATA_IDLE_DROPPED = "data_idle_dropped"
     DATA_OVER_LIMIT_DROPPED = "data_over_limit_dropped"
     DATA_UNFINISHED_DROPPED = "data_unfinished_dropped"
+    DATA_FRAMES_DROPPED = "data_frames_dropped"  # a message of too many frames
+    DATA_BARRED_DROPPED = "data_barred_dropped"  # its peer barred for that
     CONTROL_IDLE_DROPPED = "control_idle_dropped"
     CONTROL_OVER_LIMIT_DROPPED = "control_over_limit_dropped"
     CONTROL_UNFINISHED_DROPPED = "control_unfinished_dropped"
+    CONTROL_FRAMES_DROPPED = "control_frames_dropped"  # a message of too many frames
+    CONTROL_BARRED_DROPPED = "control_barred_dropped"  # its peer barred for that
     RESULTS_IDLE_DROPPED = "results_idle_dropped"
     RESULTS_OVER_LIMIT_DROPPED = "results_over_limit_dropped"
     RESULTS_UNFINISHED_DROPPED = "results_unfinished_dropped"
+    RESULTS_FRAMES_DROPPED = "results_frames_dropped"  # a message of too many frames
+    RESULTS_BARRED_DROPPED = "results_barred_dropped"  # its peer barred for that
 
 
 @unique

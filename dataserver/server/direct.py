@@ -38,7 +38,7 @@ from dataserver.counting import Counts
 from dataserver.protocol import Hello, ProtocolError, Result, decode
 from dataserver.security import CLAIM_S, owns, reply_id, start_server_curve
 from dataserver.server.config import bindable
-from dataserver.server.conns import CHECK_S, ConnTracker, peer_socket_options
+from dataserver.server.conns import CHECK_S, ConnTracker, peer_socket_options, read_message
 from dataserver.server.counts import Reject
 from dataserver.server.outbox import Outbox, tracked
 
@@ -56,7 +56,9 @@ class ResultConns:
     and judged by a thread of their own. The worker's thread reports what it reads
     (``read``, ``heard``) and learns which connections dropped (``gone``)."""
 
-    def __init__(self, sock: zmq.Socket[Any], idle_timeout: float, limit: int) -> None:
+    def __init__(
+        self, sock: zmq.Socket[Any], idle_timeout: float, limit: int, curve: bool = False
+    ) -> None:
         self.lock = threading.Lock()
         self._dropped = Counts(Reject)  # ``results_<reason>``, since ``take_dropped``
         self.tracker = ConnTracker(
@@ -67,6 +69,7 @@ class ResultConns:
             live=lambda name: True,  # a claim is a live session's (its secret checked)
             total_unfinished=RESULTS_UNFINISHED_TOTAL,
             every=CHECK_S / 4,  # (an unfinished message grows at the sender's pace)
+            curve=curve,
         )
         self.monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
         self._gone: list[int] = []  # fds dropped since the worker's thread last asked
@@ -100,6 +103,11 @@ class ResultConns:
         """A message came (a ROUTER's: the first frame is the name): its connection's fd."""
         with self.lock:
             return self.tracker.read(frames, skip=1)
+
+    def flooded(self, fd: int) -> None:
+        """Connection ``fd`` sent a message of too many frames (``ConnTracker.flooded``)."""
+        with self.lock:
+            self.tracker.flooded("results", fd)
 
     def heard(self, fd: int, name: bytes) -> None:
         with self.lock:
@@ -148,7 +156,7 @@ class DirectResults:
         self.auth = None
         if curve is not None:
             self.auth = start_server_curve(ctx, curve[0], curve[1], [self.sock])
-        self.conns = ResultConns(self.sock, idle_timeout, limit)
+        self.conns = ResultConns(self.sock, idle_timeout, limit, curve is not None)
         self.sock.bind(bindable(bind))
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         # Clients on this host connect here instead (a unix socket: about 40% less CPU per
@@ -165,10 +173,12 @@ class DirectResults:
             for name in [name for name, at in self.claims.items() if at == fd]:
                 del self.claims[name]
         for _ in range(256):
-            try:
-                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            try:  # (a frame at a time, at most MAX_FRAMES: ``conns.read_message``)
+                frames = read_message(self.sock, 1, self.conns.flooded)
             except zmq.Again:
                 return
+            if frames is None:
+                continue
             fd = self.conns.read(frames)
             if len(frames) >= 2:
                 self._claim(frames, fd)

@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 import zmq
-from zmq.utils.monitor import recv_monitor_message
+from zmq.utils.monitor import parse_monitor_message
 
 from dataserver import adminsock
 from dataserver.counting import Counts
@@ -49,7 +49,14 @@ from dataserver.server.beats import BeatRule
 from dataserver.server.capacity import session_cap
 from dataserver.server.clients import Clients
 from dataserver.server.config import ServerConfig, WorkerConfig, bindable, results_bind
-from dataserver.server.conns import ConnTracker, fd_budget, fd_limit, peer_socket_options
+from dataserver.server.conns import (
+    ConnTracker,
+    Gate,
+    fd_budget,
+    fd_limit,
+    peer_socket_options,
+    read_message,
+)
 from dataserver.server.counts import (
     Count,
     Reject,
@@ -57,6 +64,7 @@ from dataserver.server.counts import (
     bad_handshake,
     connections,
     disconnects,
+    dropped,
     not_authorized,
 )
 from dataserver.server.memory import memory_room
@@ -185,6 +193,7 @@ class Front:
         self.draining_since: float | None = None
         self._announced = False
         self._auth: Any = None
+        self._gates: dict[Watched, Gate] = {}  # the public sockets' monitors (``_start``)
         self._admin_entry: Path | None = None
         self._admin_rate = TokenBucket(ADMIN_RATE, 2 * ADMIN_RATE)
         self._tmpdir = tempfile.mkdtemp(prefix="ds-")
@@ -216,6 +225,7 @@ class Front:
             self.rejected,
             MAX_UNFINISHED,
             live=lambda session: session in self.scheduler.sessions,
+            curve=config.curve is not None,
         )
         self.clients = Clients(
             config,
@@ -379,6 +389,10 @@ class Front:
                 lambda: self._published, self.config.metrics_port, self.config.metrics_host()
             )
         self.pool.start(self.n_workers)
+        watched: dict[Watched, zmq.Socket[Any]] = {"data": self.data, "control": self.control_sock}
+        for name, sock in watched.items():
+            monitor = sock.get_monitor_socket(MONITORED)
+            self._gates[name] = Gate(ctx, monitor, self.conns.barred)
         self._poller = _Poller(
             {
                 self.backend: ("front.backend", self.workers.on_message),
@@ -388,10 +402,9 @@ class Front:
             },
             # Connection-level events on the public sockets: failed handshakes (raw TCP
             # junk, wrong socket types, CURVE refusals) never reach the loop as messages.
-            {
-                self.data.get_monitor_socket(MONITORED): "data",
-                self.control_sock.get_monitor_socket(MONITORED): "control",
-            },
+            # Each read by a ``Gate`` of its own first (a barred peer's connection shut
+            # down at once, whatever the loop is doing), its events passed on in order.
+            {gate.events: name for name, gate in self._gates.items()},
         )
 
     def _close(self, ctx: zmq.Context[Any]) -> None:
@@ -458,14 +471,28 @@ class Front:
         self.admin.setsockopt(zmq.MAXMSGSIZE, 4096)
         self.admin.bind(f"ipc://{self._tmpdir}/{adminsock.ADMIN_NAME}")
         self.endpoints["admin"] = self.admin.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._admin_entry = adminsock.register(self.endpoints["data"], self.endpoints["admin"])
+        self._admin_entry = adminsock.register(
+            self.endpoints["data"], self.endpoints["admin"], self.server_id
+        )
 
     def _drain(
         self, sock: zmq.Socket[Any], site: str, handler: Callable[[list[Any]], None]
     ) -> None:
+        # The public sockets' messages a frame at a time, never more than MAX_FRAMES of
+        # them (``conns.read_message``: a peer's message of 500,000 empty frames took the
+        # whole core); the workers' and the admin socket's (ipc, this user's) whole.
+        public: Watched | None = (
+            "data" if sock is self.data else "control" if sock is self.control_sock else None
+        )
+        skip = 1 if public == "data" else 0
         for _ in range(DRAIN):
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                if public is not None:
+                    frames = read_message(sock, skip, partial(self.conns.flooded, public))
+                    if frames is None:
+                        continue
+                else:
+                    frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
             self.guard.run(site, handler, frames)
@@ -473,10 +500,15 @@ class Front:
     def _on_monitor(self, monitor: zmq.Socket[Any], name: Watched) -> None:
         for _ in range(DRAIN):  # a flood of connects must not keep the loop from the rest
             try:
-                event = recv_monitor_message(monitor, zmq.NOBLOCK)
+                frames = monitor.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
+            event = parse_monitor_message(frames[:2])
             kind = event["event"]
+            if frames[2:] == [Gate.BARRED]:  # (its Gate shut it down: a barred peer's)
+                self.counters.count(connections(name))
+                self.rejected.count(dropped(name, "barred_dropped"))
+                continue
             if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
                 self.rejected.count(not_authorized(name))
             elif kind in (
@@ -499,6 +531,8 @@ class Front:
         try:
             self.pool.stop()
         finally:
+            for gate in self._gates.values():
+                gate.close()
             if self._auth is not None:
                 self._auth.stop()
             # After a drain, give the last results the front forwards a moment to leave.
@@ -583,6 +617,8 @@ class Front:
             self.counters.record(Count.TASKS_PACED, self.scheduler.paced)
         if self.metrics is not None and self.metrics.rate_refused:
             self.rejected.record(Reject.SCRAPE_RATE, self.metrics.rate_refused)
+        if self.metrics is not None and self.metrics.total_refused:
+            self.rejected.record(Reject.SCRAPE_TOTAL, self.metrics.total_refused)
         config, scheduler, pool = self.config, self.scheduler, self.pool
         draining = self.draining_since
         return ServerView(

@@ -207,6 +207,11 @@ class ServerMetrics:
         """Scrape connections closed unanswered: their peer over its rate."""
         return self._server.rate_refused if self._server is not None else 0
 
+    @property
+    def total_refused(self) -> int:
+        """Scrape connections closed unanswered: all peers together over their rate."""
+        return self._server.total_refused if self._server is not None else 0
+
     def stop(self) -> None:
         """Stop answering scrapes (idempotent)."""
         server, self._server = self._server, None

@@ -124,6 +124,8 @@ class WorkerRouter:
             (Reject.RESULTS_IDLE_DROPPED, msg.idle_dropped),
             (Reject.RESULTS_OVER_LIMIT_DROPPED, msg.over_limit_dropped),
             (Reject.RESULTS_UNFINISHED_DROPPED, msg.unfinished_dropped),
+            (Reject.RESULTS_FRAMES_DROPPED, msg.frames_dropped),
+            (Reject.RESULTS_BARRED_DROPPED, msg.barred_dropped),
         ):
             if n:
                 self.rejected.count(name, n)

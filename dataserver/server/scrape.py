@@ -9,9 +9,14 @@ hold threads and fds without bound. This one runs a ``selectors`` loop in one th
   it is closed (a client that trickles its request, or never reads, costs no more);
 - the body is rendered by ``render()`` at most every ``RENDER_EVERY_S`` seconds: a flood
   of scrapes costs the front's state one read per period, not one per scrape;
-- each peer (remote address) is answered at most ``PEER_RATE`` times a second (bursts of
-  ``PEER_BURST``; Prometheus scrapes every 15 s); a connection over its peer's rate is
-  closed as it is accepted, nothing read or written (``rate_refused``), and past
+- each peer (the uid at the other end of a loopback connection, else the remote address:
+  ``tcpinfo.peer_key``; uid 65534 scraping from 127.0.0.1 halved the operator's scrapes,
+  and scraping from 240 loopback addresses cost +0.45-0.81 of a core) is answered at most
+  ``PEER_RATE`` times a second (bursts of ``PEER_BURST``; Prometheus scrapes every 15 s),
+  and all peers together at most ``TOTAL_RATE`` (``TOTAL_BURST``), a peer quiet for 2 s
+  (its bucket full: a scraper, not a flood) from a small reserve of its own when that is
+  spent (``QUIET_RATE``); a connection over a rate is closed as it is accepted, nothing
+  read or written (``rate_refused``, ``total_refused``), and past
   ``REFUSED_PAUSE`` of those in a second the listener is left alone for ``PAUSE_S`` (the
   kernel's backlog holds or refuses the rest), so a flood costs the front's process a
   bounded share of a core whatever its rate: 16 threads scraping as fast as they could
@@ -33,6 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from dataserver.server.statsview import TokenBucket
+from dataserver.tcpinfo import peer_key
 
 log = logging.getLogger("dataserver.metrics")
 
@@ -43,6 +49,9 @@ RENDER_EVERY_S = 0.5
 MAX_REQUEST = 8192  # bytes of request line and headers
 PEER_RATE = 50.0  # scrapes answered a second, per peer (a test polling at 20 Hz fits) ...
 PEER_BURST = 100.0  # ... at most this many at once
+TOTAL_RATE = 100.0  # scrapes answered a second, all peers together ...
+TOTAL_BURST = 200.0  # ... at most this many at once
+QUIET_RATE = 10.0  # ... and beyond, for peers that scraped nothing for 2 s (bursts of 20)
 MAX_PEERS = 4096  # peers whose rate is remembered (the least recently seen go)
 REFUSED_PAUSE = 50  # connections refused for their rate in a second before a pause
 PAUSE_S = 0.25
@@ -92,6 +101,9 @@ class ScrapeServer:
         self.refused = 0  # connections closed for a newer one: over MAX_CONNS
         self.timed_out = 0
         self.rate_refused = 0  # connections closed at once: their peer over PEER_RATE
+        self.total_refused = 0  # ... all peers together over TOTAL_RATE
+        self._total = TokenBucket(TOTAL_RATE, TOTAL_BURST)
+        self._quiet = TokenBucket(QUIET_RATE, 2 * QUIET_RATE)
         self._peers: OrderedDict[str, TokenBucket] = OrderedDict()
         self._window = (0.0, 0)  # (its start, connections refused for their rate in it)
         self._thread = threading.Thread(target=self._run, name="metrics-http", daemon=True)
@@ -160,11 +172,11 @@ class ScrapeServer:
         self._accept_paused_until = until
 
     def _within_rate(self, sock: socket.socket, now: float) -> bool:
-        """Whether the peer of the connection just accepted may be answered now; past
-        ``REFUSED_PAUSE`` refusals in a second, accepting pauses for ``PAUSE_S``."""
-        try:
-            peer = str(sock.getpeername()[0])
-        except OSError:
+        """Whether the peer of the connection just accepted may be answered now (its
+        rate, and all peers' together); past ``REFUSED_PAUSE`` refusals in a second,
+        accepting pauses for ``PAUSE_S``."""
+        peer = peer_key(sock.fileno())
+        if peer is None:
             return False
         bucket = self._peers.get(peer)
         if bucket is None:
@@ -173,9 +185,13 @@ class ScrapeServer:
                 self._peers.popitem(last=False)
         else:
             self._peers.move_to_end(peer)
+        quiet = bucket.full(now)
         if bucket.take(now):
-            return True
-        self.rate_refused += 1
+            if self._total.take(now) or (quiet and self._quiet.take(now)):
+                return True
+            self.total_refused += 1
+        else:
+            self.rate_refused += 1
         start, refused = self._window
         if now - start >= 1.0:
             start, refused = now, 0

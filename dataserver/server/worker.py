@@ -267,6 +267,8 @@ class Worker:
                 idle_dropped=dropped.get(Reject.RESULTS_IDLE_DROPPED, 0),
                 over_limit_dropped=dropped.get(Reject.RESULTS_OVER_LIMIT_DROPPED, 0),
                 unfinished_dropped=dropped.get(Reject.RESULTS_UNFINISHED_DROPPED, 0),
+                frames_dropped=dropped.get(Reject.RESULTS_FRAMES_DROPPED, 0),
+                barred_dropped=dropped.get(Reject.RESULTS_BARRED_DROPPED, 0),
                 fetches=fetched.fetches,
                 fetch_bytes=fetched.bytes,
                 fetch_retries=fetched.retries,
