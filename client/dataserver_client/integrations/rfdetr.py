@@ -17,9 +17,10 @@ around Lightning's ``fit`` (RF-DETR 1.11): the same ``TrainConfig`` from ``kwarg
 (callbacks: checkpoints, ``COCOEvalCallback``, best model, early stopping, loggers), then its
 post-fit steps: the trained module synced back onto ``model.model``, ``model.args`` rebuilt
 from the run's config, ``model.model.class_names`` from the dataset's categories, the
-training config written to ``output_dir``. Only the data module differs:
+training config written to ``output_dir``. The data module differs:
 ``RFDETRServedDataModule``, a ``DataServerDataModule`` that hands RF-DETR's module batches
-as its own loaders do. Nothing of RF-DETR is patched or replaced.
+as its own loaders do; and with per-batch multi-scale the module is a subclass of RF-DETR's
+that skips its own resize (the servers made the size). Nothing of RF-DETR is patched.
 
 Batches, as RF-DETR's datasets make them:
 
@@ -150,13 +151,15 @@ class ClassIndex:
 
 def uses_kornia(train_config: Any) -> bool:
     """Whether ``train_config`` asks for augmentation the servers do not make: a non-empty
-    ``aug_config`` or ``augmentation_backend`` "kornia"/"gpu" (run as RF-DETR's Kornia
-    stage on the trainer). ``aug_config=None`` is RF-DETR's default flip (the servers');
-    ``{}`` is none at all."""
-    backend = str(
-        getattr(train_config.augmentation_backend, "value", train_config.augmentation_backend)
+    ``aug_config``, or an ``augmentation_backend`` RF-DETR resolves to its Kornia stage
+    ("kornia"/"gpu"; "auto" with CUDA and kornia), run on the trainer. ``aug_config=None``
+    otherwise is RF-DETR's default flip (the servers'); ``{}`` is none at all."""
+    from rfdetr.datasets.kornia_transforms import is_gpu_postprocess, resolve_augmentation_backend
+
+    backend = train_config.augmentation_backend
+    return bool(train_config.aug_config) or is_gpu_postprocess(
+        resolve_augmentation_backend(getattr(backend, "value", backend))
     )
-    return bool(train_config.aug_config) or backend in ("kornia", "gpu")
 
 
 class KorniaStage:
