@@ -4,6 +4,7 @@
     python examples/rfdetr_train.py --epochs 2                  # starts its own servers
     python examples/rfdetr_train.py --train tcp://127.0.0.1:5555 --val tcp://127.0.0.1:5557
     python examples/rfdetr_train.py --epochs 4 --output runs/rfdetr --resume   # goes on
+    python examples/rfdetr_train.py --checkpoint-every 5 ...   # also mid-epoch checkpoints
 
 ``train_rfdetr(model, train, val, **kwargs)`` in place of ``model.train(dataset_dir=...,
 **kwargs)``: RF-DETR's Lightning module, trainer, callbacks (checkpoints, its COCO
@@ -52,8 +53,12 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--output", default="runs/rfdetr")
     parser.add_argument("--resume", action="store_true", help="from OUTPUT/last.ckpt")
+    parser.add_argument(
+        "--checkpoint-every", type=int, default=0, help="also a mid-epoch checkpoint every N steps"
+    )
     args = parser.parse_args()
 
+    from pytorch_lightning.callbacks import ModelCheckpoint
     from rfdetr import RFDETRNano
 
     from dataserver_client.integrations.rfdetr import train_rfdetr
@@ -68,7 +73,20 @@ def main() -> None:
             proc, val = start_server(f"synthetic:images={max(8, args.images // 4)},seed=1", 1)
             servers.append(proc)
         model = RFDETRNano(pretrain_weights=None)
-        last = Path(args.output) / "last.ckpt"
+        # --resume: from the newer of RF-DETR's last.ckpt (epoch ends) and mid.ckpt
+        saved = [Path(args.output) / name for name in ("last.ckpt", "mid.ckpt")]
+        found = [path for path in saved if path.exists()]
+        last = max(found, key=lambda path: path.stat().st_mtime) if found else None
+        extra = []
+        if args.checkpoint_every:  # mid-epoch checkpoints, with the client's position
+            extra.append(
+                ModelCheckpoint(
+                    dirpath=args.output,
+                    filename="mid",
+                    every_n_train_steps=args.checkpoint_every,
+                    enable_version_counter=False,
+                )
+            )
         train_rfdetr(  # <- the served data: every other argument is RF-DETR's own
             model,
             train,
@@ -80,8 +98,9 @@ def main() -> None:
             lr=args.lr,
             device=args.device,
             output_dir=args.output,
-            resume=str(last) if args.resume and last.exists() else None,
+            resume=str(last) if args.resume and last is not None else None,
             run_test=False,
+            trainer_callbacks=extra,
         )
         print("classes:", model.model.class_names)
     finally:

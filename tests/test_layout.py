@@ -155,6 +155,8 @@ FOREIGN_OWNERS_ALLOWED: dict[str, str] = {
     "ModelConfig": "RF-DETR aligns num_classes to the dataset by setting it on the pydantic "
     "ModelConfig before building its module (_align_num_classes_from_dataset)",
     "Namespace": "RF-DETR's legacy model args are an argparse Namespace it updates in place",
+    "Trainer": "Lightning's Trainer keeps its callbacks in a plain list (trainer.callbacks); "
+    "train_rfdetr adds its caller's trainer_callbacks to those RF-DETR's build_trainer made",
     "os": "os.environ is the process's environment, set before a library or a child reads it",
     "sys": "sys.path and sys.modules are the interpreter's import state, there to be set",
     "tarfile.TarInfo": "tarfile takes a member's header as attributes (info.size = n) before "

@@ -1,9 +1,12 @@
 """``train_rfdetr`` (issue 37, item 1): RF-DETR's own training (its Lightning module, trainer,
 callbacks and COCO evaluation) fed by dataserver pools, on CPU with a random-init
 ``RFDETRNano`` at a tiny resolution: losses finite and falling, a finite mAP from served
-validation, the dataset's class names on the trained model, and served validation batches
-as RF-DETR's loaders make them (stretched, ImageNet-normalized, normalized cxcywh boxes,
-class indices, original sizes), never mirrored."""
+validation, the dataset's class names on the trained model; served validation batches as
+RF-DETR's loaders make them (stretched, ImageNet-normalized, normalized cxcywh boxes, class
+indices, original sizes), never mirrored, and its COCO evaluation's ground truth in original
+pixels; epochs of whole accumulation windows; RF-DETR's ``aug_config`` as its Kornia stage;
+its per-batch multi-scale served; a mid-epoch checkpoint that resumes with exactly the
+batches of an uninterrupted run."""
 
 from __future__ import annotations
 
@@ -26,18 +29,36 @@ pytest.importorskip("pytorch_lightning")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("YOLO_OFFLINE", "1")
 
+import pytorch_lightning as pl
 import torch
+from pytorch_lightning.callbacks import ModelCheckpoint
 from rfdetr import RFDETRNano
+from rfdetr.config import MultiScale as Mode
 from rfdetr.config import RFDETRNanoConfig, TrainConfig
+from rfdetr.training.callbacks.coco_eval import COCOEvalCallback
 
-from dataserver_client.integrations.rfdetr import MEAN, STD, RFDETRServedDataModule, train_rfdetr
+from dataserver_client.batch import Batch
+from dataserver_client.integrations.rfdetr import (
+    MEAN,
+    STD,
+    RFDETRServedDataModule,
+    rfdetr_batch,
+    train_rfdetr,
+)
+from dataserver_client.sizes import MultiScale
 
 pytestmark = pytest.mark.timeout(900)
 
-N = 16
+N = 20  # batch 4: 5 batches, 2 windows of grad_accum_steps=2 (the 5th is left out)
+VAL = 8
 SIDE = 64
-DATA = Blocks(N, 0)
 NAMES = ["red", "green", "blue", "yellow"]
+# Quiet, small runs: no EMA, no progress bar, no test pass.
+QUIET: dict[str, Any] = dict(
+    device="cpu", use_ema=False, run_test=False, progress_bar=False, tensorboard=False
+)
+# A smaller decoder than Nano's (one query group, 30 queries): about 6x less CPU a step.
+SMALL: dict[str, Any] = dict(pretrain_weights=None, group_detr=1, num_queries=30, num_select=30)
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +66,7 @@ def servers() -> Iterator[dict[str, Server]]:
     args = ("--dataset", "ds_plugins:blocks", "--dataset-args")
     started = {
         "train": Server(*args, json.dumps({"images": N, "seed": 0}), workers=1),
-        "val": Server(*args, json.dumps({"images": N // 2, "seed": 0}), workers=1),
+        "val": Server(*args, json.dumps({"images": VAL, "seed": 0}), workers=1),
     }
     yield started
     for server in started.values():
@@ -64,28 +85,63 @@ def epoch_rows(path: Path) -> tuple[list[float], list[float]]:
     return losses, maps
 
 
+class Recorder(pl.Callback):
+    """Each training batch as the model gets it: (epoch, batch index, image ids, shape,
+    pixel sum); ``crash_at`` (epoch, batch index): raise ``Crash`` before that batch."""
+
+    def __init__(self, crash_at: tuple[int, int] | None = None) -> None:
+        self.seen: list[tuple[int, int, tuple[int, ...], tuple[int, ...], float]] = []
+        self.crash_at = crash_at
+
+    def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
+        if (trainer.current_epoch, batch_idx) == self.crash_at:
+            raise Crash(f"stopped before batch {batch_idx}")
+        samples, targets = batch
+        ids = tuple(int(t["image_id"]) for t in targets)
+        shape = tuple(samples.tensors.shape)
+        total = round(float(samples.tensors.double().sum()), 3)
+        self.seen.append((trainer.current_epoch, batch_idx, ids, shape, total))
+
+
+class Crash(RuntimeError):
+    """A training process that dies mid-epoch."""
+
+
 def test_trains_and_evaluates(servers: dict[str, Server], tmp_path: Path) -> None:
-    model = RFDETRNano(pretrain_weights=None)
+    """Two epochs through ``train_rfdetr`` with ``grad_accum_steps=2`` and an ``aug_config``
+    (RF-DETR's Kornia stage on the trainer): losses finite and falling, mAP finite from the
+    served validation, epochs of whole windows (2 optimizer steps each, the fifth batch
+    left out), class names and count from the dataset."""
+    model = RFDETRNano(**SMALL)
+    recorder = Recorder()
     train_rfdetr(
         model,
         servers["train"].address,
         val=servers["val"].address,
+        trainer_callbacks=[recorder],
         epochs=2,
         batch_size=4,
+        grad_accum_steps=2,
         resolution=SIDE,
-        device="cpu",
         lr=1e-3,
         multi_scale=False,
-        use_ema=False,
-        run_test=False,
-        progress_bar=False,
+        aug_config={"HorizontalFlip": {"p": 0.5}},
         seed=0,
         output_dir=str(tmp_path),
+        **QUIET,
     )
     losses, maps = epoch_rows(tmp_path / "metrics.csv")
     assert len(losses) == 2 and all(math.isfinite(x) for x in losses), losses
     assert losses[-1] < losses[0], losses
     assert len(maps) == 2 and all(math.isfinite(x) and 0 <= x <= 1 for x in maps), maps
+    # Epochs of whole windows: 4 of the 5 batches, each sample at most once an epoch.
+    for epoch in (0, 1):
+        ids = [i for e, _, batch, _, _ in recorder.seen if e == epoch for i in batch]
+        assert len(ids) == 16 and len(set(ids)) == 16, ids
+    last = torch.load(tmp_path / "last.ckpt", map_location="cpu", weights_only=False)
+    assert (last["epoch"], last["global_step"]) == (1, 4)
+    state = last["RFDETRServedDataModule"]["client"]
+    assert (state["epoch"], state["step"], state["augment"]) == (2, 0, False)
     # RFDETR.train()'s post-fit steps: class names and class count from the dataset.
     assert model.model.class_names == NAMES
     assert model.model_config.num_classes == len(NAMES)
@@ -97,14 +153,18 @@ def test_served_validation_is_rfdetrs_own(servers: dict[str, Server]) -> None:
     """Each val image: stretched to the resolution (pixels within interpolation of cv2's
     bilinear resize of the raw image, never its mirror), normalized with ImageNet mean/std,
     no padding in its mask; boxes normalized cxcywh of the raw boxes, labels class indices,
-    ``orig_size`` the image as read."""
+    ``orig_size`` the image as read; and RF-DETR's ``COCOEvalCallback`` turns the served
+    targets into the raw boxes, in original pixels. A multi-scale training setting leaves
+    validation at ``resolution``."""
+    data = Blocks(VAL, 0)
+    train_config = TrainConfig(dataset_dir=None, batch_size=4, multi_scale=Mode.PER_BATCH)
     dm = RFDETRServedDataModule(
-        RFDETRNanoConfig(resolution=SIDE), TrainConfig(dataset_dir=None, batch_size=4), "unused",
-        val=servers["val"].address,
-    )  # fmt: skip
+        RFDETRNanoConfig(resolution=SIDE), train_config, "unused", val=servers["val"].address
+    )
     dm.setup("validate")
     mean = torch.tensor(MEAN).view(3, 1, 1)
     std = torch.tensor(STD).view(3, 1, 1)
+    evaluation = COCOEvalCallback()
     seen = []
     try:
         assert dm.class_names == NAMES
@@ -112,10 +172,11 @@ def test_served_validation_is_rfdetrs_own(servers: dict[str, Server]) -> None:
             samples, targets = dm.on_after_batch_transfer(batch, 0)
             assert samples.tensors.shape[-2:] == (SIDE, SIDE)
             assert not bool(samples.mask.any())
-            for image, target in zip(samples.tensors, targets, strict=True):
+            in_pixels = evaluation._convert_targets(targets, None, crowd_regions={})
+            for image, target, coco in zip(samples.tensors, targets, in_pixels, strict=True):
                 index = int(target["image_id"])
                 seen.append(index)
-                sample = DATA[index]
+                sample = data[index]
                 h, w = sample["orig_size"]
                 assert target["orig_size"].tolist() == [h, w]
                 pixels = ((image * std + mean) * 255).permute(1, 2, 0).numpy()
@@ -123,38 +184,104 @@ def test_served_validation_is_rfdetrs_own(servers: dict[str, Server]) -> None:
                 straight = float(np.abs(pixels - want).mean())
                 mirrored = float(np.abs(pixels - want[:, ::-1]).mean())
                 assert straight < 6 and straight < mirrored / 2, (index, straight, mirrored)
-                x1, y1, x2, y2 = torch.from_numpy(sample["boxes"]).unbind(-1)
+                raw = torch.from_numpy(sample["boxes"]).float()
+                x1, y1, x2, y2 = raw.unbind(-1)
                 cxcywh = torch.stack(
                     [(x1 + x2) / 2 / w, (y1 + y2) / 2 / h, (x2 - x1) / w, (y2 - y1) / h], -1
                 )
                 torch.testing.assert_close(target["boxes"], cxcywh, atol=1e-5, rtol=0)
-                assert target["labels"].tolist() == [int(c) - 1 for c in sample["labels"]]
+                torch.testing.assert_close(coco["boxes"], raw, atol=1e-2, rtol=0)
+                labels = [int(c) - 1 for c in sample["labels"]]
+                assert target["labels"].tolist() == labels == coco["labels"].tolist()
     finally:
         dm.teardown("validate")
-    assert sorted(seen) == list(range(N // 2))
+    assert sorted(seen) == list(range(VAL))
 
 
-def test_resumes_from_its_checkpoint(servers: dict[str, Server], tmp_path: Path) -> None:
-    """The training client's state rides in RF-DETR's own ``last.ckpt``; ``resume=`` goes on
-    with the next epoch (client and Lightning alike), not a repeat of the first."""
+def test_aug_config_runs_as_its_kornia_stage(servers: dict[str, Server]) -> None:
+    """``aug_config`` is RF-DETR's Kornia stage on the trainer: the training client gets
+    ``augment=False`` (no server flip on top) and a ``VerticalFlip`` with p=1 mirrors
+    every served picture top to bottom, boxes with it; ``aug_config=None`` is the servers'
+    flip (RF-DETR's default ``HorizontalFlip(p=0.5)``), ``{}`` none."""
+    model_config = RFDETRNanoConfig(resolution=SIDE)
+
+    def module(aug: Any) -> RFDETRServedDataModule:
+        config = TrainConfig(dataset_dir=None, batch_size=4, multi_scale=Mode.OFF, aug_config=aug)
+        return RFDETRServedDataModule(model_config, config, servers["train"].address)
+
+    assert module(None).client_kwargs["augment"] is True
+    assert module({}).client_kwargs["augment"] is False
+    dm = module({"VerticalFlip": {"p": 1.0}})
+    assert dm.client_kwargs["augment"] is False
+    dm.setup("fit")
+    try:
+        assert dm.client is not None and dm._classes is not None
+        batch = next(iter(dm.train_dataloader()))
+        assert isinstance(batch, Batch)
+        plain, plain_targets = rfdetr_batch(batch, dm._classes)
+        flipped, flipped_targets = rfdetr_batch(batch, dm._classes, dm._augment)
+    finally:
+        dm.teardown("fit")
+    torch.testing.assert_close(flipped.tensors, plain.tensors.flip(-2), atol=1e-4, rtol=0)
+    for a, b in zip(plain_targets, flipped_targets, strict=True):
+        mirrored = a["boxes"].clone()
+        mirrored[:, 1] = 1 - a["boxes"][:, 1]
+        # (Kornia mirrors box corners about pixel centres, y -> H - 1 - y: within a pixel)
+        torch.testing.assert_close(b["boxes"], mirrored, atol=1.01 / SIDE, rtol=0)
+        assert b["labels"].tolist() == a["labels"].tolist()
+
+
+def test_resumes_mid_epoch_from_its_checkpoint(servers: dict[str, Server], tmp_path: Path) -> None:
+    """RF-DETR's per-batch multi-scale served (``MultiScale`` of its scales, one size an
+    accumulation window), the servers' flip, ``grad_accum_steps=2``: a run that dies in its
+    first epoch after a mid-epoch ``ModelCheckpoint`` resumes from it (``resume=``) with
+    exactly the batches an uninterrupted run trained on from there: the same images, the
+    same sizes, the same pixels, and epochs of whole windows."""
     kw: dict[str, Any] = dict(
-        batch_size=4, resolution=SIDE, device="cpu", multi_scale=False, use_ema=False,
-        run_test=False, progress_bar=False, output_dir=str(tmp_path),
+        epochs=2, batch_size=4, grad_accum_steps=2, resolution=32, multi_scale="per-batch",
+        expanded_scales=False, seed=3, **QUIET,
     )  # fmt: skip
-    train_rfdetr(RFDETRNano(pretrain_weights=None), servers["train"].address, epochs=1, **kw)
-    last = tmp_path / "last.ckpt"
-    saved = torch.load(last, map_location="cpu", weights_only=False)
-    state = saved["RFDETRServedDataModule"]["client"]
-    assert (saved["epoch"], saved["global_step"]) == (0, N // 4)
-    assert (state["epoch"], state["step"]) == (1, 0)  # the next epoch, from its start
-    train_rfdetr(
-        RFDETRNano(pretrain_weights=None),
-        servers["train"].address,
-        epochs=2,
-        resume=str(last),
+    whole = Recorder()
+    address = servers["train"].address
+    dm = train_rfdetr(
+        RFDETRNano(**SMALL),
+        address,
+        trainer_callbacks=[whole],
+        output_dir=str(tmp_path / "whole"),
         **kw,
     )
-    saved = torch.load(last, map_location="cpu", weights_only=False)
-    state = saved["RFDETRServedDataModule"]["client"]
-    assert (saved["epoch"], saved["global_step"]) == (1, 2 * N // 4)
-    assert (state["epoch"], state["step"]) == (2, 0)
+    assert isinstance(dm.client_kwargs["image_size"], MultiScale)
+    assert [(e, i) for e, i, *_ in whole.seen] == [(e, i) for e in (0, 1) for i in range(4)]
+    sizes = {shape[-1] for *_, shape, _ in whole.seen}
+    scales = {w for _, w in dm.client_kwargs["image_size"].sizes}
+    assert len(sizes) > 1 and sizes <= scales, sizes
+    for step in range(0, 8, 2):  # one size an accumulation window
+        assert whole.seen[step][3] == whole.seen[step + 1][3]
+
+    mid = tmp_path / "mid"
+    save = ModelCheckpoint(dirpath=mid, filename="mid-{step}", every_n_train_steps=1, save_top_k=-1)
+    crash = Recorder(crash_at=(0, 2))
+    with pytest.raises(Crash):
+        train_rfdetr(
+            RFDETRNano(**SMALL),
+            address,
+            trainer_callbacks=[crash, save],
+            output_dir=str(tmp_path / "crash"),
+            **kw,
+        )
+    assert crash.seen == whole.seen[:2]
+    checkpoint = mid / "mid-step=1.ckpt"
+    state = torch.load(checkpoint, map_location="cpu", weights_only=False)
+    client = state["RFDETRServedDataModule"]["client"]
+    assert (client["epoch"], client["step"], client["position"]) == (0, 2, 8)
+
+    resumed = Recorder()
+    train_rfdetr(
+        RFDETRNano(**SMALL),
+        address,
+        trainer_callbacks=[resumed],
+        output_dir=str(tmp_path / "resumed"),
+        resume=str(checkpoint),
+        **kw,
+    )
+    assert resumed.seen == whole.seen[2:]

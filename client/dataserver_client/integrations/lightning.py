@@ -87,9 +87,12 @@ class ServedLoader:
     leave no trace), and ``set_epoch`` is ignored: each validation sees the same batches.
     """
 
-    def __init__(self, client: DataServerClient, *, train: bool) -> None:
+    def __init__(self, client: DataServerClient, *, train: bool, window: int = 1) -> None:
+        if window < 1:
+            raise ValueError(f"ServedLoader: window must be >= 1, got {window}")
         self.client = client
         self.train = train
+        self.window = int(window)  # training epochs: a whole number of these batches
         self.batch_size = client.config.batch_size
         self.sampler = EpochSampler(self)
         self.batch_sampler = None  # (Lightning looks for one beside the sampler)
@@ -97,13 +100,22 @@ class ServedLoader:
         self._length: int | None = None  # fixed while an epoch runs
         self._resumed = False  # the client holds a loaded state the next epoch goes on from
         self._generation = 0
+        self._cut = False  # the running epoch leaves a partial window of the client's out
+        self._ahead: EpochIterator | None = None  # the next epoch, started when one was cut
 
     def __len__(self) -> int:
         return self._length if self._length is not None else self.planned()[0]
 
     def planned(self) -> tuple[int, int]:
         """(batches of the epoch the next iteration runs if every batch left is regular,
-        batches of it already delivered: a loaded state's step, else 0)."""
+        batches of it already delivered: a loaded state's step, else 0). Training with a
+        ``window``: the count rounded down to a whole number of windows."""
+        total, step = self._counted()
+        if self.train and self.window > 1:
+            total -= total % self.window  # the partial last window is not served
+        return total, step
+
+    def _counted(self) -> tuple[int, int]:
         cfg = self.client.config
         share, position, step = self.client.num_samples, 0, 0
         if self._resumed:
@@ -126,6 +138,7 @@ class ServedLoader:
     def resumed(self) -> None:
         """The client was given a state: the next epoch goes on from it."""
         self._resumed = True
+        self._ahead = None
         self._epoch = self.client.epoch
 
     def __iter__(self) -> ServedEpoch:
@@ -140,6 +153,10 @@ class ServedLoader:
             raise DataServerError("this loader iterator was superseded by a later iter(loader)")
         if self.train:
             self._length, first = self.planned()
+            self._cut = self._counted()[0] > self._length
+            ahead, self._ahead = self._ahead, None
+            if ahead is not None and not self._resumed and self.client.epoch == self._epoch:
+                return ahead, self._length, first  # started when the last one was cut short
             self._resumed = False
             self.client.set_epoch(self._epoch)
         else:
@@ -148,10 +165,19 @@ class ServedLoader:
         return iter(self.client), self._length, first
 
     def finished(self) -> None:
-        """The epoch's batches are all handed out: the next iteration is the next epoch."""
+        """The epoch's batches are all handed out: the next iteration is the next epoch.
+        An epoch cut to whole windows leaves the client's epoch running: the next one is
+        started at once (its batches prepared meanwhile; ``state_dict`` says it is next)."""
         if self.train:
             self._epoch = self.client.epoch + 1
             self.client.set_epoch(self._epoch)
+            if self._cut:
+                self._cut = False
+                self._ahead = iter(self.client)
+
+    def cut(self) -> bool:
+        """Whether the running epoch ends before the client's (a partial window left out)."""
+        return self._cut
 
     # Lightning saves a loader's state when it has these (and warns about a mid-epoch
     # checkpoint when it has not); the state lives in the DataModule's entry instead,
@@ -215,7 +241,9 @@ class ServedEpoch:
             self._given += 1
             return None
         self._given += 1
-        if self._given >= self._length:
+        if self._given >= self._length and self._loader.cut():
+            self._finish()  # the client's batches past the last whole window are not served
+        elif self._given >= self._length:
             # Every batch was regular: nothing of the epoch is left (a stitched batch
             # would have ended it sooner), so the client's next() ends the epoch at once.
             try:
@@ -280,13 +308,18 @@ class DataServerDataModule(pl.LightningDataModule):
                 kwargs["image_size"] = size.stored
         return kwargs
 
+    def _window(self) -> int:
+        """Training epochs hold a whole number of windows of this many batches (1: every
+        batch of the shard); a subclass may align them to gradient accumulation."""
+        return 1
+
     def setup(self, stage: str) -> None:
         """Build the clients the stage needs (``fit``: training and, with ``val``,
         validation; ``validate``: validation). Lightning calls it on every rank after the
         process group exists: rank and world size come from torch.distributed."""
         if stage == "fit" and self.client is None:
             self.client = DataServerClient(self.train_address, **self._kwargs(val=False))
-            self._train_loader = ServedLoader(self.client, train=True)
+            self._train_loader = ServedLoader(self.client, train=True, window=self._window())
             if self._pending is not None:
                 state, self._pending = self._pending, None
                 self.load_state_dict(state)
