@@ -159,10 +159,10 @@ def test_the_policy_judges_service_times_not_queues() -> None:
     by its service times (from the later of a task's send and the answer before it), so
     its probes on an idle server look as slow as it is; it comes back only once as many
     answers in a row as it owes are all in line (twice as many when it was set aside
-    again soon after coming back); a task stuck far past the hedge delay sets a server
-    aside before it answered anything; a server behind gets no new task, unless every
+    again soon after coming back); a task stuck far past the hedge delay, overtaken by
+    its peers' answers, sets a server aside before it answered anything; a server behind gets no new task, unless every
     usable one is."""
-    from dataserver_client.hedging import MIN_TYPICAL, STUCK_FACTOR, Hedging
+    from dataserver_client.hedging import MIN_TYPICAL, OVERTAKEN, STUCK_FACTOR, Hedging
 
     fast, slow = _Peer(), _Peer()
     policy: Hedging[_Peer] = Hedging()
@@ -199,6 +199,10 @@ def test_the_policy_judges_service_times_not_queues() -> None:
         _answer(stuck, a, 0.01, 1.0 + i)
     delay = stuck.delays([a, b])[b]
     b.outstanding[1] = 100.0
+    # Waited long, but no peer answered a task sent after it (a start slow everywhere).
+    assert not stuck.judge([a, b], now=100.0 + STUCK_FACTOR * delay * 1.1)
+    for i in range(OVERTAKEN):
+        _answer(stuck, a, 0.001, 100.002 + 0.001 * i)
     assert not stuck.judge([a, b], now=100.0 + STUCK_FACTOR * delay * 0.9)
     assert stuck.judge([a, b], now=100.0 + STUCK_FACTOR * delay * 1.1)
     assert stuck.outliers == {b}

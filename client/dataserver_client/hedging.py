@@ -32,7 +32,9 @@ Two figures a server, from its answers:
 - **Outliers.** A server is an outlier when its typical service time (the median of its
   last ``RECENT``) is over ``OUTLIER_FACTOR`` x its peers' median and over
   ``OUTLIER_FLOOR_S``, or when a task of it has waited ``STUCK_FACTOR`` x its hedge delay
-  (a server that answers nothing is seen too, within a few of its peers' answer times).
+  while its peers answered ``OVERTAKEN`` tasks sent after it (a server that answers
+  nothing is seen too, within a few of its peers' answer times; a start that is slow
+  everywhere, first decodes on a loaded machine, overtakes nothing and sets none aside).
   An outlier gets no task of its own and no hedge: keys stop routing to it, and what it
   holds is hedged at once. When it has nothing outstanding, at most every ``PROBE_S``, it
   gets a probe: a copy of a task out with a healthy server (never on a batch's critical
@@ -62,7 +64,8 @@ HEDGE_FACTOR = 1.25
 HEDGE_FLOOR_S = 0.05  # never hedge a task younger than this
 OUTLIER_FACTOR = 4.0
 OUTLIER_FLOOR_S = 0.05  # a server whose service time is within this is never an outlier
-STUCK_FACTOR = 2.0  # a task waiting this many hedge delays makes its server an outlier
+STUCK_FACTOR = 2.0  # a task waiting this many hedge delays makes its server an outlier,
+OVERTAKEN = 8  # ... once its peers answered this many tasks sent after it
 RECOVER = 0.5  # an outlier is used again once within half the bar that made it one
 PROBE_S = 0.5  # an outlier gets one probe at most this often, when it has nothing out
 REFLAG_S = 10.0  # set aside again this soon after coming back: twice the answers to return
@@ -153,6 +156,7 @@ class Hedging(Generic[P]):
         self._behind: frozenset[P] = frozenset()
         self._probed: dict[P, float] = {}  # outlier -> when it was last given a task
         self._freed: dict[P, float] = {}  # server -> when it last answered (or cancelled)
+        self._answers: deque[tuple[float, P]] = deque(maxlen=4 * WINDOW)  # (sent, server)
         self._back: dict[P, float] = {}  # server -> when it last came back from aside
         self._strikes: dict[P, int] = {}  # server -> times set aside again soon after
 
@@ -166,6 +170,7 @@ class Hedging(Generic[P]):
             seen = self._seen[peer] = _Seen()
         start = max(sent, self._freed.get(peer, sent))
         self._freed[peer] = now
+        self._answers.append((sent, peer))
         seen.add(now - sent, now - start)
 
     def freed(self, peer: P, now: float) -> None:
@@ -177,6 +182,7 @@ class Hedging(Generic[P]):
         """``peer`` is gone (removed): nothing of it counts any more."""
         self._seen.pop(peer, None)
         self._strikes.pop(peer, None)
+        self._answers = deque((a for a in self._answers if a[1] is not peer), WINDOW * 4)
         for table in (self._probed, self._freed, self._back):
             table.pop(peer, None)
         self._outliers = self._outliers - {peer}
@@ -206,7 +212,8 @@ class Hedging(Generic[P]):
         time over the bar (over half of it, for an outlier: no flapping at the edge) set by
         ``ordered``, the typical ones of the servers in use."""
         oldest = _oldest(peer)
-        if oldest is not None and delay is not None and now - oldest > STUCK_FACTOR * delay:
+        late = oldest is not None and delay is not None and now - oldest > STUCK_FACTOR * delay
+        if late and self._overtaken(peer, oldest):  # type: ignore[arg-type]
             return True
         aside = peer in self._outliers
         seen = self._seen.get(peer)
@@ -218,6 +225,16 @@ class Hedging(Generic[P]):
             return False
         bar = max(OUTLIER_FLOOR_S, OUTLIER_FACTOR * reference)
         return mine > (bar * RECOVER if aside else bar)
+
+    def _overtaken(self, peer: P, sent: float) -> bool:
+        """Whether ``peer``'s peers answered ``OVERTAKEN`` tasks sent after ``sent``."""
+        n = 0
+        for when, other in reversed(self._answers):  # (newest answers first)
+            if when > sent and other is not peer:
+                n += 1
+                if n >= OVERTAKEN:
+                    return True
+        return False
 
     def judge(self, ready: list[P], now: float) -> bool:
         """Decide which of ``ready`` are outliers now; True when that changed."""
