@@ -211,3 +211,26 @@ def test_the_policy_judges_service_times_not_queues() -> None:
     assert stuck.aside == {a, b}
     stuck.lag([a], usable=1)
     assert stuck.aside == {b}
+
+
+def test_a_hedge_is_queued_first_in_its_session() -> None:
+    """A TASK with ``priority`` (the client's hedge of a task a slow server holds) is
+    queued ahead of its session's other tasks; another session's turn is not taken."""
+    from dataserver.server.sessions import Scheduler, TaskEntry
+
+    sched = Scheduler(8, 64, 1 << 20, 1 << 20)
+    mine, theirs = b"m" * 16, b"t" * 16
+    for sid in (mine, theirs):
+        session = sched.open(sid, sid, sid)
+        assert session is not None
+        for tid in (1, 2, 3):
+            sched.admit(session, TaskEntry(sid, tid, 1, ((tid,),), []))
+    hedge = TaskEntry(mine, 9, 1, ((9,),), [])
+    sched.admit(sched.sessions[mine], hedge, first=True)
+    order = []
+    while (entry := sched.pop()) is not None:
+        order.append((entry.session, entry.task_id))
+        sched.charge(entry.session, 100)
+    assert [t for s, t in order if s == mine] == [9, 1, 2, 3]
+    assert [t for s, t in order if s == theirs] == [1, 2, 3]
+    assert order[:2] in ([(mine, 9), (theirs, 1)], [(theirs, 1), (mine, 9)])
