@@ -518,7 +518,9 @@ def _add_keygen(sub: Any) -> None:
 
 
 def _add_bench(sub: Any) -> None:
-    p = sub.add_parser("bench", help="measure against DataLoader and raw ZeroMQ (docs/benchmarks.md)")
+    p = sub.add_parser(
+        "bench", help="measure against DataLoader and raw ZeroMQ (docs/benchmarks.md)"
+    )
     p.add_argument("--data", default=None, help="a dataserver synth folder (default: make one)")
     p.add_argument("--images", type=int, default=512)
     p.add_argument("--workers", type=int, default=2)

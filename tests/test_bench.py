@@ -213,7 +213,8 @@ def test_bench_remote_figure(tmp_path: Path) -> None:
 @pytest.mark.timeout(300)
 def test_bench_slow_server_figure(tmp_path: Path) -> None:
     """The slow-server figure on a tiny configuration: every case reports both sides (hedging
-    on and off) against the healthy server alone and a healthy pair."""
+    on and off) against the healthy server alone (run in the same rounds as the case) and a
+    healthy pair."""
     out = tmp_path / "bench.json"
     cmd = [sys.executable, "-m", "dataserver.cli", "bench", "--images", "8", "--batch-size", "8"]
     cmd += ["--rounds", "1", "--slow-seconds", "0.5", "--json", str(out), "--only", "slow_server"]
@@ -223,6 +224,7 @@ def test_bench_slow_server_figure(tmp_path: Path) -> None:
     assert figure["healthy_alone_images_per_s"] > 0
     assert 0 <= figure["extra_work_no_slow_server"] <= 1
     for case in ("healthy_pair", "hold_0.9s", "hold_3s", "tail_5pct_2s", "throttled_10pct"):
+        assert figure[case]["healthy_alone_images_per_s"] > 0, case
         for side in ("hedge_on", "hedge_off"):
             assert figure[case][side]["vs_healthy_alone"] > 0, (case, side)
             assert figure[case][side]["p99_wait_ms"] > 0, (case, side)

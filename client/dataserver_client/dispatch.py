@@ -49,10 +49,12 @@ class Sender:
 
     def dispatch(self) -> None:
         """Send waiting tasks while some server has free credit for them. A slow outlier
-        (``hedging.py``) takes one now and then, as a probe."""
+        (``hedging.py``) takes one now and then, as a probe; a server behind (a task out
+        past its hedge delay) takes none until it catches up."""
         ledger = self._ledger
-        # links with nothing they should take now (a slow outlier: copies only, hedging.py)
-        skip = set(self._hedging.outliers)
+        # links with nothing they should take now (a slow outlier: copies only; a server
+        # behind: nothing more to hold, hedging.py)
+        skip = set(self._hedging.aside)
         while ledger.pending:
             link = self._links.best(skip)
             if link is None:
@@ -72,8 +74,10 @@ class Sender:
         """Send a second copy of ``rec`` (out with a slow server; with ``probe``, out with
         a healthy one, and ``link`` the slow server probed) to ``link``; False when it could
         not go. The copy never lands: its pixels come over the socket, received only while
-        the task is still wanted, so the copy that loses writes nothing."""
-        task, _ = self._task(rec, link, landing=False)
+        the task is still wanted, so the copy that loses writes nothing. A hedge (not a
+        probe) goes with ``priority``: the server queues it ahead of this session's other
+        tasks (the trainer waits on its batch sooner than on theirs)."""
+        task, _ = self._task(rec, link, landing=False, priority=not probe)
         if not link.send(task.encode()):
             return False
         link.sent(rec.task_id, len(rec.images) * rec.sizes.image_bytes)
@@ -81,7 +85,7 @@ class Sender:
         return True
 
     def _task(
-        self, rec: TaskRecord, link: ServerLink, landing: bool = True
+        self, rec: TaskRecord, link: ServerLink, landing: bool = True, priority: bool = False
     ) -> tuple[Task, int | None]:
         """The TASK for ``rec`` on ``link``, and the landing generation it names (None: its
         images come back over the socket; always without ``landing``)."""
@@ -124,6 +128,7 @@ class Sender:
             letterbox=plan.letterbox,
             fit=plan.fit,
             augment=int(plan.augment),
+            priority=int(priority),
             **rec.sizes.wire(),
             **land,
         )

@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import logging
+import math
 import os
 import threading
 import time
@@ -77,7 +78,7 @@ from dataserver_client.watch import Watch
 log = logging.getLogger("dataserver_client")
 
 POLL_MS = 50
-TICK_S = 0.02  # liveness timers, not per message: 20 ms is plenty
+TICK_S = 0.02  # liveness timers, not per message: 20 ms is plenty (and the hedge timer's step)
 JOIN_S = 5.0  # how long close() waits for the thread
 
 
@@ -303,7 +304,7 @@ class Engine(threading.Thread):
         self.phase = Phase.HANDSHAKE
         more = False  # batches left to plan: poll without waiting
         while not self._halt.is_set():
-            events = dict(self._poller.poll(0 if more else POLL_MS))
+            events = dict(self._poller.poll(0 if more else self._poll_ms(next_tick)))
             if self._wake_r in events:
                 self._drain_pipe()
             self._run_commands()
@@ -330,6 +331,14 @@ class Engine(threading.Thread):
                 self.handlers.welcomes_due(now)
                 self.handlers.hedge(now)
                 self.handlers.check_progress(now)
+
+    def _poll_ms(self, next_tick: float) -> int:
+        """How long the loop may wait for a message: ``POLL_MS``, or until the next tick
+        while tasks are out (a quiet server is what hedging.py acts on: the tick that
+        hedges its task must not wait for another server to speak first)."""
+        if not self.links.owing():
+            return POLL_MS
+        return max(1, min(POLL_MS, math.ceil((next_tick - time.monotonic()) * 1000)))
 
     def _drain_pipe(self) -> None:
         try:

@@ -184,8 +184,9 @@ class Handlers:
     def _answered(self, link: ServerLink, task_id: int) -> None:
         sent = link.release(task_id)
         if sent is not None:
-            self.deadlines.observe(time.monotonic() - sent)
-            self.hedging.observe(link, time.monotonic() - sent)
+            now = time.monotonic()
+            self.deadlines.observe(now - sent)
+            self.hedging.observe(link, sent, now)
 
     def on_result(self, link: ServerLink, msg: Result) -> None:
         self._answered(link, msg.task_id)
@@ -306,6 +307,7 @@ class Handlers:
         for tid in msg.task_ids:
             if link.release(tid) is not None:
                 self.counters.count(Count.CANCELLED)
+                self.hedging.freed(link, time.monotonic())
             rec = self.ledger.get(tid)
             if rec is not None and rec.sent_to(link):
                 # Cancelled though still wanted: send it again, to another server if any.
@@ -568,28 +570,46 @@ class Handlers:
 
     def hedge(self, now: float) -> None:
         """Slow servers (``hedging.py``), each tick: judge which are outliers (routing
-        leaves them out when that changes); queue for a second copy each task that has
-        waited on a server past its hedge delay (``send_hedges``); give each outlier due a
-        probe a copy of a task out with a healthy server, to see whether it recovered."""
+        leaves them out when that changes, and what a new one holds is hedged at once);
+        queue for a second copy each task that has waited on a server past its hedge delay
+        (``send_hedges``), and give that server no new task meanwhile; give each outlier
+        due a probe a copy of a task out with a healthy server, to see whether it
+        recovered."""
         hedging = self.hedging
         ready = self.links.ready()
+        before = hedging.outliers
         if hedging.judge(ready, now):
             outliers = [lk.address for lk in hedging.outliers]
             log.info("slow servers (copies only until they recover): %s", outliers or "none")
             self._servers_changed(lookahead=False)
         if not hedging.enabled or len(ready) < 2:
             self._hedges.clear()
+            hedging.lag((), len(ready))
             return
-        for link, delay in hedging.delays(ready).items():
-            for task_id, sent in link.outstanding.items():  # (oldest first; not changed here)
-                if now - sent >= delay and _hedgeable(self.ledger.get(task_id), link):
-                    self._hedges[task_id] = None
-                elif now - sent < delay:
-                    break
+        for link in hedging.outliers - before:  # (set aside: what it holds waits on nothing)
+            self._queue_hedges(link, 0.0, now)
+        behind = [
+            link
+            for link, delay in hedging.delays(ready).items()
+            if self._queue_hedges(link, delay, now) and link not in hedging.outliers
+        ]
+        hedging.lag(behind, len(ready) - len(hedging.outliers))
         for outlier in hedging.outliers:
             if hedging.probe_due(outlier, now):
                 self._probe(outlier, ready, now)
         self.send_hedges()
+
+    def _queue_hedges(self, link: ServerLink, delay: float, now: float) -> bool:
+        """Queue for a second copy each task out with ``link`` for ``delay`` or longer;
+        whether there was one (hedged already or not: the server is behind)."""
+        late = False
+        for task_id, sent in link.outstanding.items():  # (oldest first; not changed here)
+            if now - sent < delay:
+                break
+            late = True
+            if _hedgeable(self.ledger.get(task_id), link):
+                self._hedges[task_id] = None
+        return late
 
     def send_hedges(self) -> None:
         """Send the queued second copies while a server that has none of the task has

@@ -322,7 +322,9 @@ class Task(Message, kw_only=True):
     is told them). ``control_seq`` names the control values the dataset must hold (sent
     once, by CONTROL); ``control``, when set, are values for this task alone (a rebuilt
     batch: ``client.rebuild``), in place of the session's.
-    ``priority`` is reserved: checked (0 or 1) and otherwise ignored; no side sets it."""
+    ``priority`` 1: queued ahead of the session's other queued tasks (the client's hedge
+    of a task a slow server holds: the trainer waits on it first); other sessions' tasks
+    are not passed (the fair queue is between sessions). A server before it ignores it."""
 
     TYPE: ClassVar[MsgType] = MsgType.TASK
     session: Session

@@ -431,7 +431,7 @@ class Clients:
             # for each new one: the scheduler paces how often a session changes it).
             state=control_state(task, session),
         )
-        self.scheduler.admit(session, entry)
+        self.scheduler.admit(session, entry, first=bool(task.priority))
         self.counters.count(Count.TASKS_RECEIVED)
 
     def _asked_again(self, session: Session, task: Task, digest: bytes) -> bool:

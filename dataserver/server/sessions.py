@@ -265,10 +265,11 @@ class Scheduler:
             )
         return None
 
-    def admit(self, session: Session, entry: TaskEntry) -> None:
-        """Queue a task a client sent."""
+    def admit(self, session: Session, entry: TaskEntry, first: bool = False) -> None:
+        """Queue a task a client sent (``first``: ahead of its session's others, the TASK's
+        ``priority``)."""
         self.relive(session, entry)
-        self.push(session, entry)
+        self.push(session, entry, front=first)
 
     def relive(self, session: Session, entry: TaskEntry) -> None:
         """``entry`` is live (queued or held): a client asking for it again gets its answer."""
@@ -285,7 +286,8 @@ class Scheduler:
                 session.live_ids.discard(entry.task_id)
 
     def push(self, session: Session, entry: TaskEntry, front: bool = False) -> None:
-        """Queue ``entry`` (at the head when ``front``: a task given back by a worker)."""
+        """Queue ``entry`` (at the head when ``front``: a task given back by a worker, or
+        one its client sent with ``priority``)."""
         if front:
             session.queue.appendleft(entry)
         else:
