@@ -60,6 +60,8 @@ class ByteCache:
         self._mine: OrderedDict[str, int] = OrderedDict()  # key -> size, oldest first
         self._bytes = 0
         slot, slots = share
+        if not self.budget:  # a reader only: it adopts (and so evicts) nothing
+            return
         try:
             found = sorted(
                 (entry.stat().st_mtime, entry.name, entry.stat().st_size)
@@ -84,6 +86,10 @@ class ByteCache:
         if key in self._mine:
             self._mine.move_to_end(key)
         return data
+
+    def holds(self, key: str) -> bool:
+        """Whether ``key``'s bytes are kept (by this process, or any other: a file there)."""
+        return key in self._mine or (self.directory / key).exists()
 
     def put(self, key: str, data: bytes) -> None:
         """Keep ``data`` under ``key`` (within this process's budget; never raises)."""

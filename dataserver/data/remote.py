@@ -39,6 +39,7 @@ from dataserver.data.fetchcache import ByteCache, CacheUsage, cache_key
 
 REMOTE_PREFIXES = ("s3://", "gs://", "az://", "http://", "https://")
 DEFAULT_MAX_FETCHES = 64  # GETs in flight per server (--max-fetches), shared by its workers
+DEFAULT_MAX_FETCH_MB = 256  # bytes in flight per server (--max-fetch-mb)
 DEFAULT_FETCH_CACHE_GB = 1.0
 # The variables whose values never appear in an error (whatever a store's error said).
 _SECRET_ENV = re.compile(r"(KEY|SECRET|TOKEN|PASSWORD|CREDENTIAL|SAS)", re.IGNORECASE)
@@ -86,7 +87,10 @@ class FetchSettings:
     cache_bytes: int = 0  # this process's share of --fetch-cache-gb
     share: tuple[int, int] = (0, 1)  # (slot, slots) sharing the directory
     max_fetches: int = 16  # this process's requests in flight (prefetches)
-    max_bytes_in_flight: int = 256 << 20
+    max_bytes_in_flight: int = DEFAULT_MAX_FETCH_MB << 20
+    # False: the front fetches ahead (``server/prefetch.py``); this process's ``prefetch``
+    # does nothing (it would only fetch again what the front has in flight)
+    prefetch: bool = True
     timeout_s: float = 20.0  # one request, whole
     connect_timeout_s: float = 5.0
     attempts: int = 8  # tries of one request
@@ -110,6 +114,7 @@ class FetchTally:
     bytes: int = 0
     retries: int = 0
     errors: int = 0
+    kinds: dict[str, int] = field(default_factory=dict)  # errors by ``FetchError.kind``
     seconds: list[float] = field(default_factory=list)  # each successful GET's latency
 
     def __bool__(self) -> bool:
@@ -135,6 +140,8 @@ def _kind(exc: BaseException) -> str:
         return "denied"
     # (the first line: what follows is the library's debug dump, "retry_timeout: 180s"...)
     text = str(exc).strip().split("\n", 1)[0]
+    # (durations are no status: "Error performing GET ... in 572.633µs" is no 5xx)
+    text = re.sub(r"\b\d+(\.\d+)?\s*(µs|us|ms|ns|s)\b", "", text)
     if re.search(r"\b(503|429)\b|SlowDown|Too Many Requests|Throttl", text):
         return "throttled"
     if re.search(r"\b(401|403)\b|InvalidAccessKeyId|SignatureDoesNotMatch|AccessDenied", text):
@@ -197,7 +204,8 @@ class Fetcher:
         self._pending_bytes = 0  # known bytes of those still running
         self._pool: ThreadPoolExecutor | None = None
         self.cache: ByteCache | None = None
-        if settings.cache_dir is not None and settings.cache_bytes > 0:
+        if settings.cache_dir is not None and (settings.cache_bytes > 0 or not settings.prefetch):
+            # (no budget and the front fetching: a reader of what the front keeps)
             self.cache = ByteCache(
                 settings.cache_dir, settings.cache_bytes, settings.share, settings.cache_where
             )
@@ -254,8 +262,7 @@ class Fetcher:
                 if kind == "connection" and began - first_failure < s.outage_s:
                     attempt = min(attempt, s.attempts - 1)  # (gone: waited for, not budgeted)
                 elif kind not in _RETRYABLE or attempt >= s.attempts or not self._budget.take():
-                    with self._lock:
-                        self._tally.errors += 1
+                    self._count_error(kind)
                     raise FetchError(url, kind, _scrub(str(exc))) from None
                 with self._lock:
                     self._tally.retries += 1
@@ -271,6 +278,25 @@ class Fetcher:
                 if len(tally.seconds) < TALLY_SECONDS:
                     tally.seconds.append(seconds)
             return data
+
+    def _count_error(self, kind: str) -> None:
+        with self._lock:
+            tally = self._tally
+            tally.errors += 1
+            tally.kinds[kind] = tally.kinds.get(kind, 0) + 1
+
+    def holds(self, key: str) -> bool:
+        """Whether the cache holds ``key``'s bytes now (a file there, whoever wrote it)."""
+        if self.cache is None:
+            return False
+        with self._cache_lock:
+            return self.cache.holds(key)
+
+    def fetch_to_cache(self, url: str, start: int | None, length: int | None) -> int:
+        """Fetch an object (or range) into the cache; its size. Raises ``FetchError``."""
+        data = self._get(url, start, length)
+        self._keep(cache_key(url, start, length), data)
+        return len(data)
 
     def _cached(self, key: str) -> bytes | None:
         if self.cache is None:
@@ -314,6 +340,8 @@ class Fetcher:
         rest are read when asked for). Returns how many were started."""
         s = self.settings
         started = 0
+        if not s.prefetch:
+            return 0
         for url, start, length in wanted:
             key = cache_key(url, start, length)
             with self._lock:
@@ -321,7 +349,7 @@ class Fetcher:
                     continue
                 if self._pending_bytes + (length or 0) > s.max_bytes_in_flight:
                     break
-            if self.cache is not None and (self.cache.directory / key).exists():
+            if self.holds(key):
                 continue
             with self._lock:
                 if self._pool is None:

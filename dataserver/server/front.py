@@ -41,8 +41,10 @@ from zmq.utils.monitor import recv_monitor_message
 
 from dataserver import adminsock
 from dataserver.counting import Counts
+from dataserver.data.remote import Fetcher, FetchSettings
 from dataserver.loop import MessageGuard, StopFlag, serve
-from dataserver.protocol import Bye, ProtocolError, Stats, Welcome, decode
+from dataserver.protocol import Bye, ProtocolError, Stats, Tally, Task, Welcome, decode
+from dataserver.protocol.messages import FETCH_ERROR_KINDS, MAX_FETCH_TIMES
 from dataserver.security import host_proof, start_server_curve
 from dataserver.server.announce import Announced
 from dataserver.server.beats import BeatRule
@@ -64,6 +66,7 @@ from dataserver.server.metrics import ServerMetrics
 from dataserver.server.outbox import Outbox
 from dataserver.server.outlet import Outlet
 from dataserver.server.pool import WorkerPool
+from dataserver.server.prefetch import Prefetcher, Where
 from dataserver.server.routing import PIPELINE, WorkerRouter
 from dataserver.server.sessions import Scheduler
 from dataserver.server.statsview import StatsView, TokenBucket
@@ -142,6 +145,7 @@ class Front:
         categories: tuple[tuple[int, str], ...] = (),
         sizes: np.ndarray | None = None,
         index: tuple[int, int] | None = None,
+        locate: Callable[[list[int]], list[Where]] | None = None,
     ) -> None:
         """``deterministic``: the dataset says its ``__getitem__`` is a pure function of
         the index (``deterministic = True``); only then may the store keep its output.
@@ -149,7 +153,8 @@ class Front:
         ``sizes``: its per-sample (h, w), checked (``spec.dataset_sizes``): their count and
         digest announced in WELCOME, the table answered on request (``announce.py``);
         ``index``: the (memfd, size) of the shared annotation index its workers inherit and
-        map."""
+        map; ``locate``: where a dataset in object storage keeps its samples' bytes (its
+        ``locations``): the front then fetches them ahead of its workers (``prefetch.py``)."""
         self.config = config
         self.dataset_len = dataset_len
         self.fingerprint = fingerprint
@@ -193,6 +198,7 @@ class Front:
         self.local_token = uuid.uuid4().hex
         Path(self._tmpdir, "host-token").write_text(self.local_token)
         self.store = self._make_store()
+        self.prefetcher = self._make_prefetcher(locate)
         self.pool = WorkerPool(self._worker_config())
         self.outlet = Outlet(self.scheduler, self.outbox, self.counters)
         self.workers = WorkerRouter(
@@ -234,6 +240,7 @@ class Front:
             peer_of=self.conns.peer_of,
             beat_ms=lambda: self.beats.interval_ms,
             announced=self.announced,
+            fetch=None if self.prefetcher is None else self._fetch_ahead,
         )
         # What the metrics' HTTP thread reads: the view housekeeping last published (one
         # reference, replaced whole; the view itself never changes).
@@ -264,10 +271,65 @@ class Front:
             max_sessions=self.cap.max_sessions,
             fetch_cache=fetch[0] if fetch else None,
             fetch_where=fetch[1] if fetch else "memory",
-            fetch_cache_bytes=int(config.fetch_cache_gb * (1 << 30)) // self.n_workers,
+            # (the front fetching ahead keeps the cache alone: its workers only read it)
+            fetch_cache_bytes=0
+            if self.prefetcher is not None
+            else int(config.fetch_cache_gb * (1 << 30)) // self.n_workers,
             fetch_slots=self.n_workers,
             max_fetches=max(1, config.max_fetches // self.n_workers),
+            front_fetches=self.prefetcher is not None,
         )
+
+    def _make_prefetcher(
+        self, locate: Callable[[list[int]], list[Where]] | None
+    ) -> Prefetcher | None:
+        """The front's fetcher (``prefetch.py``) for a dataset in object storage that says
+        where its bytes are, with a fetch cache to fetch into; else None."""
+        config = self.config
+        fetch = config.fetch_dir()
+        if locate is None or fetch is None:
+            return None
+        settings = FetchSettings(
+            cache_dir=fetch[0],
+            cache_where=fetch[1],
+            cache_bytes=int(config.fetch_cache_gb * (1 << 30)),
+            max_fetches=config.max_fetches,
+            max_bytes_in_flight=config.max_fetch_mb << 20,
+        )
+        sessions = self.scheduler.sessions
+        return Prefetcher(
+            Fetcher(settings),
+            locate,
+            config.max_fetches,
+            config.max_fetch_mb << 20,
+            live=lambda session: session in sessions,
+        )
+
+    def _fetch_ahead(self, session: bytes, task: Task) -> None:
+        """A task admitted: its sources, then its plan's next samples, to fetch ahead."""
+        assert self.prefetcher is not None
+        n = self.dataset_len
+        excluded = set(task.exclude)
+        now = dict.fromkeys(i for run in task.images for i in run if i not in excluded and i < n)
+        self.prefetcher.want(session, now, [i for i in task.ahead if i < n])
+
+    def _tally_fetches(self) -> None:
+        """What the front's fetcher fetched since the last call, counted as a worker's."""
+        if self.prefetcher is None:
+            return
+        fetched = self.prefetcher.fetcher.take_tally()
+        if fetched:
+            self.workers.on_tally(
+                Tally(
+                    worker=0,
+                    fetches=fetched.fetches,
+                    fetch_bytes=fetched.bytes,
+                    fetch_retries=fetched.retries,
+                    fetch_errors=fetched.errors,
+                    fetch_error_kinds=dict(list(fetched.kinds.items())[:FETCH_ERROR_KINDS]),
+                    fetch_us=tuple(int(s * 1e6) for s in fetched.seconds[:MAX_FETCH_TIMES]),
+                )
+            )
 
     def _observe(self, task_us: int, decode_us: tuple[int, ...] | None) -> None:
         """A worker's timings of a task, for the metrics' histograms (when they are on)."""
@@ -379,6 +441,8 @@ class Front:
                 lambda: self._published, self.config.metrics_port, self.config.metrics_host()
             )
         self.pool.start(self.n_workers)
+        if self.prefetcher is not None:
+            self.prefetcher.start()
         self._poller = _Poller(
             {
                 self.backend: ("front.backend", self.workers.on_message),
@@ -492,6 +556,8 @@ class Front:
                 self.conns.accepted(name, event["value"])
 
     def _shutdown(self, ctx: zmq.Context[Any]) -> None:
+        if self.prefetcher is not None:
+            self.prefetcher.stop()
         self.workers.stop()
         for w in list(self.pool.workers.values()):
             if w.identity is not None:
@@ -562,6 +628,7 @@ class Front:
             raise WorkerStartError(why)
         now = time.monotonic()
         self.statsview.refresh(now)
+        self._tally_fetches()
         self.conns.check(now)
         self._published = self.view()  # for the metrics' thread
 
@@ -617,6 +684,7 @@ class Front:
             ),
             store=self.statsview.usage,
             fetch_cache=self.statsview.fetch_usage,
+            prefetch=None if self.prefetcher is None else self.prefetcher.snapshot(),
             sources=self.sources(),
             counters=ServerView.frozen(self.counters),
             rejected=ServerView.frozen(self.rejected),

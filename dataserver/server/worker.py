@@ -62,7 +62,7 @@ from dataserver.protocol import (
     Task,
     decode,
 )
-from dataserver.protocol.messages import MAX_FETCH_TIMES
+from dataserver.protocol.messages import FETCH_ERROR_KINDS, MAX_FETCH_TIMES
 from dataserver.security import reply_id
 from dataserver.server.compose import Composer, TaskClock
 from dataserver.server.config import WorkerConfig
@@ -271,6 +271,7 @@ class Worker:
                 fetch_bytes=fetched.bytes,
                 fetch_retries=fetched.retries,
                 fetch_errors=fetched.errors,
+                fetch_error_kinds=dict(list(fetched.kinds.items())[:FETCH_ERROR_KINDS]),
                 fetch_us=tuple(int(s * 1e6) for s in fetched.seconds[:MAX_FETCH_TIMES]),
             )
             sock.send_multipart(tally.encode(), zmq.NOBLOCK)
@@ -471,6 +472,7 @@ def main(argv: list[str] | None = None) -> int:
             cache_bytes=config.fetch_cache_bytes,
             share=(config.worker_id, max(1, config.fetch_slots)),
             max_fetches=config.max_fetches,
+            prefetch=not config.front_fetches,
         )
     )
     index: MappedIndex | None = None
