@@ -312,3 +312,114 @@ def test_yolo_text_shards(tmp_path: Path) -> None:
     np.testing.assert_allclose(sample.boxes, [[w / 4, h * 3 / 8, w * 3 / 4, h * 5 / 8]])
     assert sample.labels.tolist() == [3] and sample.file is not None
     assert sample.file.endswith("s-0.tar#k0.jpg")
+
+
+@pytest.mark.parametrize("form", ["coco", "wds"])
+def test_the_front_fetches_ahead_within_its_bounds(
+    start_server: Any, store: ObjectStore, sets: Sets, local_epoch: dict[int, Epoch], form: str
+) -> None:
+    """The client names its plan's next samples (``Task.ahead``) and the front fetches them
+    into the cache its workers read: the epochs are those of local disk, bit for bit, and
+    what STATS saw in flight never passed ``--max-fetches`` nor ``--max-fetch-mb``."""
+    spec = sets.coco if form == "coco" else sets.wds
+    server = start_server(
+        "--dataset",
+        spec,
+        "--cache-gb",
+        "0",
+        "--max-fetches",
+        "3",
+        "--max-fetch-mb",
+        "1",
+        env=store.env(),
+    )
+    peaks: list[tuple[int, int]] = []
+    with make_client(server.address, **KW) as client:
+        for epoch in (0, 1):
+            client.set_epoch(epoch)
+            got: Epoch = {}
+            for batch in client:
+                p = server.stats()["prefetch"]
+                peaks.append((p["in_flight"], p["bytes_in_flight"]))
+                for j, (index,) in enumerate(batch.indices):
+                    t = batch.targets[j]
+                    got[index] = (
+                        batch.images[j].numpy().tobytes(),
+                        t["boxes"].numpy().copy(),
+                        t["labels"].numpy().copy(),
+                    )
+            _same(got, local_epoch[epoch])
+    stats = server.stats()["prefetch"]
+    assert stats["max_fetches"] == 3 and stats["max_bytes_in_flight"] == 1 << 20
+    assert 1 <= stats["peak_in_flight"] <= 3
+    assert 0 < stats["peak_bytes_in_flight"] <= 1 << 20
+    assert all(n <= 3 and b <= 1 << 20 for n, b in peaks)
+    assert stats["ahead_lists"] >= 1  # (the client named what comes next)
+    assert stats["fetched"] >= 1 and stats["failed"] == 0
+    # epoch 2 found every sample in the cache; each object was fetched once, by the front
+    # or by a worker that came first (the other waits for its GET: ``marks_dir``)
+    assert stats["found"] >= IMAGES
+    assert _settled(server, "fetches") <= IMAGES + 1 + 2  # (+ the annotations, a race or two)
+
+
+def test_a_session_cannot_take_every_fetch_slot() -> None:
+    """The front's fetcher gives each session that wants something its share of the
+    requests and bytes in flight (charged to it), whatever the other has queued."""
+    from dataserver.data.remote import Fetcher, FetchSettings
+    from dataserver.server.prefetch import Prefetcher
+
+    def locate(indices: list[int]) -> list[tuple[str, int | None, int | None]]:
+        return [(f"s3://b/shard-{i // 100}.tar", (i % 100) * 1000, 1000) for i in indices]
+
+    open_sessions = {b"a", b"b"}
+    fetcher = Fetcher(FetchSettings())
+    pre = Prefetcher(fetcher, locate, 8, 1 << 20, live=lambda s: s in open_sessions)
+    pre.want(b"a", range(500))
+    pre.want(b"b", (), ahead=range(1000, 1010))
+    jobs = []
+    while (job := pre._next()) is not None:  # (what the pool's threads take, none ending)
+        jobs.append(job)
+    by = {s: sum(1 for j in jobs if j[0] == s) for s in (b"a", b"b")}
+    assert by == {b"a": 4, b"b": 4}
+    snap = pre.snapshot()
+    assert snap.in_flight == 8 and snap.bytes_in_flight == 8000
+    # bytes: a tighter bound stops the requests first
+    small = Prefetcher(fetcher, locate, 8, 2500, live=lambda s: True)
+    small.want(b"a", range(50))
+    taken = []
+    while (job := small._next()) is not None:
+        taken.append(job)
+    assert len(taken) == 2 and small.snapshot().peak_bytes_in_flight == 2000
+    # a closed session's wants are dropped: the other gets every slot
+    open_sessions.discard(b"a")
+    pre2 = Prefetcher(fetcher, locate, 8, 1 << 20, live=lambda s: s in open_sessions)
+    pre2.want(b"a", range(100))
+    pre2.want(b"b", range(200, 300))
+    got = []
+    while (job := pre2._next()) is not None:
+        got.append(job)
+    assert {j[0] for j in got} == {b"b"} and len(got) == 8
+
+
+def test_an_older_clients_task_has_no_ahead() -> None:
+    """A TASK without ``ahead`` (an older client) reads as none; one with it (a newer
+    client) is what an older server skips as an unknown key."""
+    from dataserver.protocol import Task, decode
+
+    kw: dict[str, Any] = dict(
+        session=b"s" * 8,
+        task_id=1,
+        plan_version=0,
+        epoch=0,
+        seed=0,
+        images=((1,),),
+        grid=1,
+        out_hw=(8, 8),
+        fit_hw=(8, 8),
+        on_error="raise",
+        control_seq=0,
+    )
+    old = decode(Task(**kw).encode())
+    assert isinstance(old, Task) and old.ahead == ()
+    new = decode(Task(**kw, ahead=(5, 6, 7)).encode())
+    assert isinstance(new, Task) and new.ahead == (5, 6, 7)

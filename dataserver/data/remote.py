@@ -46,6 +46,7 @@ _SECRET_ENV = re.compile(r"(KEY|SECRET|TOKEN|PASSWORD|CREDENTIAL|SAS)", re.IGNOR
 _RETRYABLE = frozenset({"throttled", "timeout", "server", "connection", "short", "other"})
 HELD_PER_FETCH = 4  # prefetches kept unread, per request in flight
 TALLY_SECONDS = 4096  # at most this many latencies kept between two takes
+MARK_POLL_S = 0.002  # how often a worker looks for an object the front is fetching
 
 
 def is_remote(path: str | os.PathLike[str]) -> bool:
@@ -91,6 +92,10 @@ class FetchSettings:
     # False: the front fetches ahead (``server/prefetch.py``); this process's ``prefetch``
     # does nothing (it would only fetch again what the front has in flight)
     prefetch: bool = True
+    # Where the front marks the objects it is fetching (an empty file a cache key, in its
+    # private state directory): a worker that misses one waits for it to land rather than
+    # GET it a second time (None: no front fetching)
+    marks_dir: str | None = None
     timeout_s: float = 20.0  # one request, whole
     connect_timeout_s: float = 5.0
     attempts: int = 8  # tries of one request
@@ -204,8 +209,7 @@ class Fetcher:
         self._pending_bytes = 0  # known bytes of those still running
         self._pool: ThreadPoolExecutor | None = None
         self.cache: ByteCache | None = None
-        if settings.cache_dir is not None and (settings.cache_bytes > 0 or not settings.prefetch):
-            # (no budget and the front fetching: a reader of what the front keeps)
+        if settings.cache_dir is not None and settings.cache_bytes > 0:
             self.cache = ByteCache(
                 settings.cache_dir, settings.cache_bytes, settings.share, settings.cache_where
             )
@@ -294,9 +298,26 @@ class Fetcher:
 
     def fetch_to_cache(self, url: str, start: int | None, length: int | None) -> int:
         """Fetch an object (or range) into the cache; its size. Raises ``FetchError``."""
-        data = self._get(url, start, length)
-        self._keep(cache_key(url, start, length), data)
-        return len(data)
+        return len(self._fetch_and_keep(cache_key(url, start, length), url, start, length))
+
+    def marked(self, key: str) -> bool:
+        """Whether some process of the server is fetching ``key`` now (its mark is there)."""
+        marks = self.settings.marks_dir
+        return marks is not None and os.path.exists(os.path.join(marks, key))
+
+    def _landed(self, key: str) -> bytes | None:
+        """The bytes of ``key`` once the front's fetch of it (marked) ends, or None: not
+        being fetched, failed, or longer than a request may take."""
+        if self.settings.marks_dir is None:
+            return None
+        mark = os.path.join(self.settings.marks_dir, key)
+        deadline = time.monotonic() + self.settings.timeout_s * 2
+        while os.path.exists(mark) and time.monotonic() < deadline:
+            time.sleep(MARK_POLL_S)
+            data = self._cached(key)
+            if data is not None:
+                return data
+        return self._cached(key)
 
     def _cached(self, key: str) -> bytes | None:
         if self.cache is None:
@@ -310,8 +331,24 @@ class Fetcher:
                 self.cache.put(key, data)
 
     def _fetch_and_keep(self, key: str, url: str, start: int | None, length: int | None) -> bytes:
-        data = self._get(url, start, length)
-        self._keep(key, data)
+        """GET it and keep it, marked as being fetched meanwhile (``marks_dir``: the front
+        and the workers then wait for each other's GET of an object, never make two)."""
+        marks = self.settings.marks_dir
+        mark = None if marks is None else os.path.join(marks, key)
+        if mark is not None:
+            try:
+                os.close(os.open(mark, os.O_CREAT | os.O_WRONLY, 0o600))
+            except OSError:
+                mark = None
+        try:
+            data = self._get(url, start, length)
+            self._keep(key, data)
+        finally:
+            if mark is not None:
+                try:
+                    os.unlink(mark)
+                except OSError:
+                    pass
         return data
 
     def read(self, url: str, start: int | None = None, length: int | None = None) -> bytes:
@@ -319,6 +356,8 @@ class Fetcher:
         cache, a prefetch in flight, or a GET now. Raises ``FetchError``."""
         key = cache_key(url, start, length)
         data = self._cached(key)
+        if data is None:
+            data = self._landed(key)
         if data is not None:
             return data
         with self._lock:

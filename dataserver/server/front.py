@@ -26,6 +26,7 @@ results waiting to be read (``--max-queued-mb``), image size (``--max-image-side
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import tempfile
 import time
@@ -74,6 +75,9 @@ from dataserver.server.store import Store
 from dataserver.server.view import Limits, ServerView
 
 log = logging.getLogger("dataserver.front")
+# The fetch cache's share the workers keep where the front fetches ahead (what a worker
+# had to fetch itself, first); the front keeps the rest
+WORKERS_SHARE = 0.125
 
 POLL_MS = 100
 DRAIN = 256  # messages taken from one socket before looking at the others
@@ -253,6 +257,7 @@ class Front:
         config = self.config
         direct = results_bind(config.bind, self._tmpdir) if config.direct_results else None
         fetch = config.fetch_dir()
+        share = WORKERS_SHARE if self.prefetcher is not None else 1.0
         return WorkerConfig(
             backend=f"ipc://{self._tmpdir}/backend",
             state_dir=self._tmpdir,
@@ -271,11 +276,10 @@ class Front:
             max_sessions=self.cap.max_sessions,
             fetch_cache=fetch[0] if fetch else None,
             fetch_where=fetch[1] if fetch else "memory",
-            # (the front fetching ahead keeps the cache alone: its workers only read it)
-            fetch_cache_bytes=0
-            if self.prefetcher is not None
-            else int(config.fetch_cache_gb * (1 << 30)) // self.n_workers,
-            fetch_slots=self.n_workers,
+            # (the front fetching ahead keeps most of the cache, as one more share: its
+            # workers keep what they fetched first, ``WORKERS_SHARE`` of it together)
+            fetch_cache_bytes=int(config.fetch_cache_gb * (1 << 30) * share) // self.n_workers,
+            fetch_slots=self.n_workers + (self.prefetcher is not None),
             max_fetches=max(1, config.max_fetches // self.n_workers),
             front_fetches=self.prefetcher is not None,
         )
@@ -292,10 +296,13 @@ class Front:
         settings = FetchSettings(
             cache_dir=fetch[0],
             cache_where=fetch[1],
-            cache_bytes=int(config.fetch_cache_gb * (1 << 30)),
+            cache_bytes=int(config.fetch_cache_gb * (1 << 30) * (1.0 - WORKERS_SHARE)),
+            share=(self.n_workers, self.n_workers + 1),
             max_fetches=config.max_fetches,
             max_bytes_in_flight=config.max_fetch_mb << 20,
+            marks_dir=os.path.join(self._tmpdir, "fetching"),
         )
+        os.makedirs(settings.marks_dir or "", exist_ok=True)
         sessions = self.scheduler.sessions
         return Prefetcher(
             Fetcher(settings),

@@ -162,7 +162,7 @@ class Prefetcher:
             if not is_remote(where[0]):
                 continue
             key = cache_key(*where)
-            if key in self._out or self.fetcher.holds(key):
+            if key in self._out or self.fetcher.holds(key) or self.fetcher.marked(key):
                 self._found += 1
                 continue
             charge = self._charge(where)

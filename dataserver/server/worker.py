@@ -473,6 +473,9 @@ def main(argv: list[str] | None = None) -> int:
             share=(config.worker_id, max(1, config.fetch_slots)),
             max_fetches=config.max_fetches,
             prefetch=not config.front_fetches,
+            marks_dir=os.path.join(config.state_dir, "fetching")
+            if config.front_fetches and config.state_dir
+            else None,
         )
     )
     index: MappedIndex | None = None
