@@ -423,3 +423,27 @@ def test_an_older_clients_task_has_no_ahead() -> None:
     assert isinstance(old, Task) and old.ahead == ()
     new = decode(Task(**kw, ahead=(5, 6, 7)).encode())
     assert isinstance(new, Task) and new.ahead == (5, 6, 7)
+
+
+def test_a_timeout_names_the_object_store_that_stalls(
+    start_server: Any, sets: Sets, local_epoch: dict[int, Epoch]
+) -> None:
+    """The store goes away before an epoch: the client's ``timeout`` error says the
+    server's object store is the cause (its root URL and why, no credential); when it comes
+    back the epoch from the start is that of local disk."""
+    with ObjectStore(delay_ms=30) as own:
+        for key, data in sets.objects.items():
+            own.put(key, data)
+        server = start_server("--dataset", sets.coco, "--cache-gb", "0", env=own.env())
+        own.kill_store()
+        with make_client(server.address, **KW, timeout=6.0) as client:
+            client.set_epoch(0)
+            with pytest.raises(Exception) as caught:
+                for _ in client:
+                    pass
+        text = str(caught.value)
+        assert "no progress" in text and "object store s3://dsbucket" in text, text
+        assert "connection" in text and ACCESS_KEY not in text and SECRET_KEY not in text
+        own.restart_store()
+        with make_client(server.address, **KW) as client:
+            _same(epoch_by_index(client, 0), local_epoch[0])

@@ -214,6 +214,10 @@ class Fetcher:
                 settings.cache_dir, settings.cache_bytes, settings.share, settings.cache_where
             )
         self._cache_lock = threading.Lock()
+        # the store's health: since when its GETs have failed with no success between
+        # (0: the last one answered), the last failure's kind and store (``stall``)
+        self._failing_since = 0.0
+        self._failure = ("", "")
 
     def _store(self, root: str) -> Any:
         with self._lock:
@@ -261,6 +265,9 @@ class Fetcher:
                     raise ConnectionError(f"short body: {len(data)} of {length} bytes")
             except Exception as exc:
                 kind = "short" if "short body" in str(exc) else _kind(exc)
+                with self._lock:
+                    self._failing_since = self._failing_since or began
+                    self._failure = (kind, root)
                 attempt += 1
                 first_failure = first_failure or began
                 if kind == "connection" and began - first_failure < s.outage_s:
@@ -276,6 +283,7 @@ class Fetcher:
             seconds = time.perf_counter() - began
             self._budget.refill()
             with self._lock:
+                self._failing_since = 0.0
                 tally = self._tally
                 tally.fetches += 1
                 tally.bytes += len(data)
@@ -471,6 +479,16 @@ class Fetcher:
         gives no ETag): what an index built from it is keyed by."""
         meta = self._head(url)
         return int(meta["size"]), str(meta.get("e_tag") or meta.get("last_modified") or "")
+
+    def stall(self, after_s: float = 2.0) -> str:
+        """Why nothing has been fetched for ``after_s`` or longer while GETs fail (the
+        store's root URL, the failure's kind, for how long), or "": the store answers."""
+        with self._lock:
+            since, (kind, root) = self._failing_since, self._failure
+        waited = time.perf_counter() - since if since else 0.0
+        if waited < after_s:
+            return ""
+        return f"object store {root}: {kind}, nothing fetched for {waited:.0f} s"
 
     def take_tally(self) -> FetchTally:
         """What was fetched since the last call (and start afresh)."""

@@ -597,6 +597,10 @@ class Heartbeat(Message, kw_only=True):
     results: Endpoints | None = None
     local: Endpoints | None = None
     heartbeat_ms: BeatMs = 0
+    # The reply: why the server's object store gives it nothing now (its root URL, the
+    # failure's kind, for how long: ``Fetcher.stall``); empty while it answers. The
+    # client's ``timeout`` error names it as the cause.
+    store_stall: T512 = ""
 
 
 class Stats(Message, kw_only=True):

@@ -123,6 +123,7 @@ class Clients:
         beat_ms: Callable[[], int] = lambda: 0,
         announced: Announced | None = None,
         fetch: Callable[[bytes, Task], None] | None = None,
+        store_stall: Callable[[], str] = lambda: "",
     ) -> None:
         self.config = config
         self.scheduler = scheduler
@@ -148,6 +149,7 @@ class Clients:
         # A task admitted: its sources (and its plan's next ones) fetched ahead of the
         # workers (a dataset in object storage: the front's ``prefetch.Prefetcher``)
         self._fetch = fetch
+        self._store_stall = store_stall  # what the object store does now (heartbeat replies)
 
     def _refuse(self, reason: Reject, identity: bytes | None, detail: str, **ids: Any) -> None:
         """Count a refused message; tell its sender why when there is one to tell."""
@@ -277,7 +279,11 @@ class Clients:
             self._authentic(identity, msg, quiet=True)
         results, local = self.workers.result_endpoints()
         beat = Heartbeat(
-            server_id=self._server_id, results=results, local=local, heartbeat_ms=self._beat_ms()
+            server_id=self._server_id,
+            results=results,
+            local=local,
+            heartbeat_ms=self._beat_ms(),
+            store_stall=self._store_stall()[:512],
         )
         self.outlet.send_to(identity, beat)
 

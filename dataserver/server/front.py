@@ -245,6 +245,7 @@ class Front:
             beat_ms=lambda: self.beats.interval_ms,
             announced=self.announced,
             fetch=None if self.prefetcher is None else self._fetch_ahead,
+            store_stall=lambda: "" if self.prefetcher is None else self.prefetcher.fetcher.stall(),
         )
         # What the metrics' HTTP thread reads: the view housekeeping last published (one
         # reference, replaced whole; the view itself never changes).
