@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import signal
 import subprocess
 import sys
 import tarfile
@@ -447,3 +449,24 @@ def test_a_timeout_names_the_object_store_that_stalls(
         own.restart_store()
         with make_client(server.address, **KW) as client:
             _same(epoch_by_index(client, 0), local_epoch[0])
+
+
+def test_the_memory_cache_has_no_name_on_the_host(
+    start_server: Any, store: ObjectStore, sets: Sets, local_epoch: dict[int, Epoch]
+) -> None:
+    """The in-memory fetch cache is two sealed memfds the front made and its workers map:
+    nothing in ``/dev/shm``, and nothing left behind when the server is SIGKILLed."""
+    shm = Path("/dev/shm")
+    before = {p.name for p in shm.iterdir() if p.name.startswith("dataserver-fetch")}
+    server = start_server("--dataset", sets.coco, "--cache-gb", "0", env=store.env())
+    with make_client(server.address, **KW) as client:
+        _same(epoch_by_index(client, 0), local_epoch[0])
+    assert wait_until(lambda: server.stats()["fetch_cache"]["files"] >= IMAGES, 5)
+    assert server.stats()["fetch_cache"]["where"] == "memory"
+    fds = [os.readlink(f"/proc/{server.pid}/fd/{n}") for n in os.listdir(f"/proc/{server.pid}/fd")]
+    assert any(t.startswith("/memfd:dataserver-fetch") for t in fds), fds
+    now = {p.name for p in shm.iterdir() if p.name.startswith("dataserver-fetch")}
+    assert now == before
+    os.kill(server.pid, signal.SIGKILL)
+    server.proc.wait(10)
+    assert {p.name for p in shm.iterdir() if p.name.startswith("dataserver-fetch")} == before

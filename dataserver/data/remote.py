@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from dataserver.data.fetchcache import ByteCache, CacheUsage, cache_key
+from dataserver.data.fetchcache import ByteCache, CacheUsage, MemCache, cache_key
 
 REMOTE_PREFIXES = ("s3://", "gs://", "az://", "http://", "https://")
 DEFAULT_MAX_FETCHES = 64  # GETs in flight per server (--max-fetches), shared by its workers
@@ -96,6 +96,9 @@ class FetchSettings:
     # private state directory): a worker that misses one waits for it to land rather than
     # GET it a second time (None: no front fetching)
     marks_dir: str | None = None
+    # the in-memory cache's memfds (``fetchcache.MemCache``: index, bytes), in place of
+    # ``cache_dir``'s files (which then holds only what ``read_shared`` keeps)
+    mem_fds: tuple[int, int] | None = None
     timeout_s: float = 20.0  # one request, whole
     connect_timeout_s: float = 5.0
     attempts: int = 8  # tries of one request
@@ -208,8 +211,10 @@ class Fetcher:
         self._pending: OrderedDict[str, Future[bytes]] = OrderedDict()
         self._pending_bytes = 0  # known bytes of those still running
         self._pool: ThreadPoolExecutor | None = None
-        self.cache: ByteCache | None = None
-        if settings.cache_dir is not None and settings.cache_bytes > 0:
+        self.cache: ByteCache | MemCache | None = None
+        if settings.mem_fds is not None:
+            self.cache = MemCache(*settings.mem_fds)
+        elif settings.cache_dir is not None and settings.cache_bytes > 0:
             self.cache = ByteCache(
                 settings.cache_dir, settings.cache_bytes, settings.share, settings.cache_where
             )

@@ -251,6 +251,7 @@ class WorkerConfig:
     # the front fetches ahead (``server/prefetch.py``): this worker only reads the cache
     # (and GETs what is not there yet), it neither prefetches nor keeps
     front_fetches: bool = False
+    fetch_mem_fds: tuple[int, int] | None = None  # the in-memory fetch cache (``MemCache``)
     worker_id: int = 0  # its slot
     parent_pid: int = 0  # the front: the worker dies with it
 
@@ -297,7 +298,7 @@ class WorkerConfig:
         raw = json.loads(text)
         if not isinstance(raw, dict):
             raise ValueError("a worker's configuration is a JSON object")
-        for pair in ("store_fds", "curve"):
+        for pair in ("store_fds", "curve", "fetch_mem_fds"):
             if raw.get(pair) is not None:
                 raw[pair] = tuple(raw[pair])
         return cls(**raw)

@@ -42,6 +42,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from dataserver import adminsock
 from dataserver.counting import Counts
+from dataserver.data.fetchcache import MemCache
 from dataserver.data.remote import Fetcher, FetchSettings
 from dataserver.loop import MessageGuard, StopFlag, serve
 from dataserver.protocol import Bye, ProtocolError, Stats, Tally, Task, Welcome, decode
@@ -202,6 +203,13 @@ class Front:
         self.local_token = uuid.uuid4().hex
         Path(self._tmpdir, "host-token").write_text(self.local_token)
         self.store = self._make_store()
+        # the in-memory fetch cache (memfds its workers inherit; ``fetchcache.MemCache``)
+        fetch = config.fetch_dir()
+        self.fetch_mem = (
+            MemCache.create(int(config.fetch_cache_gb * (1 << 30)))
+            if fetch is not None and fetch[1] == "memory"
+            else None
+        )
         self.prefetcher = self._make_prefetcher(locate)
         self.pool = WorkerPool(self._worker_config())
         self.outlet = Outlet(self.scheduler, self.outbox, self.counters)
@@ -218,7 +226,7 @@ class Front:
         fetch = config.fetch_dir()
         budget = int(config.fetch_cache_gb * (1 << 30))
         self.statsview = StatsView(
-            self.rejected, self.store, None if fetch is None else (*fetch, budget)
+            self.rejected, self.store, None if fetch is None else (*fetch, budget), self.fetch_mem
         )
         self.conns = ConnTracker(
             config.idle_timeout,
@@ -283,6 +291,7 @@ class Front:
             fetch_slots=self.n_workers + (self.prefetcher is not None),
             max_fetches=max(1, config.max_fetches // self.n_workers),
             front_fetches=self.prefetcher is not None,
+            fetch_mem_fds=None if self.fetch_mem is None else self.fetch_mem.fds,
         )
 
     def _make_prefetcher(
@@ -302,6 +311,7 @@ class Front:
             max_fetches=config.max_fetches,
             max_bytes_in_flight=config.max_fetch_mb << 20,
             marks_dir=os.path.join(self._tmpdir, "fetching"),
+            mem_fds=None if self.fetch_mem is None else self.fetch_mem.fds,
         )
         os.makedirs(settings.marks_dir or "", exist_ok=True)
         sessions = self.scheduler.sessions
@@ -579,6 +589,8 @@ class Front:
             ctx.destroy(linger=500 if self.draining_since is not None else 0)
             if self.store is not None:
                 self.store.close()
+            if self.fetch_mem is not None:
+                self.fetch_mem.close()
             adminsock.unregister(self._admin_entry, self.endpoints.get("admin", ""))
             shutil.rmtree(self._tmpdir, ignore_errors=True)
 

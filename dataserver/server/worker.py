@@ -473,6 +473,7 @@ def main(argv: list[str] | None = None) -> int:
             share=(config.worker_id, max(1, config.fetch_slots)),
             max_fetches=config.max_fetches,
             prefetch=not config.front_fetches,
+            mem_fds=config.fetch_mem_fds,
             marks_dir=os.path.join(config.state_dir, "fetching")
             if config.front_fetches and config.state_dir
             else None,
