@@ -73,6 +73,11 @@ def epochs_side(args: argparse.Namespace) -> dict[str, Any]:
             fetched = _fetches(args.address)  # (untimed: between the epochs)
             out[f"epoch{epoch}_fetches"] = fetched - before
             before = fetched
+    from dataserver.admin import fetch_stats
+
+    ahead = fetch_stats(args.address, 10).get("prefetch") or {}
+    for key in ("peak_bytes_in_flight", "max_bytes_in_flight", "peak_in_flight", "max_fetches"):
+        out[key] = int(ahead.get(key, 0))
     return out
 
 
@@ -168,8 +173,13 @@ def _figures(runs: dict[str, list[dict[str, Any]]], shards: int) -> dict[str, An
             out[f"{side}_epoch{e}_vs_local"] = round(m(side, key) / m("local", key), 3)
             out[f"{side}_epoch{e}_requests"] = int(m(side, f"epoch{e}_fetches"))
     out["shards_index_requests"] = shards  # (the front reads each shard once, at start)
+    for side in ("loose", "shards"):  # the front's fetcher: the most it had out, its bounds
+        out[f"{side}_peak_fetches_in_flight"] = max(r["peak_in_flight"] for r in runs[side])
+        out[f"{side}_peak_bytes_in_flight"] = max(r["peak_bytes_in_flight"] for r in runs[side])
+    out["max_fetches"] = runs["loose"][0]["max_fetches"]
+    out["max_bytes_in_flight"] = runs["loose"][0]["max_bytes_in_flight"]
     out["not_measured"] = (
-        "a real cloud's throughput per prefix, GCS and Azure, bytes in flight, the peers "
+        "a real cloud's throughput per prefix, GCS and Azure, the peers "
         "(a DataLoader fetching with obstore, WebDataset's pipeline)"
     )
     return out
