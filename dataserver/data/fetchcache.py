@@ -241,7 +241,10 @@ class MemCache:
             return self._find(k0, k1) >= 0
 
     def put(self, key: str, data: bytes) -> None:
-        """Keep ``data`` (an entry over a quarter of the ring is not kept)."""
+        """Keep ``data`` (an entry over a quarter of the ring is not kept). Its room is
+        taken under the lock (what was written moves past it, so no reader looks there),
+        the bytes copied outside it, the entry made under it again, if the ring has not
+        come round over it meanwhile."""
         size = len(data)
         if size > self.budget // 4:
             return
@@ -249,20 +252,22 @@ class MemCache:
         with self._locked():
             if self._find(k0, k1) >= 0:
                 return
-            written = int(self._head[0])
-            pos = written
+            pos = int(self._head[0])
             if pos % self.budget + size > self.budget:  # (not across the end: from the start)
                 pos += self.budget - pos % self.budget
-            start = pos % self.budget
-            self._arena[start : start + size] = data
             self._head[0] = pos + size
+        start = pos % self.budget
+        self._arena[start : start + size] = data
+        with self._locked():
+            if pos + self.budget < int(self._head[0]):
+                return  # (written over already)
             n = len(self._slots)
             best, oldest = -1, None
             for j in range(_PROBE):
                 i = (k0 + j) % n
                 s = self._slots[i]
-                stale = int(s[2]) + self.budget < pos + size or (not int(s[2]) and not int(s[3]))
-                if stale:
+                written = int(self._head[0])
+                if int(s[2]) + self.budget < written or (not int(s[2]) and not int(s[3])):
                     best = i
                     break
                 if oldest is None or int(s[2]) < int(self._slots[oldest, 2]):

@@ -329,7 +329,7 @@ class Front:
         n = self.dataset_len
         excluded = set(task.exclude)
         now = dict.fromkeys(i for run in task.images for i in run if i not in excluded and i < n)
-        self.prefetcher.want(session, now, [i for i in task.ahead if i < n])
+        self.prefetcher.want(session, now, [i for i in task.ahead if i < n], task.epoch)
 
     def _tally_fetches(self) -> None:
         """What the front's fetcher fetched since the last call, counted as a worker's."""

@@ -8,7 +8,7 @@ in order). A pool of ``--max-fetches`` threads runs the GETs (obstore releases t
 while a request is out; the retries, budget and errors are the workers' own code,
 ``Fetcher``), bounded together by requests in flight (``--max-fetches``) and bytes in
 flight (``--max-fetch-mb``: a range's length, or for a whole object the largest object
-fetched so far, at least ``GUESS_BYTES`` until one is), and charged to the session that
+fetched so far, ``GUESS_BYTES`` until one is), and charged to the session that
 asked: a session with work waiting may have at most its share (the bounds over the
 sessions that want something) in flight, so one session cannot take every slot. Sessions
 are served in turn; within one, a queued task's sources before the plan's next ones.
@@ -31,6 +31,7 @@ from dataserver.data.remote import Fetcher, FetchError, is_remote
 Where = tuple[str, int | None, int | None]  # (url, start, length)
 GUESS_BYTES = 1 << 20  # a whole object's charge before any has been fetched
 MAX_QUEUED = 1 << 14  # a session's queued tasks' sources kept (beyond: the oldest dropped)
+SEEN_MAX = 1 << 18  # the plan's samples a session's record of those taken may hold
 
 
 @dataclass
@@ -42,13 +43,26 @@ class _Wants:
     ahead: deque[int] = field(default_factory=deque)
     running: int = 0
     bytes: int = 0
+    # the plan's samples taken already this epoch (a new list repeats most of the last:
+    # those are not looked at again), and that epoch
+    seen: set[int] = field(default_factory=set)
+    epoch: int = -1
 
     def pop(self) -> int | None:
         if self.now:
             return self.now.popleft()
         if self.ahead:
-            return self.ahead.popleft()
+            index = self.ahead.popleft()
+            self.seen.add(index)
+            return index
         return None
+
+    def plan(self, ahead: list[int], epoch: int) -> None:
+        """The plan's next samples (replacing the last list), less those taken already."""
+        if epoch != self.epoch or len(self.seen) > SEEN_MAX:
+            self.epoch = epoch
+            self.seen.clear()
+        self.ahead = deque(i for i in ahead if i not in self.seen)
 
 
 @dataclass(frozen=True)
@@ -109,9 +123,12 @@ class Prefetcher:
             self._stopped = True
             self._cond.notify_all()
 
-    def want(self, session: bytes, now: Iterable[int], ahead: Iterable[int] = ()) -> None:
+    def want(
+        self, session: bytes, now: Iterable[int], ahead: Iterable[int] = (), epoch: int = 0
+    ) -> None:
         """``session`` asks for ``now`` (a queued task's sources) and, when ``ahead`` is not
-        empty, names its plan's next samples (replacing the list it named before)."""
+        empty, names its plan's next samples in ``epoch`` (replacing the list it named
+        before)."""
         with self._cond:
             wants = self._sessions.get(session)
             if wants is None:
@@ -119,13 +136,15 @@ class Prefetcher:
             wants.now.extend(now)
             ahead = list(ahead)
             if ahead:
-                wants.ahead = deque(ahead)
+                wants.plan(ahead, epoch)
                 self._lists += 1
-            self._cond.notify(min(self._max, len(wants.now) + len(wants.ahead)))
+            # One thread wakes; each that takes a fetch wakes the next while work waits (a
+            # thread per index would wake for nothing: most are found fetched already).
+            self._cond.notify()
 
     def _charge(self, where: Where) -> int:
         length = where[2]
-        return length if length is not None else max(self._largest, GUESS_BYTES)
+        return length if length is not None else (self._largest or GUESS_BYTES)
 
     def _next(self) -> tuple[bytes, str, Where, int] | None:
         """The next fetch to start, charged (under the lock), or None: nothing waits that
@@ -189,6 +208,8 @@ class Prefetcher:
                         return
                     self._cond.wait(1.0)  # (a session gone is noticed within a second)
                     job = self._next()
+                if self._running < self._max and self._sessions:
+                    self._cond.notify()  # (the next fetch, if any, to another thread)
             session, key, where, charge = job
             size = -1
             try:
