@@ -17,8 +17,12 @@ is retried on throttling (503/429), timeouts, resets, 5xx and short bodies with 
 exponential backoff and full jitter, within a per-request timeout, at most ``attempts``
 times, and only while the process's retry budget (a token bucket refilled by successes)
 lasts; then ``FetchError`` naming the URL and the kind of failure. Fetched bytes go
-through the fetch cache (``fetchcache``); ``prefetch`` starts GETs in a bounded pool of
-threads (``--max-fetches`` requests in flight) so that a task's objects arrive together.
+through the fetch cache (``fetchcache``). Where the server's front fetches ahead
+(``dataserver/server/prefetch.py``: what the sessions' plans ask next), a worker reads the
+cache, waits for an object the front is fetching (its mark in ``marks_dir``) and GETs only
+what neither has; elsewhere ``prefetch`` starts GETs in a bounded pool of threads
+(``--max-fetches`` requests in flight) so that a task's objects arrive together. ``stall``
+says why nothing is fetched while a store fails (the front's heartbeat replies).
 """
 
 from __future__ import annotations
