@@ -470,3 +470,18 @@ def test_the_memory_cache_has_no_name_on_the_host(
     os.kill(server.pid, signal.SIGKILL)
     server.proc.wait(10)
     assert {p.name for p in shm.iterdir() if p.name.startswith("dataserver-fetch")} == before
+
+
+def test_two_servers_are_each_told_their_share_of_the_plan(
+    start_server: Any, store: ObjectStore, sets: Sets, local_epoch: dict[int, Epoch]
+) -> None:
+    """With two servers, each is told the plan's next samples whose key routes to it (and
+    fetches them): the epoch is that of local disk, bit for bit."""
+    servers = [
+        start_server("--dataset", sets.wds, "--cache-gb", "0", env=store.env()) for _ in range(2)
+    ]
+    with make_client([s.address for s in servers], **KW) as client:
+        _same(epoch_by_index(client, 0), local_epoch[0])
+    told = [s.stats()["prefetch"] for s in servers]
+    assert all(t["ahead_lists"] >= 1 for t in told), told
+    assert sum(t["fetched"] for t in told) >= 1 and all(t["failed"] == 0 for t in told)
