@@ -145,7 +145,10 @@ class Sender:
     def _ahead_for(self, link: ServerLink) -> tuple[int, ...]:
         """The plan's next samples that ``link``'s server will be asked for (by their
         route; all of them with one server), once for each time the plan moves on: empty
-        when it was told them already."""
+        when it was told them already, or when it fetches nothing ahead (its WELCOME)."""
+        welcome = link.welcome_msg
+        if welcome is None or not welcome.fetch_ahead:
+            return ()
         mark, upcoming = self._book.upcoming(AHEAD)
         if mark != self._ahead_mark:
             self._ahead_mark = mark

@@ -285,6 +285,9 @@ class Welcome(Message, kw_only=True):
     # How often to beat (the server's load sets it: ``dataserver.server.beats``; absent: an
     # older server, the client keeps its own interval).
     heartbeat_ms: BeatMs = 0
+    # 1: it fetches its dataset's bytes from object storage ahead of its workers: tell it
+    # the plan's next samples (``Task.ahead``); absent (0): the client sends none.
+    fetch_ahead: Flag01 = 0
 
     def _check(self, arrays: list[np.ndarray] | None) -> None:
         Message._check(self, arrays)

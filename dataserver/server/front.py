@@ -635,6 +635,7 @@ class Front:
             sizes_count=self.announced.count,
             sizes_digest=self.announced.digest,
             heartbeat_ms=self.beats.interval_ms,
+            fetch_ahead=int(self.prefetcher is not None),
         )
 
     def _housekeeping(self) -> None:
