@@ -361,7 +361,9 @@ def test_the_front_fetches_ahead_within_its_bounds(
     # epoch 2 found every sample in the cache; each object was fetched once, by the front
     # or by a worker that came first (the other waits for its GET: ``marks_dir``)
     assert stats["found"] >= IMAGES
-    assert _settled(server, "fetches") <= IMAGES + 1 + 2  # (+ the annotations, a race or two)
+    # (+ the annotations, and a few races: a worker and the front both finding no mark;
+    # without the marks every object was fetched twice)
+    assert _settled(server, "fetches") <= IMAGES + 1 + IMAGES // 4
 
 
 def test_a_session_cannot_take_every_fetch_slot() -> None:
