@@ -12,7 +12,11 @@ import zmq
 
 from dataserver import __version__
 from dataserver.admin import fetch_stats
-from dataserver.data.remote import DEFAULT_FETCH_CACHE_GB, DEFAULT_MAX_FETCHES
+from dataserver.data.remote import (
+    DEFAULT_FETCH_CACHE_GB,
+    DEFAULT_MAX_FETCH_MB,
+    DEFAULT_MAX_FETCHES,
+)
 from dataserver.data.spec import DEFAULT_SPEC, SpecError
 from dataserver.protocol import ProtocolError
 from dataserver.server.config import (
@@ -79,6 +83,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         fetch_cache=args.fetch_cache,
         fetch_cache_gb=args.fetch_cache_gb,
         max_fetches=args.max_fetches,
+        max_fetch_mb=args.max_fetch_mb,
         index_cache=args.index_cache,
     )
 
@@ -409,6 +414,14 @@ def _add_serve(sub: Any) -> None:
         metavar="N",
         help="object-store requests in flight per server, shared by its workers "
         f"(default {DEFAULT_MAX_FETCHES})",
+    )
+    p.add_argument(
+        "--max-fetch-mb",
+        type=int,
+        default=DEFAULT_MAX_FETCH_MB,
+        metavar="N",
+        help="MiB of object-store bytes in flight per server (the fetches ahead of the "
+        f"sessions' plans) (default {DEFAULT_MAX_FETCH_MB})",
     )
     p.add_argument(
         "--index-cache",

@@ -208,6 +208,9 @@ def test_bench_remote_figure(tmp_path: Path) -> None:
         assert figure[f"{side}_epoch1_vs_local"] > 0 and figure[f"{side}_epoch2_vs_local"] > 0
         assert figure[f"{side}_epoch1_requests"] >= 16
         assert figure[f"{side}_epoch2_requests"] == 0  # (the fetch cache holds the set)
+        assert 0 < figure[f"{side}_peak_bytes_in_flight"] <= figure["max_bytes_in_flight"]
+        assert 0 < figure[f"{side}_peak_fetches_in_flight"] <= figure["max_fetches"]
+    assert figure["dataloader_obstore_images_per_s"] > 0  # (the peer: obstore in a DataLoader)
 
 
 @pytest.mark.timeout(300)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import signal
 import subprocess
 import sys
 import tarfile
@@ -312,3 +314,176 @@ def test_yolo_text_shards(tmp_path: Path) -> None:
     np.testing.assert_allclose(sample.boxes, [[w / 4, h * 3 / 8, w * 3 / 4, h * 5 / 8]])
     assert sample.labels.tolist() == [3] and sample.file is not None
     assert sample.file.endswith("s-0.tar#k0.jpg")
+
+
+@pytest.mark.parametrize("form", ["coco", "wds"])
+def test_the_front_fetches_ahead_within_its_bounds(
+    start_server: Any, store: ObjectStore, sets: Sets, local_epoch: dict[int, Epoch], form: str
+) -> None:
+    """The client names its plan's next samples (``Task.ahead``) and the front fetches them
+    into the cache its workers read: the epochs are those of local disk, bit for bit, and
+    what STATS saw in flight never passed ``--max-fetches`` nor ``--max-fetch-mb``."""
+    spec = sets.coco if form == "coco" else sets.wds
+    server = start_server(
+        "--dataset",
+        spec,
+        "--cache-gb",
+        "0",
+        "--max-fetches",
+        "3",
+        "--max-fetch-mb",
+        "1",
+        env=store.env(),
+    )
+    peaks: list[tuple[int, int]] = []
+    with make_client(server.address, **KW) as client:
+        for epoch in (0, 1):
+            client.set_epoch(epoch)
+            got: Epoch = {}
+            for batch in client:
+                p = server.stats()["prefetch"]
+                peaks.append((p["in_flight"], p["bytes_in_flight"]))
+                for j, (index,) in enumerate(batch.indices):
+                    t = batch.targets[j]
+                    got[index] = (
+                        batch.images[j].numpy().tobytes(),
+                        t["boxes"].numpy().copy(),
+                        t["labels"].numpy().copy(),
+                    )
+            _same(got, local_epoch[epoch])
+    stats = server.stats()["prefetch"]
+    assert stats["max_fetches"] == 3 and stats["max_bytes_in_flight"] == 1 << 20
+    assert 1 <= stats["peak_in_flight"] <= 3
+    assert 0 < stats["peak_bytes_in_flight"] <= 1 << 20
+    assert all(n <= 3 and b <= 1 << 20 for n, b in peaks)
+    assert stats["ahead_lists"] >= 1  # (the client named what comes next)
+    assert stats["fetched"] >= 1 and stats["failed"] == 0
+    # epoch 2 found every sample in the cache; each object was fetched once, by the front
+    # or by a worker that came first (the other waits for its GET: ``marks_dir``)
+    assert stats["found"] >= IMAGES
+    # (+ the annotations, and a few races: a worker and the front both finding no mark;
+    # without the marks every object was fetched twice)
+    assert _settled(server, "fetches") <= IMAGES + 1 + IMAGES // 4
+
+
+def test_a_session_cannot_take_every_fetch_slot() -> None:
+    """The front's fetcher gives each session that wants something its share of the
+    requests and bytes in flight (charged to it), whatever the other has queued."""
+    from dataserver.data.remote import Fetcher, FetchSettings
+    from dataserver.server.prefetch import Prefetcher
+
+    def locate(indices: list[int]) -> list[tuple[str, int | None, int | None]]:
+        return [(f"s3://b/shard-{i // 100}.tar", (i % 100) * 1000, 1000) for i in indices]
+
+    open_sessions = {b"a", b"b"}
+    fetcher = Fetcher(FetchSettings())
+    pre = Prefetcher(fetcher, locate, 8, 1 << 20, live=lambda s: s in open_sessions)
+    pre.want(b"a", range(500))
+    pre.want(b"b", (), ahead=range(1000, 1010))
+    jobs = []
+    while (job := pre._next()) is not None:  # (what the pool's threads take, none ending)
+        jobs.append(job)
+    by = {s: sum(1 for j in jobs if j[0] == s) for s in (b"a", b"b")}
+    assert by == {b"a": 4, b"b": 4}
+    snap = pre.snapshot()
+    assert snap.in_flight == 8 and snap.bytes_in_flight == 8000
+    # bytes: a tighter bound stops the requests first
+    small = Prefetcher(fetcher, locate, 8, 2500, live=lambda s: True)
+    small.want(b"a", range(50))
+    taken = []
+    while (job := small._next()) is not None:
+        taken.append(job)
+    assert len(taken) == 2 and small.snapshot().peak_bytes_in_flight == 2000
+    # a closed session's wants are dropped: the other gets every slot
+    open_sessions.discard(b"a")
+    pre2 = Prefetcher(fetcher, locate, 8, 1 << 20, live=lambda s: s in open_sessions)
+    pre2.want(b"a", range(100))
+    pre2.want(b"b", range(200, 300))
+    got = []
+    while (job := pre2._next()) is not None:
+        got.append(job)
+    assert {j[0] for j in got} == {b"b"} and len(got) == 8
+
+
+def test_an_older_clients_task_has_no_ahead() -> None:
+    """A TASK without ``ahead`` (an older client) reads as none; one with it (a newer
+    client) is what an older server skips as an unknown key."""
+    from dataserver.protocol import Task, decode
+
+    kw: dict[str, Any] = dict(
+        session=b"s" * 8,
+        task_id=1,
+        plan_version=0,
+        epoch=0,
+        seed=0,
+        images=((1,),),
+        grid=1,
+        out_hw=(8, 8),
+        fit_hw=(8, 8),
+        on_error="raise",
+        control_seq=0,
+    )
+    old = decode(Task(**kw).encode())
+    assert isinstance(old, Task) and old.ahead == ()
+    new = decode(Task(**kw, ahead=(5, 6, 7)).encode())
+    assert isinstance(new, Task) and new.ahead == (5, 6, 7)
+
+
+def test_a_timeout_names_the_object_store_that_stalls(
+    start_server: Any, sets: Sets, local_epoch: dict[int, Epoch]
+) -> None:
+    """The store goes away before an epoch: the client's ``timeout`` error says the
+    server's object store is the cause (its root URL and why, no credential); when it comes
+    back the epoch from the start is that of local disk."""
+    with ObjectStore(delay_ms=30) as own:
+        for key, data in sets.objects.items():
+            own.put(key, data)
+        server = start_server("--dataset", sets.coco, "--cache-gb", "0", env=own.env())
+        own.kill_store()
+        with make_client(server.address, **KW, timeout=6.0) as client:
+            client.set_epoch(0)
+            with pytest.raises(Exception) as caught:
+                for _ in client:
+                    pass
+        text = str(caught.value)
+        assert "no progress" in text and "object store s3://dsbucket" in text, text
+        assert "connection" in text and ACCESS_KEY not in text and SECRET_KEY not in text
+        own.restart_store()
+        with make_client(server.address, **KW) as client:
+            _same(epoch_by_index(client, 0), local_epoch[0])
+
+
+def test_the_memory_cache_has_no_name_on_the_host(
+    start_server: Any, store: ObjectStore, sets: Sets, local_epoch: dict[int, Epoch]
+) -> None:
+    """The in-memory fetch cache is two sealed memfds the front made and its workers map:
+    nothing in ``/dev/shm``, and nothing left behind when the server is SIGKILLed."""
+    shm = Path("/dev/shm")
+    before = {p.name for p in shm.iterdir() if p.name.startswith("dataserver-fetch")}
+    server = start_server("--dataset", sets.coco, "--cache-gb", "0", env=store.env())
+    with make_client(server.address, **KW) as client:
+        _same(epoch_by_index(client, 0), local_epoch[0])
+    assert wait_until(lambda: server.stats()["fetch_cache"]["files"] >= IMAGES, 5)
+    assert server.stats()["fetch_cache"]["where"] == "memory"
+    fds = [os.readlink(f"/proc/{server.pid}/fd/{n}") for n in os.listdir(f"/proc/{server.pid}/fd")]
+    assert any(t.startswith("/memfd:dataserver-fetch") for t in fds), fds
+    now = {p.name for p in shm.iterdir() if p.name.startswith("dataserver-fetch")}
+    assert now == before
+    os.kill(server.pid, signal.SIGKILL)
+    server.proc.wait(10)
+    assert {p.name for p in shm.iterdir() if p.name.startswith("dataserver-fetch")} == before
+
+
+def test_two_servers_are_each_told_their_share_of_the_plan(
+    start_server: Any, store: ObjectStore, sets: Sets, local_epoch: dict[int, Epoch]
+) -> None:
+    """With two servers, each is told the plan's next samples whose key routes to it (and
+    fetches them): the epoch is that of local disk, bit for bit."""
+    servers = [
+        start_server("--dataset", sets.wds, "--cache-gb", "0", env=store.env()) for _ in range(2)
+    ]
+    with make_client([s.address for s in servers], **KW) as client:
+        _same(epoch_by_index(client, 0), local_epoch[0])
+    told = [s.stats()["prefetch"] for s in servers]
+    assert all(t["ahead_lists"] >= 1 for t in told), told
+    assert sum(t["fetched"] for t in told) >= 1 and all(t["failed"] == 0 for t in told)

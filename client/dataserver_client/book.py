@@ -139,6 +139,21 @@ class PlanBook:
         decodes nothing again where a store admits only a subset of the dataset."""
         return self._lookahead.active
 
+    def upcoming(self, count: int) -> tuple[tuple[int, int, int], np.ndarray]:
+        """This rank's next ``count`` samples after the batches planned, in the plan's
+        order (what its next tasks ask, exactly: the servers fetch their bytes ahead,
+        ``Task.ahead``), and a mark that changes when they do: (epoch, plan version,
+        shard position). No epoch: an empty array."""
+        cursor = self._cursor
+        if cursor is None:
+            return (-1, -1, -1), np.empty(0, np.int64)
+        start = cursor.position
+        stop = min(len(cursor.shard), start + count)
+        mark = (cursor.epoch, cursor.plan_version, start)
+        if stop <= start:
+            return mark, np.empty(0, np.int64)
+        return mark, np.asarray(cursor.shard[start:stop], dtype=np.int64)
+
     def depth(self) -> int:
         """Batches planned beyond the trainer: ``prefetch``, less while the lookahead is
         armed (``Lookahead.depth``)."""

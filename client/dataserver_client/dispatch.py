@@ -22,6 +22,11 @@ from dataserver_client.ledger import TaskLedger, TaskRecord
 from dataserver_client.links import Links, LinkState, ServerLink
 
 MAX_CANCEL = 4096  # task ids per CONTROL
+# Samples past the batches planned that a server is told its plan asks next (``Task.ahead``:
+# it fetches their bytes ahead when its dataset is in object storage): at 30 ms a request
+# and a thousand images a second, some thirty are out at once; this covers stalls of the
+# store of about a quarter of a second beyond that, and ``--max-fetch-mb`` bounds the bytes.
+AHEAD = 256
 
 
 class Sender:
@@ -46,6 +51,10 @@ class Sender:
         self._links = links
         self._buffers = buffers
         self._landing = landing
+        # The plan's next samples for each server (``_ahead``): the mark they were cut at,
+        # and each server's share not yet sent to it.
+        self._ahead_mark: tuple[int, int, int] | None = None
+        self._ahead: dict[ServerLink, tuple[int, ...]] = {}
 
     def dispatch(self) -> None:
         """Send waiting tasks while some server has free credit for them. A slow outlier
@@ -129,6 +138,7 @@ class Sender:
             fit=plan.fit,
             augment=int(plan.augment),
             priority=int(priority),
+            ahead=self._ahead_for(link) if landing else (),
             **rec.sizes.wire(),
             **land,
         )
@@ -136,6 +146,29 @@ class Sender:
             assert self._landing is not None
             task = msgspec.structs.replace(task, land_mac=land_mac(self._landing.key, task))
         return task, where[1] if where is not None else None
+
+    def _ahead_for(self, link: ServerLink) -> tuple[int, ...]:
+        """The plan's next samples that ``link``'s server will be asked for (by their
+        route; all of them with one server), once for each time the plan moves on: empty
+        when it was told them already, or when it fetches nothing ahead (its WELCOME)."""
+        welcome = link.welcome_msg
+        if welcome is None or not welcome.fetch_ahead:
+            return ()
+        mark, upcoming = self._book.upcoming(AHEAD)
+        if mark != self._ahead_mark:
+            self._ahead_mark = mark
+            self._ahead = {}
+            affinity = self._affinity
+            if not affinity.routes():
+                self._ahead[link] = tuple(upcoming.tolist())
+            else:
+                shares: dict[ServerLink, list[int]] = {}
+                for index in upcoming.tolist():
+                    server = affinity.server_for(index)
+                    if server is not None:
+                        shares.setdefault(server, []).append(index)
+                self._ahead = {s: tuple(v) for s, v in shares.items()}
+        return self._ahead.pop(link, ())
 
     def _landing_place(self, rec: TaskRecord, link: ServerLink) -> tuple[int, int, int] | None:
         """Where ``rec``'s images may land (region, generation, file offset): the server's

@@ -396,6 +396,7 @@ class Engine(threading.Thread):
                     self.rejected.count(Reject.HEARTBEAT_INTERVAL)
                 if msg.results is not None:
                     link.sync_results(msg.results, msg.local or ())
+                link.store_says(msg.store_stall)
             case Bye():
                 self.handlers.on_bye(link)
             case SampleSizes():

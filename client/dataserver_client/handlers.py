@@ -555,6 +555,8 @@ class Handlers:
         for link in self.links:
             mine = sum(1 for t in link.owed() if t in ledger)
             why = f", {link.last_error}" if link.last_error else ""
+            if link.store_stall:  # (the server says its object store is the cause)
+                why += f"; the cause: its {link.store_stall}"
             parts.append(
                 f"{link.address} ({link.state.name.lower()}, {mine} task(s) outstanding{why})"
             )

@@ -383,6 +383,8 @@ class ServerLink:
         self.handover = Handover(landing, session) if landing is not None else None
         self.was_lost = False
         self.last_error = ""
+        # what the server's last heartbeat reply said of its object store ("": it answers)
+        self.store_stall = ""
         self.welcome_msg: Welcome | None = None
         self.server_id = ""
         self.workers = 0
@@ -542,6 +544,10 @@ class ServerLink:
             except zmq.Again:
                 break
         self._shared.touched(self.results)
+
+    def store_says(self, stall: str) -> None:
+        """The server's heartbeat reply: why its object store gives it nothing ("": fine)."""
+        self.store_stall = stall
 
     def sync_results(
         self, announced: Sequence[str], local: Sequence[str] = (), proof: bytes | None = None

@@ -73,6 +73,11 @@ def epochs_side(args: argparse.Namespace) -> dict[str, Any]:
             fetched = _fetches(args.address)  # (untimed: between the epochs)
             out[f"epoch{epoch}_fetches"] = fetched - before
             before = fetched
+    from dataserver.admin import fetch_stats
+
+    ahead = fetch_stats(args.address, 10).get("prefetch") or {}
+    for key in ("peak_bytes_in_flight", "max_bytes_in_flight", "peak_in_flight", "max_fetches"):
+        out[key] = int(ahead.get(key, 0))
     return out
 
 
@@ -109,7 +114,9 @@ def fig_remote(args: argparse.Namespace, spec: str, progress: Progress) -> dict[
                 progress(
                     f"the store's own GET rate: {rate:,.0f}/s whole, {range_rate:,.0f}/s ranges"
                 )
-                runs = rounds(args, progress, {k: _side(args, v) for k, v in specs.items()})
+                sides = {k: _side(args, v) for k, v in specs.items()}
+                sides["dataloader"] = _peer(args, specs["loose"])
+                runs = rounds(args, progress, sides)
             finally:
                 os.environ.clear()
                 os.environ.update(saved)
@@ -148,6 +155,13 @@ def _side(args: argparse.Namespace, spec: str) -> Any:
     return run
 
 
+def _peer(args: argparse.Namespace, spec: str) -> Any:
+    def run() -> dict[str, Any]:
+        return run_side("dataloader_s3", args, spec=spec)
+
+    return run
+
+
 def _figures(runs: dict[str, list[dict[str, Any]]], shards: int) -> dict[str, Any]:
     def m(side: str, key: str) -> float:
         return med([r[key] for r in runs[side]])
@@ -168,8 +182,78 @@ def _figures(runs: dict[str, list[dict[str, Any]]], shards: int) -> dict[str, An
             out[f"{side}_epoch{e}_vs_local"] = round(m(side, key) / m("local", key), 3)
             out[f"{side}_epoch{e}_requests"] = int(m(side, f"epoch{e}_fetches"))
     out["shards_index_requests"] = shards  # (the front reads each shard once, at start)
+    for side in ("loose", "shards"):  # the front's fetcher: the most it had out, its bounds
+        out[f"{side}_peak_fetches_in_flight"] = max(r["peak_in_flight"] for r in runs[side])
+        out[f"{side}_peak_bytes_in_flight"] = max(r["peak_bytes_in_flight"] for r in runs[side])
+    if runs.get("dataloader"):
+        peer = m("dataloader", "epoch2_images_per_s")
+        out["dataloader_obstore_images_per_s"] = round(peer, 1)
+        out["dataloader_first_batch_ms"] = round(m("dataloader", "first_batch_ms"), 1)
+        for side in ("loose", "shards"):
+            out[f"{side}_epoch1_vs_dataloader"] = round(m(side, "epoch1_images_per_s") / peer, 3)
+    out["max_fetches"] = runs["loose"][0]["max_fetches"]
+    out["max_bytes_in_flight"] = runs["loose"][0]["max_bytes_in_flight"]
     out["not_measured"] = (
-        "a real cloud's throughput per prefix, GCS and Azure, bytes in flight, the peers "
-        "(a DataLoader fetching with obstore, WebDataset's pipeline)"
+        "a real cloud's throughput per prefix, GCS and Azure, WebDataset's own pipeline "
+        "(webdataset is not installed)"
     )
     return out
+
+
+def dataloader_side(args: argparse.Namespace) -> dict[str, Any]:
+    """The peer: a tuned DataLoader (``baselines.make_dataloader``: spawn, persistent
+    workers, the same per-image work) whose Dataset fetches each batch's objects with
+    obstore in a pool of threads of each worker's own (``__getitems__``: the objects of a
+    batch requested together, 16 at once, ``remote.Fetcher.prefetch``) before decoding
+    them; no cache, so every epoch fetches again. Epoch 2 is its steady rate (epoch 1 also
+    starts the workers)."""
+    import torch
+
+    from dataserver.bench.baselines import make_dataloader, targets_of
+
+    size = (args.image_size, args.image_size)
+    loader = make_dataloader(args.spec, size, args.batch_size, args.workers, args.spec_args)
+    dataset = loader.dataset
+    loader = torch.utils.data.DataLoader(
+        _BatchFetched(dataset),  # type: ignore[arg-type]  # (a map-style Dataset, untyped)
+        batch_size=args.batch_size,
+        shuffle=True,
+        num_workers=args.workers,
+        collate_fn=loader.collate_fn,
+        worker_init_fn=loader.worker_init_fn,
+        persistent_workers=True,
+        multiprocessing_context="spawn",
+        prefetch_factor=4,
+    )
+    out: dict[str, Any] = {}
+    start = time.perf_counter()
+    for epoch in (1, 2):
+        began = time.perf_counter()
+        images = 0
+        for batch, pairs in loader:
+            targets_of(pairs)
+            if not images and epoch == 1:
+                out["first_batch_ms"] = 1000 * (time.perf_counter() - start)
+            images += len(batch)
+        out[f"epoch{epoch}_images_per_s"] = images / (time.perf_counter() - began)
+        out["images"] = images
+    return out
+
+
+class _BatchFetched:
+    """A map-style Dataset over ``inner`` (a ``PipelineDataset`` of a remote set) that
+    fetches a batch's objects at once (``__getitems__``, which DataLoader calls with a
+    batch's indices) before making its items one by one."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.inner[index]
+
+    def __getitems__(self, indices: list[int]) -> list[Any]:
+        self.inner._ds().prefetch(list(indices))  # (GETs in a pool of this worker's)
+        return [self.inner[i] for i in indices]

@@ -24,6 +24,7 @@ from typing import Any
 
 from dataserver.bench.cpu import WARMUP, timed
 from dataserver.bench.multiscale import multiscale_side
+from dataserver.bench.remote import dataloader_side as dataloader_s3_side
 from dataserver.bench.remote import epochs_side
 from dataserver.bench.slowserver import slow_server_side
 
@@ -321,6 +322,7 @@ SIDES = {
     "feedback": feedback_side,
     "first_batch": first_batch_side,
     "epochs": epochs_side,
+    "dataloader_s3": dataloader_s3_side,
     "flip_stall": flip_stall_side,
     "multiscale": multiscale_side,
     "slow_server": slow_server_side,

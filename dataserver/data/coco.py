@@ -62,10 +62,15 @@ class CocoDataset:
     def path(self, index: int) -> str:
         return join(self.image_dir, self.index.file(index))
 
+    def locations(self, indices: list[int]) -> list[tuple[str, int | None, int | None]]:
+        """Where these samples' bytes are: (path or URL, start, length), whole files here
+        (what a server's front fetches ahead, ``server/prefetch.py``)."""
+        return [(self.path(i), None, None) for i in indices]
+
     def prefetch(self, indices: list[int]) -> None:
         """Start fetching these samples' images (remote ones; a server's worker calls it
         with a task's store misses, so that they are read together)."""
-        prefetch([(self.path(i), None, None) for i in indices])
+        prefetch(self.locations(indices))
 
     def __getitem__(self, index: int) -> Sample:
         path = self.path(index)

@@ -17,8 +17,12 @@ is retried on throttling (503/429), timeouts, resets, 5xx and short bodies with 
 exponential backoff and full jitter, within a per-request timeout, at most ``attempts``
 times, and only while the process's retry budget (a token bucket refilled by successes)
 lasts; then ``FetchError`` naming the URL and the kind of failure. Fetched bytes go
-through the fetch cache (``fetchcache``); ``prefetch`` starts GETs in a bounded pool of
-threads (``--max-fetches`` requests in flight) so that a task's objects arrive together.
+through the fetch cache (``fetchcache``). Where the server's front fetches ahead
+(``dataserver/server/prefetch.py``: what the sessions' plans ask next), a worker reads the
+cache, waits for an object the front is fetching (its mark in ``marks_dir``) and GETs only
+what neither has; elsewhere ``prefetch`` starts GETs in a bounded pool of threads
+(``--max-fetches`` requests in flight) so that a task's objects arrive together. ``stall``
+says why nothing is fetched while a store fails (the front's heartbeat replies).
 """
 
 from __future__ import annotations
@@ -35,16 +39,18 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from dataserver.data.fetchcache import ByteCache, CacheUsage, cache_key
+from dataserver.data.fetchcache import ByteCache, CacheUsage, MemCache, cache_key
 
 REMOTE_PREFIXES = ("s3://", "gs://", "az://", "http://", "https://")
 DEFAULT_MAX_FETCHES = 64  # GETs in flight per server (--max-fetches), shared by its workers
+DEFAULT_MAX_FETCH_MB = 256  # bytes in flight per server (--max-fetch-mb)
 DEFAULT_FETCH_CACHE_GB = 1.0
 # The variables whose values never appear in an error (whatever a store's error said).
 _SECRET_ENV = re.compile(r"(KEY|SECRET|TOKEN|PASSWORD|CREDENTIAL|SAS)", re.IGNORECASE)
 _RETRYABLE = frozenset({"throttled", "timeout", "server", "connection", "short", "other"})
 HELD_PER_FETCH = 4  # prefetches kept unread, per request in flight
 TALLY_SECONDS = 4096  # at most this many latencies kept between two takes
+MARK_POLL_S = 0.002  # how often a worker looks for an object the front is fetching
 
 
 def is_remote(path: str | os.PathLike[str]) -> bool:
@@ -86,7 +92,17 @@ class FetchSettings:
     cache_bytes: int = 0  # this process's share of --fetch-cache-gb
     share: tuple[int, int] = (0, 1)  # (slot, slots) sharing the directory
     max_fetches: int = 16  # this process's requests in flight (prefetches)
-    max_bytes_in_flight: int = 256 << 20
+    max_bytes_in_flight: int = DEFAULT_MAX_FETCH_MB << 20
+    # False: the front fetches ahead (``server/prefetch.py``); this process's ``prefetch``
+    # does nothing (it would only fetch again what the front has in flight)
+    prefetch: bool = True
+    # Where the front marks the objects it is fetching (an empty file a cache key, in its
+    # private state directory): a worker that misses one waits for it to land rather than
+    # GET it a second time (None: no front fetching)
+    marks_dir: str | None = None
+    # the in-memory cache's memfds (``fetchcache.MemCache``: index, bytes), in place of
+    # ``cache_dir``'s files (which then holds only what ``read_shared`` keeps)
+    mem_fds: tuple[int, int] | None = None
     timeout_s: float = 20.0  # one request, whole
     connect_timeout_s: float = 5.0
     attempts: int = 8  # tries of one request
@@ -110,6 +126,7 @@ class FetchTally:
     bytes: int = 0
     retries: int = 0
     errors: int = 0
+    kinds: dict[str, int] = field(default_factory=dict)  # errors by ``FetchError.kind``
     seconds: list[float] = field(default_factory=list)  # each successful GET's latency
 
     def __bool__(self) -> bool:
@@ -135,6 +152,8 @@ def _kind(exc: BaseException) -> str:
         return "denied"
     # (the first line: what follows is the library's debug dump, "retry_timeout: 180s"...)
     text = str(exc).strip().split("\n", 1)[0]
+    # (durations are no status: "Error performing GET ... in 572.633µs" is no 5xx)
+    text = re.sub(r"\b\d+(\.\d+)?\s*(µs|us|ms|ns|s)\b", "", text)
     if re.search(r"\b(503|429)\b|SlowDown|Too Many Requests|Throttl", text):
         return "throttled"
     if re.search(r"\b(401|403)\b|InvalidAccessKeyId|SignatureDoesNotMatch|AccessDenied", text):
@@ -196,12 +215,18 @@ class Fetcher:
         self._pending: OrderedDict[str, Future[bytes]] = OrderedDict()
         self._pending_bytes = 0  # known bytes of those still running
         self._pool: ThreadPoolExecutor | None = None
-        self.cache: ByteCache | None = None
-        if settings.cache_dir is not None and settings.cache_bytes > 0:
+        self.cache: ByteCache | MemCache | None = None
+        if settings.mem_fds is not None:
+            self.cache = MemCache(*settings.mem_fds)
+        elif settings.cache_dir is not None and settings.cache_bytes > 0:
             self.cache = ByteCache(
                 settings.cache_dir, settings.cache_bytes, settings.share, settings.cache_where
             )
         self._cache_lock = threading.Lock()
+        # the store's health: since when its GETs have failed with no success between
+        # (0: the last one answered), the last failure's kind and store (``stall``)
+        self._failing_since = 0.0
+        self._failure = ("", "")
 
     def _store(self, root: str) -> Any:
         with self._lock:
@@ -249,13 +274,15 @@ class Fetcher:
                     raise ConnectionError(f"short body: {len(data)} of {length} bytes")
             except Exception as exc:
                 kind = "short" if "short body" in str(exc) else _kind(exc)
+                with self._lock:
+                    self._failing_since = self._failing_since or began
+                    self._failure = (kind, root)
                 attempt += 1
                 first_failure = first_failure or began
                 if kind == "connection" and began - first_failure < s.outage_s:
                     attempt = min(attempt, s.attempts - 1)  # (gone: waited for, not budgeted)
                 elif kind not in _RETRYABLE or attempt >= s.attempts or not self._budget.take():
-                    with self._lock:
-                        self._tally.errors += 1
+                    self._count_error(kind)
                     raise FetchError(url, kind, _scrub(str(exc))) from None
                 with self._lock:
                     self._tally.retries += 1
@@ -265,12 +292,49 @@ class Fetcher:
             seconds = time.perf_counter() - began
             self._budget.refill()
             with self._lock:
+                self._failing_since = 0.0
                 tally = self._tally
                 tally.fetches += 1
                 tally.bytes += len(data)
                 if len(tally.seconds) < TALLY_SECONDS:
                     tally.seconds.append(seconds)
             return data
+
+    def _count_error(self, kind: str) -> None:
+        with self._lock:
+            tally = self._tally
+            tally.errors += 1
+            tally.kinds[kind] = tally.kinds.get(kind, 0) + 1
+
+    def holds(self, key: str) -> bool:
+        """Whether the cache holds ``key``'s bytes now (a file there, whoever wrote it)."""
+        if self.cache is None:
+            return False
+        with self._cache_lock:
+            return self.cache.holds(key)
+
+    def fetch_to_cache(self, url: str, start: int | None, length: int | None) -> int:
+        """Fetch an object (or range) into the cache; its size. Raises ``FetchError``."""
+        return len(self._fetch_and_keep(cache_key(url, start, length), url, start, length))
+
+    def marked(self, key: str) -> bool:
+        """Whether some process of the server is fetching ``key`` now (its mark is there)."""
+        marks = self.settings.marks_dir
+        return marks is not None and os.path.exists(os.path.join(marks, key))
+
+    def _landed(self, key: str) -> bytes | None:
+        """The bytes of ``key`` once the front's fetch of it (marked) ends, or None: not
+        being fetched, failed, or longer than a request may take."""
+        if self.settings.marks_dir is None:
+            return None
+        mark = os.path.join(self.settings.marks_dir, key)
+        deadline = time.monotonic() + self.settings.timeout_s * 2
+        while os.path.exists(mark) and time.monotonic() < deadline:
+            time.sleep(MARK_POLL_S)
+            data = self._cached(key)
+            if data is not None:
+                return data
+        return self._cached(key)
 
     def _cached(self, key: str) -> bytes | None:
         if self.cache is None:
@@ -284,8 +348,24 @@ class Fetcher:
                 self.cache.put(key, data)
 
     def _fetch_and_keep(self, key: str, url: str, start: int | None, length: int | None) -> bytes:
-        data = self._get(url, start, length)
-        self._keep(key, data)
+        """GET it and keep it, marked as being fetched meanwhile (``marks_dir``: the front
+        and the workers then wait for each other's GET of an object, never make two)."""
+        marks = self.settings.marks_dir
+        mark = None if marks is None else os.path.join(marks, key)
+        if mark is not None:
+            try:
+                os.close(os.open(mark, os.O_CREAT | os.O_WRONLY, 0o600))
+            except OSError:
+                mark = None
+        try:
+            data = self._get(url, start, length)
+            self._keep(key, data)
+        finally:
+            if mark is not None:
+                try:
+                    os.unlink(mark)
+                except OSError:
+                    pass
         return data
 
     def read(self, url: str, start: int | None = None, length: int | None = None) -> bytes:
@@ -293,6 +373,8 @@ class Fetcher:
         cache, a prefetch in flight, or a GET now. Raises ``FetchError``."""
         key = cache_key(url, start, length)
         data = self._cached(key)
+        if data is None:
+            data = self._landed(key)
         if data is not None:
             return data
         with self._lock:
@@ -314,6 +396,8 @@ class Fetcher:
         rest are read when asked for). Returns how many were started."""
         s = self.settings
         started = 0
+        if not s.prefetch:
+            return 0
         for url, start, length in wanted:
             key = cache_key(url, start, length)
             with self._lock:
@@ -321,7 +405,7 @@ class Fetcher:
                     continue
                 if self._pending_bytes + (length or 0) > s.max_bytes_in_flight:
                     break
-            if self.cache is not None and (self.cache.directory / key).exists():
+            if self.holds(key):
                 continue
             with self._lock:
                 if self._pool is None:
@@ -404,6 +488,16 @@ class Fetcher:
         gives no ETag): what an index built from it is keyed by."""
         meta = self._head(url)
         return int(meta["size"]), str(meta.get("e_tag") or meta.get("last_modified") or "")
+
+    def stall(self, after_s: float = 2.0) -> str:
+        """Why nothing has been fetched for ``after_s`` or longer while GETs fail (the
+        store's root URL, the failure's kind, for how long), or "": the store answers."""
+        with self._lock:
+            since, (kind, root) = self._failing_since, self._failure
+        waited = time.perf_counter() - since if since else 0.0
+        if waited < after_s:
+            return ""
+        return f"object store {root}: {kind}, nothing fetched for {waited:.0f} s"
 
     def take_tally(self) -> FetchTally:
         """What was fetched since the last call (and start afresh)."""

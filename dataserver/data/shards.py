@@ -264,9 +264,14 @@ class ShardDataset:
         i = self.index
         return i.shards[int(i.shard[index])], int(i.offset[index]), int(i.size[index])
 
+    def locations(self, indices: list[int]) -> list[tuple[str, int | None, int | None]]:
+        """Where these samples' image bytes are: (shard, offset, size) (what a server's
+        front fetches ahead, ``server/prefetch.py``)."""
+        return [self._where(i) for i in indices]
+
     def prefetch(self, indices: list[int]) -> None:
         """Start fetching these samples' image bytes (remote shards)."""
-        prefetch([self._where(i) for i in indices])
+        prefetch(self.locations(indices))
 
     def __getitem__(self, index: int) -> Sample:
         url, start, size = self._where(index)

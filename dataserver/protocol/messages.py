@@ -92,6 +92,8 @@ SIZES_RATE = 64.0  # SIZES requests a session may make a second, sustained (a 2^
 SIZES_BURST = 64.0  # ... and at once
 DIGEST_BYTES = 16  # ``sizes_digest``
 MAX_FETCH_TIMES = 4096  # GET latencies one TALLY may carry
+MAX_AHEAD = 4096  # sample indices one TASK may name as its plan's next (``ahead``)
+FETCH_ERROR_KINDS = 16  # kinds of fetch error one TALLY may count
 
 # A session's secret (16..32 random bytes): chosen by the client, bound by its HELLO, and
 # named by every message that acts for the session (TASK, CONTROL, HEARTBEAT, BYE). The
@@ -283,6 +285,9 @@ class Welcome(Message, kw_only=True):
     # How often to beat (the server's load sets it: ``dataserver.server.beats``; absent: an
     # older server, the client keeps its own interval).
     heartbeat_ms: BeatMs = 0
+    # 1: it fetches its dataset's bytes from object storage ahead of its workers: tell it
+    # the plan's next samples (``Task.ahead``); absent (0): the client sends none.
+    fetch_ahead: Flag01 = 0
 
     def _check(self, arrays: list[np.ndarray] | None) -> None:
         Message._check(self, arrays)
@@ -382,6 +387,12 @@ class Task(Message, kw_only=True):
     # 0: no augmentation at all (neither the built-in flip nor the dataset's ``augment`` or
     # ``augment_composed``): what a validation client asks.
     augment: Flag01 = 1
+    # The sample indices the session's plan asks next, after the tasks sent so far, in its
+    # order (the client knows its epoch's order exactly): a server with a dataset in object
+    # storage fetches their bytes ahead (``dataserver/server/prefetch.py``). Sent when the
+    # plan moved on since the last the server was told (each list replaces the last);
+    # empty: nothing new. An older server skips the field; an older client never sends it.
+    ahead: Annotated[tuple[U63, ...], Len(0, MAX_AHEAD)] = ()
 
     def _check(self, arrays: list[np.ndarray] | None) -> None:
         Message._check(self, arrays)
@@ -591,6 +602,10 @@ class Heartbeat(Message, kw_only=True):
     results: Endpoints | None = None
     local: Endpoints | None = None
     heartbeat_ms: BeatMs = 0
+    # The reply: why the server's object store gives it nothing now (its root URL, the
+    # failure's kind, for how long: ``Fetcher.stall``); empty while it answers. The
+    # client's ``timeout`` error names it as the cause.
+    store_stall: T512 = ""
 
 
 class Stats(Message, kw_only=True):
@@ -698,6 +713,8 @@ class Tally(Message, kw_only=True):
     fetch_us: Annotated[
         tuple[Annotated[int, In(0, MAX_US)], ...], Meta(max_length=MAX_FETCH_TIMES)
     ] = ()
+    # ``fetch_errors`` by kind (``dataserver.data.remote.FetchError.kind``)
+    fetch_error_kinds: Annotated[dict[T32, U63], Meta(max_length=FETCH_ERROR_KINDS)] = {}
 
 
 MESSAGES: dict[MsgType, type[Message]] = {c.TYPE: c for c in Message.__subclasses__()}

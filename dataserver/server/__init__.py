@@ -141,9 +141,13 @@ def _serve(
     deterministic = getattr(dataset, "deterministic", False) is True
     categories = dataset_categories(dataset)
     sizes = dataset_sizes(dataset, size)
+    # A dataset in object storage that says where its samples' bytes are: the front
+    # fetches them ahead of its workers (``prefetch.py``; it keeps the dataset for that).
+    remote = "://" in f"{config.dataset}{config.dataset_args or ''}"
+    locate = getattr(dataset, "locations", None) if remote and fetch is not None else None
     del dataset
     index = None if shared is None else (shared.fd, shared.nbytes)
-    front = Front(config, size, fingerprint, deterministic, categories, sizes, index)
+    front = Front(config, size, fingerprint, deterministic, categories, sizes, index, locate)
     previous = {
         signal.SIGINT: signal.signal(signal.SIGINT, lambda *_: front.stop()),
         # SIGTERM (a scale-down, a rolling update): drain first; a second one stops at once.

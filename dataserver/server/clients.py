@@ -122,6 +122,8 @@ class Clients:
         peer_of: Callable[[int, str], str] = lambda fd, address: address,
         beat_ms: Callable[[], int] = lambda: 0,
         announced: Announced | None = None,
+        fetch: Callable[[bytes, Task], None] | None = None,
+        store_stall: Callable[[], str] = lambda: "",
     ) -> None:
         self.config = config
         self.scheduler = scheduler
@@ -144,6 +146,10 @@ class Clients:
         self._beat_ms = beat_ms  # how often clients are told to beat now (``beats``)
         self._announced = announced if announced is not None else Announced(None)
         self._owners: OrderedDict[bytes, str] = OrderedDict()  # identity -> CURVE user id
+        # A task admitted: its sources (and its plan's next ones) fetched ahead of the
+        # workers (a dataset in object storage: the front's ``prefetch.Prefetcher``)
+        self._fetch = fetch
+        self._store_stall = store_stall  # what the object store does now (heartbeat replies)
 
     def _refuse(self, reason: Reject, identity: bytes | None, detail: str, **ids: Any) -> None:
         """Count a refused message; tell its sender why when there is one to tell."""
@@ -273,7 +279,11 @@ class Clients:
             self._authentic(identity, msg, quiet=True)
         results, local = self.workers.result_endpoints()
         beat = Heartbeat(
-            server_id=self._server_id, results=results, local=local, heartbeat_ms=self._beat_ms()
+            server_id=self._server_id,
+            results=results,
+            local=local,
+            heartbeat_ms=self._beat_ms(),
+            store_stall=self._store_stall()[:512],
         )
         self.outlet.send_to(identity, beat)
 
@@ -431,8 +441,14 @@ class Clients:
             # for each new one: the scheduler paces how often a session changes it).
             state=control_state(task, session),
         )
+        self._admit(session, task, entry)
+
+    def _admit(self, session: Any, task: Task, entry: TaskEntry) -> None:
+        """Queue a checked task (and have its bytes fetched ahead, where the front does)."""
         self.scheduler.admit(session, entry, first=bool(task.priority))
         self.counters.count(Count.TASKS_RECEIVED)
+        if self._fetch is not None:
+            self._fetch(session.sid, task)
 
     def _asked_again(self, session: Session, task: Task, digest: bytes) -> bool:
         """Whether ``task`` is one still queued or running here, asked again (its deadline

@@ -11,7 +11,11 @@ from dataclasses import MISSING, asdict, dataclass, fields, replace
 from functools import partial
 from typing import Any
 
-from dataserver.data.remote import DEFAULT_FETCH_CACHE_GB, DEFAULT_MAX_FETCHES
+from dataserver.data.remote import (
+    DEFAULT_FETCH_CACHE_GB,
+    DEFAULT_MAX_FETCH_MB,
+    DEFAULT_MAX_FETCHES,
+)
 from dataserver.data.spec import DEFAULT_SPEC
 from dataserver.endpoint import endpoint_problem, tcp_endpoint
 from dataserver.protocol import MAX_IMAGE_SIDE
@@ -72,6 +76,7 @@ class ServerConfig:
     fetch_cache: str | None = None
     fetch_cache_gb: float = DEFAULT_FETCH_CACHE_GB
     max_fetches: int = DEFAULT_MAX_FETCHES
+    max_fetch_mb: int = DEFAULT_MAX_FETCH_MB  # bytes in flight per server (the front's fetcher)
     fetch_memory_dir: str | None = None
 
     def fetch_dir(self) -> tuple[str, str] | None:
@@ -100,6 +105,7 @@ class ServerConfig:
             ("--max-queued-mb", self.max_queued_mb),
             ("--max-task-mb", self.max_task_mb),
             ("--max-fetches", self.max_fetches),
+            ("--max-fetch-mb", self.max_fetch_mb),
         ):
             if least < 1:
                 raise ConfigError(f"{flag} must be >= 1, got {least}")
@@ -242,6 +248,10 @@ class WorkerConfig:
     fetch_cache_bytes: int = 0
     fetch_slots: int = 1
     max_fetches: int = DEFAULT_MAX_FETCHES  # (this worker's share of --max-fetches)
+    # the front fetches ahead (``server/prefetch.py``): this worker only reads the cache
+    # (and GETs what is not there yet), it neither prefetches nor keeps
+    front_fetches: bool = False
+    fetch_mem_fds: tuple[int, int] | None = None  # the in-memory fetch cache (``MemCache``)
     worker_id: int = 0  # its slot
     parent_pid: int = 0  # the front: the worker dies with it
 
@@ -288,7 +298,7 @@ class WorkerConfig:
         raw = json.loads(text)
         if not isinstance(raw, dict):
             raise ValueError("a worker's configuration is a JSON object")
-        for pair in ("store_fds", "curve"):
+        for pair in ("store_fds", "curve", "fetch_mem_fds"):
             if raw.get(pair) is not None:
                 raw[pair] = tuple(raw[pair])
         return cls(**raw)

@@ -25,6 +25,18 @@ Dropped = Literal[
     "idle_dropped", "over_limit_dropped", "unfinished_dropped", "frames_dropped", "barred_dropped"
 ]
 LandingRefusal = Literal["fd", "peer", "silent", "mac"]
+# ``dataserver.data.remote.FetchError.kind``: why an object was given up on
+FetchErrorKind = Literal[
+    "not_found",
+    "denied",
+    "throttled",
+    "timeout",
+    "server",
+    "connection",
+    "short",
+    "other",
+    "missing_library",
+]
 
 
 @unique
@@ -70,6 +82,17 @@ class Count(StrEnum):
     FETCH_BYTES = "fetch_bytes"
     FETCH_RETRIES = "fetch_retries"
     FETCH_ERRORS = "fetch_errors"
+    # ... the objects given up on by kind (``fetch_errors(kind)``; the metric
+    # ``dataserver_fetch_errors_total{kind}``)
+    FETCH_ERRORS_NOT_FOUND = "fetch_errors_not_found"
+    FETCH_ERRORS_DENIED = "fetch_errors_denied"
+    FETCH_ERRORS_THROTTLED = "fetch_errors_throttled"
+    FETCH_ERRORS_TIMEOUT = "fetch_errors_timeout"
+    FETCH_ERRORS_SERVER = "fetch_errors_server"
+    FETCH_ERRORS_CONNECTION = "fetch_errors_connection"
+    FETCH_ERRORS_SHORT = "fetch_errors_short"
+    FETCH_ERRORS_OTHER = "fetch_errors_other"
+    FETCH_ERRORS_MISSING_LIBRARY = "fetch_errors_missing_library"
     # workers
     WORKER_DEATHS = "worker_deaths"
     WORKER_ANSWERS_LOST = "worker_answers_lost"  # a later task answered, this one never
@@ -191,4 +214,11 @@ def landing_refused(kind: LandingRefusal) -> WorkerCount:
     return WorkerCount(f"landing_refused_{kind}")
 
 
+def fetch_errors(kind: str) -> Count:
+    """``fetch_errors_<kind>``: objects given up on for that reason (a kind not declared,
+    from a newer worker: ``other``)."""
+    return Count(f"fetch_errors_{kind if kind in FETCH_ERROR_KINDS else 'other'}")
+
+
+FETCH_ERROR_KINDS: tuple[str, ...] = get_args(FetchErrorKind)
 LANDING_REFUSED = tuple(landing_refused(kind) for kind in get_args(LandingRefusal))

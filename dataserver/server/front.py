@@ -26,6 +26,7 @@ results waiting to be read (``--max-queued-mb``), image size (``--max-image-side
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import tempfile
 import time
@@ -41,8 +42,11 @@ from zmq.utils.monitor import parse_monitor_message
 
 from dataserver import adminsock
 from dataserver.counting import Counts
+from dataserver.data.fetchcache import MemCache
+from dataserver.data.remote import Fetcher, FetchSettings
 from dataserver.loop import MessageGuard, StopFlag, serve
-from dataserver.protocol import Bye, ProtocolError, Stats, Welcome, decode
+from dataserver.protocol import Bye, ProtocolError, Stats, Tally, Task, Welcome, decode
+from dataserver.protocol.messages import FETCH_ERROR_KINDS, MAX_FETCH_TIMES
 from dataserver.security import host_proof, start_server_curve
 from dataserver.server.announce import Announced
 from dataserver.server.beats import BeatRule
@@ -72,6 +76,7 @@ from dataserver.server.metrics import ServerMetrics
 from dataserver.server.outbox import Outbox
 from dataserver.server.outlet import Outlet
 from dataserver.server.pool import WorkerPool
+from dataserver.server.prefetch import Prefetcher, Where
 from dataserver.server.routing import PIPELINE, WorkerRouter
 from dataserver.server.sessions import Scheduler
 from dataserver.server.statsview import StatsView, TokenBucket
@@ -79,6 +84,9 @@ from dataserver.server.store import Store
 from dataserver.server.view import Limits, ServerView
 
 log = logging.getLogger("dataserver.front")
+# The fetch cache's share the workers keep where the front fetches ahead (what a worker
+# had to fetch itself, first); the front keeps the rest
+WORKERS_SHARE = 0.125
 
 POLL_MS = 100
 DRAIN = 256  # messages taken from one socket before looking at the others
@@ -150,6 +158,7 @@ class Front:
         categories: tuple[tuple[int, str], ...] = (),
         sizes: np.ndarray | None = None,
         index: tuple[int, int] | None = None,
+        locate: Callable[[list[int]], list[Where]] | None = None,
     ) -> None:
         """``deterministic``: the dataset says its ``__getitem__`` is a pure function of
         the index (``deterministic = True``); only then may the store keep its output.
@@ -157,7 +166,8 @@ class Front:
         ``sizes``: its per-sample (h, w), checked (``spec.dataset_sizes``): their count and
         digest announced in WELCOME, the table answered on request (``announce.py``);
         ``index``: the (memfd, size) of the shared annotation index its workers inherit and
-        map."""
+        map; ``locate``: where a dataset in object storage keeps its samples' bytes (its
+        ``locations``): the front then fetches them ahead of its workers (``prefetch.py``)."""
         self.config = config
         self.dataset_len = dataset_len
         self.fingerprint = fingerprint
@@ -202,6 +212,14 @@ class Front:
         self.local_token = uuid.uuid4().hex
         Path(self._tmpdir, "host-token").write_text(self.local_token)
         self.store = self._make_store()
+        # the in-memory fetch cache (memfds its workers inherit; ``fetchcache.MemCache``)
+        fetch = config.fetch_dir()
+        self.fetch_mem = (
+            MemCache.create(int(config.fetch_cache_gb * (1 << 30)))
+            if fetch is not None and fetch[1] == "memory"
+            else None
+        )
+        self.prefetcher = self._make_prefetcher(locate)
         self.pool = WorkerPool(self._worker_config())
         self.outlet = Outlet(self.scheduler, self.outbox, self.counters)
         self.workers = WorkerRouter(
@@ -217,7 +235,7 @@ class Front:
         fetch = config.fetch_dir()
         budget = int(config.fetch_cache_gb * (1 << 30))
         self.statsview = StatsView(
-            self.rejected, self.store, None if fetch is None else (*fetch, budget)
+            self.rejected, self.store, None if fetch is None else (*fetch, budget), self.fetch_mem
         )
         self.conns = ConnTracker(
             config.idle_timeout,
@@ -244,6 +262,8 @@ class Front:
             peer_of=self.conns.peer_of,
             beat_ms=lambda: self.beats.interval_ms,
             announced=self.announced,
+            fetch=None if self.prefetcher is None else self._fetch_ahead,
+            store_stall=lambda: "" if self.prefetcher is None else self.prefetcher.fetcher.stall(),
         )
         # What the metrics' HTTP thread reads: the view housekeeping last published (one
         # reference, replaced whole; the view itself never changes).
@@ -256,6 +276,7 @@ class Front:
         config = self.config
         direct = results_bind(config.bind, self._tmpdir) if config.direct_results else None
         fetch = config.fetch_dir()
+        share = WORKERS_SHARE if self.prefetcher is not None else 1.0
         return WorkerConfig(
             backend=f"ipc://{self._tmpdir}/backend",
             state_dir=self._tmpdir,
@@ -274,10 +295,69 @@ class Front:
             max_sessions=self.cap.max_sessions,
             fetch_cache=fetch[0] if fetch else None,
             fetch_where=fetch[1] if fetch else "memory",
-            fetch_cache_bytes=int(config.fetch_cache_gb * (1 << 30)) // self.n_workers,
-            fetch_slots=self.n_workers,
+            # (the front fetching ahead keeps most of the cache, as one more share: its
+            # workers keep what they fetched first, ``WORKERS_SHARE`` of it together)
+            fetch_cache_bytes=int(config.fetch_cache_gb * (1 << 30) * share) // self.n_workers,
+            fetch_slots=self.n_workers + (self.prefetcher is not None),
             max_fetches=max(1, config.max_fetches // self.n_workers),
+            front_fetches=self.prefetcher is not None,
+            fetch_mem_fds=None if self.fetch_mem is None else self.fetch_mem.fds,
         )
+
+    def _make_prefetcher(
+        self, locate: Callable[[list[int]], list[Where]] | None
+    ) -> Prefetcher | None:
+        """The front's fetcher (``prefetch.py``) for a dataset in object storage that says
+        where its bytes are, with a fetch cache to fetch into; else None."""
+        config = self.config
+        fetch = config.fetch_dir()
+        if locate is None or fetch is None:
+            return None
+        settings = FetchSettings(
+            cache_dir=fetch[0],
+            cache_where=fetch[1],
+            cache_bytes=int(config.fetch_cache_gb * (1 << 30) * (1.0 - WORKERS_SHARE)),
+            share=(self.n_workers, self.n_workers + 1),
+            max_fetches=config.max_fetches,
+            max_bytes_in_flight=config.max_fetch_mb << 20,
+            marks_dir=os.path.join(self._tmpdir, "fetching"),
+            mem_fds=None if self.fetch_mem is None else self.fetch_mem.fds,
+        )
+        os.makedirs(settings.marks_dir or "", exist_ok=True)
+        sessions = self.scheduler.sessions
+        return Prefetcher(
+            Fetcher(settings),
+            locate,
+            config.max_fetches,
+            config.max_fetch_mb << 20,
+            live=lambda session: session in sessions,
+        )
+
+    def _fetch_ahead(self, session: bytes, task: Task) -> None:
+        """A task admitted: its sources, then its plan's next samples, to fetch ahead."""
+        assert self.prefetcher is not None
+        n = self.dataset_len
+        excluded = set(task.exclude)
+        now = dict.fromkeys(i for run in task.images for i in run if i not in excluded and i < n)
+        self.prefetcher.want(session, now, [i for i in task.ahead if i < n], task.epoch)
+
+    def _tally_fetches(self) -> None:
+        """What the front's fetcher fetched since the last call, counted as a worker's."""
+        if self.prefetcher is None:
+            return
+        fetched = self.prefetcher.fetcher.take_tally()
+        if fetched:
+            self.workers.on_tally(
+                Tally(
+                    worker=0,
+                    fetches=fetched.fetches,
+                    fetch_bytes=fetched.bytes,
+                    fetch_retries=fetched.retries,
+                    fetch_errors=fetched.errors,
+                    fetch_error_kinds=dict(list(fetched.kinds.items())[:FETCH_ERROR_KINDS]),
+                    fetch_us=tuple(int(s * 1e6) for s in fetched.seconds[:MAX_FETCH_TIMES]),
+                )
+            )
 
     def _observe(self, task_us: int, decode_us: tuple[int, ...] | None) -> None:
         """A worker's timings of a task, for the metrics' histograms (when they are on)."""
@@ -393,6 +473,8 @@ class Front:
         for name, sock in watched.items():
             monitor = sock.get_monitor_socket(MONITORED)
             self._gates[name] = Gate(ctx, monitor, self.conns.barred)
+        if self.prefetcher is not None:
+            self.prefetcher.start()
         self._poller = _Poller(
             {
                 self.backend: ("front.backend", self.workers.on_message),
@@ -524,6 +606,8 @@ class Front:
                 self.conns.accepted(name, event["value"])
 
     def _shutdown(self, ctx: zmq.Context[Any]) -> None:
+        if self.prefetcher is not None:
+            self.prefetcher.stop()
         self.workers.stop()
         for w in list(self.pool.workers.values()):
             if w.identity is not None:
@@ -539,6 +623,8 @@ class Front:
             ctx.destroy(linger=500 if self.draining_since is not None else 0)
             if self.store is not None:
                 self.store.close()
+            if self.fetch_mem is not None:
+                self.fetch_mem.close()
             adminsock.unregister(self._admin_entry, self.endpoints.get("admin", ""))
             shutil.rmtree(self._tmpdir, ignore_errors=True)
 
@@ -583,6 +669,7 @@ class Front:
             sizes_count=self.announced.count,
             sizes_digest=self.announced.digest,
             heartbeat_ms=self.beats.interval_ms,
+            fetch_ahead=int(self.prefetcher is not None),
         )
 
     def _housekeeping(self) -> None:
@@ -596,6 +683,7 @@ class Front:
             raise WorkerStartError(why)
         now = time.monotonic()
         self.statsview.refresh(now)
+        self._tally_fetches()
         self.conns.check(now)
         self._published = self.view()  # for the metrics' thread
 
@@ -653,6 +741,7 @@ class Front:
             ),
             store=self.statsview.usage,
             fetch_cache=self.statsview.fetch_usage,
+            prefetch=None if self.prefetcher is None else self.prefetcher.snapshot(),
             sources=self.sources(),
             counters=ServerView.frozen(self.counters),
             rejected=ServerView.frozen(self.rejected),

@@ -15,8 +15,11 @@ Names (kept: deploy manifests and dashboards use them)::
     dataserver_decode_seconds                histogram  decode + fit of one source (store miss)
     dataserver_task_seconds                  histogram  a worker's time per task
     dataserver_fetch_seconds                 histogram  one GET from an object store (workers' TALLY)
-    dataserver_fetches_total, dataserver_fetch_bytes_total, dataserver_fetch_retries_total,
-    dataserver_fetch_errors_total            counter  object-store reads (workers' TALLY)
+    dataserver_fetches_total, dataserver_fetch_bytes_total, dataserver_fetch_retries_total
+                                             counter  object-store reads (workers' TALLY, the front's)
+    dataserver_fetch_errors_total            counter  objects given up on, by kind
+    dataserver_fetches_in_flight, dataserver_fetch_bytes_in_flight, dataserver_fetches_queued
+                                             gauge    the front's fetcher (prefetch.py)
     dataserver_queue_depth                   gauge    tasks queued in the front
     dataserver_workers_busy                  gauge    workers holding a task
     dataserver_workers                       gauge    live workers (said READY)
@@ -40,7 +43,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram,
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from dataserver.server.counts import Count
+from dataserver.server.counts import FETCH_ERROR_KINDS, Count, fetch_errors
 from dataserver.server.scrape import ScrapeServer
 from dataserver.server.view import ServerView, StoreUsage
 
@@ -109,9 +112,28 @@ class ViewCollector(Collector):
             ("dataserver_fetches", Count.FETCHES, "GETs from object stores answered."),
             ("dataserver_fetch_bytes", Count.FETCH_BYTES, "Bytes fetched from object stores."),
             ("dataserver_fetch_retries", Count.FETCH_RETRIES, "GETs tried again."),
-            ("dataserver_fetch_errors", Count.FETCH_ERRORS, "Objects given up on (retries spent)."),
         ):
             yield CounterMetricFamily(name, what, value=view.counters.get(count, 0))
+        errors = CounterMetricFamily(
+            "dataserver_fetch_errors",
+            "Objects given up on (retries spent), by kind.",
+            labels=["kind"],
+        )
+        for kind in FETCH_ERROR_KINDS:
+            errors.add_metric([kind], view.counters.get(fetch_errors(kind), 0))
+        yield errors
+        if view.prefetch is not None:
+            p = view.prefetch
+            for name, value, what in (
+                ("dataserver_fetches_in_flight", p.in_flight, "Object-store requests out now."),
+                (
+                    "dataserver_fetch_bytes_in_flight",
+                    p.bytes_in_flight,
+                    "Bytes of object-store requests out now (as --max-fetch-mb counts them).",
+                ),
+                ("dataserver_fetches_queued", p.queued, "Samples waiting to be fetched ahead."),
+            ):
+                yield GaugeMetricFamily(name, what, value=value)
 
 
 def _cache(view: ServerView, usage: StoreUsage) -> Iterator[Metric]:

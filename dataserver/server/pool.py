@@ -188,6 +188,7 @@ class WorkerPool:
         pass_fds = (
             *(config.store_fds or ()),
             *(() if config.index_fd is None else (config.index_fd,)),
+            *(config.fetch_mem_fds or ()),
         )
         env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
         running = self._slots.get(slot)

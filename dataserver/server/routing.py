@@ -31,7 +31,7 @@ from dataserver.protocol import (
     Tally,
     decode,
 )
-from dataserver.server.counts import Count, Reject
+from dataserver.server.counts import Count, Reject, fetch_errors
 from dataserver.server.pool import WorkerHandle, WorkerPool
 from dataserver.server.running import task_key
 from dataserver.server.sessions import Scheduler, Session, TaskEntry
@@ -114,12 +114,13 @@ class WorkerRouter:
         elif isinstance(msg, (Result, ErrorMsg, Done)):
             self._on_answer(handle, msg, frames[1:])
         elif isinstance(msg, Tally):  # result connections shut down, objects fetched
-            self._on_tally(msg)
+            self.on_tally(msg)
         else:
             self.rejected.count(Reject.WORKER_UNEXPECTED)
 
-    def _on_tally(self, msg: Tally) -> None:
-        """A worker's TALLY: its result connections shut down, what it fetched."""
+    def on_tally(self, msg: Tally) -> None:
+        """A worker's TALLY (or the front's own fetcher's): its result connections shut
+        down, what it fetched."""
         for name, n in (
             (Reject.RESULTS_IDLE_DROPPED, msg.idle_dropped),
             (Reject.RESULTS_OVER_LIMIT_DROPPED, msg.over_limit_dropped),
@@ -137,6 +138,9 @@ class WorkerRouter:
         ):
             if n:
                 self.counters.count(count, n)
+        for kind, n in msg.fetch_error_kinds.items():
+            if n:
+                self.counters.count(fetch_errors(kind), n)
         if msg.fetch_us and self._observe_fetch is not None:
             self._observe_fetch(msg.fetch_us)
 

@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from dataserver.counting import Counts
-from dataserver.data.fetchcache import directory_usage
+from dataserver.data.fetchcache import MemCache, directory_usage
 from dataserver.server.counts import Reject
 from dataserver.server.store import Store
 from dataserver.server.view import FetchCacheUsage, StoreUsage
@@ -80,8 +80,11 @@ class StatsView:
         rejected: Counts[Reject],
         store: Store | None,
         fetch_cache: tuple[str, str, int] | None = None,
+        fetch_mem: MemCache | None = None,
     ) -> None:
-        """``fetch_cache``: (directory, "memory" or "disk", budget) of the fetch cache."""
+        """``fetch_cache``: (directory, "memory" or "disk", budget) of the fetch cache;
+        ``fetch_mem``: its memfds in memory (what is read there, not the directory)."""
+        self._fetch_mem = fetch_mem
         self._rejected = rejected
         self._store = store
         self._fetch_dir = fetch_cache
@@ -110,7 +113,10 @@ class StatsView:
         self._usage_at = now
         if self._store is not None:
             self._usage = StoreUsage(**self._store.usage())
-        if self._fetch_dir is not None:
+        if self._fetch_mem is not None:
+            u = self._fetch_mem.usage()
+            self._fetch_usage = FetchCacheUsage(u.where, u.files, u.bytes, u.budget)
+        elif self._fetch_dir is not None:
             directory, where, budget = self._fetch_dir
             files, nbytes = directory_usage(directory)
             self._fetch_usage = FetchCacheUsage(where, files, nbytes, budget)

@@ -19,6 +19,7 @@ from typing import Any
 
 from dataserver.counting import Counts
 from dataserver.server.counts import Count
+from dataserver.server.prefetch import PrefetchStats
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,7 @@ class ServerView:
     rejected: Mapping[str, int]  # ... of ``Reject``s
     heartbeat_interval_s: float = 0.5  # what clients are told to beat at (``beats.BeatRule``)
     fetch_cache: FetchCacheUsage | None = None  # None: no fetch cache
+    prefetch: PrefetchStats | None = None  # None: the front fetches nothing ahead
 
     @staticmethod
     def frozen(counts: Counts[Any]) -> Mapping[str, int]:
@@ -150,6 +152,7 @@ class ServerView:
             },
             "store": self._store_stats(),
             "fetch_cache": None if self.fetch_cache is None else asdict(self.fetch_cache),
+            "prefetch": None if self.prefetch is None else asdict(self.prefetch),
             "sources": self.sources,
             "counters": dict(self.counters),  # (declared names only, in their order: ``frozen``)
             "rejected": dict(self.rejected),

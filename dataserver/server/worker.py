@@ -62,7 +62,7 @@ from dataserver.protocol import (
     Task,
     decode,
 )
-from dataserver.protocol.messages import MAX_FETCH_TIMES
+from dataserver.protocol.messages import FETCH_ERROR_KINDS, MAX_FETCH_TIMES
 from dataserver.security import reply_id
 from dataserver.server.compose import Composer, TaskClock
 from dataserver.server.config import WorkerConfig
@@ -273,6 +273,7 @@ class Worker:
                 fetch_bytes=fetched.bytes,
                 fetch_retries=fetched.retries,
                 fetch_errors=fetched.errors,
+                fetch_error_kinds=dict(list(fetched.kinds.items())[:FETCH_ERROR_KINDS]),
                 fetch_us=tuple(int(s * 1e6) for s in fetched.seconds[:MAX_FETCH_TIMES]),
             )
             sock.send_multipart(tally.encode(), zmq.NOBLOCK)
@@ -473,6 +474,11 @@ def main(argv: list[str] | None = None) -> int:
             cache_bytes=config.fetch_cache_bytes,
             share=(config.worker_id, max(1, config.fetch_slots)),
             max_fetches=config.max_fetches,
+            prefetch=not config.front_fetches,
+            mem_fds=config.fetch_mem_fds,
+            marks_dir=os.path.join(config.state_dir, "fetching")
+            if config.front_fetches and config.state_dir
+            else None,
         )
     )
     index: MappedIndex | None = None

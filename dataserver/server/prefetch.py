@@ -1,0 +1,261 @@
+"""The front's fetcher: a dataset's bytes in object storage fetched before a worker needs
+them, into the fetch cache its workers read (``dataserver.data.remote``, ``fetchcache``).
+
+What to fetch comes from the sessions, never guessed: the sources of every task the front
+admits (queued here: needed soonest) and the sample indices a session's plan asks next
+(``Task.ahead``: the client knows its epoch's order exactly; each list replaces the last,
+in order). A pool of ``--max-fetches`` threads runs the GETs (obstore releases the GIL
+while a request is out; the retries, budget and errors are the workers' own code,
+``Fetcher``), bounded together by requests in flight (``--max-fetches``) and bytes in
+flight (``--max-fetch-mb``: a range's length, or for a whole object the largest object
+fetched so far, ``GUESS_BYTES`` until one is), and charged to the session that
+asked: a session with work waiting may have at most its share (the bounds over the
+sessions that want something) in flight, so one session cannot take every slot. Sessions
+are served in turn; within one, a queued task's sources before the plan's next ones.
+
+Nothing here touches the front's objects: the front calls ``want`` from its loop, reads
+``snapshot`` for STATS, and takes the fetch tally (``Fetcher.take_tally``) to count it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from dataserver.data.fetchcache import cache_key
+from dataserver.data.remote import Fetcher, FetchError, is_remote
+
+Where = tuple[str, int | None, int | None]  # (url, start, length)
+GUESS_BYTES = 1 << 20  # a whole object's charge before any has been fetched
+MAX_QUEUED = 1 << 14  # a session's queued tasks' sources kept (beyond: the oldest dropped)
+SEEN_MAX = 1 << 18  # the plan's samples a session's record of those taken may hold
+
+
+@dataclass
+class _Wants:
+    """One session's: sources of its queued tasks, its plan's next samples, and what it has
+    in flight (requests, charged bytes)."""
+
+    now: deque[int] = field(default_factory=lambda: deque(maxlen=MAX_QUEUED))
+    ahead: deque[int] = field(default_factory=deque)
+    running: int = 0
+    bytes: int = 0
+    # the plan's samples taken already this epoch (a new list repeats most of the last:
+    # those are not looked at again), and that epoch
+    seen: set[int] = field(default_factory=set)
+    epoch: int = -1
+
+    def pop(self) -> int | None:
+        if self.now:
+            return self.now.popleft()
+        if self.ahead:
+            index = self.ahead.popleft()
+            self.seen.add(index)
+            return index
+        return None
+
+    def plan(self, ahead: list[int], epoch: int) -> None:
+        """The plan's next samples (replacing the last list), less those taken already."""
+        if epoch != self.epoch or len(self.seen) > SEEN_MAX:
+            self.epoch = epoch
+            self.seen.clear()
+        self.ahead = deque(i for i in ahead if i not in self.seen)
+
+
+@dataclass(frozen=True)
+class PrefetchStats:
+    """STATS ``prefetch``: the fetcher's bounds, what it has out and what it did."""
+
+    max_fetches: int
+    max_bytes_in_flight: int
+    in_flight: int
+    bytes_in_flight: int
+    peak_in_flight: int
+    peak_bytes_in_flight: int  # (charged, as the bound counts them)
+    queued: int  # indices waiting, all sessions
+    sessions: int  # sessions with something queued or in flight
+    fetched: int  # objects fetched into the cache
+    found: int  # indices asked for whose bytes the cache held (or were in flight)
+    failed: int  # objects given up on (the worker reads it again and names the error)
+    ahead_lists: int  # plan lists received (``Task.ahead``)
+
+
+class Prefetcher:
+    """See the module's docstring. ``locate``: (url, start, length) of samples (the dataset's
+    ``locations``); ``live``: whether a session is still open (a closed one's wants go)."""
+
+    def __init__(
+        self,
+        fetcher: Fetcher,
+        locate: Callable[[list[int]], list[Where]],
+        max_fetches: int,
+        max_bytes: int,
+        live: Callable[[bytes], bool],
+    ) -> None:
+        self.fetcher = fetcher
+        self._locate = locate
+        self._max = max(1, max_fetches)
+        self._max_bytes = max(1, max_bytes)
+        self._live = live
+        self._cond = threading.Condition()
+        self._sessions: OrderedDict[bytes, _Wants] = OrderedDict()  # the next to serve first
+        self._out: dict[str, bytes] = {}  # cache key -> session, in flight
+        self._running = 0
+        self._bytes = 0
+        self._peak = 0
+        self._peak_bytes = 0
+        self._largest = 0  # the largest whole object fetched (a whole object's charge)
+        self._fetched = self._found = self._failed = self._lists = 0
+        self._stopped = False
+        self._threads: list[threading.Thread] = []
+
+    def start(self) -> None:
+        for n in range(self._max):
+            thread = threading.Thread(target=self._run, name=f"prefetch-{n}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+
+    def want(
+        self, session: bytes, now: Iterable[int], ahead: Iterable[int] = (), epoch: int = 0
+    ) -> None:
+        """``session`` asks for ``now`` (a queued task's sources) and, when ``ahead`` is not
+        empty, names its plan's next samples in ``epoch`` (replacing the list it named
+        before)."""
+        with self._cond:
+            wants = self._sessions.get(session)
+            if wants is None:
+                wants = self._sessions[session] = _Wants()
+            wants.now.extend(now)
+            ahead = list(ahead)
+            if ahead:
+                wants.plan(ahead, epoch)
+                self._lists += 1
+            # One thread wakes; each that takes a fetch wakes the next while work waits (a
+            # thread per index would wake for nothing: most are found fetched already).
+            self._cond.notify()
+
+    def _charge(self, where: Where) -> int:
+        length = where[2]
+        return length if length is not None else (self._largest or GUESS_BYTES)
+
+    def _next(self) -> tuple[bytes, str, Where, int] | None:
+        """The next fetch to start, charged (under the lock), or None: nothing waits that
+        the bounds allow now."""
+        if self._running >= self._max or not self._sessions:
+            return None
+        active = len(self._sessions)
+        share = max(1, self._max // active)
+        share_bytes = max(1, self._max_bytes // active)
+        for session in list(self._sessions):
+            wants = self._sessions[session]
+            if not self._live(session):
+                wants.now.clear()  # (a closed session: its fetches out are forgotten as they end)
+                wants.ahead.clear()
+            job = self._take(session, wants, share, share_bytes)
+            if isinstance(job, str):
+                return None
+            if job is not None:
+                return job
+            if not wants.running and not wants.now and not wants.ahead:
+                del self._sessions[session]
+        return None
+
+    def _take(
+        self, session: bytes, wants: _Wants, share: int, share_bytes: int
+    ) -> tuple[bytes, str, Where, int] | str | None:
+        """``session``'s next fetch within its share, charged; "full": the server's bytes in
+        flight leave no room for it now; None: nothing of this session's to start."""
+        while wants.running < share and wants.bytes < share_bytes:
+            index = wants.pop()
+            if index is None:
+                return None
+            where = self._locate([index])[0]
+            if not is_remote(where[0]):
+                continue
+            key = cache_key(*where)
+            if key in self._out or self.fetcher.holds(key) or self.fetcher.marked(key):
+                self._found += 1
+                continue
+            charge = self._charge(where)
+            if self._running and self._bytes + charge > self._max_bytes:
+                wants.now.appendleft(index)  # (the first again: it waits for room)
+                return "full"
+            self._sessions.move_to_end(session)  # (the next session first next time)
+            self._out[key] = session
+            wants.running += 1
+            wants.bytes += charge
+            self._running += 1
+            self._bytes += charge
+            self._peak = max(self._peak, self._running)
+            self._peak_bytes = max(self._peak_bytes, self._bytes)
+            return session, key, where, charge
+        return None
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                job = self._next()
+                while job is None:
+                    if self._stopped:
+                        return
+                    self._cond.wait(1.0)  # (a session gone is noticed within a second)
+                    job = self._next()
+                if self._running < self._max and self._sessions:
+                    self._cond.notify()  # (the next fetch, if any, to another thread)
+            session, key, where, charge = job
+            size = -1
+            try:
+                size = self.fetcher.fetch_to_cache(*where)
+            except FetchError:
+                pass  # (counted by the fetcher; the worker reads it again and names it)
+            except Exception:  # (never the thread's end)
+                pass
+            with self._cond:
+                del self._out[key]
+                self._running -= 1
+                self._bytes -= charge
+                if size < 0:
+                    self._failed += 1
+                else:
+                    self._fetched += 1
+                    if where[2] is None:
+                        self._largest = max(self._largest, size)
+                wants = self._sessions.get(session)
+                if wants is not None:
+                    wants.running -= 1
+                    wants.bytes -= charge
+                self._cond.notify()
+
+    def snapshot(self) -> PrefetchStats:
+        with self._cond:
+            return PrefetchStats(
+                max_fetches=self._max,
+                max_bytes_in_flight=self._max_bytes,
+                in_flight=self._running,
+                bytes_in_flight=self._bytes,
+                peak_in_flight=self._peak,
+                peak_bytes_in_flight=self._peak_bytes,
+                queued=sum(len(w.now) + len(w.ahead) for w in self._sessions.values()),
+                sessions=len(self._sessions),
+                fetched=self._fetched,
+                found=self._found,
+                failed=self._failed,
+                ahead_lists=self._lists,
+            )
+
+
+def prefetcher_for(dataset: Any, fetcher: Fetcher, **bounds: Any) -> Prefetcher | None:
+    """A ``Prefetcher`` for a dataset that says where its samples' bytes are
+    (``locations``), else None (a user's dataset: its workers fetch as it does)."""
+    locate = getattr(dataset, "locations", None)
+    if locate is None:
+        return None
+    return Prefetcher(fetcher, locate, **bounds)
