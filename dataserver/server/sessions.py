@@ -108,6 +108,12 @@ class Session:
     conn: bytes = b""  # the connection (routing id) its HELLO came on
     peer: str = ""  # the peer that opened it: key:Z85, uid:N or an address ("" unknown)
 
+    def next_task(self) -> TaskEntry:
+        """Its next queued task, taken off the queue: its control state is now that one's."""
+        entry = self.queue.popleft()
+        self.state = entry.state
+        return entry
+
     @property
     def share(self) -> str:
         """Whose share of worker time it draws on: its peer's (a session of no known peer
@@ -366,8 +372,7 @@ class Scheduler:
         best, at = found
         del ready[at]
         share = self.shares[best.share]
-        entry = best.queue.popleft()
-        best.state = entry.state
+        entry = best.next_task()
         if entry.state != share.state:
             share.state = entry.state
             if share.changes is not None:
