@@ -111,19 +111,19 @@ def test_scrapes_of_many_peers_are_bounded_together(start_server: Any) -> None:
     """24 users, each from an address of its own (127.0.1.N), scraping as fast as they can:
     each peer's rate (50 a second) let them take 24 x 50 a second (from 240 loopback
     addresses: +0.45-0.81 of the front's core). All peers together are answered at most
-    100 a second (bursts of 200), and the operator, quiet between its scrapes, from a
-    reserve of its own."""
+    100 a second (bursts of 200), and the operator, not seen for 2 s between its scrapes,
+    from a reserve of its own."""
     server, port = _metrics_server(start_server)
-    seconds = 4.0
+    seconds = 8.0
     read, write = os.pipe()
     started = time.monotonic()
     pids = [_scraper(61000 + i, port, f"127.0.1.{i + 1}", seconds, write) for i in range(24)]
     try:
         time.sleep(1.5)
         operator = 0
-        for _ in range(4):
+        for _ in range(3):  # (as Prometheus does, every 15 s: here every 2.1 s)
             operator += _scrape(port, timeout=3)
-            time.sleep(0.5)
+            time.sleep(2.1)
         total = sum(struct.unpack("I", os.read(read, 4))[0] for _ in pids)
         elapsed = time.monotonic() - started
     finally:
@@ -132,6 +132,6 @@ def test_scrapes_of_many_peers_are_bounded_together(start_server: Any) -> None:
         os.close(write)
     bound = TOTAL_BURST + TOTAL_RATE * elapsed + 2 * QUIET_RATE * (1 + elapsed)
     assert total <= bound, (total, bound)
-    assert operator >= 3, operator
+    assert operator == 3, operator
     assert wait_until(lambda: server.stats()["rejected"].get("scrape_total", 0) >= 1, 5)
     print(f"\n24 users scraping for {elapsed:.1f} s: {total} answered (bound {bound:.0f})")

@@ -13,9 +13,9 @@ hold threads and fds without bound. This one runs a ``selectors`` loop in one th
   ``tcpinfo.peer_key``; uid 65534 scraping from 127.0.0.1 halved the operator's scrapes,
   and scraping from 240 loopback addresses cost +0.45-0.81 of a core) is answered at most
   ``PEER_RATE`` times a second (bursts of ``PEER_BURST``; Prometheus scrapes every 15 s),
-  and all peers together at most ``TOTAL_RATE`` (``TOTAL_BURST``), a peer quiet for 2 s
-  (its bucket full: a scraper, not a flood) from a small reserve of its own when that is
-  spent (``QUIET_RATE``); a connection over a rate is closed as it is accepted, nothing
+  and all peers together at most ``TOTAL_RATE`` (``TOTAL_BURST``), a peer not seen for
+  ``QUIET_S`` (a scraper, not a flood: Prometheus comes every 15 s) from a small reserve of
+  its own when that is spent (``QUIET_RATE``); a connection over a rate is closed as it is accepted, nothing
   read or written (``rate_refused``, ``total_refused``), and past
   ``REFUSED_PAUSE`` of those in a second the listener is left alone for ``PAUSE_S`` (the
   kernel's backlog holds or refuses the rest), so a flood costs the front's process a
@@ -51,7 +51,8 @@ PEER_RATE = 50.0  # scrapes answered a second, per peer (a test polling at 20 Hz
 PEER_BURST = 100.0  # ... at most this many at once
 TOTAL_RATE = 100.0  # scrapes answered a second, all peers together ...
 TOTAL_BURST = 200.0  # ... at most this many at once
-QUIET_RATE = 10.0  # ... and beyond, for peers that scraped nothing for 2 s (bursts of 20)
+QUIET_RATE = 10.0  # ... and beyond, for peers not seen for QUIET_S (bursts of 20)
+QUIET_S = 2.0
 MAX_PEERS = 4096  # peers whose rate is remembered (the least recently seen go)
 REFUSED_PAUSE = 50  # connections refused for their rate in a second before a pause
 PAUSE_S = 0.25
@@ -104,7 +105,8 @@ class ScrapeServer:
         self.total_refused = 0  # ... all peers together over TOTAL_RATE
         self._total = TokenBucket(TOTAL_RATE, TOTAL_BURST)
         self._quiet = TokenBucket(QUIET_RATE, 2 * QUIET_RATE)
-        self._peers: OrderedDict[str, TokenBucket] = OrderedDict()
+        # Each peer's rate, and when a connection of it was last accepted.
+        self._peers: OrderedDict[str, tuple[TokenBucket, list[float]]] = OrderedDict()
         self._window = (0.0, 0)  # (its start, connections refused for their rate in it)
         self._thread = threading.Thread(target=self._run, name="metrics-http", daemon=True)
         self._thread.start()
@@ -178,14 +180,15 @@ class ScrapeServer:
         peer = peer_key(sock.fileno())
         if peer is None:
             return False
-        bucket = self._peers.get(peer)
-        if bucket is None:
-            bucket = self._peers[peer] = TokenBucket(PEER_RATE, PEER_BURST)
+        known = self._peers.get(peer)
+        if known is None:
+            known = self._peers[peer] = (TokenBucket(PEER_RATE, PEER_BURST), [-QUIET_S])
             if len(self._peers) > MAX_PEERS:
                 self._peers.popitem(last=False)
         else:
             self._peers.move_to_end(peer)
-        quiet = bucket.full(now)
+        bucket, seen = known
+        quiet, seen[0] = now - seen[0] >= QUIET_S, now
         if bucket.take(now):
             if self._total.take(now) or (quiet and self._quiet.take(now)):
                 return True

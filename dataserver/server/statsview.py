@@ -40,10 +40,6 @@ class TokenBucket:
         now = time.monotonic() if now is None else now
         return min(self.burst, self.tokens + (now - self.at) * self.rate) >= 1.0
 
-    def full(self, now: float) -> bool:
-        """Whether it is (within one event) at its burst: nothing taken for a while."""
-        return min(self.burst, self.tokens + (now - self.at) * self.rate) >= self.burst - 1.0
-
     def take(self, now: float | None = None) -> bool:
         now = time.monotonic() if now is None else now
         self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate)
