@@ -1,5 +1,6 @@
 """What the kernel knows of a connected socket, by fd: its peer, (TCP) how many bytes it
-received and when data last came, and (loopback) which user holds its other end; and
+received and when data last came, and (an end on this host: loopback or any of the host's
+own addresses) which user holds its other end; and
 ``malloc_trim``, for the memory a connection held. Shared by the server's connection
 tracking (``dataserver.server.conns``) and the client's bound on what a server may hold
 unfinished (``dataserver_client.links.Inflow``): both weigh the bytes a connection received
@@ -14,6 +15,7 @@ import os
 import socket
 import struct
 import threading
+import time
 from typing import Any
 
 _TCP_INFO_LAST_DATA_RECV = 52  # offsets in the kernel's struct tcp_info (linux/tcp.h)
@@ -91,11 +93,47 @@ _INET_DIAG_NOCOOKIE = 0xFFFFFFFF
 _DIAG_MSG_UID = 16 + 64  # nlmsghdr, then inet_diag_msg's idiag_uid
 
 
+# Whether an address is one of this host's, asked again after this many seconds (an
+# address may be added or removed), for at most this many addresses at once.
+LOCAL_ADDRESS_TTL_S = 10.0
+LOCAL_ADDRESSES_KEPT = 4096
+_local: dict[tuple[int, str], tuple[bool, float]] = {}
+
+
+def is_local_address(family: int, host: str, scope: int = 0) -> bool:
+    """Whether ``host`` is an address of this host (of its network namespace): loopback,
+    or one an interface holds, which a socket may bind to (the kernel asked, no list of
+    interfaces read); remembered for ``LOCAL_ADDRESS_TTL_S``."""
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    if ip.is_loopback:
+        return True
+    now = time.monotonic()
+    key = (family, host)
+    known = _local.get(key)
+    if known is not None and now - known[1] < LOCAL_ADDRESS_TTL_S:
+        return known[0]
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.bind((host, 0) if family == socket.AF_INET else (host, 0, 0, scope))
+        local = True
+    except OSError:  # EADDRNOTAVAIL: not this host's
+        local = False
+    if len(_local) >= LOCAL_ADDRESSES_KEPT:
+        _local.clear()
+    _local[key] = (local, now)
+    return local
+
+
 def loopback_uid(fd: int) -> int | None:
-    """The uid owning the other end of TCP socket ``fd``, when that end is on this host
-    over loopback (its socket found by the connection's addresses through the kernel's
-    sock_diag, as ``ss -e`` does); None otherwise, or where the kernel does not say.
-    Every local user shares 127.0.0.1: the uid tells them apart."""
+    """The uid owning the other end of TCP socket ``fd``, when that end is on this host:
+    over loopback or from any of the host's own addresses (issue 40 item 4: uid 65534
+    connecting to the host's non-loopback address was everyone there). Its socket is found
+    by the connection's addresses through the kernel's sock_diag, as ``ss -e`` does; None
+    otherwise, or where the kernel does not say. Every local user shares the host's
+    addresses: the uid tells them apart."""
     try:
         sock = socket.socket(fileno=os.dup(fd))
     except OSError:
@@ -108,17 +146,30 @@ def loopback_uid(fd: int) -> int | None:
             peer, ours = sock.getpeername(), sock.getsockname()
         except OSError:
             return None
-    try:
-        if not ipaddress.ip_address(peer[0]).is_loopback:
-            return None
-    except ValueError:
+    if family == socket.AF_INET6:
+        mapped = _mapped(peer[0]), _mapped(ours[0])
+        if mapped[0] is not None and mapped[1] is not None:
+            # (an IPv4 client of a dual-stack socket: its own socket is an IPv4 one)
+            family, peer, ours = socket.AF_INET, (mapped[0], peer[1]), (mapped[1], ours[1])
+    scope = peer[3] if len(peer) > 3 else 0
+    if not is_local_address(family, peer[0], scope):
         return None
     return _diag_uid(family, peer, ours)
 
 
+def _mapped(host: str) -> str | None:
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    v4 = getattr(ip, "ipv4_mapped", None)
+    return None if v4 is None else str(v4)
+
+
 def peer_key(fd: int) -> str | None:
     """Who is at the other end of TCP socket ``fd``, for a bound that charges a peer:
-    ``uid:N`` over loopback (every local user shares 127.0.0.1), else its address; None
+    ``uid:N`` for an end on this host (every local user shares 127.0.0.1 and the host's
+    other addresses), else its address; None
     when it is not a connected TCP socket."""
     try:
         sock = socket.socket(fileno=os.dup(fd))
@@ -136,7 +187,7 @@ def peer_key(fd: int) -> str | None:
 
 
 def _packed(family: int, host: str) -> bytes:
-    return socket.inet_pton(family, host).ljust(16, b"\x00")
+    return socket.inet_pton(family, host.split("%", maxsplit=1)[0]).ljust(16, b"\x00")
 
 
 def _diag_uid(family: int, src: tuple[Any, ...], dst: tuple[Any, ...]) -> int | None:

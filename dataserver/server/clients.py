@@ -348,7 +348,7 @@ class Clients:
                 why = (
                     f"this server has {len(self.scheduler.sessions)} sessions open, the most "
                     f"it takes ({self.scheduler.limit_why or self.scheduler.max_sessions}), "
-                    "and no peer holds more of them than yours"
+                    f"and {why or 'none could go'}"
                 )
             self._refuse(reason, identity, why, session=msg.session)
             return

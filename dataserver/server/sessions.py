@@ -12,11 +12,17 @@ seconds when all places are taken (a few of the beats its client is told to send
 Sessions are also counted by who holds them (issue 25, item 1: one connection opened 1,024
 sessions and kept them beating, and every new job was refused): at most
 ``SESSIONS_PER_CONNECTION`` on one connection (a client holds one), and when every place is
-taken and none is silent, a newcomer takes the place of the least recently seen session of
-the peer holding the most, provided that peer holds more than the newcomer's own: one peer
-can no longer hold the server against the others. A peer is a CURVE key where CURVE is on,
-else the uid at the other end of a loopback connection (every local user shares 127.0.0.1),
-else the remote address (``Clients._peer``).
+taken and none is silent, a newcomer takes the place of a session of the peer holding the
+most, provided that peer holds more than the newcomer's own and more than its share: one peer
+can no longer hold the server against the others. A peer's share is the cap over the peers
+that sent tasks within ``WORKING_S`` (the newcomer's and the largest counted too): issue 40,
+item 4, one session from each of 24 other addresses took 3 of the 4 places of a one-node job
+that was working; sessions that only beat no longer dilute a working job's share, and the
+newcomer is refused ``session_limit`` instead. Of the victim's sessions, one that sent no
+task lately goes first, then the least recently seen. A peer is a CURVE key where CURVE is
+on, else the uid at the other end of a connection from this host (loopback or any of the
+host's own addresses: every local user shares them; ``tcpinfo.loopback_uid``), else the
+remote address (``Clients._peer``).
 
 Worker time is shared per peer, then per session (issue 40, item 3: 16 cheap sessions of one
 user made an honest job 4.5-19x slower when the queue shared per session): ``pop`` serves
@@ -47,6 +53,9 @@ STEER_RATE = 100_000  # plan/control changes a second a session could make (a ti
 STEER_SLACK = 1 << 16
 CLOSED_HANDLES_KEPT = 4096
 POISONS_KEPT = 1024  # tasks answered poison lately, by (session, digest): a copy is not run
+# A peer whose sessions sent a task within this many seconds is working: the session cap is
+# shared among the working peers (``Scheduler._evict_from_largest``).
+WORKING_S = 30.0
 
 
 @dataclass(eq=False)
@@ -107,6 +116,7 @@ class Session:
     changes: Any = None  # a TokenBucket: how often that state may change (``pop``)
     conn: bytes = b""  # the connection (routing id) its HELLO came on
     peer: str = ""  # the peer that opened it: key:Z85, uid:N or an address ("" unknown)
+    worked: float = 0.0  # when it last sent a task (monotonic; 0: never)
 
     def next_task(self) -> TaskEntry:
         """Its next queued task, taken off the queue: its control state is now that one's."""
@@ -188,6 +198,9 @@ class Scheduler:
         # Every session, least recently seen first (``touch`` moves one to the end): expiry
         # and eviction look at the head only, not at every session (10,000 of them).
         self._seen: OrderedDict[bytes, Session] = OrderedDict()
+        # Peers whose sessions sent a task within ``WORKING_S``, least recently first
+        # (each TASK moves its peer to the end; the head is let go when stale).
+        self._working: OrderedDict[str, float] = OrderedDict()
 
     def pace(self, steerable: bool) -> None:
         """Whether the dataset takes control states (``set_control``, as a worker's READY
@@ -214,7 +227,6 @@ class Scheduler:
             if len(self.sessions) >= self.max_sessions and not (
                 self._evict_one() or self._evict_from_largest(peer)
             ):
-                self.refused = (Reject.SESSION_LIMIT, "")
                 return None
             session = self.sessions[sid] = Session(
                 sid, identity, secret, base=base, conn=identity, peer=peer
@@ -246,18 +258,50 @@ class Scheduler:
         return self.poisoned.get((sid, digest)) if digest else None
 
     def _evict_from_largest(self, peer: str) -> bool:
-        """Every place taken, none silent: forget the least recently seen session of the
-        peer holding the most, if it holds more than ``peer`` (the newcomer's) does."""
+        """Every place taken, none silent: forget a session of the peer holding the most,
+        if it holds more than ``peer`` (the newcomer's) does and more than its share (the
+        cap over the working peers: ``_sharing``); of its sessions, one that sent no task
+        within ``WORKING_S`` first, then the least recently seen. Otherwise ``refused``
+        says why the newcomer is."""
         if not self.by_peer:
+            self.refused = (Reject.SESSION_LIMIT, "")
             return False
         largest = max(self.by_peer, key=lambda p: len(self.by_peer[p]))
-        if len(self.by_peer[largest]) <= len(self.by_peer.get(peer, ())):
+        held = len(self.by_peer[largest])
+        own = len(self.by_peer.get(peer, ()))
+        if held <= own:
+            self.refused = (Reject.SESSION_LIMIT, "no peer holds more of them than yours")
             return False
-        victim = min(self.by_peer[largest].values(), key=lambda s: s.last_seen)
+        sharing = self._sharing(peer, largest)
+        if held * sharing <= self.max_sessions:
+            self.refused = (
+                Reject.SESSION_LIMIT,
+                f"no peer holds more than its share ({self.max_sessions} over the "
+                f"{sharing} peers working now: {self.max_sessions // sharing}); "
+                "working sessions are not evicted for a newcomer",
+            )
+            return False
+        cutoff = time.monotonic() - WORKING_S
+        victim = min(self.by_peer[largest].values(), key=lambda s: (s.worked > cutoff, s.last_seen))
         self.close(victim.sid)
         self.evicted += 1
         self.evicted_live += 1
         return True
+
+    def _sharing(self, peer: str, largest: str) -> int:
+        """How many peers share the session cap: those that sent tasks within
+        ``WORKING_S``, the newcomer's ``peer`` and ``largest`` among them."""
+        working = self._working
+        cutoff = time.monotonic() - WORKING_S
+        while working and next(iter(working.values())) < cutoff:
+            working.popitem(last=False)
+        return len(working) + (peer not in working) + (largest not in working)
+
+    def worked(self, session: Session, now: float | None = None) -> None:
+        """``session`` sent a task: it, and its peer, are working."""
+        session.worked = time.monotonic() if now is None else now
+        self._working[session.peer] = session.worked
+        self._working.move_to_end(session.peer)
 
     def _evict_one(self) -> bool:
         """Forget the session silent longest, if it has been silent ``evict_after``."""
@@ -301,6 +345,7 @@ class Scheduler:
     def admit(self, session: Session, entry: TaskEntry, first: bool = False) -> None:
         """Queue a task a client sent (``first``: ahead of its session's others, the TASK's
         ``priority``)."""
+        self.worked(session)
         self.relive(session, entry)
         self.push(session, entry, front=first)
 
@@ -462,6 +507,7 @@ class Scheduler:
                 held.pop(sid, None)
                 if not held:
                     del self.by_peer[session.peer]
+                    self._working.pop(session.peer, None)
             if session.in_ready:  # (it stays in the round robin, empty, until passed over)
                 self._unready(session)
             share = self.shares.get(session.share)
