@@ -235,8 +235,8 @@ class Clients:
 
     def _peer(self, frame: Any) -> str:
         """Who a cap charges for this message: its CURVE key where CURVE is on, else the
-        uid at the other end of a loopback connection (local users share 127.0.0.1), else
-        the remote address."""
+        uid at the other end of a connection from this host (loopback or the host's own
+        addresses: local users share them), else the remote address."""
         try:
             user = str(frame.get("User-Id") or "")
         except zmq.ZMQError:

@@ -33,7 +33,7 @@ dead worker) gets ``EMFILE``. This module keeps that bounded:
     earned (64 a frame read, 2 sent) cannot hide a later unfinished one.
   - **too many frames** (``read_message``): a message of more than ``MAX_FRAMES`` frames is
     never taken whole: at the first frame too many its connection is shut down, its peer
-    (the uid over loopback, else the address) barred for ``BAR_S`` (its new connections
+    (the uid for an end on this host, else the address) barred for ``BAR_S`` (its new connections
     shut down as they come), and the rest read off and dropped. One message of 500,000
     empty frames a second took the front's whole core (~2 us a frame read).
   - **the cap** (``fd_budget``: the fd limit less a reserve for the workers, at most a few
@@ -287,7 +287,7 @@ class Conn:
     base: int | None  # ... at accept (its handshake, so far)
     consumed: int = 0  # bytes of the complete messages read from it
     session: bytes | None = None  # the session its last authentic message acted for
-    # The user at the other end over loopback (None: remote, or the kernel did not say),
+    # The user at the other end, on this host (None: remote, or the kernel did not say),
     # asked of the kernel the first time a cap needs it (``ConnTracker.peer_of``).
     uid: int | None = None
     uid_asked: bool = False
@@ -421,11 +421,12 @@ class ConnTracker:
 
     def peer_of(self, fd: int, address: str) -> str:
         """Who connection ``fd`` (of remote ``address``) is, for the caps that charge a
-        peer: ``uid:N`` for a local user over loopback, else the address."""
+        peer: ``uid:N`` for a local user (loopback or the host's own addresses), else the
+        address."""
         conn = self.conns.get(fd)
         if conn is None:
             # Not accepted yet as far as this loop knows (its monitor's ACCEPTED not read):
-            # ask now, or a local user would be charged as everyone at 127.0.0.1.
+            # ask now, or a local user would be charged as everyone at its address.
             uid = loopback_uid(fd) if fd >= 0 else None
             return address if uid is None else f"uid:{uid}"
         if not conn.uid_asked:

@@ -9,7 +9,7 @@ hold threads and fds without bound. This one runs a ``selectors`` loop in one th
   it is closed (a client that trickles its request, or never reads, costs no more);
 - the body is rendered by ``render()`` at most every ``RENDER_EVERY_S`` seconds: a flood
   of scrapes costs the front's state one read per period, not one per scrape;
-- each peer (the uid at the other end of a loopback connection, else the remote address:
+- each peer (the uid at the other end of a connection from this host, else the address:
   ``tcpinfo.peer_key``; uid 65534 scraping from 127.0.0.1 halved the operator's scrapes,
   and scraping from 240 loopback addresses cost +0.45-0.81 of a core) is answered at most
   ``PEER_RATE`` times a second (bursts of ``PEER_BURST``; Prometheus scrapes every 15 s),
