@@ -405,6 +405,35 @@ def test_a_session_cannot_take_every_fetch_slot() -> None:
     assert {j[0] for j in got} == {b"b"} and len(got) == 8
 
 
+def test_a_cached_epoch_is_looked_at_once_per_sample() -> None:
+    """Every sample cached (a second epoch): the front's fetcher looks each up once per
+    epoch, not once per plan list that names it (each list repeats most of the last; a
+    session's record of what it took was dropped whenever it had nothing in flight, so
+    each list was looked up whole, under the cache's lock, in the front's process)."""
+    from dataserver.data.fetchcache import MemCache, cache_key
+    from dataserver.data.remote import Fetcher, FetchSettings
+    from dataserver.server.prefetch import Prefetcher
+
+    def locate(indices: list[int]) -> list[tuple[str, int | None, int | None]]:
+        return [(f"s3://b/shard-{i // 100}.tar", (i % 100) * 1000, 1000) for i in indices]
+
+    cache = MemCache.create(1 << 20)
+    fetcher = Fetcher(FetchSettings(mem_fds=cache.fds))
+    for where in locate(list(range(300))):
+        fetcher._keep(cache_key(*where), b"x")
+    open_sessions = {b"a"}
+    pre = Prefetcher(fetcher, locate, 8, 1 << 20, live=lambda s: s in open_sessions)
+    for epoch in (0, 1):
+        for t in range(0, 200, 10):  # a task's sources, then the plan's next 100
+            pre.want(b"a", range(t, t + 10), ahead=range(t + 10, t + 110), epoch=epoch)
+            assert pre._next() is None  # (nothing to fetch: all found)
+        assert pre.snapshot().found == 300 * (epoch + 1)
+    assert pre.snapshot().fetched == 0 and pre.snapshot().sessions == 0
+    open_sessions.clear()  # closed: its record goes
+    assert pre._next() is None and not pre._sessions
+    cache.close()
+
+
 def test_an_older_clients_task_has_no_ahead() -> None:
     """A TASK without ``ahead`` (an older client) reads as none; one with it (a newer
     client) is what an older server skips as an unknown key."""

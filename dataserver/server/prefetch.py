@@ -43,25 +43,42 @@ class _Wants:
     ahead: deque[int] = field(default_factory=deque)
     running: int = 0
     bytes: int = 0
-    # the plan's samples taken already this epoch (a new list repeats most of the last:
-    # those are not looked at again), and that epoch
+    # the samples taken already in ``epoch`` (looked at: found cached, in flight, or
+    # started), from a queued task or the plan: a new plan list repeats most of the last,
+    # and a task's sources were most often named ahead, so those are not looked at again
+    # (each look costs a cache lookup under its lock and a mark's stat)
     seen: set[int] = field(default_factory=set)
     epoch: int = -1
 
+    def busy(self) -> bool:
+        """Whether anything of this session's waits or is in flight."""
+        return bool(self.running or self.now or self.ahead)
+
     def pop(self) -> int | None:
-        if self.now:
-            return self.now.popleft()
+        while self.now:
+            index = self.now.popleft()
+            if index not in self.seen:
+                self.seen.add(index)
+                return index
         if self.ahead:
             index = self.ahead.popleft()
             self.seen.add(index)
             return index
         return None
 
-    def plan(self, ahead: list[int], epoch: int) -> None:
-        """The plan's next samples (replacing the last list), less those taken already."""
+    def unpop(self, index: int) -> None:
+        """``index`` (just popped) is the first to take again."""
+        self.seen.discard(index)
+        self.now.appendleft(index)
+
+    def at(self, epoch: int) -> None:
+        """What comes now is of ``epoch``: what was seen in another is looked at again."""
         if epoch != self.epoch or len(self.seen) > SEEN_MAX:
             self.epoch = epoch
             self.seen.clear()
+
+    def plan(self, ahead: list[int]) -> None:
+        """The plan's next samples (replacing the last list), less those taken already."""
         self.ahead = deque(i for i in ahead if i not in self.seen)
 
 
@@ -130,13 +147,16 @@ class Prefetcher:
         empty, names its plan's next samples in ``epoch`` (replacing the list it named
         before)."""
         with self._cond:
+            # (a session's record is kept while it is open, idle or not: what it has seen
+            # this epoch is what spares looking at each new plan list whole)
             wants = self._sessions.get(session)
             if wants is None:
                 wants = self._sessions[session] = _Wants()
+            wants.at(epoch)
             wants.now.extend(now)
             ahead = list(ahead)
             if ahead:
-                wants.plan(ahead, epoch)
+                wants.plan(ahead)
                 self._lists += 1
             # One thread wakes; each that takes a fetch wakes the next while work waits (a
             # thread per index would wake for nothing: most are found fetched already).
@@ -149,24 +169,34 @@ class Prefetcher:
     def _next(self) -> tuple[bytes, str, Where, int] | None:
         """The next fetch to start, charged (under the lock), or None: nothing waits that
         the bounds allow now."""
-        if self._running >= self._max or not self._sessions:
+        if self._running >= self._max:
             return None
-        active = len(self._sessions)
+        for session in list(self._sessions):
+            if not self._live(session):
+                wants = self._sessions[session]
+                wants.now.clear()  # (a closed session: its fetches out are forgotten as they end)
+                wants.ahead.clear()
+                if not wants.running:
+                    del self._sessions[session]
+        active = sum(1 for w in self._sessions.values() if w.busy())
+        if not active:
+            return None
         share = max(1, self._max // active)
         share_bytes = max(1, self._max_bytes // active)
         for session in list(self._sessions):
             wants = self._sessions[session]
-            if not self._live(session):
-                wants.now.clear()  # (a closed session: its fetches out are forgotten as they end)
-                wants.ahead.clear()
+            if not wants.now and not wants.ahead:
+                continue
             job = self._take(session, wants, share, share_bytes)
             if isinstance(job, str):
                 return None
             if job is not None:
                 return job
-            if not wants.running and not wants.now and not wants.ahead:
-                del self._sessions[session]
         return None
+
+    def _waiting(self) -> bool:
+        """Whether some session has samples not yet looked at (under the lock)."""
+        return any(w.now or w.ahead for w in self._sessions.values())
 
     def _take(
         self, session: bytes, wants: _Wants, share: int, share_bytes: int
@@ -186,7 +216,7 @@ class Prefetcher:
                 continue
             charge = self._charge(where)
             if self._running and self._bytes + charge > self._max_bytes:
-                wants.now.appendleft(index)  # (the first again: it waits for room)
+                wants.unpop(index)  # (the first again: it waits for room)
                 return "full"
             self._sessions.move_to_end(session)  # (the next session first next time)
             self._out[key] = session
@@ -208,7 +238,7 @@ class Prefetcher:
                         return
                     self._cond.wait(1.0)  # (a session gone is noticed within a second)
                     job = self._next()
-                if self._running < self._max and self._sessions:
+                if self._running < self._max and self._waiting():
                     self._cond.notify()  # (the next fetch, if any, to another thread)
             session, key, where, charge = job
             size = -1
@@ -244,7 +274,7 @@ class Prefetcher:
                 peak_in_flight=self._peak,
                 peak_bytes_in_flight=self._peak_bytes,
                 queued=sum(len(w.now) + len(w.ahead) for w in self._sessions.values()),
-                sessions=len(self._sessions),
+                sessions=sum(1 for w in self._sessions.values() if w.busy()),
                 fetched=self._fetched,
                 found=self._found,
                 failed=self._failed,
