@@ -26,6 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
+from dataserver.memfd import sealed_memfd
+
 
 @dataclass(frozen=True)
 class CacheUsage:
@@ -150,18 +152,6 @@ _HEADER = 16  # the index memfd: write position (bytes ever written), slots
 _SLOT = 32  # a slot: the key (two u64), its bytes' absolute position, their size
 _PROBE = 16  # slots a key may sit in (from its hash on); beyond, the oldest is replaced
 _ENTRY_GUESS = 32 << 10  # bytes an entry is taken to hold, to size the slots
-_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
-
-
-def _memfd(name: str, size: int) -> int:
-    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-    try:
-        os.ftruncate(fd, size)
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
 
 
 class MemCache:
@@ -196,8 +186,8 @@ class MemCache:
         """A new cache of ``capacity`` bytes (its memfds: ``fds``, for the workers)."""
         capacity = max(1 << 20, capacity)
         slots = max(1024, capacity // _ENTRY_GUESS)
-        index_fd = _memfd("dataserver-fetch-index", _HEADER + slots * _SLOT)
-        arena_fd = _memfd("dataserver-fetch", capacity)
+        index_fd = sealed_memfd("dataserver-fetch-index", _HEADER + slots * _SLOT)
+        arena_fd = sealed_memfd("dataserver-fetch", capacity)
         cache = cls(index_fd, arena_fd)
         cache._head[1] = slots
         cache._slots = np.ndarray((slots, 4), np.uint64, buffer=cache._index_map, offset=_HEADER)

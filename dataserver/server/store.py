@@ -71,6 +71,7 @@ import numpy as np
 from dataserver.data.pipeline import Source
 from dataserver.hashing import MASK64, mix64
 from dataserver.landing import pid_alive
+from dataserver.memfd import SIZE_SEALS, sealed_memfd
 
 log = logging.getLogger("dataserver.store")
 
@@ -189,19 +190,7 @@ class StoreUnusable(ValueError):
     """What a process was handed is not a store it can map (named in the message)."""
 
 
-SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
-
-
-def _memfd(name: str, size: int) -> int:
-    """A new anonymous shared memory file of ``size`` bytes, sealed at that size."""
-    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-    try:
-        os.ftruncate(fd, size)
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+SEALS = SIZE_SEALS
 
 
 def _reopen(fd: int, size: int, what: str) -> int:
@@ -303,10 +292,10 @@ class Store:
         (``fds``) are for the processes this one starts (``pass_fds``): keep this handle
         open while any may."""
         _, index_bytes = _layout(capacity)
-        index_fd = _memfd("dataserver-store-index", index_bytes)
+        index_fd = sealed_memfd("dataserver-store-index", index_bytes)
         try:
             os.posix_fallocate(index_fd, 0, index_bytes)
-            arena_fd = _memfd("dataserver-store-arena", capacity)
+            arena_fd = sealed_memfd("dataserver-store-arena", capacity)
         except BaseException:
             os.close(index_fd)
             raise
