@@ -273,3 +273,26 @@ def test_bench_transformers_figure(tmp_path: Path) -> None:
     assert figure["guide_images_per_s"] > 0 and figure["dataserver_images_per_s"] > 0
     assert figure["guide_cpu_ms_per_image"] >= 0 and figure["dataserver_cpu_ms_per_image"] >= 0
     assert figure["vs_guide"] > 0
+
+
+@pytest.mark.timeout(420)
+def test_bench_rfdetr_figure(tmp_path: Path) -> None:
+    """RF-DETR's own training on its RFDETRDataModule (its COCO folder on disk) against
+    train_rfdetr on a server of the same images: both training rates, the ratio, the CPU
+    split, and what was compared."""
+    pytest.importorskip("rfdetr")
+    pytest.importorskip("pytorch_lightning")
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "dataserver.cli", "bench", "--images", "8", "--batches", "2"]
+    cmd += ["--image-size", "32", "--batch-size", "4", "--workers", "1", "--json", str(out)]
+    cmd += ["--rounds", "1", "--only", "rfdetr"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "YOLO_OFFLINE": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    figure = json.loads(out.read_text())["rfdetr"]
+    assert figure["rfdetr_images_per_s"] > 0 and figure["dataserver_images_per_s"] > 0
+    assert figure["vs_rfdetr"] > 0
+    for side in ("rfdetr", "dataserver"):
+        assert figure[f"{side}_trainer_cpu_ms_per_image"] > 0
+        assert figure[f"{side}_loader_cpu_ms_per_image"] >= 0
+    assert "aug_config={}" in figure["compared"] and "resolution 32" in figure["compared"]

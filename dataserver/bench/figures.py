@@ -25,6 +25,7 @@ from dataserver.bench.index import fig_index
 from dataserver.bench.multiscale import fig_multiscale
 from dataserver.bench.peers import fig_dataloader
 from dataserver.bench.remote import fig_remote
+from dataserver.bench.rfdetr import fig_rfdetr
 from dataserver.bench.slowserver import fig_slow_server
 from dataserver.bench.transformers import fig_transformers
 from dataserver.bench.ultralytics import fig_ultralytics
@@ -496,10 +497,11 @@ FIGURES: dict[str, Callable[[argparse.Namespace, str, Progress], dict[str, Any]]
     "slow_server": fig_slow_server,
     "index": fig_index,
     "transformers": fig_transformers,
+    "rfdetr": fig_rfdetr,
 }
 # Run only when named (``--only``): 4 servers x 8 workers on one small host measure the
 # processes fighting over its cores, not the design; ``scale`` measures what bounds a job;
 # ``slow_server`` (minutes of slow servers on purpose) measures a fault, not a rate.
 OPT_IN = frozenset(
-    {"coordination", "ultralytics", "remote", "slow_server", "index", "transformers"}
+    {"coordination", "ultralytics", "remote", "slow_server", "index", "transformers", "rfdetr"}
 )

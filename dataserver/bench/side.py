@@ -307,6 +307,18 @@ def hf_service_side(args: argparse.Namespace) -> dict[str, Any]:
     return service_side(args)
 
 
+def rfdetr_own_side(args: argparse.Namespace) -> dict[str, Any]:
+    from dataserver.bench.rfdetr import rfdetr_side
+
+    return rfdetr_side(args)
+
+
+def rfdetr_service_side(args: argparse.Namespace) -> dict[str, Any]:
+    from dataserver.bench.rfdetr import service_side
+
+    return service_side(args)
+
+
 def spdl_side(args: argparse.Namespace) -> dict[str, Any]:
     from dataserver.bench.spdl_side import spdl_side as side
 
@@ -330,6 +342,8 @@ SIDES = {
     "yolo_service": yolo_service_side,
     "hf_guide": hf_guide_side,
     "hf_service": hf_service_side,
+    "rfdetr_own": rfdetr_own_side,
+    "rfdetr_service": rfdetr_service_side,
 }
 
 
@@ -345,6 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--image-size", type=int, default=512)
     parser.add_argument("--batches", type=int, default=30)
     parser.add_argument("--warm-epochs", type=int, default=0)
+    parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--first-epoch", type=int, default=0)
     # "close": set_mode("stitch") before the warm-up epochs, set_mode("regular") after them
     # (mosaic, then close-mosaic); "count": no steer, the composed images counted the same.
