@@ -40,6 +40,7 @@ from functools import partial
 from typing import Any
 
 from dataserver.data.fetchcache import ByteCache, CacheUsage, MemCache, cache_key
+from dataserver.protocol.messages import FETCH_ERROR_KINDS, MAX_FETCH_TIMES
 
 REMOTE_PREFIXES = ("s3://", "gs://", "az://", "http://", "https://")
 DEFAULT_MAX_FETCHES = 64  # GETs in flight per server (--max-fetches), shared by its workers
@@ -131,6 +132,18 @@ class FetchTally:
 
     def __bool__(self) -> bool:
         return bool(self.fetches or self.retries or self.errors)
+
+    def tally_fields(self) -> dict[str, Any]:
+        """These counts as a TALLY's fields (within its bounds): a worker's own, or the
+        front's fetcher's, counted as a worker's."""
+        return {
+            "fetches": self.fetches,
+            "fetch_bytes": self.bytes,
+            "fetch_retries": self.retries,
+            "fetch_errors": self.errors,
+            "fetch_error_kinds": dict(list(self.kinds.items())[:FETCH_ERROR_KINDS]),
+            "fetch_us": tuple(int(s * 1e6) for s in self.seconds[:MAX_FETCH_TIMES]),
+        }
 
 
 def _scrub(text: str) -> str:

@@ -46,7 +46,6 @@ from dataserver.data.fetchcache import MemCache
 from dataserver.data.remote import Fetcher, FetchSettings
 from dataserver.loop import MessageGuard, StopFlag, serve
 from dataserver.protocol import Bye, ProtocolError, Stats, Tally, Task, Welcome, decode
-from dataserver.protocol.messages import FETCH_ERROR_KINDS, MAX_FETCH_TIMES
 from dataserver.security import host_proof, start_server_curve
 from dataserver.server.announce import Announced
 from dataserver.server.beats import BeatRule
@@ -350,12 +349,7 @@ class Front:
             self.workers.on_tally(
                 Tally(
                     worker=0,
-                    fetches=fetched.fetches,
-                    fetch_bytes=fetched.bytes,
-                    fetch_retries=fetched.retries,
-                    fetch_errors=fetched.errors,
-                    fetch_error_kinds=dict(list(fetched.kinds.items())[:FETCH_ERROR_KINDS]),
-                    fetch_us=tuple(int(s * 1e6) for s in fetched.seconds[:MAX_FETCH_TIMES]),
+                    **fetched.tally_fields(),
                 )
             )
 

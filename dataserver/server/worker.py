@@ -62,7 +62,6 @@ from dataserver.protocol import (
     Task,
     decode,
 )
-from dataserver.protocol.messages import FETCH_ERROR_KINDS, MAX_FETCH_TIMES
 from dataserver.security import reply_id
 from dataserver.server.compose import Composer, TaskClock
 from dataserver.server.config import WorkerConfig
@@ -269,12 +268,7 @@ class Worker:
                 unfinished_dropped=dropped.get(Reject.RESULTS_UNFINISHED_DROPPED, 0),
                 frames_dropped=dropped.get(Reject.RESULTS_FRAMES_DROPPED, 0),
                 barred_dropped=dropped.get(Reject.RESULTS_BARRED_DROPPED, 0),
-                fetches=fetched.fetches,
-                fetch_bytes=fetched.bytes,
-                fetch_retries=fetched.retries,
-                fetch_errors=fetched.errors,
-                fetch_error_kinds=dict(list(fetched.kinds.items())[:FETCH_ERROR_KINDS]),
-                fetch_us=tuple(int(s * 1e6) for s in fetched.seconds[:MAX_FETCH_TIMES]),
+                **fetched.tally_fields(),
             )
             sock.send_multipart(tally.encode(), zmq.NOBLOCK)
 
