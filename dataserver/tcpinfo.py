@@ -134,6 +134,13 @@ def loopback_uid(fd: int) -> int | None:
     by the connection's addresses through the kernel's sock_diag, as ``ss -e`` does; None
     otherwise, or where the kernel does not say. Every local user shares the host's
     addresses: the uid tells them apart."""
+    ends = _tcp_ends(fd)
+    return None if ends is None else _local_uid(*ends)
+
+
+def _tcp_ends(fd: int) -> tuple[int, tuple[Any, ...], tuple[Any, ...]] | None:
+    """(family, peer address, own address) of TCP socket ``fd``; None when it is not a
+    connected IPv4/IPv6 socket."""
     try:
         sock = socket.socket(fileno=os.dup(fd))
     except OSError:
@@ -142,10 +149,13 @@ def loopback_uid(fd: int) -> int | None:
         try:
             if sock.family not in (socket.AF_INET, socket.AF_INET6):
                 return None
-            family = sock.family
-            peer, ours = sock.getpeername(), sock.getsockname()
+            return sock.family, sock.getpeername(), sock.getsockname()
         except OSError:
             return None
+
+
+def _local_uid(family: int, peer: tuple[Any, ...], ours: tuple[Any, ...]) -> int | None:
+    """``loopback_uid`` for a connection's ends."""
     if family == socket.AF_INET6:
         mapped = _mapped(peer[0]), _mapped(ours[0])
         if mapped[0] is not None and mapped[1] is not None:
@@ -171,19 +181,11 @@ def peer_key(fd: int) -> str | None:
     ``uid:N`` for an end on this host (every local user shares 127.0.0.1 and the host's
     other addresses), else its address; None
     when it is not a connected TCP socket."""
-    try:
-        sock = socket.socket(fileno=os.dup(fd))
-    except OSError:
+    ends = _tcp_ends(fd)
+    if ends is None:
         return None
-    with sock:
-        try:
-            if sock.family not in (socket.AF_INET, socket.AF_INET6):
-                return None
-            host = str(sock.getpeername()[0])
-        except OSError:
-            return None
-    uid = loopback_uid(fd)
-    return host if uid is None else f"uid:{uid}"
+    uid = _local_uid(*ends)
+    return str(ends[1][0]) if uid is None else f"uid:{uid}"
 
 
 def _packed(family: int, host: str) -> bytes:
