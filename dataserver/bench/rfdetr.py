@@ -143,6 +143,7 @@ def rfdetr_side(args: argparse.Namespace) -> dict[str, Any]:
     """RF-DETR's ``model.train(dataset_dir=args.spec)`` path, its ``num_workers`` =
     ``args.workers``, timed."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from pytorch_lightning import Trainer
     from rfdetr import RFDETRNano
     from rfdetr.detr import _prepare_run_config
     from rfdetr.training import RFDETRDataModule, RFDETRModelModule, build_trainer
@@ -158,9 +159,10 @@ def rfdetr_side(args: argparse.Namespace) -> dict[str, Any]:
         trainer_kwargs: dict[str, Any] = {"accelerator": accelerator}
         if devices is not None:
             trainer_kwargs["devices"] = devices
-        trainer = build_trainer(config, model.model_config, **trainer_kwargs)
+        trainer: Trainer = build_trainer(config, model.model_config, **trainer_kwargs)
         me = os.getpid()
         timing = timer(lambda: child_pids(me))
+        # (Lightning's connector sets ``callbacks`` on the Trainer: a plain list)
         trainer.callbacks.append(timing)  # type: ignore[attr-defined]
         trainer.fit(module, datamodule)
     return {**timing.result(), "workers": args.workers}
