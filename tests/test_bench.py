@@ -211,6 +211,8 @@ def test_bench_remote_figure(tmp_path: Path) -> None:
         assert 0 < figure[f"{side}_peak_bytes_in_flight"] <= figure["max_bytes_in_flight"]
         assert 0 < figure[f"{side}_peak_fetches_in_flight"] <= figure["max_fetches"]
     assert figure["dataloader_obstore_images_per_s"] > 0  # (the peer: obstore in a DataLoader)
+    assert figure["webdataset_images_per_s"] > 0  # (WebDataset's pipeline on the shards)
+    assert figure["shards_epoch1_vs_webdataset"] > 0
 
 
 @pytest.mark.timeout(300)

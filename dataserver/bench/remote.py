@@ -13,6 +13,7 @@ fresh client process (``side.py``'s ``epochs``), alternating, ``--rounds`` times
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import tempfile
 import time
@@ -115,7 +116,9 @@ def fig_remote(args: argparse.Namespace, spec: str, progress: Progress) -> dict[
                     f"the store's own GET rate: {rate:,.0f}/s whole, {range_rate:,.0f}/s ranges"
                 )
                 sides = {k: _side(args, v) for k, v in specs.items()}
-                sides["dataloader"] = _peer(args, specs["loose"])
+                sides["dataloader"] = _peer(args, "dataloader_s3", specs["loose"])
+                if importlib.util.find_spec("webdataset") is not None:
+                    sides["webdataset"] = _peer(args, "webdataset_s3", specs["shards"])
                 runs = rounds(args, progress, sides)
             finally:
                 os.environ.clear()
@@ -155,9 +158,9 @@ def _side(args: argparse.Namespace, spec: str) -> Any:
     return run
 
 
-def _peer(args: argparse.Namespace, spec: str) -> Any:
+def _peer(args: argparse.Namespace, side: str, spec: str) -> Any:
     def run() -> dict[str, Any]:
-        return run_side("dataloader_s3", args, spec=spec)
+        return run_side(side, args, spec=spec)
 
     return run
 
@@ -191,11 +194,16 @@ def _figures(runs: dict[str, list[dict[str, Any]]], shards: int) -> dict[str, An
         out["dataloader_first_batch_ms"] = round(m("dataloader", "first_batch_ms"), 1)
         for side in ("loose", "shards"):
             out[f"{side}_epoch1_vs_dataloader"] = round(m(side, "epoch1_images_per_s") / peer, 3)
+    if runs.get("webdataset"):  # (its steady rate: epoch 2, the workers started)
+        peer = m("webdataset", "epoch2_images_per_s")
+        out["webdataset_images_per_s"] = round(peer, 1)
+        out["webdataset_first_batch_ms"] = round(m("webdataset", "first_batch_ms"), 1)
+        out["shards_epoch1_vs_webdataset"] = round(m("shards", "epoch1_images_per_s") / peer, 3)
+        out["shards_epoch2_vs_webdataset"] = round(m("shards", "epoch2_images_per_s") / peer, 3)
     out["max_fetches"] = runs["loose"][0]["max_fetches"]
     out["max_bytes_in_flight"] = runs["loose"][0]["max_bytes_in_flight"]
-    out["not_measured"] = (
-        "a real cloud's throughput per prefix, GCS and Azure, WebDataset's own pipeline "
-        "(webdataset is not installed)"
+    out["not_measured"] = "a real cloud's throughput per prefix, GCS and Azure" + (
+        "" if runs.get("webdataset") else ", WebDataset's own pipeline (not installed)"
     )
     return out
 

@@ -319,6 +319,12 @@ def rfdetr_service_side(args: argparse.Namespace) -> dict[str, Any]:
     return service_side(args)
 
 
+def webdataset_s3_side(args: argparse.Namespace) -> dict[str, Any]:
+    from dataserver.bench.wdspeer import wds_side
+
+    return wds_side(args)
+
+
 def spdl_side(args: argparse.Namespace) -> dict[str, Any]:
     from dataserver.bench.spdl_side import spdl_side as side
 
@@ -335,6 +341,7 @@ SIDES = {
     "first_batch": first_batch_side,
     "epochs": epochs_side,
     "dataloader_s3": dataloader_s3_side,
+    "webdataset_s3": webdataset_s3_side,
     "flip_stall": flip_stall_side,
     "multiscale": multiscale_side,
     "slow_server": slow_server_side,

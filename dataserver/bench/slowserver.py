@@ -159,8 +159,13 @@ def _case(
 
 
 def _summary(runs: dict[str, list[dict[str, Any]]], pair_p99: float) -> dict[str, Any]:
-    alone = med([r["images_per_s"] for r in runs.pop("alone")])
-    out: dict[str, Any] = {"healthy_alone_images_per_s": round(alone, 1)}
+    solo = runs.pop("alone")
+    alone = med([r["images_per_s"] for r in solo])
+    out: dict[str, Any] = {
+        "healthy_alone_images_per_s": round(alone, 1),
+        # (the floor the p99 target meets: one server doing the pair's work alone)
+        "healthy_alone_p99_wait_ms": round(med([_p99(r["waits_ms"]) for r in solo]), 1),
+    }
     for side, each in runs.items():
         rate = med([r["images_per_s"] for r in each])
         p99 = med([_p99(r["waits_ms"]) for r in each])
