@@ -206,10 +206,11 @@ def test_bench_remote_figure(tmp_path: Path) -> None:
     assert figure["images"] == 16
     for side in ("loose", "shards"):
         assert figure[f"{side}_epoch1_vs_local"] > 0 and figure[f"{side}_epoch2_vs_local"] > 0
-        assert figure[f"{side}_epoch1_requests"] >= 16
+        assert figure[f"{side}_epoch1_requests"] >= (16 if side == "loose" else 1)
         assert figure[f"{side}_epoch2_requests"] == 0  # (the fetch cache holds the set)
         assert 0 < figure[f"{side}_peak_bytes_in_flight"] <= figure["max_bytes_in_flight"]
         assert 0 < figure[f"{side}_peak_fetches_in_flight"] <= figure["max_fetches"]
+    assert figure["shards_epoch1_requests"] <= 16  # (by the block: never more than one a sample)
     assert figure["dataloader_obstore_images_per_s"] > 0  # (the peer: obstore in a DataLoader)
     assert figure["webdataset_images_per_s"] > 0  # (WebDataset's pipeline on the shards)
     assert figure["shards_epoch1_vs_webdataset"] > 0

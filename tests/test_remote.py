@@ -130,7 +130,10 @@ def test_epochs_from_the_store_are_those_of_local_disk(
     with make_client(server.address, **KW) as client:
         _same(epoch_by_index(client, 0), local_epoch[0])
         first = _settled(server, "fetches")
-        assert first >= IMAGES  # (every image fetched: no store of decoded sources here)
+        if form == "wds" and cache != "none":  # (a shard's block a GET, into the cache)
+            assert 0 < first < IMAGES
+        else:
+            assert first >= IMAGES  # (every image fetched: no store of decoded sources here)
         _same(epoch_by_index(client, 1), local_epoch[1])
     second = _settled(server, "fetches") - first
     if cache == "none":

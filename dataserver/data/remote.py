@@ -33,7 +33,7 @@ import re
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
@@ -329,6 +329,43 @@ class Fetcher:
     def fetch_to_cache(self, url: str, start: int | None, length: int | None) -> int:
         """Fetch an object (or range) into the cache; its size. Raises ``FetchError``."""
         return len(self._fetch_and_keep(cache_key(url, start, length), url, start, length))
+
+    def fetch_block_to_cache(
+        self, url: str, start: int, length: int, parts: Sequence[tuple[int, int]]
+    ) -> int:
+        """One byte-range GET of ``length`` bytes at ``start`` of ``url``, kept in the cache
+        as the ranges ``parts`` (start, length) it holds, those not held already (each
+        marked as being fetched meanwhile: a worker that reads one waits for this GET, never
+        makes its own). Its size; raises ``FetchError``. Nothing without a cache."""
+        if self.cache is None:
+            return 0
+        keys = [(cache_key(url, s, n), s, n) for s, n in parts]
+        keys = [k for k in keys if not self.holds(k[0])]
+        marks = self.settings.marks_dir
+        made: list[str] = []
+        for key, _, _ in keys:
+            if marks is not None:
+                try:
+                    os.close(os.open(os.path.join(marks, key), os.O_CREAT | os.O_WRONLY, 0o600))
+                    made.append(os.path.join(marks, key))
+                except OSError:
+                    pass
+        try:
+            data = memoryview(self._get(url, start, length))
+            for key, s, n in keys:
+                if start <= s and s + n <= start + len(data):
+                    self._keep(key, bytes(data[s - start : s - start + n]))
+        finally:
+            for mark in made:
+                try:
+                    os.unlink(mark)
+                except OSError:
+                    pass
+        return len(data)
+
+    def cache_bytes(self) -> int:
+        """What the cache may hold (0: no cache)."""
+        return 0 if self.cache is None else int(self.cache.budget)
 
     def marked(self, key: str) -> bool:
         """Whether some process of the server is fetching ``key`` now (its mark is there)."""

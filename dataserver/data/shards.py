@@ -50,6 +50,16 @@ from dataserver.data.transforms import decode_image
 
 IMAGE_EXTS = ("jpg", "jpeg", "png")
 INDEX_VERSION = 1
+# A shard is fetched ahead in blocks of about this many bytes (``ShardDataset.block``): one
+# byte-range GET brings every sample whose image starts in the block into the fetch cache,
+# where the plan will want each of them this epoch. The size S3's guidance gives for range
+# requests (8-16 MB) trades a request's latency against bytes fetched before they are
+# needed; 4 MiB keeps the first batch near and a block within a session's share of
+# ``--max-fetch-mb``.
+BLOCK_BYTES = 4 << 20
+
+# (url, start, length) of a block and the (start, length) of each sample's image in it
+Block = tuple[str, int, int, tuple[tuple[int, int], ...]]
 
 
 def expand(pattern: str) -> list[str]:
@@ -256,6 +266,9 @@ class ShardDataset:
             self.categories = _categories(where, json.loads(raw))
         # each image's (height, width) as its JSON gives them (0: not given), as ``CocoDataset``
         self.hw = np.array([hw or (0, 0) for hw in self.index.hw], dtype=np.int32).reshape(-1, 2)
+        # ``block``'s tables, made on first use (the front's: a worker never asks)
+        self._block_of: np.ndarray | None = None
+        self._members = self._first = np.zeros(0, dtype=np.int64)
 
     def __len__(self) -> int:
         return len(self.index)
@@ -268,6 +281,27 @@ class ShardDataset:
         """Where these samples' image bytes are: (shard, offset, size) (what a server's
         front fetches ahead, ``server/prefetch.py``)."""
         return [self._where(i) for i in indices]
+
+    def block(self, index: int) -> Block:
+        """The block of its shard that holds this sample's image (``BLOCK_BYTES``): what
+        the front fetches ahead with one byte-range GET, each sample kept in the fetch cache
+        under its own range (as a worker reads it)."""
+        if self._block_of is None:
+            i = self.index
+            key = (i.shard.astype(np.int64) << 32) | (i.offset // BLOCK_BYTES)
+            _, inverse = np.unique(key, return_inverse=True)
+            order = np.lexsort((i.offset, inverse))  # (by block, then offset)
+            self._block_of = inverse.astype(np.int64)
+            self._members = order
+            self._first = np.searchsorted(inverse[order], np.arange(inverse.max() + 2))
+        b = int(self._block_of[index])
+        members = self._members[self._first[b] : self._first[b + 1]]
+        offsets, sizes = self.index.offset[members], self.index.size[members]
+        start = int(offsets[0])
+        length = int((offsets + sizes).max()) - start
+        url = self.index.shards[int(self.index.shard[index])]
+        parts = tuple((int(o), int(n)) for o, n in zip(offsets, sizes, strict=True))
+        return url, start, length, parts
 
     def prefetch(self, indices: list[int]) -> None:
         """Start fetching these samples' image bytes (remote shards)."""

@@ -145,9 +145,12 @@ def _serve(
     # fetches them ahead of its workers (``prefetch.py``; it keeps the dataset for that).
     remote = "://" in f"{config.dataset}{config.dataset_args or ''}"
     locate = getattr(dataset, "locations", None) if remote and fetch is not None else None
+    blocks = getattr(dataset, "block", None) if locate is not None else None
     del dataset
     index = None if shared is None else (shared.fd, shared.nbytes)
-    front = Front(config, size, fingerprint, deterministic, categories, sizes, index, locate)
+    front = Front(
+        config, size, fingerprint, deterministic, categories, sizes, index, locate, blocks
+    )
     previous = {
         signal.SIGINT: signal.signal(signal.SIGINT, lambda *_: front.stop()),
         # SIGTERM (a scale-down, a rolling update): drain first; a second one stops at once.

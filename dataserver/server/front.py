@@ -75,7 +75,7 @@ from dataserver.server.metrics import ServerMetrics
 from dataserver.server.outbox import Outbox
 from dataserver.server.outlet import Outlet
 from dataserver.server.pool import WorkerPool
-from dataserver.server.prefetch import Prefetcher, Where
+from dataserver.server.prefetch import Block, Prefetcher, Where
 from dataserver.server.routing import PIPELINE, WorkerRouter
 from dataserver.server.sessions import Scheduler
 from dataserver.server.statsview import StatsView, TokenBucket
@@ -158,6 +158,7 @@ class Front:
         sizes: np.ndarray | None = None,
         index: tuple[int, int] | None = None,
         locate: Callable[[list[int]], list[Where]] | None = None,
+        blocks: Callable[[int], Block] | None = None,
     ) -> None:
         """``deterministic``: the dataset says its ``__getitem__`` is a pure function of
         the index (``deterministic = True``); only then may the store keep its output.
@@ -166,7 +167,8 @@ class Front:
         digest announced in WELCOME, the table answered on request (``announce.py``);
         ``index``: the (memfd, size) of the shared annotation index its workers inherit and
         map; ``locate``: where a dataset in object storage keeps its samples' bytes (its
-        ``locations``): the front then fetches them ahead of its workers (``prefetch.py``)."""
+        ``locations``): the front then fetches them ahead of its workers (``prefetch.py``),
+        a shard's samples by the block when the dataset says which (``blocks``)."""
         self.config = config
         self.dataset_len = dataset_len
         self.fingerprint = fingerprint
@@ -218,7 +220,7 @@ class Front:
             if fetch is not None and fetch[1] == "memory"
             else None
         )
-        self.prefetcher = self._make_prefetcher(locate)
+        self.prefetcher = self._make_prefetcher(locate, blocks)
         self.pool = WorkerPool(self._worker_config())
         self.outlet = Outlet(self.scheduler, self.outbox, self.counters)
         self.workers = WorkerRouter(
@@ -304,7 +306,9 @@ class Front:
         )
 
     def _make_prefetcher(
-        self, locate: Callable[[list[int]], list[Where]] | None
+        self,
+        locate: Callable[[list[int]], list[Where]] | None,
+        blocks: Callable[[int], Block] | None = None,
     ) -> Prefetcher | None:
         """The front's fetcher (``prefetch.py``) for a dataset in object storage that says
         where its bytes are, with a fetch cache to fetch into; else None."""
@@ -330,6 +334,7 @@ class Front:
             config.max_fetches,
             config.max_fetch_mb << 20,
             live=lambda session: session in sessions,
+            blocks=blocks,
         )
 
     def _fetch_ahead(self, session: bytes, task: Task) -> None:

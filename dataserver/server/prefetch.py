@@ -27,8 +27,13 @@ from typing import Any
 
 from dataserver.data.fetchcache import cache_key
 from dataserver.data.remote import Fetcher, FetchError, is_remote
+from dataserver.data.shards import Block
 
 Where = tuple[str, int | None, int | None]  # (url, start, length)
+Parts = tuple[tuple[int, int], ...]  # a block's samples: (start, length) each
+# Blocks are fetched only where the fetch cache holds this many of them, so the samples a
+# block brings stay until the plan reaches them (a smaller cache: one range a sample).
+BLOCKS_IN_CACHE = 32
 GUESS_BYTES = 1 << 20  # a whole object's charge before any has been fetched
 MAX_QUEUED = 1 << 14  # a session's queued tasks' sources kept (beyond: the oldest dropped)
 SEEN_MAX = 1 << 18  # the plan's samples a session's record of those taken may hold
@@ -98,11 +103,14 @@ class PrefetchStats:
     found: int  # indices asked for whose bytes the cache held (or were in flight)
     failed: int  # objects given up on (the worker reads it again and names the error)
     ahead_lists: int  # plan lists received (``Task.ahead``)
+    blocks: int = 0  # of ``fetched``: blocks of shards (several samples in one GET)
 
 
 class Prefetcher:
     """See the module's docstring. ``locate``: (url, start, length) of samples (the dataset's
-    ``locations``); ``live``: whether a session is still open (a closed one's wants go)."""
+    ``locations``); ``live``: whether a session is still open (a closed one's wants go);
+    ``blocks``: the block of a shard holding a sample (``ShardDataset.block``), fetched
+    whole by one byte-range GET into the cache, a sample at a time otherwise."""
 
     def __init__(
         self,
@@ -111,9 +119,11 @@ class Prefetcher:
         max_fetches: int,
         max_bytes: int,
         live: Callable[[bytes], bool],
+        blocks: Callable[[int], Block] | None = None,
     ) -> None:
         self.fetcher = fetcher
         self._locate = locate
+        self._blocks = blocks
         self._max = max(1, max_fetches)
         self._max_bytes = max(1, max_bytes)
         self._live = live
@@ -126,6 +136,7 @@ class Prefetcher:
         self._peak_bytes = 0
         self._largest = 0  # the largest whole object fetched (a whole object's charge)
         self._fetched = self._found = self._failed = self._lists = 0
+        self._blocks_fetched = 0
         self._stopped = False
         self._threads: list[threading.Thread] = []
 
@@ -166,7 +177,7 @@ class Prefetcher:
         length = where[2]
         return length if length is not None else (self._largest or GUESS_BYTES)
 
-    def _next(self) -> tuple[bytes, str, Where, int] | None:
+    def _next(self) -> tuple[bytes, str, Where, int, Parts] | None:
         """The next fetch to start, charged (under the lock), or None: nothing waits that
         the bounds allow now."""
         if self._running >= self._max:
@@ -200,7 +211,7 @@ class Prefetcher:
 
     def _take(
         self, session: bytes, wants: _Wants, share: int, share_bytes: int
-    ) -> tuple[bytes, str, Where, int] | str | None:
+    ) -> tuple[bytes, str, Where, int, Parts] | str | None:
         """``session``'s next fetch within its share, charged; "full": the server's bytes in
         flight leave no room for it now; None: nothing of this session's to start."""
         while wants.running < share and wants.bytes < share_bytes:
@@ -214,6 +225,15 @@ class Prefetcher:
             if key in self._out or self.fetcher.holds(key) or self.fetcher.marked(key):
                 self._found += 1
                 continue
+            parts: Parts = ()
+            block = self._block(index, share_bytes)
+            if block is not None:
+                url, start, length, parts = block
+                key = f"{url}|{start}|block"
+                if key in self._out:  # (its block is on its way)
+                    self._found += 1
+                    continue
+                where = (url, start, length)
             charge = self._charge(where)
             if self._running and self._bytes + charge > self._max_bytes:
                 wants.unpop(index)  # (the first again: it waits for room)
@@ -226,8 +246,34 @@ class Prefetcher:
             self._bytes += charge
             self._peak = max(self._peak, self._running)
             self._peak_bytes = max(self._peak_bytes, self._bytes)
-            return session, key, where, charge
+            return session, key, where, charge, parts
         return None
+
+    def _block(self, index: int, share_bytes: int) -> Block | None:
+        """The block to fetch for ``index``, or None: a sample at a time (no blocks, a cache
+        too small to keep them, or a block over the session's share of bytes in flight)."""
+        if self._blocks is None:
+            return None
+        block = self._blocks(index)
+        length = block[2]
+        room = self.fetcher.cache_bytes()
+        if length > share_bytes or room < BLOCKS_IN_CACHE * length or len(block[3]) < 2:
+            return None
+        return block
+
+    def _fetch(self, where: Where, parts: Parts) -> int:
+        """GET ``where`` into the cache (a block: as its ``parts``); its size, -1 when it
+        failed (counted by the fetcher; a worker reads it again and names the error)."""
+        try:
+            if parts:
+                url, start, length = where
+                assert start is not None and length is not None
+                return self.fetcher.fetch_block_to_cache(url, start, length, parts)
+            return self.fetcher.fetch_to_cache(*where)
+        except FetchError:
+            return -1
+        except Exception:  # (never the thread's end)
+            return -1
 
     def _run(self) -> None:
         while True:
@@ -240,14 +286,8 @@ class Prefetcher:
                     job = self._next()
                 if self._running < self._max and self._waiting():
                     self._cond.notify()  # (the next fetch, if any, to another thread)
-            session, key, where, charge = job
-            size = -1
-            try:
-                size = self.fetcher.fetch_to_cache(*where)
-            except FetchError:
-                pass  # (counted by the fetcher; the worker reads it again and names it)
-            except Exception:  # (never the thread's end)
-                pass
+            session, key, where, charge, parts = job
+            size = self._fetch(where, parts)
             with self._cond:
                 del self._out[key]
                 self._running -= 1
@@ -256,6 +296,7 @@ class Prefetcher:
                     self._failed += 1
                 else:
                     self._fetched += 1
+                    self._blocks_fetched += bool(parts)
                     if where[2] is None:
                         self._largest = max(self._largest, size)
                 wants = self._sessions.get(session)
@@ -279,6 +320,7 @@ class Prefetcher:
                 found=self._found,
                 failed=self._failed,
                 ahead_lists=self._lists,
+                blocks=self._blocks_fetched,
             )
 
 
@@ -288,4 +330,4 @@ def prefetcher_for(dataset: Any, fetcher: Fetcher, **bounds: Any) -> Prefetcher 
     locate = getattr(dataset, "locations", None)
     if locate is None:
         return None
-    return Prefetcher(fetcher, locate, **bounds)
+    return Prefetcher(fetcher, locate, blocks=getattr(dataset, "block", None), **bounds)
