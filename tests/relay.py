@@ -15,8 +15,8 @@ closes."""
 from __future__ import annotations
 
 import argparse
-import hashlib
 import encodings.idna  # noqa: F401 (resolving a host needs it: imported before --uid)
+import hashlib
 import json
 import os
 import socket

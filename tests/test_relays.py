@@ -3,7 +3,7 @@ on the host and forwards a trainer's connection to a real ``dataserver serve`` o
 host (tests/relay.py). Before: a pure relay earned the real server's ``local_proof`` and the
 trainer landed through it (handing its buffer to the real workers, its tasks through the
 relay); a relay that merged its own values into the session's CONTROL changed 81-113 of
-192 images, never caught. Now the proof is bound to the connection it arrives on, so the
+192 images, never caught (here, before: 20 and 27 of 64). Now the proof is bound to the connection it arrives on, so the
 trainer never takes a relay for a server on its host (its results come over sockets), and
 a task's control values are under its digest: a worker holding other values refuses the
 task, and a result composed with other values than the task's is refused by the trainer
@@ -72,9 +72,7 @@ def relay() -> Iterator[Any]:
 def epoch(addresses: Any) -> tuple[list[str], dict[str, Any]]:
     """One epoch under ``VALUES``: a digest per image, in order (its pixels, boxes, labels
     and indices), and the client's stats."""
-    with make_client(
-        addresses, batch_size=8, image_size=(32, 32), seed=1, timeout=20
-    ) as client:
+    with make_client(addresses, batch_size=8, image_size=(32, 32), seed=1, timeout=20) as client:
         client.control(**VALUES)
         client.set_epoch(0)
         out = []
