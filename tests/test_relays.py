@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -22,6 +23,8 @@ from typing import Any
 import pytest
 from clients import make_client
 from conftest import server_env
+
+from dataserver.security import proof_ends
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -119,3 +122,29 @@ def test_a_relay_that_rewrites_control_values_changes_no_image(
     assert changed == 0, f"{changed} of {len(got)} images changed"
     assert stats["rejected"].get("wrong_control", 0) >= 1, stats["rejected"]
     assert stats["rejected"].get("bad_server", 0) == 1, stats["rejected"]
+
+
+def test_the_proof_names_one_connection_the_same_from_either_side() -> None:
+    """``proof_ends`` (what ``local_proof`` binds): the client's view of a connection is the
+    server's, an IPv4 client of a dual-stack listener included; a relayed pair of
+    connections (trainer to relay, relay to server) is two different ones."""
+    with socket.socket(socket.AF_INET6) as listener:
+        listener.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        listener.bind(("::", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port)) as trainer:
+            accepted, _ = listener.accept()
+            with accepted, socket.create_connection(("127.0.0.1", port)) as relay:
+                relayed, _ = listener.accept()
+                with relayed:
+                    mine = proof_ends(trainer.fileno(), server=False)
+                    assert mine is not None
+                    assert mine == proof_ends(accepted.fileno(), server=True)
+                    assert mine != proof_ends(relayed.fileno(), server=True)
+                    assert proof_ends(relay.fileno(), server=False) == proof_ends(
+                        relayed.fileno(), server=True
+                    )
+    assert proof_ends(-1, server=True) is None
+    with open(os.devnull, "rb") as f:  # not a socket: no ends, no proof
+        assert proof_ends(f.fileno(), server=True) is None

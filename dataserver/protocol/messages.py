@@ -266,9 +266,10 @@ class Welcome(Message, kw_only=True):
     # the client cuts its batches into tasks that fit. Absent (an older server): 64 MiB.
     max_task_bytes: Annotated[int, In(1, 1 << 50)] = DEFAULT_TASK_BYTES
     # The same workers' ipc endpoints, for a client on this host: it is when the host token
-    # in the file beside them makes ``local_proof`` for its HELLO's nonce
-    # (``dataserver.security.host_proof``). The token itself is never sent (``local_token``
-    # stays empty: any HELLO read it once, and a fake server replayed it).
+    # in the file beside them makes ``local_proof`` for its HELLO's nonce and the connection
+    # the HELLO came by (``dataserver.security.host_proof``: a relay's is another one). The
+    # token itself is never sent (``local_token`` stays empty: any HELLO read it once, and
+    # a fake server replayed it).
     local: Endpoints = ()
     local_token: T64 = ""
     local_proof: Annotated[bytes, Meta(max_length=32)] = b""
