@@ -22,8 +22,10 @@ The key (32 random bytes) never goes on the network: every TASK that names the b
 carries ``land_mac``, an HMAC under it of the whole task (what it composes and where it
 lands; ``land_mac``), and a worker lands only a task whose MAC is right. A server that
 relays tasks (a fake one that replayed a local server's WELCOME, so that the client took
-it for local) cannot make a worker write other images, or into other slots. The client keeps the
-connection open: the worker keeps the buffer exactly as long (the client gone, the
+it for local) cannot make a worker write other images, or into other slots; nor with other
+control values (the task's ``control_digest`` is under the MAC, and a worker holding other
+values refuses it), and since the host proof names its connection a relay is not taken for
+local at all (issue 40 item 6). The client keeps the connection open: the worker keeps the buffer exactly as long (the client gone, the
 connection drops and the worker lets go of its memory). The worker never blocks on it
 (the listener and its connections are polled with its task socket) and refuses, counted
 in its counters and logged, a peer of another user (``SO_PEERCRED``), and a descriptor

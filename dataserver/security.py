@@ -25,9 +25,12 @@ import stat
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
+
+from dataserver.tcpinfo import connection_ends
 
 TAG_BYTES = 8
 
@@ -63,12 +66,29 @@ def reply_id(secret: bytes) -> bytes:
     return hashlib.blake2b(secret, digest_size=16, person=b"dataserver-rply").digest()
 
 
-def host_proof(token: str, nonce: bytes, session: bytes) -> bytes:
+def host_proof(token: str, nonce: bytes, session: bytes, ends: bytes) -> bytes:
     """What a server's WELCOME says to prove it is on the client's host without saying its
     host token (the token is in a file of the server's 0700 state dir; a client on the
-    host reads it and checks): HMAC-SHA256 under the token of the HELLO's ``nonce`` and
-    the session id; 16 bytes. A new nonce each HELLO: a replayed WELCOME proves nothing."""
-    return hmac.new(token.encode(), b"host|" + nonce + session, hashlib.sha256).digest()[:16]
+    host reads it and checks): HMAC-SHA256 under the token of the HELLO's ``nonce``, the
+    session id and the two ends of the connection the HELLO came by (``proof_ends``); 16
+    bytes. A new nonce each HELLO: a replayed WELCOME proves nothing. The ends (issue 40
+    item 6): a relay that forwards a trainer's HELLO to the real server gets a proof made
+    for the relay's own connection to the server, which is not the trainer's connection
+    to the relay (no two listeners of one host share an address and port), so the
+    trainer does not take the relay for a server on its host."""
+    body = msgpack.packb([b"host", nonce, session, ends], use_bin_type=True)
+    return hmac.new(token.encode(), body, hashlib.sha256).digest()[:16]
+
+
+def proof_ends(fd: int, server: bool) -> bytes | None:
+    """The connection ``fd`` as a host proof binds it: its client's end, then its server's
+    (``tcpinfo.connection_ends``), the same bytes whichever side asks (``server``: this
+    process accepted the connection). None when ``fd`` names no connection (no proof)."""
+    ends = connection_ends(fd) if fd >= 0 else None
+    if ends is None:
+        return None
+    peer, own = ends
+    return msgpack.packb([peer, own] if server else [own, peer], use_bin_type=True)
 
 
 def same_secret(bound: bytes, given: bytes | None) -> bool:

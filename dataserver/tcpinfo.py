@@ -154,6 +154,38 @@ def _tcp_ends(fd: int) -> tuple[int, tuple[Any, ...], tuple[Any, ...]] | None:
             return None
 
 
+def connection_ends(fd: int) -> tuple[bytes, bytes] | None:
+    """(peer end, own end) of connected socket ``fd`` as bytes that name them the same from
+    either side: ``HOST:PORT`` (``[HOST]:PORT`` for IPv6; an IPv4 address mapped into IPv6,
+    as a dual-stack listener sees it, in its IPv4 form), ``unix:PATH`` for a unix socket
+    (an unnamed end: ``unix:``). None when ``fd`` is no connected socket of those families.
+    What a server's host proof binds (``dataserver.security.proof_ends``)."""
+    try:
+        sock = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return None
+    with sock:
+        try:
+            family, peer, own = sock.family, sock.getpeername(), sock.getsockname()
+        except OSError:
+            return None
+    if family == socket.AF_UNIX:
+        return _unix_end(peer), _unix_end(own)
+    if family in (socket.AF_INET, socket.AF_INET6):
+        return _inet_end(peer), _inet_end(own)
+    return None
+
+
+def _unix_end(name: str | bytes) -> bytes:
+    return b"unix:" + (name if isinstance(name, bytes) else os.fsencode(name))
+
+
+def _inet_end(addr: tuple[Any, ...]) -> bytes:
+    host = str(addr[0]).split("%", maxsplit=1)[0]
+    v4 = _mapped(host) if ":" in host else host
+    return (f"{v4}:{addr[1]}" if v4 is not None else f"[{host}]:{addr[1]}").encode()
+
+
 def _local_uid(family: int, peer: tuple[Any, ...], ours: tuple[Any, ...]) -> int | None:
     """``loopback_uid`` for a connection's ends."""
     if family == socket.AF_INET6:

@@ -27,7 +27,7 @@ from clients import make_client
 from dataserver.counting import Counts
 from dataserver.landing import HEADER, LandingArea, hand_over, land_mac
 from dataserver.protocol import Hello, Task, Welcome, decode
-from dataserver.security import host_proof
+from dataserver.security import host_proof, proof_ends
 from dataserver.server.counts import WorkerCount
 from dataserver.server.landings import Landings
 from dataserver_client import DataServerClient, DataServerError
@@ -548,18 +548,22 @@ def test_the_host_token_never_goes_on_the_wire(start_server: Any) -> None:
         sid = b"proof-probe-0000"
         sock.send_multipart(Hello(session=sid, auth=sid, nonce=nonce).encode())
         assert sock.poll(10_000)
-        welcome = decode(sock.recv_multipart())
+        frames = sock.recv_multipart(copy=False)
+        ends = proof_ends(int(frames[0].get(zmq.SRCFD)), server=False)
+        welcome = decode([f.bytes for f in frames])
         sock.close(linger=0)
         ctx.term()
-        assert isinstance(welcome, Welcome) and welcome.local_token == ""
-        answers.append((nonce, welcome))
-    local = answers[0][1].local
+        assert isinstance(welcome, Welcome) and welcome.local_token == "" and ends
+        answers.append((nonce, ends, welcome))
+    local = answers[0][2].local
     assert local and local[0].startswith("ipc://")
     token = (Path(local[0][len("ipc://") :]).parent / "host-token").read_text().strip()
-    assert token and all(token.encode() not in w.encode()[2] for _, w in answers)
-    (n1, w1), (n2, w2), (_, w3) = answers
-    assert w1.local_proof == host_proof(token, n1, b"proof-probe-0000")
-    assert w2.local_proof == host_proof(token, n2, b"proof-probe-0000") != w1.local_proof
+    assert token and all(token.encode() not in w.encode()[2] for _, _, w in answers)
+    (n1, e1, w1), (n2, e2, w2), (_, _, w3) = answers
+    sid = b"proof-probe-0000"
+    assert w1.local_proof == host_proof(token, n1, sid, e1)  # (for that connection)
+    assert w2.local_proof == host_proof(token, n2, sid, e2) != w1.local_proof
+    assert w1.local_proof != host_proof(token, n1, sid, e2)  # (not for another one)
     assert w3.local_proof == b""  # no nonce, no proof: not taken for local
     # A client on the host still proves it and lands.
     with make_client(server.address, batch_size=4, image_size=(32, 32)) as c:

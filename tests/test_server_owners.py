@@ -151,7 +151,7 @@ class FakeRouter:
         return False
 
 
-def _welcome(session: bytes, nonce: bytes = b"") -> Welcome:
+def _welcome(session: bytes, nonce: bytes = b"", fd: int = -1) -> Welcome:
     return Welcome(
         session=session,
         server_id="server-1",

@@ -73,6 +73,14 @@ def result_problem(
             Reject.WRONG_ANSWER,
             f"answered task {msg.task_id} with images {shown}{how}, not those asked",
         )
+    if msg.control_digest and msg.control_digest != rec.batch.control_digest:
+        # Its worker composed with other values than the task's (a relay rewrote the
+        # session's CONTROL and the task's digest): other pixels, never delivered.
+        return (
+            Reject.WRONG_CONTROL,
+            f"task {msg.task_id}: composed with control values of digest "
+            f"{msg.control_digest.hex()}, not the {rec.batch.control_digest.hex()} asked",
+        )
     if msg.landed and not sealed():
         # "Landed" without the seal records it must write under its lock: the buffer holds
         # whatever was there before (a stale batch), which must never be delivered.

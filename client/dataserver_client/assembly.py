@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from dataserver.landing import LandingArea
-from dataserver.protocol import Result
+from dataserver.protocol import Result, wire_control_digest
 from dataserver_client.batch import Batch
 from dataserver_client.config import ClientConfig
 from dataserver_client.epoch import BatchPlan
@@ -205,6 +205,10 @@ class InflightBatch:
         self.control = control if control is not None else {}
         self.inline = inline
         self.on_error = on_error
+        # The digest of the values its tasks are composed with (``Task.control_digest``):
+        # its own (inline), else the session's, none before the first (control_seq 0).
+        used = self.control if inline or control_seq else {}
+        self.control_digest = wire_control_digest(used)
         self.array = host.numpy()  # a view: writes land in the (pinned) tensor
         n = len(plan.images)
         self.boxes: list[np.ndarray | None] = [None] * n

@@ -80,6 +80,8 @@ class Reject(StrEnum):
     WRONG_ANSWER = "wrong_answer"
     LANDED_UNSEALED = "landed_unsealed"
     BAD_BOXES = "bad_boxes"
+    # composed with other control values than its task's (a CONTROL changed on the way)
+    WRONG_CONTROL = "wrong_control"
     BAD_SERVER = "bad_server"
     # a server asked for a heartbeat interval beyond the client's bounds (``beats``): kept its own
     HEARTBEAT_INTERVAL = "heartbeat_interval"

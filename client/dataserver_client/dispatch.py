@@ -126,6 +126,7 @@ class Sender:
             on_error=batch.on_error or cfg.on_error,
             control_seq=book.control_seq,
             control=batch.control if batch.inline else None,
+            control_digest=batch.control_digest,
             exclude=rec.exclude,
             step=plan.step,
             mode=plan.mode,

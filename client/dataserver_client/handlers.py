@@ -117,7 +117,7 @@ class Handlers:
                 msg = receive(
                     sock,
                     lambda result: self._destinations(link, result),
-                    link.inflow.seen,
+                    link.came_by,
                     None if direct else link.welcomes,
                 )
             except zmq.Again:
@@ -273,6 +273,9 @@ class Handlers:
         elif msg.kind == "control_missing":  # it never had our control values: send them
             self.sender.send_control(link)
             self.ledger.ask_again([rec], lost=link)
+        elif msg.kind == "control_mismatch":  # it holds other values than ours: changed on
+            self.rejected.count(Reject.WRONG_CONTROL)  # the way (a relay): never composed
+            self._refuse(link, rec, msg.message)
         elif msg.kind == "unknown_session":  # the server restarted or forgot us: handshake again
             self.ledger.ask_again([rec], lost=link)
             link.forget_session()
@@ -334,7 +337,8 @@ class Handlers:
         link.drain()
         self._servers_changed(lookahead=False)
 
-    def on_welcome(self, link: ServerLink, msg: Welcome) -> None:
+    def on_welcome(self, link: ServerLink, msg: Welcome, fd: int | None = None) -> None:
+        """A WELCOME that came by connection ``fd`` (None: the last message's)."""
         if link.welcome_unchanged(msg):
             # Said again, same process, nothing new (a flapping link): a comparison, no
             # check, no re-send, no re-plan.
@@ -347,7 +351,7 @@ class Handlers:
             self._unfit(link, msg, problem)
             return
         was_lost = link.was_lost
-        restarted = link.welcome(msg)
+        restarted = link.welcome(msg, fd)
         if not link.paced(msg.heartbeat_ms):
             self.rejected.count(Reject.HEARTBEAT_INTERVAL)
         if self.book.control_seq or self.book.plan_version:
@@ -366,11 +370,12 @@ class Handlers:
         """Decode and act on the WELCOMEs held back by their server's handshake rate
         (``handshakes.WelcomeMemo``), once due."""
         for link in list(self._held):
-            frames = link.welcomes.due(now)
-            if frames is not None or not link.welcomes.holding:
+            due = link.welcomes.due(now)
+            if due is not None or not link.welcomes.holding:
                 self._held.discard(link)
-            if frames is None or link not in self.links.links or link.state is LinkState.BANNED:
+            if due is None or link not in self.links.links or link.state is LinkState.BANNED:
                 continue
+            frames, fd = due
             try:
                 msg = decode([memoryview(f) for f in frames])
             except ProtocolError as exc:
@@ -379,7 +384,7 @@ class Handlers:
                 continue
             if isinstance(msg, Welcome):
                 link.welcomes.keep(WelcomeMemo.digest(frames), msg)
-                self.on_welcome(link, msg)
+                self.on_welcome(link, msg, fd)
 
     def _unfit(self, link: ServerLink, msg: Welcome, problem: WelcomeProblem) -> None:
         """A WELCOME that fails the check. A server that cannot compose our image size is

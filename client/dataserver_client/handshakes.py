@@ -40,6 +40,7 @@ class WelcomeMemo:
         self._digest = b""
         self._msg: Welcome | None = None
         self._held: list[bytes] | None = None
+        self._held_fd = -1  # the connection the held one came by
 
     @staticmethod
     def digest(frames: list[Any]) -> bytes:
@@ -63,23 +64,24 @@ class WelcomeMemo:
         self._tokens -= 1.0
         return True
 
-    def admit(self, now: float, frames: list[Any]) -> None:
-        """A new WELCOME may be decoded now; else it is held (replacing one held before)
-        and ``HeldWelcome`` raised."""
+    def admit(self, now: float, frames: list[Any], fd: int = -1) -> None:
+        """A new WELCOME (that came by connection ``fd``) may be decoded now; else it is
+        held (replacing one held before) and ``HeldWelcome`` raised."""
         if self._take(now):
             self._held = None
             return
         self._held = [bytes(memoryview(f)) for f in frames]
+        self._held_fd = fd
         raise HeldWelcome
 
     @property
     def holding(self) -> bool:
         return self._held is not None
 
-    def due(self, now: float) -> list[bytes] | None:
-        """The frames of the WELCOME held back, once its turn came (taken: the caller
-        decodes and acts on them)."""
+    def due(self, now: float) -> tuple[list[bytes], int] | None:
+        """The frames of the WELCOME held back, and the connection it came by, once its
+        turn came (taken: the caller decodes and acts on them)."""
         if self._held is None or not self._take(now):
             return None
         frames, self._held = self._held, None
-        return frames
+        return frames, self._held_fd

@@ -47,6 +47,7 @@ from dataserver.security import (
     CLAIM_S,
     host_proof,
     new_secret,
+    proof_ends,
     read_own_file,
     reply_id,
     session_id,
@@ -220,12 +221,16 @@ def announced_address(data_address: str, announced: str) -> str:
     return f"tcp://{m.host}:{port}"
 
 
-def _same_host(local: Sequence[str], proof: bytes, nonce: bytes, session: bytes) -> bool:
+def _same_host(
+    local: Sequence[str], proof: bytes, nonce: bytes, session: bytes, ends: bytes | None
+) -> bool:
     """Whether the token in the file beside the server's first ipc endpoint makes the
-    ``proof`` its WELCOME gave for our HELLO's ``nonce`` (``security.host_proof``): then
-    this client shares its host and file system, and its ipc endpoints reach it. The token
-    itself never goes on the wire, so no one who is not on the host can make the proof."""
-    if not proof or not local or not local[0].startswith("ipc://"):
+    ``proof`` its WELCOME gave for our HELLO's ``nonce`` on the connection ``ends`` it came
+    by (``security.host_proof``): then this client shares its host and file system, and
+    its ipc endpoints reach it. The token itself never goes on the wire, so no one who is
+    not on the host can make the proof; and it is made for one connection, so a relay
+    (ours to it is not its own to the server) cannot pass the real server's on."""
+    if not proof or ends is None or not local or not local[0].startswith("ipc://"):
         return False
     path = os.path.join(os.path.dirname(local[0][len("ipc://") :]), "host-token")
     # The path comes from the server: believe only a regular file of our own user.
@@ -233,7 +238,7 @@ def _same_host(local: Sequence[str], proof: bytes, nonce: bytes, session: bytes)
     if raw is None:
         return False
     token = raw.decode(errors="replace").strip()
-    return hmac.compare_digest(host_proof(token, nonce, session), proof)
+    return hmac.compare_digest(host_proof(token, nonce, session, ends), proof)
 
 
 def _dealer(ctx: zmq.Context[Any], curve: dict[str, bytes] | None) -> zmq.Socket[Any]:
@@ -374,10 +379,13 @@ class ServerLink:
         self._curve_keys = curve
         self._open()
         # Our HELLOs' nonce (this link's), and the proof of the last WELCOME
-        # (``security.host_proof``): a server is on our host when its token, read beside
-        # its ipc endpoints, makes that proof.
+        # (``security.host_proof``) with the ends of the connection it came by: a server is
+        # on our host when its token, read beside its ipc endpoints, makes that proof for
+        # that connection. ``came_fd``: the connection the last message came by.
         self.nonce = os.urandom(16)
         self.local_proof = b""
+        self.proof_ends: bytes | None = None
+        self.came_fd = -1
         # Our landing buffer's hand-over to this server's workers, done only once it has
         # proven it is on our host (``sync_results``).
         self.handover = Handover(landing, session) if landing is not None else None
@@ -565,7 +573,7 @@ class ServerLink:
         if proof is not None:
             self.local_proof = proof
         use_local = len(local) == len(announced) and _same_host(
-            local, self.local_proof, self.nonce, self.session
+            local, self.local_proof, self.nonce, self.session, self.proof_ends
         )
         chosen = local if use_local else announced
         wanted = {
@@ -604,13 +612,21 @@ class ServerLink:
             and (msg is self.welcome_msg or msg == self.welcome_msg)
         )
 
-    def welcome(self, msg: Welcome) -> bool:
-        """CONNECTING or LOST -> READY on a WELCOME; True when it comes from a different
-        server process than before (a restart: whatever it held is gone)."""
+    def came_by(self, fd: int) -> None:
+        """A whole message came by connection ``fd`` (``ZMQ_SRCFD``)."""
+        self.came_fd = fd
+        self.inflow.seen(fd)
+
+    def welcome(self, msg: Welcome, fd: int | None = None) -> bool:
+        """CONNECTING or LOST -> READY on a WELCOME that came by connection ``fd`` (None:
+        the last message's); True when it comes from a different server process than
+        before (a restart: whatever it held is gone)."""
         restarted = bool(self.server_id) and msg.server_id != self.server_id
         self.welcome_msg = msg
         self.server_id = msg.server_id
         self.local_proof = msg.local_proof
+        came = self.came_fd if fd is None else fd
+        self.proof_ends = proof_ends(came, server=False) if msg.local_proof else None
         self.credit = max(1, msg.credit)
         self.workers = msg.workers
         self.state = LinkState.READY

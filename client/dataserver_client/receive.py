@@ -114,13 +114,15 @@ def receive(
     ``welcomes``: a WELCOME whose bytes are those of the last one decoded there is that
     message again (the same object), not decoded again."""
     first = sock.recv(zmq.NOBLOCK, copy=False)
-    if seen is not None:
-        try:
-            seen(int(first.get(zmq.SRCFD)))
-        except (zmq.ZMQError, TypeError, ValueError):
-            pass
     try:
-        return _receive(sock, first, destinations, welcomes)
+        fd = int(first.get(zmq.SRCFD))
+    except (zmq.ZMQError, TypeError, ValueError):
+        fd = -1
+    else:
+        if seen is not None:
+            seen(fd)
+    try:
+        return _receive(sock, first, destinations, welcomes, fd)
     except TooManyFrames:
         raise
     except ProtocolError:
@@ -160,17 +162,17 @@ def _images(
     return dest, bool(sock.getsockopt(zmq.RCVMORE))  # (``recv_into`` gives no frame)
 
 
-def _other(frames: list[Any], welcomes: WelcomeMemo | None) -> Message:
+def _other(frames: list[Any], welcomes: WelcomeMemo | None, fd: int) -> Message:
     """A message other than a RESULT, decoded; a WELCOME (with ``welcomes``): the message
     kept when its frames are the last one's bytes, else decoded when its server's handshake
-    rate allows (``HeldWelcome`` if not)."""
+    rate allows (``HeldWelcome`` if not: held with ``fd``, the connection it came by)."""
     if welcomes is None or len(frames) < 2 or bytes(frames[1]) != bytes((MsgType.WELCOME,)):
         return decode(frames)
     digest = welcomes.digest(frames)
     known = welcomes.recall(digest)
     if known is not None:
         return known
-    welcomes.admit(time.monotonic(), frames)
+    welcomes.admit(time.monotonic(), frames, fd)
     msg = decode(frames)
     if isinstance(msg, Welcome):
         welcomes.keep(digest, msg)
@@ -178,7 +180,11 @@ def _other(frames: list[Any], welcomes: WelcomeMemo | None) -> Message:
 
 
 def _receive(
-    sock: zmq.Socket[Any], first: Any, destinations: Destinations, welcomes: WelcomeMemo | None
+    sock: zmq.Socket[Any],
+    first: Any,
+    destinations: Destinations,
+    welcomes: WelcomeMemo | None,
+    fd: int,
 ) -> Message:
     # Whether more frames follow is each frame's ``more`` (~0.1 us; ``getsockopt(RCVMORE)``
     # is a ~2 us call, five or six a result).
@@ -187,7 +193,7 @@ def _receive(
         head.append(sock.recv(copy=False))
     is_result = len(head) == 3 and bytes(memoryview(head[1])) == bytes((MsgType.RESULT,))
     if not is_result:
-        return _other(head + _rest(sock), welcomes)
+        return _other(head + _rest(sock), welcomes, fd)
     result = decode_head(head)
     if not isinstance(result, Result):
         raise ProtocolError(f"a {result.TYPE.name} where a RESULT was announced")

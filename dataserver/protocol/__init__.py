@@ -46,10 +46,12 @@ from dataserver.protocol.messages import (
     Tally,
     Task,
     Welcome,
+    control_digest,
     decode,
     decode_head,
     sizes_digest,
     steer_tag,
+    wire_control_digest,
 )
 from dataserver.protocol.wire import (
     ALLOWED_DTYPES,
@@ -97,10 +99,12 @@ __all__ = [
     "Tally",
     "Task",
     "Welcome",
+    "control_digest",
     "control_problem",
     "decode",
     "decode_head",
     "pack",
     "sizes_digest",
     "steer_tag",
+    "wire_control_digest",
 ]

@@ -266,9 +266,10 @@ class Welcome(Message, kw_only=True):
     # the client cuts its batches into tasks that fit. Absent (an older server): 64 MiB.
     max_task_bytes: Annotated[int, In(1, 1 << 50)] = DEFAULT_TASK_BYTES
     # The same workers' ipc endpoints, for a client on this host: it is when the host token
-    # in the file beside them makes ``local_proof`` for its HELLO's nonce
-    # (``dataserver.security.host_proof``). The token itself is never sent (``local_token``
-    # stays empty: any HELLO read it once, and a fake server replayed it).
+    # in the file beside them makes ``local_proof`` for its HELLO's nonce and the connection
+    # the HELLO came by (``dataserver.security.host_proof``: a relay's is another one). The
+    # token itself is never sent (``local_token`` stays empty: any HELLO read it once, and
+    # a fake server replayed it).
     local: Endpoints = ()
     local_token: T64 = ""
     local_proof: Annotated[bytes, Meta(max_length=32)] = b""
@@ -303,6 +304,22 @@ class Welcome(Message, kw_only=True):
                 f"field 'sizes_digest': {len(self.sizes_digest)} bytes; {DIGEST_BYTES} with "
                 "sizes_count, none without"
             )
+
+
+def control_digest(values: dict[str, Any]) -> bytes:
+    """The digest of a set of control values (BLAKE2b, 16 bytes, of their msgpack), as a
+    worker reads them off the wire: what a TASK says its values are (``Task.control_digest``)
+    and a RESULT says its worker composed with (``Result.control_digest``), and, in hex,
+    what keys a worker's dataset object and its store entries for them (``controls.py``)."""
+    packed = msgpack.packb(values, use_bin_type=True)
+    return hashlib.blake2b(packed, digest_size=DIGEST_BYTES).digest()
+
+
+def wire_control_digest(values: dict[str, Any]) -> bytes:
+    """``control_digest`` of ``values`` as a worker gets them: sent and read back (a tuple
+    is a list there, a bytearray bytes), so the sender's digest is the worker's."""
+    read = msgspec.msgpack.decode(msgspec.msgpack.encode(values), type=dict[str, Any])
+    return control_digest(read)
 
 
 def sizes_digest(table: np.ndarray) -> bytes:
@@ -393,6 +410,13 @@ class Task(Message, kw_only=True):
     # plan moved on since the last the server was told (each list replaces the last);
     # empty: nothing new. An older server skips the field; an older client never sends it.
     ahead: Annotated[tuple[U63, ...], Len(0, MAX_AHEAD)] = ()
+    # The digest of the control values it is to be composed with (``control_digest``: the
+    # session's at ``control_seq``, or ``control``), under ``land_mac`` with the rest: a
+    # worker holding other values for it refuses it (``control_mismatch``), and its RESULT
+    # says the digest it composed with, so that values changed on the way (a relay that
+    # rewrote a CONTROL, issue 40 item 6) never pass for the ones asked. Empty: unsaid
+    # (an older client).
+    control_digest: Digest = b""
 
     def _check(self, arrays: list[np.ndarray] | None) -> None:
         Message._check(self, arrays)
@@ -458,6 +482,10 @@ class Result(Message, kw_only=True):
     # stitched or mosaic image, or one through ``augment_composed``). Absent: a worker that
     # does not say.
     content: Annotated[tuple[Box4, ...], Len(0, MAX_TASK_IMAGES)] | None = None
+    # The digest of the control values its images were composed with (``control_digest``);
+    # empty: none were consulted (a dataset with neither ``set_control`` nor ``augment``),
+    # or a worker that does not say. The client refuses one that is not its task's.
+    control_digest: Digest = b""
     pixels: Any = None  # np.ndarray | None (msgspec cannot type an array field)
     boxes: Any = None
     labels: Any = None
@@ -741,8 +769,10 @@ __all__ = [
     "Tally",
     "Task",
     "Welcome",
+    "control_digest",
     "decode",
     "decode_head",
     "sizes_digest",
     "steer_tag",
+    "wire_control_digest",
 ]

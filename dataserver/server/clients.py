@@ -114,7 +114,7 @@ class Clients:
         counters: Counts[Count],
         rejected: Counts[Reject],
         server_id: str,
-        welcome: Callable[[bytes, bytes], Welcome],
+        welcome: Callable[[bytes, bytes, int], Welcome],
         stats: Callable[[], dict[str, Any]],
         draining: Callable[[], bool],
         read: Callable[[list[Any], int], int] = lambda frames, skip: -1,
@@ -354,7 +354,7 @@ class Clients:
             return
         self.counters.count(Count.HELLOS)
         self._heard(self._source_fd, msg.session)
-        self.outlet.send_to(identity, self._welcome(msg.session, msg.nonce))
+        self.outlet.send_to(identity, self._welcome(msg.session, msg.nonce, self._source_fd))
 
     def _size_problem(self, task: Task) -> str | None:
         """What a worker would allocate for ``task`` beyond this server's caps, or None:

@@ -33,13 +33,12 @@ values again before it reruns the task (``routing.py``).
 from __future__ import annotations
 
 import copy
-import hashlib
 import logging
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-import msgpack
+from dataserver.protocol import control_digest
 
 log = logging.getLogger("dataserver.worker")
 
@@ -49,10 +48,10 @@ SESSIONS_KEPT = 1024
 
 
 def control_key(values: dict[str, Any]) -> str:
-    """What identifies a set of control values (in store keys and here)."""
-    packed = msgpack.packb(values, use_bin_type=True)
-    # 128 bits: another job's values must not name the same store entries.
-    return hashlib.blake2b(packed, digest_size=16).hexdigest()
+    """What identifies a set of control values (in store keys and here): their
+    ``control_digest`` in hex (128 bits: another job's values must not name the same store
+    entries)."""
+    return control_digest(values).hex()
 
 
 class ControlMissing(LookupError):

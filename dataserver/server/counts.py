@@ -182,6 +182,8 @@ class WorkerCount(StrEnum):
     LANDING_REFUSED_PEER = "landing_refused_peer"  # another user's connection
     LANDING_REFUSED_SILENT = "landing_refused_silent"
     LANDING_REFUSED_MAC = "landing_refused_mac"  # a task naming a buffer without its MAC
+    # a task whose control digest is not that of the values held for it (changed on the way)
+    CONTROL_MISMATCH = "control_mismatch"
 
 
 def connections(socket: Watched) -> Count:

@@ -46,7 +46,7 @@ from dataserver.data.fetchcache import MemCache
 from dataserver.data.remote import Fetcher, FetchSettings
 from dataserver.loop import MessageGuard, StopFlag, serve
 from dataserver.protocol import Bye, ProtocolError, Stats, Tally, Task, Welcome, decode
-from dataserver.security import host_proof, start_server_curve
+from dataserver.security import host_proof, proof_ends, start_server_curve
 from dataserver.server.announce import Announced
 from dataserver.server.beats import BeatRule
 from dataserver.server.capacity import session_cap
@@ -645,11 +645,13 @@ class Front:
             return
         self.admin.send_multipart([identity, *Stats(stats=self.stats()).encode()], zmq.NOBLOCK)
 
-    def _welcome(self, session: bytes, nonce: bytes = b"") -> Welcome:
+    def _welcome(self, session: bytes, nonce: bytes = b"", fd: int = -1) -> Welcome:
         """What this server tells a client it greets: itself, its credit, where to send,
-        how often to beat (for the sessions it has with this one)."""
+        how often to beat (for the sessions it has with this one), and, for a HELLO with a
+        nonce, the proof of its host bound to the connection ``fd`` the HELLO came by."""
         self._pace_beats()
         results, local = self.workers.result_endpoints()
+        ends = proof_ends(fd, server=True) if nonce and local else None
         return Welcome(
             session=session,
             server_id=self.server_id,
@@ -662,7 +664,7 @@ class Front:
             max_image_side=self.config.max_image_side,
             max_task_bytes=self.config.max_task_bytes,
             local=local,
-            local_proof=host_proof(self.local_token, nonce, session) if nonce and local else b"",
+            local_proof=b"" if ends is None else host_proof(self.local_token, nonce, session, ends),
             store_bytes=self.store.capacity if self.store is not None else 0,
             categories=self.categories,
             sizes_count=self.announced.count,

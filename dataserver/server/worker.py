@@ -60,6 +60,7 @@ from dataserver.protocol import (
     Result,
     Tally,
     Task,
+    control_digest,
     decode,
 )
 from dataserver.security import reply_id
@@ -352,6 +353,13 @@ class Worker:
             if self.running is not None:
                 self.running.clear()
 
+    def _control_digest(self, ckey: str, values: dict[str, Any]) -> bytes:
+        """The digest of the control values a task is composed with (``control_digest``),
+        empty when its dataset consults none (its pixels do not depend on them)."""
+        if not self.controls.wants_values:
+            return b""
+        return bytes.fromhex(ckey) if ckey else control_digest(values)
+
     def run_task(self, task: Task) -> Message:
         """Run one TASK; return its RESULT or ERROR (never raises)."""
         clock = TaskClock()
@@ -373,6 +381,18 @@ class Worker:
         except Exception as exc:
             msg = f"dataset.set_control raised {type(exc).__name__}: {exc}"
             return ErrorMsg(message=msg[:4000], kind="control", **ids)
+        used = self._control_digest(ckey, values)
+        if used and task.control_digest and task.control_digest != used:
+            # Not the values the client composes this task with (a CONTROL changed on the
+            # way: issue 40 item 6): composing it would give other pixels under its name.
+            self.counters.count(WorkerCount.CONTROL_MISMATCH)
+            msg = (
+                f"task {task.task_id}: its control values (digest {task.control_digest.hex()}) "
+                f"are not those this server holds for control_seq {task.control_seq} "
+                f"(digest {used.hex()}): changed on the way"
+            )
+            return ErrorMsg(message=msg, kind="control_mismatch", **ids)
+        said = {**ids, "control_digest": used} if used else ids  # (what its RESULT says)
         sizes = task.sizes
         recipe = Recipe(
             task.seed,
@@ -399,11 +419,13 @@ class Worker:
                 task,
             ) as dest:
                 if dest is None:
-                    return self.composer.compose(task, dataset, ckey, recipe, ids, None, clock)
+                    return self.composer.compose(task, dataset, ckey, recipe, said, None, clock)
                 if fault("worker.lie_landed"):  # tests: claim it landed, write nothing
-                    result = self.composer.compose(task, dataset, ckey, recipe, ids, None, clock)
+                    result = self.composer.compose(task, dataset, ckey, recipe, said, None, clock)
                     return msgspec.structs.replace(result, pixels=None, landed=True)
-                result = self.composer.compose(task, dataset, ckey, recipe, ids, dest.pixels, clock)
+                result = self.composer.compose(
+                    task, dataset, ckey, recipe, said, dest.pixels, clock
+                )
                 dest.seal(task.task_id)  # composed: the client may now believe "landed"
                 return result
         except SampleError as exc:
