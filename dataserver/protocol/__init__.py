@@ -49,7 +49,6 @@ from dataserver.protocol.messages import (
     decode,
     decode_head,
     sizes_digest,
-    steer_tag,
 )
 from dataserver.protocol.wire import (
     ALLOWED_DTYPES,
@@ -102,5 +101,4 @@ __all__ = [
     "decode_head",
     "pack",
     "sizes_digest",
-    "steer_tag",
 ]
