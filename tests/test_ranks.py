@@ -257,13 +257,14 @@ def test_a_frozen_server_is_lost_within_the_failover_time_of_its_interval(
 
 
 class OldWelcome(msgspec.Struct):
-    """A WELCOME as a client before issue 28 decoded it: no ``heartbeat_ms``."""
+    """A WELCOME as a client before issue 28 decoded it: no ``heartbeat_ms``. (It also
+    required ``control``, the endpoint of the front's control socket, which protocol 8
+    dropped: a client that requires it speaks protocol 7 and is refused by version.)"""
 
     session: bytes
     server_id: str
     dataset_len: int
     credit: int
-    control: str
 
 
 def test_a_client_that_knows_no_interval_is_served(
