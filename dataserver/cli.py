@@ -47,6 +47,11 @@ def _fail(prog: str, message: str, code: int = 2) -> int:
 
 # ---------------------------------------------------------------------- serve
 
+CONTROL_BIND_DEPRECATED = (
+    "dataserver serve: warning: --control-bind is deprecated and ignored: clients send "
+    "CONTROL on each data connection (--bind), and the server binds no control endpoint"
+)
+
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from dataserver.security import CurveKeyError
@@ -57,6 +62,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         level=getattr(logging, args.log_level.upper()),
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
+    if args.control_bind is not None:
+        print(CONTROL_BIND_DEPRECATED, file=sys.stderr, flush=True)
     if args.workers is not None and args.workers < 1:
         return _fail("dataserver serve", f"--workers must be >= 1, got {args.workers}")
     config = ServerConfig(
@@ -64,7 +71,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         dataset_args=args.dataset_args,
         workers=args.workers or 0,
         bind=args.bind,
-        control_bind=args.control_bind,
         session_ttl=args.session_ttl,
         cache_gb=args.cache_gb if args.cache_mb is None else args.cache_mb / 1024,
         curve_secret_key=args.curve_secret_key,
@@ -97,7 +103,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except (WorkerStartError, MetricsPortError) as exc:
         return _fail("dataserver serve", str(exc), 1)
     except zmq.ZMQError as exc:
-        return _fail("dataserver serve", f"cannot bind {args.bind} / control: {exc}", 1)
+        return _fail("dataserver serve", f"cannot bind {args.bind}: {exc}", 1)
     return 0
 
 
@@ -289,7 +295,13 @@ def _add_serve(sub: Any) -> None:
     p.add_argument(
         "--bind", default=DEFAULT_BIND, help=f"data endpoint (default {DEFAULT_BIND}; port * = any)"
     )
-    p.add_argument("--control-bind", default=None, help="control endpoint (default: data port + 1)")
+    p.add_argument(
+        "--control-bind",
+        default=None,
+        metavar="ADDR",
+        help="deprecated, ignored: CONTROL travels on each client's data connection (--bind); "
+        "the server binds no control endpoint",
+    )
     p.add_argument(
         "--cache-gb",
         type=float,
@@ -379,7 +391,7 @@ def _add_serve(sub: Any) -> None:
         type=float,
         default=DEFAULT_IDLE_TIMEOUT,
         metavar="S",
-        help="drop a peer's connection to the data or control port that sent nothing for S "
+        help="drop a peer's connection to the data port that sent nothing for S "
         "seconds (clients beat every 0.5-10 s as told; one that is dropped reconnects) "
         f"(default {DEFAULT_IDLE_TIMEOUT:g})",
     )
@@ -574,14 +586,6 @@ def _add_bench(sub: Any) -> None:
     )
     p.add_argument(
         "--scale-parts", default="a,b,c", help="scale: which of its parts to run (a, b, c)"
-    )
-    p.add_argument(
-        "--scale-control",
-        type=int,
-        choices=(0, 1),
-        default=0,
-        help="scale (c): each session holds a control connection (PUB) too, as clients before "
-        "CONTROL moved to the data connection did",
     )
     p.add_argument(
         "--scale-direct",

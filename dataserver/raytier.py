@@ -71,10 +71,8 @@ class ServerSpec:
     extra: tuple[str, ...] = ()
     drain_seconds: float = 30.0  # serve's default; what a drain waits for before SIGKILL
 
-    def command(self, data: str, control: str | None) -> list[str]:
+    def command(self, data: str) -> list[str]:
         cmd = [sys.executable, "-m", "dataserver.cli", "serve", "--bind", data]
-        if control is not None:
-            cmd += ["--control-bind", control]
         cmd += ["--dataset", self.dataset]
         if self.dataset_args is not None:
             cmd += ["--dataset-args", self.dataset_args]
@@ -161,13 +159,12 @@ class TierServer:
         self._cond = threading.Condition()
         self._version = 0
         self._address: str | None = None
-        self._control: str | None = None
         self._exited = False
         self._draining = False
         self._restarts = 0
         self._error: str | None = None
         self._child: _Process | None = None
-        self._last_data: str | None = None  # the ports a restart asks for again
+        self._last_data: str | None = None  # the port a restart asks for again
         self._thread = threading.Thread(target=self._supervise, name="supervisor", daemon=True)
         self._thread.start()
         with self._cond:  # (a server that cannot start says so through watch: exited)
@@ -192,7 +189,7 @@ class TierServer:
                     break
                 continue
             failures, started = 0, True
-            self._set(address=found["data"], control=found.get("control"))
+            self._set(address=found["data"])
             child.proc.wait()
             with self._cond:
                 draining = self._draining
@@ -204,7 +201,7 @@ class TierServer:
 
     def _start(self) -> tuple[_Process, dict[str, str] | None]:
         data = self._address_to_reuse()
-        child = _Process(self.spec.command(data, self._control))
+        child = _Process(self.spec.command(data))
         with self._cond:
             self._child = child
             draining = self._draining
@@ -218,8 +215,8 @@ class TierServer:
 
     def _address_to_reuse(self) -> str:
         with self._cond:
-            last, control = self._last_data, self._control
-        return last if last and control else f"tcp://{self.host}:0"
+            last = self._last_data
+        return last if last else f"tcp://{self.host}:0"
 
     def _wait_backoff(self, failures: int) -> bool:
         """Wait before the next start; True when a drain came meanwhile."""
@@ -232,7 +229,6 @@ class TierServer:
         self,
         *,
         address: str | bool | None = False,
-        control: str | None = None,
         error: str | None = None,
         restarted: bool = False,
         exited: bool = False,
@@ -240,12 +236,12 @@ class TierServer:
     ) -> None:
         with self._cond:
             if forget_ports:
-                self._last_data = self._control = None
+                self._last_data = None
             if address is not False:
                 assert address is None or isinstance(address, str)
                 self._address = address
                 if address is not None:
-                    self._last_data, self._control, self._error = address, control, None
+                    self._last_data, self._error = address, None
             if error is not None:
                 self._error = error
             self._restarts += restarted

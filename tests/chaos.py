@@ -112,11 +112,9 @@ class Slot:
     def __init__(self, name: str, cfg: ChaosConfig, host: Host | None) -> None:
         self.name, self.cfg, self.host = name, cfg, host
         ip = host.there_ip if host is not None else "127.0.0.1"
-        # A fresh namespace has every port free; here, ask the kernel for two.
-        data, control = 5555, 5556
-        while host is None and data in (5555, control):
-            data, control = free_port(), free_port()
-        self.bind, self.control = f"tcp://{ip}:{data}", f"tcp://{ip}:{control}"
+        # A fresh namespace has every port free; here, ask the kernel for one.
+        data = 5555 if host is not None else free_port()
+        self.bind = f"tcp://{ip}:{data}"
         self.server: Server | None = None
         self.every: list[Server] = []  # every process started, stopped at the end
         self.up = False
@@ -138,8 +136,6 @@ class Slot:
             str(cfg.cache_gb),
             "--drain-seconds",
             str(cfg.drain_seconds),
-            "--control-bind",
-            self.control,
         ]
         began = time.monotonic()
         for attempt in range(5):  # the old process's port may take a moment to be free

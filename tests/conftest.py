@@ -72,7 +72,6 @@ class Server:
         ready = next(line for line in self.lines if line.startswith("dataserver ready"))
         fields = parse_ready_line(ready)
         self.address = fields["data"]
-        self.control = fields["control"]
         self.samples = int(fields["samples"])
 
     def command(self) -> list[str]:

@@ -37,7 +37,6 @@ class Flapping(_Fake):
             fingerprint=base.fingerprint,
             workers=base.workers,
             credit=base.credit,
-            control=base.control,
             results=base.results,
             sizes_count=self.samples,
             sizes_digest=sizes_digest(np.full((self.samples, 2), (48, 64), dtype=np.int32)),
@@ -69,12 +68,12 @@ def main() -> int:
     a = p.parse_args()
     ctx: zmq.Context[Any] = zmq.Context()
     base = _Fake.bind(ctx, 2)
-    fake = Flapping(base.front, base.results, base.control, 2, samples=a.samples, new_id=a.new_id)
+    fake = Flapping(base.front, base.results, 2, samples=a.samples, new_id=a.new_id)
     stop = {"now": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
     print(json.dumps({"address": fake.address}), flush=True)
     poller = zmq.Poller()
-    for sock in (fake.front, fake.results, fake.control):
+    for sock in (fake.front, fake.results):
         poller.register(sock, zmq.POLLIN)
     period = 1.0 / a.hz if a.hz > 0 else float("inf")
     next_flap = time.monotonic() + period

@@ -3,8 +3,8 @@
     python tests/fuzz_long.py --messages 200000
 
 Starts its own server (tests/plugins on its path), splits the messages over the data port
-(half), the control port, the workers' result sockets and a live client behind a hostile
-fake server (an eighth each, the rest to the data port), then checks what ``test_fuzz.py``
+(three quarters), the workers' result sockets and a live client behind a hostile fake
+server (an eighth each), then checks what ``test_fuzz.py``
 checks: nothing died, no handler raised (``internal`` = 0 on both sides), and a whole epoch
 is served exactly once. Prints one JSON line with the counts; exit status 0 when all held.
 """
@@ -24,7 +24,6 @@ from clients import make_client
 from conftest import Server
 from fuzz_targets import (
     FakeServer,
-    run_control_port,
     run_data_port,
     run_worker_results,
     welcome_of,
@@ -48,7 +47,6 @@ def main() -> int:
     start = time.monotonic()
     try:
         welcome = welcome_of(server.address)
-        sent["control"] = run_control_port(server.control, eighth)
         sent["worker_results"] = run_worker_results(list(welcome.results), eighth)
         fake = FakeServer(welcome, eighth)
         fake.start()

@@ -1,4 +1,4 @@
-"""Where the protocol fuzzer sends its messages: a live server's data and control ports, its
+"""Where the protocol fuzzer sends its messages: a live server's data port, its
 workers' result sockets, and a live client's sockets (through a fake server the client
 connects to). Shared by ``test_fuzz.py`` (a few thousand messages in CI) and
 ``fuzz_long.py`` (the long run).
@@ -82,32 +82,6 @@ def run_data_port(address: str, count: int) -> int:
     return sent
 
 
-def run_control_port(address: str, count: int) -> int:
-    """Fuzzed messages (mostly CONTROL) on the control port."""
-    ctx: zmq.Context[Any] = zmq.Context.instance()
-    pub = ctx.socket(zmq.PUB)
-    pub.setsockopt(zmq.LINGER, 0)
-    pub.setsockopt(zmq.SNDHWM, 100_000)
-    pub.connect(address)
-    time.sleep(0.3)  # PUB/SUB: let the subscription arrive
-    sent = 0
-    types = [MsgType.CONTROL, MsgType.CONTROL, MsgType.CONTROL, MsgType.HELLO, MsgType.TASK]
-
-    @_settings(count)
-    @given(st.lists(messages(types), min_size=BATCH, max_size=BATCH))
-    def fuzz(batch: list[list[bytes]]) -> None:
-        nonlocal sent
-        for frames in batch:
-            sent += _send(pub, frames)
-
-    try:
-        fuzz()
-        time.sleep(0.3)
-    finally:
-        pub.close(linger=0)
-    return sent
-
-
 def run_worker_results(endpoints: list[str], count: int) -> int:
     """Fuzzed messages at workers' direct-result sockets (which never read): from
     connections named like client sessions, and unnamed."""
@@ -155,8 +129,7 @@ class FakeServer:
         self.ctx = zmq.Context()
         self.data = self.ctx.socket(zmq.ROUTER)
         self.results = self.ctx.socket(zmq.ROUTER)
-        self.control = self.ctx.socket(zmq.SUB)
-        for s in (self.data, self.results, self.control):
+        for s in (self.data, self.results):
             s.setsockopt(zmq.LINGER, 0)
         self.data.setsockopt(zmq.ROUTER_MANDATORY, 0)
         self.results.setsockopt(zmq.ROUTER_MANDATORY, 0)
@@ -164,8 +137,6 @@ class FakeServer:
         self.address = f"tcp://127.0.0.1:{port}"
         rport = self.results.bind_to_random_port("tcp://127.0.0.1")
         self.results_endpoint = f"tcp://127.0.0.1:{rport}"
-        cport = self.control.bind_to_random_port("tcp://127.0.0.1")
-        self.control_endpoint = f"tcp://127.0.0.1:{cport}"
         self.sent = 0
         self.tasks_seen = 0
         self.error: BaseException | None = None
@@ -183,7 +154,6 @@ class FakeServer:
             fingerprint=self.real.fingerprint,
             workers=2,
             credit=4,
-            control=self.control_endpoint,
             results=(self.results_endpoint,),
             max_image_side=self.real.max_image_side,
         )
@@ -195,7 +165,7 @@ class FakeServer:
         except BaseException as exc:  # reported to the test
             self.error = exc
         finally:
-            for s in (self.data, self.results, self.control):
+            for s in (self.data, self.results):
                 s.close(linger=0)
             self.ctx.term()
             self.done.set()

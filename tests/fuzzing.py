@@ -28,7 +28,6 @@ VALID: dict[MsgType, dict[str, Any]] = {
         "fingerprint": "synthetic-10-0",
         "workers": 2,
         "credit": 4,
-        "control": "tcp://127.0.0.1:5556",
         "results": ["tcp://127.0.0.1:6000"],
         "max_image_side": 4096,
     },

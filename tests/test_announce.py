@@ -247,11 +247,6 @@ class LyingServer:
         self.data = self.ctx.socket(zmq.ROUTER)
         self.data.setsockopt(zmq.LINGER, 0)
         self.address = f"tcp://127.0.0.1:{self.data.bind_to_random_port('tcp://127.0.0.1')}"
-        self.control = self.ctx.socket(zmq.SUB)
-        self.control.setsockopt(zmq.LINGER, 0)
-        self.control_endpoint = (
-            f"tcp://127.0.0.1:{self.control.bind_to_random_port('tcp://127.0.0.1')}"
-        )
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -270,7 +265,6 @@ class LyingServer:
                     fingerprint=self.real.fingerprint,
                     workers=1,
                     credit=2,
-                    control=self.control_endpoint,
                     categories=self.real.categories,
                     sizes_count=self.real.sizes_count,
                     sizes_digest=self.real.sizes_digest,
@@ -287,7 +281,6 @@ class LyingServer:
         self._stop.set()
         self._thread.join(5)
         self.data.close()
-        self.control.close()
         self.ctx.term()
 
 

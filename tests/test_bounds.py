@@ -308,20 +308,16 @@ def test_an_endless_message_to_a_worker_is_cut_off(start_server: Any) -> None:
     print(f"\nendless message to a worker: cut after {sent} MiB; worker RSS +{held} MiB")
 
 
-@pytest.mark.parametrize("port", ["data", "control"])
-def test_an_endless_message_is_cut_off_and_its_memory_goes_back(
-    start_server: Any, port: str
-) -> None:
+def test_an_endless_message_is_cut_off_and_its_memory_goes_back(start_server: Any) -> None:
     """Issue 25 item 8: libzmq bounds a frame, not the frames of a message; a message that
-    never ended held 1,024 MiB in the front (data port), 128 MiB on the control port. Its
-    connection is shut down once it holds 32 MiB unfinished (the kernel's bytes received
+    never ended held 1,024 MiB in the front (data port). Its connection is shut down once it holds 32 MiB unfinished (the kernel's bytes received
     on it against its complete messages), an honest job is served meanwhile, and the
     memory is back within 5 s."""
     server = start_server("--dataset", f"synthetic:images={SAMPLES}", workers=2)
-    host, tcp_port = host_port(server.address if port == "data" else server.control)
+    host, tcp_port = host_port(server.address)
     assert honest_epoch(server, 2) == list(range(SAMPLES))  # (what serving takes, first)
     before = rss_mib(server.pid)
-    sender = handshake(host, tcp_port, b"DEALER" if port == "data" else b"PUB")
+    sender = handshake(host, tcp_port, b"DEALER")
     chunk = frame_header(1 << 20, True) + b"\x00" * (1 << 20)  # 1 MiB frames, all "more"
     sent = 0
     cut = threading.Event()
@@ -348,7 +344,7 @@ def test_an_endless_message_is_cut_off_and_its_memory_goes_back(
         thread.join()
         sender.close()
     assert sent < 128, sent
-    assert server.stats()["rejected"].get(f"{port}_unfinished_dropped", 0) == 1
+    assert server.stats()["rejected"].get("data_unfinished_dropped", 0) == 1
     # libzmq freed the frames with the connection, and the front gave the pages back: all
     # but what glibc keeps at an arena's top by design (FRONT_TRIM_THRESHOLD, 16 MiB: CI
     # saw 16 MiB held, here 2-14), while frames kept would hold the 32 MiB cut-off or more.
@@ -775,14 +771,14 @@ def test_the_public_sockets_queue_thousands_of_connections_before_accept(
 ) -> None:
     """Issue 28: 10,000 sessions reconnecting at once overflowed libzmq's listen backlog of
     100 (the kernel answered with SYN cookies; handshakes failed; every reconnect was made
-    3x over). The data, control and result ports listen with a backlog of 4,096, or what
+    3x over). The data and result ports listen with a backlog of 4,096, or what
     the kernel's somaxconn allows (``ss`` shows a listener's backlog as its Send-Q)."""
     if shutil.which("ss") is None:
         pytest.skip("no ss here")
     with open("/proc/sys/net/core/somaxconn") as f:
         want = min(4096, int(f.read()))
     server = start_server("--dataset", f"synthetic:images={SAMPLES}", workers=1)
-    for endpoint in (server.address, server.control, worker_endpoints(server)[0]):
+    for endpoint in (server.address, worker_endpoints(server)[0]):
         _, port = host_port(endpoint)
         out = subprocess.run(
             ["ss", "-ltnH", f"sport = :{port}"], capture_output=True, text=True, check=True

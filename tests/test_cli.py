@@ -103,3 +103,35 @@ def test_demo_exits_cleanly_and_shows_both_modes() -> None:
     decided = [row[row.index("->") + 1] for row in timeline]
     assert modes[1:] == decided[:-1]
     assert "0 stale batches" in proc.stdout and "server stopped." in proc.stdout
+
+
+def test_serve_control_bind_is_deprecated_warns_and_still_serves(start_server: Any) -> None:
+    """``--control-bind`` (in the contract's ``serve`` synopsis) is accepted, says on stderr
+    that it is deprecated and ignored (CONTROL travels on each data connection), binds
+    nothing, and the server serves and is steered as without it."""
+    import socket
+
+    from conftest import free_port
+
+    port = free_port()
+    server = start_server(
+        "--dataset",
+        "synthetic:images=16,seed=1",
+        "--control-bind",
+        f"tcp://127.0.0.1:{port}",
+        workers=1,
+    )
+    err = server.read_stderr()
+    assert "--control-bind is deprecated and ignored" in err, err
+    assert "CONTROL on each data connection" in err, err
+    with pytest.raises(ConnectionRefusedError), socket.create_connection(("127.0.0.1", port), 2):
+        pass  # nothing listens where the control endpoint was
+    with make_client(server.address, batch_size=8, image_size=(32, 32)) as c:
+        c.set_epoch(0)
+        it = iter(c)
+        first = next(it)
+        c.feedback(0.0)  # steered on the data connection
+        c.control(flag=1)
+        got = [first, *it]
+    assert sorted(i for b in got for idx in b.indices for i in idx) == list(range(16))
+    assert server.stats()["counters"]["controls"] >= 1

@@ -124,12 +124,8 @@ class FakeServer:
         self.categories = tuple(categories)
         self.ctx: zmq.Context[Any] = zmq.Context()
         self.data = self.ctx.socket(zmq.ROUTER)
-        self.control = self.ctx.socket(zmq.SUB)
-        for s in (self.data, self.control):
-            s.setsockopt(zmq.LINGER, 0)
+        self.data.setsockopt(zmq.LINGER, 0)
         self.address = f"tcp://127.0.0.1:{self.data.bind_to_random_port('tcp://127.0.0.1')}"
-        cport = self.control.bind_to_random_port("tcp://127.0.0.1")
-        self.control_endpoint = f"tcp://127.0.0.1:{cport}"
         self.tasks = 0
         self.error: BaseException | None = None
         self._stop = threading.Event()
@@ -146,7 +142,6 @@ class FakeServer:
             self.error = exc
         finally:
             self.data.close(linger=0)
-            self.control.close(linger=0)
             self.ctx.term()
 
     def _on(self, peer: bytes, msg: Any) -> None:
@@ -160,7 +155,6 @@ class FakeServer:
                 categories=self.categories,
                 workers=2,
                 credit=4,
-                control=self.control_endpoint,
             ).encode()
         elif isinstance(msg, Heartbeat):
             reply = Heartbeat(server_id="fake-server").encode()
@@ -554,7 +548,6 @@ def test_a_server_announcing_another_dataset_mid_epoch_is_dropped(real: Server) 
             fingerprint="another",
             workers=2,
             credit=4,
-            control=fake.control_endpoint,
         ).encode()
 
     fake = fake_beside(real, honest, reannounce)

@@ -175,7 +175,7 @@ def test_server_deployment_and_headless_service_agree() -> None:
     args = serve_args(container["args"])
     ports = container_ports(container)
     assert args.bind == f"tcp://0.0.0.0:{ports['data']}"
-    assert args.control_bind == f"tcp://0.0.0.0:{ports['control']}"
+    assert args.control_bind is None  # (deprecated and ignored: the server has no such port)
     assert args.metrics_port == ports["metrics"]
     assert {p["name"]: p["targetPort"] for p in service["spec"]["ports"]} == ports
 

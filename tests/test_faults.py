@@ -131,9 +131,8 @@ def test_a_killed_server_s_tasks_move_to_the_other(start_server: Any) -> None:
 
 
 def test_a_server_restarted_on_the_same_port_is_picked_up_again(start_server: Any) -> None:
-    port, control = free_port(), free_port()
-    bind = ("--bind", f"tcp://127.0.0.1:{port}", "--control-bind", f"tcp://127.0.0.1:{control}")
-    first = Server(*SLOW, *bind[2:], workers=2, bind=bind[1])
+    port = free_port()
+    first = Server(*SLOW, workers=2, bind=f"tcp://127.0.0.1:{port}")
     replacement: Server | None = None
     try:
         with make_client(first.address, batch_size=8, image_size=(32, 32), timeout=30) as c:
@@ -144,7 +143,7 @@ def test_a_server_restarted_on_the_same_port_is_picked_up_again(start_server: An
                 if n == 3:
                     first.kill()
                     time.sleep(0.5)
-                    replacement = Server(*SLOW, *bind[2:], workers=2, bind=bind[1])
+                    replacement = Server(*SLOW, workers=2, bind=f"tcp://127.0.0.1:{port}")
         assert sorted(indices(got)) == list(range(96))
         assert replacement is not None and replacement.stats()["counters"]["tasks_done"] > 0
     finally:

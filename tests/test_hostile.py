@@ -88,20 +88,19 @@ def test_hostile_traffic_is_rejected_counted_and_the_server_keeps_serving(
     good_iter = iter(good)
     first = [next(good_iter) for _ in range(3)]
 
-    # 1. Raw TCP junk on both ports (no ZMTP greeting, an HTTP request, a fake greeting).
-    for endpoint in (server.address, server.control):
-        for payload in (
-            os.urandom(2000),
-            b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
-            b"\xff" + bytes(8) + b"\x7f" + os.urandom(64),
-        ):
-            raw_tcp(endpoint, payload)
+    # 1. Raw TCP junk on the data port (no ZMTP greeting, an HTTP request, a fake greeting).
+    for payload in (
+        os.urandom(2000),
+        b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
+        b"\xff" + bytes(8) + b"\x7f" + os.urandom(64),
+    ):
+        raw_tcp(server.address, payload)
 
     ctx = zmq.Context()
     socks = []
     try:
-        # 2. Wrong socket types: a PUB on the data port, a REP on the control port.
-        for kind, endpoint in ((zmq.PUB, server.address), (zmq.REP, server.control)):
+        # 2. Wrong socket types on the data port: a PUB, a SUB.
+        for kind, endpoint in ((zmq.PUB, server.address), (zmq.SUB, server.address)):
             s = ctx.socket(kind)
             s.setsockopt(zmq.LINGER, 0)
             s.connect(endpoint)
@@ -128,25 +127,6 @@ def test_hostile_traffic_is_rejected_counted_and_the_server_keeps_serving(
         big.connect(server.address)
         socks.append(big)
         big.send(b"x" * (4 << 20))
-        # 6. Garbage and stale CONTROL on the control port.
-        pub = ctx.socket(zmq.PUB)
-        pub.setsockopt(zmq.LINGER, 0)
-        pub.connect(server.control)
-        socks.append(pub)
-        time.sleep(0.3)  # PUB/SUB: let the subscription arrive
-        for _ in range(3):
-            pub.send_multipart([os.urandom(20), os.urandom(5)])
-            pub.send_multipart(protocol.pack(MsgType.HELLO, {"session": session, "auth": AUTH}))
-            control = {
-                "session": session,
-                "plan_version": 1,
-                "control_seq": 0,
-                "control": {},
-                "mode": "stitch",
-            }
-            pub.send_multipart(protocol.pack(MsgType.CONTROL, control))  # older than version 5
-            pub.send_multipart(protocol.pack(MsgType.CONTROL, {**control, "session": b"n" * 16}))
-
         answers = []
         while attacker.poll(1000):
             answers.append(protocol.decode(attacker.recv_multipart()))
@@ -156,7 +136,7 @@ def test_hostile_traffic_is_rejected_counted_and_the_server_keeps_serving(
         assert any(isinstance(m, protocol.Welcome) for m in answers)
         assert any(isinstance(m, protocol.Cancelled) and m.task_ids == (2,) for m in answers)
 
-        # 7. The workers' result sockets, announced in WELCOME: junk, noise and oversized
+        # 6. The workers' result sockets, announced in WELCOME: junk, noise and oversized
         # messages (workers never read them; anything over 1 KiB cuts the connection).
         welcome = next(m for m in answers if isinstance(m, protocol.Welcome))
         worker_ports = welcome.results
@@ -177,10 +157,7 @@ def test_hostile_traffic_is_rejected_counted_and_the_server_keeps_serving(
                 r.get("malformed", 0) >= 10
                 and r.get("unexpected_type", 0) >= 1
                 and r.get("unknown_session", 0) >= 1
-                and r.get("control_malformed", 0) >= 3
-                and r.get("control_unexpected_type", 0) >= 3
-                and r.get("control_unknown_session", 0) >= 3
-                and r.get("data_bad_handshake", 0) + r.get("control_bad_handshake", 0) >= 2
+                and r.get("data_bad_handshake", 0) >= 2
             )
 
         assert wait_until(counted, 10), json.dumps(server.stats()["rejected"])

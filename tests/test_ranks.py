@@ -149,13 +149,8 @@ class BeatServer:
         self.beats: list[float] = []
         self.ctx: zmq.Context[Any] = zmq.Context()
         self.data = self.ctx.socket(zmq.ROUTER)
-        self.control = self.ctx.socket(zmq.SUB)
-        for s in (self.data, self.control):
-            s.setsockopt(zmq.LINGER, 0)
+        self.data.setsockopt(zmq.LINGER, 0)
         self.address = f"tcp://127.0.0.1:{self.data.bind_to_random_port('tcp://127.0.0.1')}"
-        self.control_endpoint = (
-            f"tcp://127.0.0.1:{self.control.bind_to_random_port('tcp://127.0.0.1')}"
-        )
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -176,7 +171,6 @@ class BeatServer:
                         fingerprint="beat",
                         workers=1,
                         credit=4,
-                        control=self.control_endpoint,
                         heartbeat_ms=self.ms,
                     )
                 elif isinstance(msg, Heartbeat):
@@ -187,7 +181,6 @@ class BeatServer:
                 self.data.send_multipart([peer, *reply.encode()])
         finally:
             self.data.close(linger=0)
-            self.control.close(linger=0)
             self.ctx.term()
 
     def close(self) -> None:
@@ -264,13 +257,14 @@ def test_a_frozen_server_is_lost_within_the_failover_time_of_its_interval(
 
 
 class OldWelcome(msgspec.Struct):
-    """A WELCOME as a client before issue 28 decoded it: no ``heartbeat_ms``."""
+    """A WELCOME as a client before issue 28 decoded it: no ``heartbeat_ms``. (It also
+    required ``control``, the endpoint of the front's control socket, which protocol 8
+    dropped: a client that requires it speaks protocol 7 and is refused by version.)"""
 
     session: bytes
     server_id: str
     dataset_len: int
     credit: int
-    control: str
 
 
 def test_a_client_that_knows_no_interval_is_served(
@@ -305,8 +299,8 @@ def test_a_client_that_knows_no_interval_is_served(
 
 def test_a_steering_client_holds_one_connection_on_the_front(start_server: Any) -> None:
     """Issue 28, item 2: a session's CONTROL rides its data connection, so a client that
-    steers (feedback flips and control values) holds one connection on a server's front,
-    not a second one on its control port: 1 fd a session, what the session cap counts."""
+    steers (feedback flips and control values) holds one connection on a server's front
+    (there is no control port): 1 fd a session, what the session cap counts."""
     server = start_server(*DATA, workers=1)
     with make_client(server.address, timeout=30, **SMALL) as client:
         client.set_epoch(0)
@@ -320,5 +314,4 @@ def test_a_steering_client_holds_one_connection_on_the_front(start_server: Any) 
             pass
         steered = server.stats()
     assert steered["counters"]["controls"] >= 2, steered["counters"]
-    assert steered["counters"].get("control_connections", 0) == 0, steered["counters"]
     assert steered["counters"]["data_connections"] == 1, steered["counters"]

@@ -166,8 +166,9 @@ def capture_or_skip() -> LoopbackCapture:
 
 
 def test_nothing_readable_on_any_port_with_curve(start_server: Any, keys: Path) -> None:
-    """All of the traffic (data, control and the results workers send straight to the
-    client) is captured off the loopback interface: with CURVE none of it is plaintext."""
+    """All of the traffic (the data connection, CONTROL on it, and the results workers send
+    straight to the client) is captured off the loopback interface: with CURVE none of it
+    is plaintext."""
     server = curve_server(  # results over TCP, where the capture sees them, not ipc
         start_server,
         keys,

@@ -159,7 +159,6 @@ def _welcome(session: bytes, nonce: bytes = b"", fd: int = -1) -> Welcome:
         fingerprint="f",
         workers=2,
         credit=8,
-        control="tcp://127.0.0.1:1",
     )
 
 

@@ -211,7 +211,7 @@ class LinkEvent:
 
 
 def announced_address(data_address: str, announced: str) -> str:
-    """Where to connect to an endpoint a server announces (control, worker results): its
+    """Where to connect to an endpoint a server announces (its workers' results): its
     port on the host we reached the server by (it may have bound 0.0.0.0, which is no
     address to connect to)."""
     m = tcp_endpoint(data_address)

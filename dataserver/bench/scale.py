@@ -24,8 +24,7 @@ and ``--no-local-results`` (results over TCP, as to another host and from the fa
     fake.
 (c) ``sessions``: the server holding ``--scale-sessions`` sessions, each as a real client
     holds one (a data connection beating at the interval its server tells, a result
-    connection to each worker; ``--scale-control 1``: a control connection too, as clients
-    before CONTROL moved to the data connection held), opened 100 at a time from two processes: file descriptors
+    connection to each worker), opened 100 at a time from two processes: file descriptors
     and RSS of the front and a worker before and after, and the front's CPU per second
     with none, with the sessions silent, and beating (per heartbeat it handled).
 
@@ -134,7 +133,6 @@ class _Session:
     secret: bytes
     data: zmq.Socket[Any]
     results: zmq.Socket[Any] | None = None
-    pub: zmq.Socket[Any] | None = None
     welcomed: bool = False
     credit: int = 0
     outstanding: int = 0
@@ -166,7 +164,6 @@ class _SwarmConfig:
     sessions: int
     depth: int  # tasks each session keeps outstanding (0: it only beats)
     direct: bool  # results straight from the workers (a result connection to each)
-    control: bool  # a control connection (PUB) per session, as clients before 2026-12-04 had
 
 
 @dataclass
@@ -219,10 +216,6 @@ class _Swarm:
             if self.cfg.depth:  # (no tasks: nothing ever comes on it)
                 self.by_sock[s.results] = s
                 self.poller.register(s.results, zmq.POLLIN)
-        if self.cfg.control:
-            s.pub = self.ctx.socket(zmq.PUB)
-            s.pub.setsockopt(zmq.LINGER, 0)
-            s.pub.connect(msg.control)
         self._due(time.monotonic() + s.beat_s, s)
 
     def _due(self, when: float, s: _Session) -> None:
@@ -326,9 +319,8 @@ class _Swarm:
             if s.welcomed:
                 s.data.send_multipart(Bye(session=s.sid, auth=s.secret).encode())
             s.data.close(linger=500)
-            for sock in (s.results, s.pub):
-                if sock is not None:
-                    sock.close(linger=0)
+            if s.results is not None:
+                s.results.close(linger=0)
 
 
 def _task_template() -> Task:
@@ -355,13 +347,12 @@ def swarm_main(argv: list[str]) -> int:
     p.add_argument("--sessions", type=int, default=64)
     p.add_argument("--depth", type=int, default=0)
     p.add_argument("--direct", type=int, default=1)
-    p.add_argument("--control", type=int, default=0)
     p.add_argument("--zmtp-ping-ms", type=int, default=ZMTP_FRONT[0][1], help="(front connection)")
     a = p.parse_args(argv)
     _raise_fd_limit()
     ctx: zmq.Context[Any] = zmq.Context()
     ctx.set(zmq.MAX_SOCKETS, 4 * a.sessions + 256)
-    cfg = _SwarmConfig(a.address, a.sessions, a.depth, bool(a.direct), bool(a.control))
+    cfg = _SwarmConfig(a.address, a.sessions, a.depth, bool(a.direct))
     swarm = _Swarm(cfg, ctx, template=_task_template(), ping_ms=a.zmtp_ping_ms)
     flags = {"stop": False, "report": False}
 
@@ -399,24 +390,22 @@ def swarm_main(argv: list[str]) -> int:
 class _Fake:
     """One fake server: a front ROUTER (HELLO, HEARTBEAT, TASK), a result ROUTER that the
     client's result connection reaches (named by ``reply_id`` of the session's secret, as
-    a worker's), a control SUB. A TASK is answered at once with zero pixels, no boxes."""
+    a worker's). A TASK is answered at once with zero pixels, no boxes."""
 
     front: zmq.Socket[Any]
     results: zmq.Socket[Any]
-    control: zmq.Socket[Any]
     workers: int
     server_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     counts: Counter[str] = field(default_factory=Counter)
 
     @classmethod
     def bind(cls, ctx: zmq.Context[Any], workers: int) -> _Fake:
-        front, results, control = (ctx.socket(t) for t in (zmq.ROUTER, zmq.ROUTER, zmq.SUB))
-        for sock in (front, results, control):
+        front, results = (ctx.socket(zmq.ROUTER) for _ in range(2))
+        for sock in (front, results):
             sock.setsockopt(zmq.LINGER, 0)
             sock.bind("tcp://127.0.0.1:*")
         results.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        control.setsockopt(zmq.SUBSCRIBE, b"")
-        return cls(front, results, control, workers)
+        return cls(front, results, workers)
 
     @property
     def address(self) -> str:
@@ -430,7 +419,6 @@ class _Fake:
             fingerprint="scale-fake",
             workers=self.workers,
             credit=4 * self.workers,  # as a real front: PIPELINE x 2 per worker
-            control=self.control.getsockopt_string(zmq.LAST_ENDPOINT),
             results=(self.results.getsockopt_string(zmq.LAST_ENDPOINT),),
         )
 
@@ -503,9 +491,8 @@ def fakes_main(argv: list[str]) -> int:
     owner: dict[Any, _Fake] = {}
     for f in fakes:
         handlers[f.front] = f.on_front
-        handlers[f.control] = lambda frames: None  # (published CONTROLs: nothing to do)
         handlers[f.results] = lambda frames: None  # (claims: only with CURVE)
-        owner.update({f.front: f, f.control: f, f.results: f})
+        owner.update({f.front: f, f.results: f})
     for sock in handlers:
         poller.register(sock, zmq.POLLIN)
     stop = {"now": False}
@@ -701,7 +688,7 @@ def _front_run(
     then only beat through a second window (the front's CPU without tasks): the front's
     CPU per task is the difference over the tasks."""
     flags = ["--address", address, "--sessions", str(args.scale_clients), "--depth", "4"]
-    flags += ["--direct", str(int(direct)), "--control", "0"]
+    flags += ["--direct", str(int(direct))]
     with role("swarm", *flags) as (swarm, ready):
         time.sleep(1.0)  # queues fill, every worker busy
         window = CpuWindow([*pids, swarm.pid])
@@ -962,9 +949,8 @@ def fig_sessions(
     idle = _cpu_and_thread_per_s(pids, t)
     before = _Snapshot.of(pids)
     limit = _fd_soft_limit(pids[0])
-    control = str(int(getattr(args, "scale_control", 0)))  # (1: a PUB per session too)
     direct = str(int(getattr(args, "scale_direct", 1)))  # (0: no result connections)
-    common = ["--address", address, "--depth", "0", "--direct", direct, "--control", control]
+    common = ["--address", address, "--depth", "0", "--direct", direct]
     # A swarm holds ~6 fds a session (3 sockets: their eventfds and connections): enough
     # swarms that each stays within an fd limit of 20,000 (two at least, as ever).
     count = max(2, -(-n // SWARM_SESSIONS))

@@ -50,7 +50,6 @@ from dataserver.protocol.messages import (
     decode,
     decode_head,
     sizes_digest,
-    steer_tag,
     wire_control_digest,
 )
 from dataserver.protocol.wire import (
@@ -105,6 +104,5 @@ __all__ = [
     "decode_head",
     "pack",
     "sizes_digest",
-    "steer_tag",
     "wire_control_digest",
 ]

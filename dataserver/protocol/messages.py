@@ -17,7 +17,8 @@ Who sends what (client = trainer, front = server's front process, worker = its w
     DONE        worker -> front      "I sent that RESULT straight to the client"
     ERROR       front | worker -> client, naming the task when there is one
     CANCELLED   front  -> client     queued tasks of an older plan, dropped
-    CONTROL     client -> front      (control socket) new plan version / control values
+    CONTROL     client -> front      new plan version / control values / cancels (on
+                                     the session's data connection, like TASK)
     HEARTBEAT   both ways            liveness; the front's reply lists worker endpoints
     STATS       anyone <-> front     counters
     BYE         client -> front, front -> worker
@@ -79,8 +80,6 @@ MAX_TASK_IMAGES = 64  # output images one TASK may ask for
 DEFAULT_TASK_BYTES = 64 << 20  # what a WELCOME without max_task_bytes means
 MAX_US = 1 << 40  # a timing in microseconds (12 days)
 MAX_SEQ = 1 << 53  # plan versions and control sequence numbers
-TAG_BYTES = 32  # one server's entry in a published CONTROL: its handle (16), its tag (16)
-MAX_TAGS = 1024  # servers one published CONTROL speaks to
 MAX_SOURCES = MAX_TASK_IMAGES * MAX_TILES
 MAX_CATEGORIES = 4096  # (label, name) pairs a WELCOME may announce
 MAX_CATEGORY_NAME = 256  # characters of one category's name
@@ -109,7 +108,6 @@ Ids = Annotated[tuple[U63, ...], Len(0, 1 << 16)]
 DecodeUs = Annotated[tuple[Us, ...], Len(0, MAX_SOURCES)]  # one timing per source
 Tiles = Annotated[tuple[U63, ...], Len(1, MAX_TILES)]
 Tiles0 = Annotated[tuple[U63, ...], Len(0, MAX_TILES)]
-Tag = Annotated[bytes, Len(TAG_BYTES, TAG_BYTES)]
 Category = tuple[Annotated[int, In(0, MAX_LABEL)], Annotated[str, Len(0, MAX_CATEGORY_NAME)]]
 Categories = Annotated[tuple[Category, ...], Len(0, MAX_CATEGORIES)]
 SizesCount = Annotated[int, In(0, MAX_ANNOUNCED_SIZES)]
@@ -122,26 +120,6 @@ Box4 = tuple[Side0, Side0, Side0, Side0]  # (top, left, h, w) of a picture in it
 # own). The wire bounds it loosely: the client refuses what is beyond its own bounds
 # (``dataserver_client.beats``), counted, and keeps beating as it did.
 BeatMs = Annotated[int, In(0, 1 << 31)]
-
-
-def pub_handle(secret: bytes) -> bytes:
-    """How a published CONTROL names a session to the server whose secret for it is
-    ``secret``: derived from the secret, so it says nothing about the session's id (each
-    server has its own) and no server can tell another's session from it."""
-    return hashlib.blake2b(secret, digest_size=16, person=b"dataserver-pubh").digest()
-
-
-def steer_tag(secret: bytes, msg: Control) -> bytes:
-    """One server's entry in a published CONTROL: ``pub_handle(secret)`` and a keyed hash
-    of what the message says, with the secret that server has for the session. A client
-    talks to many servers with a session id and a secret for each; what it publishes to all
-    of them carries one entry per server (its ``session`` is the client's own id, which no
-    server knows), so no server learns an id or a secret that works on another."""
-    body = msgpack.packb(
-        [msg.session, msg.plan_version, msg.control_seq, msg.control, msg.mode, list(msg.cancel)],
-        use_bin_type=True,
-    )
-    return pub_handle(secret) + hashlib.blake2b(body, key=secret, digest_size=16).digest()
 
 
 class Message(Struct, kw_only=True, omit_defaults=True):
@@ -259,7 +237,6 @@ class Welcome(Message, kw_only=True):
     fingerprint: T128
     workers: Annotated[int, In(1, MAX_WORKERS)]
     credit: Annotated[int, In(1, 1 << 16)]
-    control: T512
     results: Endpoints = ()
     max_image_side: Side = MAX_IMAGE_SIDE
     # The most output bytes one TASK may ask for (images x 3 x H x W; ``--max-task-mb``):
@@ -595,17 +572,15 @@ class Cancelled(Message, kw_only=True):
 
 
 class Control(Message, kw_only=True):
-    """Client -> front (data socket, and published on the control socket): the session's
-    control values as of ``control_seq``, its mode, and tasks it no longer wants (queued
-    ones are dropped at once, answered CANCELLED). Front -> worker: the values a session's
-    next task needs (``control`` and ``control_seq`` only)."""
+    """Client -> front (on the session's data connection): the session's control values as
+    of ``control_seq``, its mode, and tasks it no longer wants (queued ones are dropped at
+    once, answered CANCELLED). Front -> worker: the values a session's next task needs
+    (``control`` and ``control_seq`` only)."""
 
     TYPE: ClassVar[MsgType] = MsgType.CONTROL
     session: Session
-    # Client -> front, on the data socket: the session's secret for this server. Published
-    # on the control socket: ``tags`` instead, one ``steer_tag`` per server.
+    # Client -> front: the session's secret for this server.
     auth: Auth | None = None
-    tags: Annotated[tuple[Tag, ...], Len(0, MAX_TAGS)] | None = None
     plan_version: Seq = 0
     control_seq: Seq
     control: dict[str, Any]
@@ -773,6 +748,5 @@ __all__ = [
     "decode",
     "decode_head",
     "sizes_digest",
-    "steer_tag",
     "wire_control_digest",
 ]

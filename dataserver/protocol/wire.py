@@ -28,8 +28,9 @@ import numpy as np
 # 4: session secrets (auth, tags); 5: per-task sizes, augment, mosaic; 6: pad_value and
 # letterbox in TASK, categories in WELCOME, files and orig_sizes in RESULT; partners in TASK;
 # 7: per-sample sizes on request (SIZES, in chunks), WELCOME's sizes_count and sizes_digest;
-# fit and augment in TASK, content in RESULT (an older server would ignore them)
-PROTOCOL_VERSION = 7
+# fit and augment in TASK, content in RESULT (an older server would ignore them);
+# 8: no control socket: WELCOME without ``control``, CONTROL without ``tags``
+PROTOCOL_VERSION = 8
 MAGIC = b"DS" + str(PROTOCOL_VERSION).encode()
 
 MAX_FRAMES = 16
@@ -49,7 +50,7 @@ class MsgType(enum.IntEnum):
     """One-byte message types.
 
     Client <-> server:  HELLO -> WELCOME (handshake); TASK -> RESULT | ERROR | CANCELLED;
-    CONTROL (on the control socket); HEARTBEAT both ways; STATS request -> STATS reply;
+    CONTROL (on the data connection); HEARTBEAT both ways; STATS request -> STATS reply;
     BYE ends a session; SIZES request -> SIZES reply (a chunk of the per-sample sizes).
     Front <-> worker: READY announces a worker (and its result
     endpoint), then TASK, answered by RESULT or ERROR through the front, or by DONE when the

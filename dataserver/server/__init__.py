@@ -45,14 +45,14 @@ __all__ = [
 def ready_line(front: Front) -> str:
     """The one line ``dataserver serve`` prints once every worker is up."""
     return (
-        f"dataserver ready data={front.endpoints['data']} control={front.endpoints['control']} "
+        f"dataserver ready data={front.endpoints['data']} "
         f"workers={front.n_workers} samples={front.dataset_len} dataset={front.config.dataset} "
         f"sources={front.sources()} index_cache={IndexCache(front.config.index_cache).dir}"
     )
 
 
 def parse_ready_line(line: str) -> dict[str, str]:
-    """The fields of a ``ready_line`` (data, control, workers, samples, dataset, sources,
+    """The fields of a ``ready_line`` (data, workers, samples, dataset, sources,
     index_cache)."""
     return dict(part.split("=", 1) for part in line.split()[2:])
 
@@ -120,7 +120,7 @@ def _serve(
     if how == "uncached" and config.curve is None and cache.usable():
         ports = IndexingPorts(config)
         on_indexing(
-            f"dataserver indexing data={ports.data_endpoint} control={ports.control_endpoint} "
+            f"dataserver indexing data={ports.data_endpoint} "
             f"dataset={config.dataset} index_cache={cache.dir}"
         )
         try:

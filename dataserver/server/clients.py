@@ -1,5 +1,5 @@
-"""The front's client messages: HELLO, TASK, CONTROL (from the data socket or the control
-socket), HEARTBEAT, STATS and BYE, each checked (the session's secret, the CURVE key that
+"""The front's client messages: HELLO, TASK, CONTROL, HEARTBEAT, STATS and BYE (all on the
+data socket: a session's CONTROL comes on its data connection), each checked (the session's secret, the CURVE key that
 owns the session id, sequence numbers, limits) before it changes anything.
 
 ``Clients`` decides what a message does; the ``Scheduler`` (sessions and their queues) and
@@ -12,7 +12,6 @@ It owns one thing: which CURVE key each client connection came with (``_owners``
 from __future__ import annotations
 
 import hashlib
-import hmac
 import logging
 from collections import OrderedDict
 from collections.abc import Callable
@@ -37,7 +36,6 @@ from dataserver.protocol import (
     Task,
     Welcome,
     decode,
-    steer_tag,
 )
 from dataserver.security import owns, same_secret
 from dataserver.server.announce import Announced
@@ -101,8 +99,8 @@ def _user_id(frame: Any) -> str:
 
 
 class Clients:
-    """What each client message does. ``on_data`` takes the frames of the data socket,
-    ``on_control`` those of the control socket; both run in the front's loop thread."""
+    """What each client message does. ``on_data`` takes the frames of the data socket; it
+    runs in the front's loop thread."""
 
     def __init__(
         self,
@@ -174,12 +172,11 @@ class Clients:
             self._owners.move_to_end(identity)
         return user
 
-    def _not_owner(self, identity: bytes | None, frame: Any, session: bytes | None) -> bool:
+    def _not_owner(self, identity: bytes, frame: Any, session: bytes | None) -> bool:
         """With CURVE, a session id may only be used by the key it is tagged with."""
         if self.config.curve is None or session is None:
             return False
-        user = self._owner(identity, frame) if identity is not None else _user_id(frame)
-        return not owns(session, user)
+        return not owns(session, self._owner(identity, frame))
 
     def _authentic(
         self,
@@ -470,47 +467,14 @@ class Clients:
             return True
         return False
 
-    def on_control(self, frames: list[Any]) -> None:
-        self._source_fd = self._read(frames, 0)
-        try:
-            msg = decode(frames)
-        except ProtocolError as exc:
-            self._refuse(Reject.CONTROL_MALFORMED, None, str(exc))
-            return
-        if not isinstance(msg, Control):
-            self._refuse(Reject.CONTROL_UNEXPECTED_TYPE, None, msg.TYPE.name)
-            return
-        if self._not_owner(None, frames[0], msg.session):
-            self._refuse(Reject.CONTROL_NOT_OWNER, None, "session id belongs to another key")
-            return
-        # Published to every server of a client: one entry per server (a handle from the
-        # secret this server has for the session, and a keyed tag), under the client's own
-        # id, which names no session here. This server knows only its own secrets.
-        matched = False
-        for entry in msg.tags or ():
-            session = self.scheduler.by_handle.get(entry[:16])
-            if session is None:
-                continue
-            matched = True
-            if hmac.compare_digest(steer_tag(session.secret, msg), entry):
-                self._heard(self._source_fd, session.sid)
-                self._steer(session, msg)
-                return
-        if not matched and any(e[:16] in self.scheduler.closed_handles for e in msg.tags or ()):
-            self.counters.count(Count.CONTROLS_AFTER_CLOSE)  # published before its BYE, came after
-            return
-        self.rejected.count(
-            Reject.CONTROL_BAD_SECRET if matched else Reject.CONTROL_UNKNOWN_SESSION
-        )
-
     def _steer(self, session: Session, msg: Control) -> None:
-        """A session's CONTROL (from the data or the control socket; the second copy of
-        one is a no-op): new control values, older plans' queued tasks cancelled, and the
-        tasks it lists cancelled if still queued."""
+        """A session's CONTROL (a copy of one already taken is a no-op): new control
+        values, older plans' queued tasks cancelled, and the tasks it lists cancelled if
+        still queued."""
         if msg.plan_version < session.version or msg.control_seq < session.control_seq:
-            # Overtaken (a TASK of a newer plan came first on the data socket: the client's
-            # own sockets do not keep order between them; a task that needs its values is
-            # answered control_missing and the client sends them again) or replayed:
+            # Overtaken (a newer plan's TASK or CONTROL came first, e.g. on a connection
+            # the client opened since; a task that needs its values is answered
+            # control_missing and the client sends them again) or replayed:
             # nothing to do, and nothing wrong with the client, so not a rejection.
             self.counters.count(Count.CONTROLS_OVERTAKEN)
             return

@@ -48,7 +48,6 @@ class ServerConfig:
     dataset_args: str | None = None
     workers: int = 0  # 0: the number of CPUs
     bind: str = DEFAULT_BIND
-    control_bind: str | None = None  # None: data port + 1 on the same interface
     session_ttl: float = (
         30.0  # seconds without traffic (clients beat every 0.5-10 s: ``beats``) before expiry
     )
@@ -98,8 +97,6 @@ class ServerConfig:
         if self.workers < 0:
             raise ConfigError(f"--workers must be >= 1, got {self.workers}")
         check_endpoint("--bind", self.bind)
-        if self.control_bind is not None:
-            check_endpoint("--control-bind", self.control_bind)
         for flag, least in (
             ("--max-sessions", 1 if self.max_sessions is None else self.max_sessions),
             ("--max-queued-mb", self.max_queued_mb),
@@ -178,19 +175,6 @@ class ServerConfig:
             return "127.0.0.1"
         host = m.address
         return "0.0.0.0" if host == "*" else host
-
-    def control_endpoint(self) -> str:
-        """``--control-bind``, or the data endpoint's port + 1 (a wildcard stays one)."""
-        if self.control_bind is not None:
-            return self.control_bind
-        m = tcp_endpoint(self.bind, bind=True)
-        if m is None:
-            if self.bind.startswith("ipc://"):
-                return self.bind + ".control"
-            raise ConfigError(f"--bind {self.bind!r}: give --control-bind for this transport")
-        port = m.port
-        next_port = "*" if port in ("*", "0") else str(int(port) + 1)
-        return f"tcp://{m.host}:{next_port}"
 
 
 def results_bind(data_bind: str, tmpdir: str) -> str:

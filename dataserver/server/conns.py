@@ -1,6 +1,6 @@
 """The front's file descriptors and the connections peers hold on its public sockets.
 
-libzmq accepts every TCP connection to the data and control sockets and keeps it as long as
+libzmq accepts every TCP connection to the data socket and keeps it as long as
 the peer does; a peer that finishes the ZMTP handshake and then says nothing costs one fd
 and ~23 KiB for ever, and at the fd limit the next honest client (or the replacement of a
 dead worker) gets ``EMFILE``. This module keeps that bounded:
@@ -17,8 +17,7 @@ dead worker) gets ``EMFILE``. This module keeps that bounded:
   - **idle**: a data connection with no authentic message for ``--idle-timeout`` seconds
     is shut down (``shutdown(SHUT_RDWR)``: libzmq sees its peer go and closes the fd). Bytes
     do not count: a slowloris sending 80 bytes a second of a message it never finishes
-    is idle like a silent one. A control connection (a publisher's PUB, silent until it
-    steers) is active on any bytes, the PONGs its libzmq answers our PINGs with included.
+    is idle like a silent one.
   - **unfinished**: the bytes the kernel received on a connection, less the bytes of the
     complete messages read from it (and the ZMTP handshake and heartbeats), are what
     libzmq holds of a message not yet complete. Over ``max_unfinished`` the connection is
@@ -94,7 +93,7 @@ HANDSHAKE_IVL_MS = 10_000  # a connection that does not finish the ZMTP handshak
 LISTEN_BACKLOG = 4096
 FDS_BASE = 64  # the front's own: zmq's context, sockets, pidfds, store, logs, metrics
 FDS_PER_WORKER = 8  # a pidfd, its backend connection, what starting it takes
-CONNS_PER_SESSION = 4  # a client's data connection, a publisher's control one, a probe, a reconnect
+CONNS_PER_SESSION = 3  # a client's data connection, a probe, a reconnect
 WORKER_FDS = 128  # a worker's fds kept from its result connections (``results_budget``)
 
 
@@ -282,7 +281,7 @@ class Conn:
     socket: Tracked
     peer: bytes
     accepted: float
-    active: float  # when it last sent an authentic message (control: any bytes)
+    active: float  # when it last sent an authentic message
     received: int | None  # bytes the kernel received on it, at the last check
     base: int | None  # ... at accept (its handshake, so far)
     consumed: int = 0  # bytes of the complete messages read from it
@@ -350,7 +349,6 @@ class ConnTracker:
         self._credit = 0.0  # connections owed a look
         self._last_check: float | None = None
         self._held: dict[int, int] = {}  # fd -> its unfinished bytes, at its last look
-        self._period = every  # how long a round of looks takes now
         self._disconnects = 0
         self._next_trim = 0.0
         # A connection holding much was shut down: trim at the check after (its frames are
@@ -528,7 +526,7 @@ class ConnTracker:
         if not n:
             self._order.clear()
             return []
-        period = self._period = max(self.every, n / CHECKS_PER_S)
+        period = max(self.every, n / CHECKS_PER_S)
         self._credit = min(float(n), self._credit + n * max(0.0, elapsed) / period)
         due: list[tuple[int, Conn]] = []
         order = self._order
@@ -554,13 +552,7 @@ class ConnTracker:
         if info is None or (moved and _peer(fd) != conn.peer):
             del self.conns[fd]
             return 0
-        last_recv_ms, received = info
-        if conn.socket == "control":  # (a PUB: live while its libzmq answers our PINGs)
-            if received is None:
-                if last_recv_ms < self._period * 1000:  # (since its last look)
-                    conn.active = now
-            elif conn.received is None or received > conn.received:
-                conn.active = now
+        received = info[1]
         conn.received = received
         if now - conn.active > self.idle_timeout:
             self._drop(fd, "idle_dropped")

@@ -19,8 +19,8 @@ from __future__ import annotations
 from enum import StrEnum, unique
 from typing import Literal, get_args
 
-Watched = Literal["data", "control"]  # the front's public sockets (their monitors)
-Tracked = Literal["data", "control", "results"]  # sockets a ConnTracker judges
+Watched = Literal["data"]  # the front's public socket (its monitor)
+Tracked = Literal["data", "results"]  # sockets a ConnTracker judges
 Dropped = Literal[
     "idle_dropped", "over_limit_dropped", "unfinished_dropped", "frames_dropped", "barred_dropped"
 ]
@@ -54,7 +54,6 @@ class Count(StrEnum):
     TASKS_POISONED_AGAIN = "tasks_poisoned_again"  # a copy of a poison task, answered so
     CONTROLS = "controls"
     CONTROLS_OVERTAKEN = "controls_overtaken"  # older than the session's: nothing to do
-    CONTROLS_AFTER_CLOSE = "controls_after_close"  # published before its BYE, came after
     SIZE_CHUNKS = "size_chunks"  # SIZES requests answered (``announce.py``)
     # tasks and their answers
     TASKS_DONE = "tasks_done"
@@ -100,9 +99,7 @@ class Count(StrEnum):
     # the front
     DRAINS = "drains"
     DATA_CONNECTIONS = "data_connections"
-    CONTROL_CONNECTIONS = "control_connections"
     DATA_DISCONNECTS = "data_disconnects"
-    CONTROL_DISCONNECTS = "control_disconnects"
 
 
 @unique
@@ -131,12 +128,6 @@ class Reject(StrEnum):
     # client asks again); asking for sizes the server does not have (answered)
     SIZES_RATE = "sizes_rate"
     SIZES_RANGE = "sizes_range"
-    # the control socket
-    CONTROL_MALFORMED = "control_malformed"
-    CONTROL_UNEXPECTED_TYPE = "control_unexpected_type"
-    CONTROL_NOT_OWNER = "control_not_owner"
-    CONTROL_BAD_SECRET = "control_bad_secret"
-    CONTROL_UNKNOWN_SESSION = "control_unknown_session"
     # the admin socket, the metrics endpoint
     ADMIN_MALFORMED = "admin_malformed"
     ADMIN_UNEXPECTED_TYPE = "admin_unexpected_type"
@@ -148,20 +139,13 @@ class Reject(StrEnum):
     WORKER_UNEXPECTED = "worker_unexpected"
     # handshakes (``not_authorized``, ``bad_handshake``)
     DATA_NOT_AUTHORIZED = "data_not_authorized"
-    CONTROL_NOT_AUTHORIZED = "control_not_authorized"
     DATA_BAD_HANDSHAKE = "data_bad_handshake"
-    CONTROL_BAD_HANDSHAKE = "control_bad_handshake"
     # connections shut down (``dropped``): the front's, and the workers' (told by TALLY)
     DATA_IDLE_DROPPED = "data_idle_dropped"
     DATA_OVER_LIMIT_DROPPED = "data_over_limit_dropped"
     DATA_UNFINISHED_DROPPED = "data_unfinished_dropped"
     DATA_FRAMES_DROPPED = "data_frames_dropped"  # a message of too many frames
     DATA_BARRED_DROPPED = "data_barred_dropped"  # its peer barred for that
-    CONTROL_IDLE_DROPPED = "control_idle_dropped"
-    CONTROL_OVER_LIMIT_DROPPED = "control_over_limit_dropped"
-    CONTROL_UNFINISHED_DROPPED = "control_unfinished_dropped"
-    CONTROL_FRAMES_DROPPED = "control_frames_dropped"  # a message of too many frames
-    CONTROL_BARRED_DROPPED = "control_barred_dropped"  # its peer barred for that
     RESULTS_IDLE_DROPPED = "results_idle_dropped"
     RESULTS_OVER_LIMIT_DROPPED = "results_over_limit_dropped"
     RESULTS_UNFINISHED_DROPPED = "results_unfinished_dropped"
@@ -187,12 +171,12 @@ class WorkerCount(StrEnum):
 
 
 def connections(socket: Watched) -> Count:
-    """``<socket>_connections``: connections accepted on a public socket."""
+    """``<socket>_connections``: connections accepted on the public socket."""
     return Count(f"{socket}_connections")
 
 
 def disconnects(socket: Watched) -> Count:
-    """``<socket>_disconnects``: connections a public socket lost."""
+    """``<socket>_disconnects``: connections the public socket lost."""
     return Count(f"{socket}_disconnects")
 
 

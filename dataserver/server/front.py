@@ -3,9 +3,7 @@
 Sockets, all created and closed in this process's one thread:
 
 - ``data``    ROUTER, bound to ``--bind``: clients' HELLO / TASK / CONTROL / HEARTBEAT /
-  STATS / BYE (our client sends its CONTROL here only).
-- ``control`` SUB, bound to ``--control-bind``: a CONTROL published by a client's PUB
-  (tagged per server), for clients that publish.
+  STATS / BYE (a session's CONTROL comes on its data connection, like the rest).
 - ``backend`` ROUTER, bound to an ipc path: one DEALER per worker process.
 
 The front routes: each idle worker gets the next task of the fair queue, each result goes
@@ -454,7 +452,6 @@ class Front:
         """Bind, start the workers, serve until ``stop()``, then shut down cleanly."""
         ctx = zmq.Context()
         self.data = ctx.socket(zmq.ROUTER)
-        self.control_sock = ctx.socket(zmq.SUB)
         self.backend = ctx.socket(zmq.ROUTER)
         self.admin = ctx.socket(zmq.ROUTER)  # the operator's STATS (``adminsock``)
         self.outlet.attach(self.data, self.backend)
@@ -468,7 +465,7 @@ class Front:
                 lambda: self._published, self.config.metrics_port, self.config.metrics_host()
             )
         self.pool.start(self.n_workers)
-        watched: dict[Watched, zmq.Socket[Any]] = {"data": self.data, "control": self.control_sock}
+        watched: dict[Watched, zmq.Socket[Any]] = {"data": self.data}
         for name, sock in watched.items():
             monitor = sock.get_monitor_socket(MONITORED)
             self._gates[name] = Gate(ctx, monitor, self.conns.barred)
@@ -478,10 +475,9 @@ class Front:
             {
                 self.backend: ("front.backend", self.workers.on_message),
                 self.data: ("front.data", self.clients.on_data),
-                self.control_sock: ("front.control", self.clients.on_control),
                 self.admin: ("front.admin", self._on_admin),
             },
-            # Connection-level events on the public sockets: failed handshakes (raw TCP
+            # Connection-level events on the public socket: failed handshakes (raw TCP
             # junk, wrong socket types, CURVE refusals) never reach the loop as messages.
             # Each read by a ``Gate`` of its own first (a barred peer's connection shut
             # down at once, whatever the loop is doing), its events passed on in order.
@@ -526,26 +522,20 @@ class Front:
             self._on_ready(self)
 
     def _bind(self, ctx: zmq.Context[Any]) -> None:
-        data, control, backend = self.data, self.control_sock, self.backend
-        for sock in (data, control):
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.MAXMSGSIZE, CLIENT_MAX_MSG)
-            peer_socket_options(sock)
+        data, backend = self.data, self.backend
+        data.setsockopt(zmq.LINGER, 0)
+        data.setsockopt(zmq.MAXMSGSIZE, CLIENT_MAX_MSG)
+        peer_socket_options(data)
         data.setsockopt(zmq.ROUTER_MANDATORY, 1)
         data.setsockopt(zmq.SNDHWM, CLIENT_HWM)
         backend.setsockopt(zmq.LINGER, 0)
         backend.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        control.setsockopt(zmq.SUBSCRIBE, b"")
         if self.config.curve is not None:
             secret, authorized = self.config.curve
-            self._auth = start_server_curve(ctx, secret, authorized, [data, control])
+            self._auth = start_server_curve(ctx, secret, authorized, [data])
         data.bind(bindable(self.config.bind))
-        control.bind(bindable(self.config.control_endpoint()))
         backend.bind(self.pool.backend)
-        self.endpoints = {
-            "data": data.getsockopt_string(zmq.LAST_ENDPOINT),
-            "control": control.getsockopt_string(zmq.LAST_ENDPOINT),
-        }
+        self.endpoints = {"data": data.getsockopt_string(zmq.LAST_ENDPOINT)}
         # The operator's STATS: an ipc socket in the 0700 state dir (other users cannot
         # reach it), with a rate of its own, registered for ``dataserver stats ADDR``.
         self.admin.setsockopt(zmq.LINGER, 0)
@@ -559,17 +549,14 @@ class Front:
     def _drain(
         self, sock: zmq.Socket[Any], site: str, handler: Callable[[list[Any]], None]
     ) -> None:
-        # The public sockets' messages a frame at a time, never more than MAX_FRAMES of
+        # The data socket's messages a frame at a time, never more than MAX_FRAMES of
         # them (``conns.read_message``: a peer's message of 500,000 empty frames took the
         # whole core); the workers' and the admin socket's (ipc, this user's) whole.
-        public: Watched | None = (
-            "data" if sock is self.data else "control" if sock is self.control_sock else None
-        )
-        skip = 1 if public == "data" else 0
+        public = sock is self.data
         for _ in range(DRAIN):
             try:
-                if public is not None:
-                    frames = read_message(sock, skip, partial(self.conns.flooded, public))
+                if public:
+                    frames = read_message(sock, 1, partial(self.conns.flooded, "data"))
                     if frames is None:
                         continue
                 else:
@@ -659,7 +646,6 @@ class Front:
             fingerprint=self.fingerprint,
             workers=self.n_workers,
             credit=self.credit,
-            control=self.endpoints["control"],
             results=results,
             max_image_side=self.config.max_image_side,
             max_task_bytes=self.config.max_task_bytes,

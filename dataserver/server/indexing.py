@@ -2,7 +2,7 @@
 is an error in the first second, not after the parse), ``dataserver stats`` answered with
 ``indexing N%`` (``--check`` fails readiness, liveness holds), the build itself a one-shot
 ``dataserver index`` process (its parse's memory goes with it) writing the index cache the
-front then maps. The front binds the same endpoints when the build is done."""
+front then maps. The front binds the same endpoint when the build is done."""
 
 from __future__ import annotations
 
@@ -30,9 +30,9 @@ PROGRESS = "progress "  # the line ``dataserver index --progress-lines`` prints
 
 
 class IndexingPorts:
-    """The data and control endpoints bound while the index builds; STATS answered on
-    the data endpoint, anything else dropped (a client's DEALER sends again to the front
-    that binds after). ``bound()``: the configuration with the ports actually taken."""
+    """The data endpoint bound while the index builds; STATS answered there, anything else
+    dropped (a client's DEALER sends again to the front that binds after). ``bound()``:
+    the configuration with the port actually taken."""
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
@@ -41,26 +41,22 @@ class IndexingPorts:
         self.fraction = 0.0
         self._ctx: zmq.Context[Any] = zmq.Context()
         self._data = self._ctx.socket(zmq.ROUTER)
-        self._control = self._ctx.socket(zmq.SUB)
-        for sock in (self._data, self._control):
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.MAXMSGSIZE, 4096)
+        self._data.setsockopt(zmq.LINGER, 0)
+        self._data.setsockopt(zmq.MAXMSGSIZE, 4096)
         try:
             self._data.bind(bindable(config.bind))
-            self._control.bind(bindable(config.control_endpoint()))
         except zmq.ZMQError:
             self.close()
             raise
         self.data_endpoint = self._data.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.control_endpoint = self._control.getsockopt_string(zmq.LAST_ENDPOINT)
 
     def tell(self, fraction: float) -> None:
         """The build's progress, 0..1 (its reader thread's)."""
         self.fraction = fraction
 
     def bound(self) -> ServerConfig:
-        """``config`` with the endpoints these ports took (a ``:0`` became a port)."""
-        return replace(self.config, bind=self.data_endpoint, control_bind=self.control_endpoint)
+        """``config`` with the endpoint this port took (a ``:0`` became a port)."""
+        return replace(self.config, bind=self.data_endpoint)
 
     def stats(self) -> dict[str, Any]:
         """What ``dataserver stats`` gets meanwhile: no worker alive yet."""
@@ -96,7 +92,6 @@ class IndexingPorts:
     def close(self) -> None:
         """Unbind (the listeners are closed when this returns: the front binds them)."""
         self._data.close(linger=0)
-        self._control.close(linger=0)
         self._ctx.term()
 
 

@@ -39,7 +39,6 @@ from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from dataserver.protocol.messages import pub_handle
 from dataserver.server.counts import Reject
 from dataserver.server.statsview import TokenBucket
 
@@ -51,7 +50,6 @@ SESSIONS_PER_CONNECTION = 8
 STATE_CHANGES = 2
 STEER_RATE = 100_000  # plan/control changes a second a session could make (a tight loop)
 STEER_SLACK = 1 << 16
-CLOSED_HANDLES_KEPT = 4096
 POISONS_KEPT = 1024  # tasks answered poison lately, by (session, digest): a copy is not run
 # A peer whose sessions sent a task within this many seconds is working: the session cap is
 # shared among the working peers (``Scheduler._evict_from_largest``).
@@ -174,11 +172,6 @@ class Scheduler:
         # Tasks queued here or held by a worker, by (session, task_id): a client that asks
         # again for one of these (its deadline passed) gets the answer the first one makes.
         self.live: dict[tuple[bytes, int], TaskEntry] = {}
-        # Sessions by the handle a published CONTROL names them with (``pub_handle``).
-        self.by_handle: dict[bytes, Session] = {}
-        # Handles of sessions closed lately: a CONTROL its client published just before its
-        # BYE may arrive after it (another socket), and is no attack.
-        self.closed_handles: OrderedDict[bytes, None] = OrderedDict()
         self._ready: deque[Session] = deque()
         self.shares: dict[str, PeerShare] = {}  # peers with sessions (``PeerShare``)
         self.queued = 0
@@ -231,7 +224,6 @@ class Scheduler:
             session = self.sessions[sid] = Session(
                 sid, identity, secret, base=base, conn=identity, peer=peer
             )
-            self.by_handle[pub_handle(secret)] = session
             self.by_conn[identity] += 1
             self.by_peer.setdefault(peer, {})[sid] = session
         session.identity = identity
@@ -517,11 +509,6 @@ class Scheduler:
                 and (not session.peer or session.peer not in self.by_peer)
             ):
                 del self.shares[session.share]
-            handle = pub_handle(session.secret)
-            self.by_handle.pop(handle, None)
-            self.closed_handles[handle] = None
-            if len(self.closed_handles) > CLOSED_HANDLES_KEPT:
-                self.closed_handles.popitem(last=False)
             self._took(session, len(session.queue), session.queued_bytes)
             session.queue.clear()
             for task_id in session.live_ids:  # its own, not a scan of every session's
