@@ -7,7 +7,7 @@ approximation of a global shuffle), each sample decoded and fitted by the same c
 every other side (``compose_one`` over a one-sample dataset: identical work per image),
 ``.batched`` in the worker, in a ``wds.WebLoader`` with the tuned DataLoader's settings
 (spawn, persistent workers, ``tuned_process``). A shard is read by one streaming GET
-(``s3://`` registered as a WebDataset scheme, streamed with obstore and the same
+(``s3://`` opened by its ``url_opener`` stage's stand-in, streamed with obstore and the same
 credentials and endpoint as the servers: what ``pipe:aws s3 cp URL -`` does, in process).
 Epoch 2 is its steady rate (epoch 1 also starts the workers); nothing is cached.
 """
@@ -15,7 +15,6 @@ Epoch 2 is its steady rate (epoch 1 also starts the workers); nothing is cached.
 from __future__ import annotations
 
 import argparse
-import importlib
 import io
 import os
 import time
@@ -114,13 +113,17 @@ def _as_made(batch: Any) -> Any:
     return batch
 
 
-def _worker_init(worker: int = 0) -> None:
-    from dataserver.bench.baselines import tuned_process
+def _opened(shards: Any) -> Any:
+    """WebDataset's ``url_opener`` stage with ``s3://`` opened by ``open_s3``."""
+    for shard in shards:
+        yield {**shard, "stream": open_s3(shard["url"])}
 
-    # (the package's ``gopen`` attribute is the function; its schemes are in the module)
-    gopen = importlib.import_module("webdataset.gopen")
-    gopen.gopen_schemes["s3"] = open_s3
-    tuned_process(worker)
+
+def _samples(shards: Any) -> Any:
+    """WebDataset's ``tarfile_samples`` (its tar expander and key grouping) over ``_opened``."""
+    from webdataset.tariterators import group_by_keys, tar_file_expander
+
+    return group_by_keys(tar_file_expander(_opened(shards)))
 
 
 def wds_side(args: argparse.Namespace) -> dict[str, Any]:
@@ -128,25 +131,29 @@ def wds_side(args: argparse.Namespace) -> dict[str, Any]:
     epochs 1 and 2 and the first batch's wait."""
     import webdataset as wds
 
-    from dataserver.bench.baselines import collate, targets_of
+    from dataserver.bench.baselines import collate, targets_of, tuned_process
     from dataserver.data.shards import expand
 
     urls = expand(args.spec[len("wds:") :])
     size = (args.image_size, args.image_size)
     workers = min(args.workers, len(urls))  # (a worker with no shard would have nothing)
-    pipeline = (
-        wds.WebDataset(urls, shardshuffle=True, empty_check=False, seed=0)
-        .shuffle(SHUFFLE_BUFFER)
-        .map(_Work(size))
-        .batched(args.batch_size, collation_fn=collate, partial=True)
+    # WebDataset(urls, shardshuffle=True).shuffle(...) as its stages (the same ones), with
+    # s3:// opened in process: the shard list shuffled, split between workers, streamed.
+    pipeline = wds.DataPipeline(
+        wds.SimpleShardList(urls, seed=0),
+        wds.shuffle(len(urls), seed=0),
+        wds.split_by_worker,
+        _samples,
+        wds.shuffle(SHUFFLE_BUFFER, seed=0),
+        wds.map(_Work(size)),
+        wds.batched(args.batch_size, collation_fn=collate, partial=True),
     )
-    _worker_init()
     loader = wds.WebLoader(
         pipeline,
         batch_size=None,
         collate_fn=_as_made,  # (batched in the worker: nothing to convert on the way out)
         num_workers=workers,
-        worker_init_fn=_worker_init,
+        worker_init_fn=tuned_process,
         persistent_workers=workers > 0,
         multiprocessing_context="spawn" if workers > 0 else None,
         prefetch_factor=4 if workers > 0 else None,

@@ -59,16 +59,17 @@ class _Wants:
         """Whether anything of this session's waits or is in flight."""
         return bool(self.running or self.now or self.ahead)
 
-    def pop(self) -> int | None:
+    def pop(self) -> tuple[int, bool] | None:
+        """The next sample to look at, and whether a queued task wants it (needed now)."""
         while self.now:
             index = self.now.popleft()
             if index not in self.seen:
                 self.seen.add(index)
-                return index
+                return index, True
         if self.ahead:
             index = self.ahead.popleft()
             self.seen.add(index)
-            return index
+            return index, False
         return None
 
     def unpop(self, index: int) -> None:
@@ -215,9 +216,10 @@ class Prefetcher:
         """``session``'s next fetch within its share, charged; "full": the server's bytes in
         flight leave no room for it now; None: nothing of this session's to start."""
         while wants.running < share and wants.bytes < share_bytes:
-            index = wants.pop()
-            if index is None:
+            popped = wants.pop()
+            if popped is None:
                 return None
+            index, needed_now = popped
             where = self._locate([index])[0]
             if not is_remote(where[0]):
                 continue
@@ -226,7 +228,8 @@ class Prefetcher:
                 self._found += 1
                 continue
             parts: Parts = ()
-            block = self._block(index, share_bytes)
+            # (a queued task's sample: its own range, soonest; the plan's: by the block)
+            block = None if needed_now else self._block(index, share_bytes)
             if block is not None:
                 url, start, length, parts = block
                 key = f"{url}|{start}|block"
