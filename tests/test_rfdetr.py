@@ -3,8 +3,8 @@ callbacks and COCO evaluation) fed by dataserver pools, on CPU with a random-ini
 ``RFDETRNano`` at a tiny resolution: losses finite and falling, a finite mAP from served
 validation, the dataset's class names on the trained model; served validation batches as
 RF-DETR's loaders make them (stretched, ImageNet-normalized, normalized cxcywh boxes, class
-indices, original sizes), never mirrored, and its COCO evaluation's ground truth in original
-pixels; epochs of whole accumulation windows; RF-DETR's ``aug_config`` as its Kornia stage;
+indices, original sizes), never mirrored, image by image beside RF-DETR's own val loader on
+the same COCO set, and its COCO evaluation's ground truth in original pixels; epochs of whole accumulation windows; RF-DETR's ``aug_config`` as its Kornia stage;
 its per-batch multi-scale served; a mid-epoch checkpoint that resumes with exactly the
 batches of an uninterrupted run."""
 
@@ -35,8 +35,11 @@ from pytorch_lightning.callbacks import ModelCheckpoint
 from rfdetr import RFDETRNano
 from rfdetr.config import MultiScale as Mode
 from rfdetr.config import RFDETRNanoConfig, TrainConfig
+from rfdetr.training import RFDETRDataModule
 from rfdetr.training.callbacks.coco_eval import COCOEvalCallback
 
+from dataserver.bench.rfdetr import rfdetr_layout
+from dataserver.data.coco import write_synthetic_coco
 from dataserver_client.batch import Batch
 from dataserver_client.integrations.rfdetr import (
     MEAN,
@@ -196,6 +199,83 @@ def test_served_validation_is_rfdetrs_own(servers: dict[str, Server]) -> None:
     finally:
         dm.teardown("validate")
     assert sorted(seen) == list(range(VAL))
+
+
+# RF-DETR resizes a PIL image (torchvision ``resize``: PIL's bilinear, antialiased when
+# shrinking); the servers resize with OpenCV's ``INTER_LINEAR`` (no antialias). Same decode
+# (identical RGB), same stretch, same boxes: only the filter differs. Measured on these 8
+# synthetic COCO JPEGs (360..640 px) at resolution 64, in 0..255 units: mean |difference| per
+# image 1.92..3.35 (2.51 over all), worst pixel 139 (aliased edges), signed mean per channel
+# within 0.07. The bounds below catch, on the same images: a mirror (27..68), RGB as BGR
+# (22..42), no or another normalization (13..29; signed >= 3.7), std 0.25 for 0.229 (5.2..6.9;
+# signed >= 2.4), an off-by-one scale (65 cropped to 64: 6.7..8.2), a one-pixel shift (7.9..13).
+PIXEL_MEAN_ABS = 4.5  # per image, 0..255 units
+PIXEL_SIGNED = 1.0  # per channel over the set, 0..255 units
+
+
+def test_served_validation_matches_rfdetrs_own_loader(start_server: Any, tmp_path: Path) -> None:
+    """Served val batches beside RF-DETR's own val loader (``RFDETRDataModule`` on the same
+    COCO set in its folder layout, through its ``on_after_batch_transfer``), image by image
+    (matched by COCO image id; served ``image_id`` is the dataset index, RF-DETR's the COCO
+    id): tensor sizes and padding masks equal, boxes (normalized cxcywh), labels, ``orig_size``
+    and ``size`` equal; pixels within interpolation, as an exact match cannot be: RF-DETR
+    shrinks with PIL's antialiased bilinear, the servers with OpenCV's ``INTER_LINEAR``
+    (measured here: mean |difference| 1.9..3.4 of 255 an image, no bias; the bounds and
+    what they catch at ``PIXEL_MEAN_ABS``)."""
+    annotations = write_synthetic_coco(tmp_path / "coco", images=VAL, seed=1)
+    doc = json.loads(annotations.read_text())
+    coco_id = [int(image["id"]) for image in doc["images"]]  # by dataset index
+    folder = rfdetr_layout(annotations, tmp_path / "rfdetr", VAL)
+    model_config = RFDETRNanoConfig(resolution=SIDE)
+
+    def config(dataset_dir: Path | None) -> TrainConfig:
+        return TrainConfig(
+            dataset_dir=None if dataset_dir is None else str(dataset_dir),
+            batch_size=4,
+            num_workers=0,
+            multi_scale=Mode.OFF,
+            aug_config={},
+            output_dir=str(tmp_path / "out"),
+        )
+
+    def by_id(dm: Any, ids: Any) -> dict[int, tuple[torch.Tensor, torch.Tensor, dict[str, Any]]]:
+        out = {}
+        for batch in dm.val_dataloader():
+            samples, targets = dm.on_after_batch_transfer(batch, 0)
+            for image, mask, target in zip(samples.tensors, samples.mask, targets, strict=True):
+                out[ids(int(target["image_id"]))] = (image, mask, target)
+        return out
+
+    own_dm = RFDETRDataModule(model_config, config(folder))
+    own_dm.setup("validate")
+    own = by_id(own_dm, lambda i: i)
+    server = start_server("--dataset", f"coco:{annotations}", workers=1)
+    served_dm = RFDETRServedDataModule(model_config, config(None), "unused", val=server.address)
+    served_dm.setup("validate")
+    try:
+        assert served_dm.class_names == [c["name"] for c in doc["categories"]]
+        served = by_id(served_dm, lambda i: coco_id[i])
+    finally:
+        served_dm.teardown("validate")
+    assert sorted(own) == sorted(served) == sorted(coco_id)
+
+    mean = torch.tensor(MEAN).view(3, 1, 1)
+    std = torch.tensor(STD).view(3, 1, 1)
+    signed = []
+    for key, (image, mask, target) in own.items():
+        s_image, s_mask, s_target = served[key]
+        assert s_image.shape == image.shape == (3, SIDE, SIDE)
+        assert torch.equal(s_mask, mask)
+        theirs, ours = (image * std + mean) * 255, (s_image * std + mean) * 255
+        off = float((ours - theirs).abs().mean())
+        assert off < PIXEL_MEAN_ABS, (key, off)
+        signed.append((ours - theirs).mean((1, 2)))
+        torch.testing.assert_close(s_target["boxes"], target["boxes"], atol=1e-6, rtol=0)
+        assert s_target["labels"].tolist() == target["labels"].tolist()
+        assert s_target["orig_size"].tolist() == target["orig_size"].tolist()
+        assert s_target["size"].tolist() == target["size"].tolist()
+    bias = torch.stack(signed).mean(0).abs().max()
+    assert float(bias) < PIXEL_SIGNED, bias
 
 
 def test_aug_config_runs_as_its_kornia_stage(servers: dict[str, Server]) -> None:
