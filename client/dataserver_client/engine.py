@@ -56,7 +56,7 @@ from dataserver.protocol import (
 )
 from dataserver_client.affinity import Affinity
 from dataserver_client.announce import SizeFetch
-from dataserver_client.assembly import Delivery, DeviceMover, HostBuffers, landing_area
+from dataserver_client.assembly import DeviceMover, HostBuffers, landing_area
 from dataserver_client.batch import Batch
 from dataserver_client.book import PlanBook
 from dataserver_client.config import ClientConfig
@@ -69,6 +69,7 @@ from dataserver_client.fds import FdBudget, new_context, raise_fd_limit
 from dataserver_client.handlers import Handlers
 from dataserver_client.handoff import Handoff
 from dataserver_client.hedging import Hedging
+from dataserver_client.inflight import Delivery
 from dataserver_client.ledger import TaskLedger
 from dataserver_client.links import DatasetInfo, EventKind, Links, LinkState, ServerLink
 from dataserver_client.resume import Deal, Position
