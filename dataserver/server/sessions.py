@@ -39,8 +39,8 @@ from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from dataserver.ratelimit import TokenBucket
 from dataserver.server.counts import Reject
-from dataserver.server.statsview import TokenBucket
 
 # Sessions one connection may hold: a DataServerClient opens one per server on a connection
 # of its own; room for a few more (a process that multiplexes, a session opened again).
