@@ -22,29 +22,35 @@ def module_name(path: Path) -> str:
     raise ValueError(path)
 
 
-def imports_of(path: Path, known: set[str]) -> set[str]:
-    """Project modules ``path`` imports anywhere (function bodies too), except under
-    ``if TYPE_CHECKING:``."""
+def runtime_imports(path: Path) -> list[str]:
+    """What ``path`` imports anywhere (function bodies too), except under
+    ``if TYPE_CHECKING:``: each module, and each ``module.name`` of a ``from`` import."""
     tree = ast.parse(path.read_text())
     skip: set[int] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
             skip.update(id(n) for stmt in node.body for n in ast.walk(stmt))
-    out: set[str] = set()
+    names: list[str] = []
     for node in ast.walk(tree):
         if id(node) in skip:
             continue
-        names: list[str] = []
         if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
+            names += [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
-        for imported in names:
-            name = imported
-            while name and name not in known:
-                name = name.rpartition(".")[0]
-            if name:
-                out.add(name)
+            names += [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+    return names
+
+
+def imports_of(path: Path, known: set[str]) -> set[str]:
+    """Project modules ``path`` imports anywhere (function bodies too), except under
+    ``if TYPE_CHECKING:``."""
+    out: set[str] = set()
+    for imported in runtime_imports(path):
+        name = imported
+        while name and name not in known:
+            name = name.rpartition(".")[0]
+        if name:
+            out.add(name)
     return out
 
 
@@ -98,6 +104,49 @@ def test_the_server_side_never_imports_torch() -> None:
             assert not any(
                 m == "torch" or m.startswith(("torch.", "dataserver_client")) for m in mods
             ), f"{name} imports {mods}"
+
+
+# The client's planning modules: pure (no sockets, no threads, no tensors). The in-flight
+# batch record they name lives in ``inflight.py`` for this reason; the torch buffers and the
+# ZeroMQ links are above them.
+PLANNING = (
+    "order", "epoch", "resume", "sizes", "partners", "pacing", "affinity", "ledger",
+    "lookahead", "rebuild", "hedging", "inflight",
+)  # fmt: skip
+
+
+def test_the_planning_modules_import_neither_torch_nor_zmq() -> None:
+    """Transitively, through the project's modules (what runs at import: not under
+    ``if TYPE_CHECKING:``; the package's facade, ``dataserver_client/__init__.py``, is not
+    counted)."""
+    g = graph()
+    paths = {module_name(p): p for base in PACKAGES.values() for p in base.rglob("*.py")}
+    for planning in PLANNING:
+        start = f"dataserver_client.{planning}"
+        seen, todo = {start}, [start]
+        while todo:
+            for dep in g[todo.pop()] - seen:
+                seen.add(dep)
+                todo.append(dep)
+        for name in sorted(seen):
+            banned = [
+                m for m in runtime_imports(paths[name]) if m.split(".")[0] in ("torch", "zmq")
+            ]
+            assert not banned, f"{start} imports {name}, which imports {banned}"
+
+
+def test_the_planning_check_sees_a_torch_import(tmp_path: Path) -> None:
+    module = tmp_path / "m.py"
+    module.write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import zmq\n"
+        "def f():\n    from torch.cuda import Stream\n"
+    )
+    assert runtime_imports(module) == [
+        "typing",
+        "typing.TYPE_CHECKING",
+        "torch.cuda",
+        "torch.cuda.Stream",
+    ]
 
 
 # ---------------------------------------------------------------- who writes what

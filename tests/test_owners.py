@@ -17,7 +17,7 @@ import torch
 from dataserver.counting import Counts
 from dataserver.protocol import BatchSizes
 from dataserver_client.affinity import Affinity, rendezvous
-from dataserver_client.assembly import DeviceMover, HostBuffers, InflightBatch
+from dataserver_client.assembly import DeviceMover, HostBuffers
 from dataserver_client.book import PlanBook
 from dataserver_client.config import ClientConfig
 from dataserver_client.counts import Count, Reject
@@ -27,6 +27,7 @@ from dataserver_client.errors import DataServerError
 from dataserver_client.handlers import Handlers
 from dataserver_client.handoff import Handoff, Stuck
 from dataserver_client.hedging import Hedging
+from dataserver_client.inflight import InflightBatch
 from dataserver_client.ledger import TaskLedger
 from dataserver_client.links import Links, LinkState, ServerLink
 from dataserver_client.pacing import Pacing

@@ -29,11 +29,12 @@ import numpy as np
 
 from dataserver.protocol import Result
 from dataserver_client.affinity import Affinity
-from dataserver_client.assembly import Delivery, DeviceMover, HostBuffers, InflightBatch, Sealing
+from dataserver_client.assembly import DeviceMover, HostBuffers
 from dataserver_client.config import ClientConfig
 from dataserver_client.epoch import REGULAR, BatchPlan, Cursor, ShardLike
 from dataserver_client.errors import DataServerError
 from dataserver_client.handoff import Handoff
+from dataserver_client.inflight import Delivery, InflightBatch, Sealing
 from dataserver_client.ledger import TaskLedger, TaskRecord
 from dataserver_client.lookahead import Lookahead, LookaheadState
 from dataserver_client.pacing import Pacing

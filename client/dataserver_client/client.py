@@ -13,7 +13,6 @@ import numpy as np
 import torch
 
 from dataserver.protocol import control_problem
-from dataserver_client.assembly import Delivery
 from dataserver_client.batch import Batch
 from dataserver_client.collectives import (
     all_reduce_mean,
@@ -31,6 +30,7 @@ from dataserver_client.engine import Engine
 from dataserver_client.epoch import MODES, REGULAR, STITCH, shard_size
 from dataserver_client.errors import DataServerError
 from dataserver_client.handoff import Handoff, Stuck
+from dataserver_client.inflight import Delivery
 from dataserver_client.metrics import ClientMetrics
 from dataserver_client.rebuild import plan_of
 from dataserver_client.resume import (

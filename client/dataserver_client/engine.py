@@ -56,7 +56,7 @@ from dataserver.protocol import (
 )
 from dataserver_client.affinity import Affinity
 from dataserver_client.announce import SizeFetch
-from dataserver_client.assembly import Delivery, DeviceMover, HostBuffers, landing_area
+from dataserver_client.assembly import DeviceMover, HostBuffers, landing_area
 from dataserver_client.batch import Batch
 from dataserver_client.book import PlanBook
 from dataserver_client.config import ClientConfig
@@ -69,6 +69,7 @@ from dataserver_client.fds import FdBudget, new_context, raise_fd_limit
 from dataserver_client.handlers import Handlers
 from dataserver_client.handoff import Handoff
 from dataserver_client.hedging import Hedging
+from dataserver_client.inflight import Delivery
 from dataserver_client.ledger import TaskLedger
 from dataserver_client.links import DatasetInfo, EventKind, Links, LinkState, ServerLink
 from dataserver_client.resume import Deal, Position
@@ -92,13 +93,20 @@ class Phase(enum.Enum):
     STOPPED = "stopped"
 
 
-class Engine(threading.Thread):
-    """The I/O thread of one ``DataServerClient``. Its sockets (``links``, ``sender``) are
-    created in the thread itself, before the loop starts."""
+@dataclasses.dataclass(frozen=True)
+class Wiring:
+    """The parts the I/O thread builds itself before its loop, because they hold its
+    sockets: the links, the sender and the handlers (which share them)."""
 
     links: Links
     sender: Sender
     handlers: Handlers
+
+
+class Engine(threading.Thread):
+    """The I/O thread of one ``DataServerClient``. Its sockets (``links``, ``sender``) are
+    created in the thread itself, before the loop starts: until then ``wiring`` is None and
+    ``links``, ``sender`` and ``handlers`` raise."""
 
     def __init__(
         self, config: ClientConfig, handoff: Handoff[Delivery], curve: dict[str, bytes] | None
@@ -131,6 +139,24 @@ class Engine(threading.Thread):
         os.set_blocking(self._wake_w, False)
         self._poller = Watch()  # (epoll over the sockets' descriptors: costs what is ready)
         self._sockets: dict[Any, tuple[ServerLink, str]] = {}
+        self.wiring: Wiring | None = None  # (made by the thread: ``run``)
+
+    @property
+    def links(self) -> Links:
+        return self._wired().links
+
+    @property
+    def sender(self) -> Sender:
+        return self._wired().sender
+
+    @property
+    def handlers(self) -> Handlers:
+        return self._wired().handlers
+
+    def _wired(self) -> Wiring:
+        if self.wiring is None:
+            raise DataServerError("the client's I/O thread has not made its sockets yet")
+        return self.wiring
 
     # ------------------------------------------------------------ any thread
 
@@ -211,8 +237,7 @@ class Engine(threading.Thread):
             links = Links(
                 ctx, self.config, self.curve, standing, self.landing, budget, self._poller.touch
             )
-            self.links = links
-            self.sender = Sender(
+            sender = Sender(
                 self.config,
                 self.book,
                 self.ledger,
@@ -222,12 +247,12 @@ class Engine(threading.Thread):
                 self.landing,
                 self.hedging,
             )
-            self.handlers = Handlers(
+            handlers = Handlers(
                 self.config,
                 self.book,
                 self.ledger,
                 links,
-                self.sender,
+                sender,
                 self.buffers,
                 self.landing,
                 self.handshake,
@@ -238,6 +263,7 @@ class Engine(threading.Thread):
                 unwatch=self._unwatch,
                 hedging=self.hedging,
             )
+            self.wiring = Wiring(links, sender, handlers)
             discovery = Discovery(self.config.addresses, self.config.discovery_interval, self.wake)
             discovery.start()
             self._loop(discovery)

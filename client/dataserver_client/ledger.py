@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from dataserver.protocol.batchsizes import BatchSizes
-from dataserver_client.assembly import InflightBatch
+from dataserver_client.inflight import InflightBatch
 
 if TYPE_CHECKING:
     from dataserver_client.affinity import Affinity

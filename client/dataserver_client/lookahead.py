@@ -30,10 +30,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from dataserver.counting import Counts
-from dataserver_client.assembly import Delivery, InflightBatch
 from dataserver_client.counts import Flip
 from dataserver_client.epoch import REGULAR, STITCH, BatchPlan, Cursor, Layout
 from dataserver_client.errors import DataServerError
+from dataserver_client.inflight import Delivery, InflightBatch
 
 if TYPE_CHECKING:
     from dataserver_client.handoff import Handoff

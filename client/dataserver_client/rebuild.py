@@ -22,7 +22,6 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from dataserver.protocol import MAX_IMAGE_SIDE, MAX_INT, BatchSizes, control_problem
-from dataserver_client.assembly import Delivery, InflightBatch, Sealing
 from dataserver_client.epoch import (
     FITS,
     LETTERBOXES,
@@ -32,6 +31,7 @@ from dataserver_client.epoch import (
     ImagePlan,
     Layout,
 )
+from dataserver_client.inflight import Delivery, InflightBatch, Sealing
 from dataserver_client.partners import CONSUME, PARTNER_MODES, WINDOW
 from dataserver_client.sizes import schedule_of
 

@@ -24,7 +24,7 @@ from dataserver.protocol.messages import (
     SampleSizes,
     sizes_digest,
 )
-from dataserver.server.statsview import TokenBucket
+from dataserver.ratelimit import TokenBucket
 
 TOTAL_RATE = 16 * SIZES_RATE  # SIZES answers a second over all sessions (512 MiB/s at most)
 BUCKETS_KEPT = 4096  # sessions whose rate is remembered (least recently asking forgotten)

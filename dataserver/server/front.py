@@ -44,6 +44,7 @@ from dataserver.data.fetchcache import MemCache
 from dataserver.data.remote import Fetcher, FetchSettings
 from dataserver.loop import MessageGuard, StopFlag, serve
 from dataserver.protocol import Bye, ProtocolError, Stats, Tally, Task, Welcome, decode
+from dataserver.ratelimit import TokenBucket
 from dataserver.security import host_proof, proof_ends, start_server_curve
 from dataserver.server.announce import Announced
 from dataserver.server.beats import BeatRule
@@ -76,7 +77,7 @@ from dataserver.server.pool import WorkerPool
 from dataserver.server.prefetch import Block, Prefetcher, Where
 from dataserver.server.routing import PIPELINE, WorkerRouter
 from dataserver.server.sessions import Scheduler
-from dataserver.server.statsview import StatsView, TokenBucket
+from dataserver.server.statsview import StatsView
 from dataserver.server.store import Store
 from dataserver.server.view import Limits, ServerView
 

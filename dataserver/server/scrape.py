@@ -37,7 +37,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from dataserver.server.statsview import TokenBucket
+from dataserver.ratelimit import TokenBucket
 from dataserver.tcpinfo import peer_key
 
 log = logging.getLogger("dataserver.metrics")

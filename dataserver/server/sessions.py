@@ -36,11 +36,15 @@ from __future__ import annotations
 
 import time
 from collections import Counter, OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from dataserver.ratelimit import TokenBucket
 from dataserver.server.counts import Reject
-from dataserver.server.statsview import TokenBucket
+
+if TYPE_CHECKING:
+    from dataserver.server.pool import WorkerHandle  # (pool imports this module)
 
 # Sessions one connection may hold: a DataServerClient opens one per server on a connection
 # of its own; room for a few more (a process that multiplexes, a session opened again).
@@ -68,12 +72,12 @@ class TaskEntry:
     nbytes: int = 0  # what its frames hold, counted against the queue caps
     control_seq: int = 0  # the control values it needs
     attempts: int = 0  # workers that died running it (or dropped it as it raised)
-    held_by: Any = None  # the worker handle it was given to, while it holds it
+    held_by: WorkerHandle | None = None  # the worker it was given to, while it holds it
     digest: bytes = b""  # of what it computes: a task asked again is the same task
     control_resends: int = 0  # its worker lacked the session's values: sent again
     state: bytes = b""  # the control state it needs (``clients.control_state``)
 
-    def hold(self, handle: Any) -> None:
+    def hold(self, handle: WorkerHandle) -> None:
         """A worker (its handle) was given this task."""
         self.held_by = handle
 
@@ -111,7 +115,7 @@ class Session:
     live_ids: set[int] = field(default_factory=set)  # its task ids in Scheduler.live
     used: float = 0.0  # microseconds of worker time its tasks took (the fair queue's measure)
     state: bytes = b""  # the control state of the task it was last given a worker for
-    changes: Any = None  # a TokenBucket: how often that state may change (``pop``)
+    changes: TokenBucket | None = None  # how often that state may change (``pop``)
     conn: bytes = b""  # the connection (routing id) its HELLO came on
     peer: str = ""  # the peer that opened it: key:Z85, uid:N or an address ("" unknown)
     worked: float = 0.0  # when it last sent a task (monotonic; 0: never)
@@ -146,7 +150,7 @@ class PeerShare:
     ready: int = 0
     vtime: float = 0.0
     state: bytes = b""
-    changes: Any = None  # a TokenBucket (``Scheduler._paced``)
+    changes: TokenBucket | None = None  # how often that may change (``Scheduler._paced``)
 
 
 class Scheduler:
@@ -478,7 +482,7 @@ class Scheduler:
             self._took(session, len(stale), sum(e.nbytes for e in stale))
         return stale
 
-    def take(self, session: Session, which: Any) -> list[TaskEntry]:
+    def take(self, session: Session, which: Callable[[TaskEntry], bool]) -> list[TaskEntry]:
         """Remove and return the session's queued tasks for which ``which(entry)``."""
         gone = [e for e in session.queue if which(e)]
         if gone:

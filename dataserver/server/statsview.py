@@ -12,11 +12,11 @@ cannot silence a probe. Requests over the rate are dropped unanswered and counte
 from __future__ import annotations
 
 import ipaddress
-import time
 from typing import Any
 
 from dataserver.counting import Counts
 from dataserver.data.fetchcache import MemCache, directory_usage
+from dataserver.ratelimit import TokenBucket
 from dataserver.server.counts import Reject
 from dataserver.server.store import Store
 from dataserver.server.view import FetchCacheUsage, StoreUsage
@@ -24,30 +24,6 @@ from dataserver.server.view import FetchCacheUsage, StoreUsage
 STATS_RATE = 20.0  # answers per second, sustained, per bucket
 STATS_BURST = 40.0  # answers at once after a quiet spell
 USAGE_EVERY_S = 1.0  # the store's usage (a scan of its table under its lock) at most this often
-
-
-class TokenBucket:
-    """``rate`` events per second on average, at most ``burst`` at once."""
-
-    def __init__(self, rate: float, burst: float) -> None:
-        self.rate = rate
-        self.burst = burst
-        self.tokens = burst
-        self.at = time.monotonic()
-
-    def peek(self, now: float | None = None) -> bool:
-        """Whether ``take`` would succeed now (nothing taken)."""
-        now = time.monotonic() if now is None else now
-        return min(self.burst, self.tokens + (now - self.at) * self.rate) >= 1.0
-
-    def take(self, now: float | None = None) -> bool:
-        now = time.monotonic() if now is None else now
-        self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate)
-        self.at = now
-        if self.tokens < 1.0:
-            return False
-        self.tokens -= 1.0
-        return True
 
 
 def is_local(peer_address: str) -> bool:
