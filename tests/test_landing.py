@@ -188,6 +188,29 @@ def test_a_sealed_region_is_written_by_nobody() -> None:
         area.close()
 
 
+def test_a_late_writer_of_an_old_generation_does_not_hold_the_region() -> None:
+    """A task whose region was sealed since it was sent is composed for the socket
+    (``dest`` None) while the client has given the region to another batch: the client
+    seals that batch meanwhile. (The lock was held through the compose: a server holding
+    each answer 3 s kept a later batch in the region from being delivered for 6 s.)"""
+    area = LandingArea(2, 3 * 4 * 4 * 2, 2)
+    landings = Landings()
+    assert landings.add(os.dup(area.fd), b"s", area.token) is None
+    try:
+        gen = area.generation(1)
+        assert area.seal(1)  # (the region's batch was delivered: a new batch uses it)
+        with landings.target(b"s", area.token, 1, gen, area.offset(1), (2, 3, 4, 4)) as dest:
+            assert dest is None  # (composed for the socket: this takes the time)
+            pid = os.fork()
+            if pid == 0:  # the client, another process (POSIX locks are per process)
+                os._exit(0 if area.seal(1) else 1)
+            _, status = os.waitpid(pid, 0)
+            assert os.waitstatus_to_exitcode(status) == 0, "the client could not seal"
+    finally:
+        landings.close()
+        area.close()
+
+
 def test_a_worker_writes_only_inside_the_region_of_a_registered_buffer_of_that_session() -> None:
     area = LandingArea(2, 3 * 4 * 4 * 2, 2)
     landings = Landings()
