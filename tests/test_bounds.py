@@ -38,7 +38,7 @@ from zmtp import (
 from dataserver.counting import Counts
 from dataserver.protocol import ErrorMsg, Heartbeat, Hello, Stats, decode
 from dataserver.server.capacity import fds_allow
-from dataserver.server.conns import ConnTracker
+from dataserver.server.conns import CONNS_PER_SESSION, ConnTracker
 from dataserver.server.counts import Reject
 from dataserver.server.memory import FRONT_TRIM_THRESHOLD
 from dataserver.tcpinfo import loopback_uid
@@ -423,7 +423,7 @@ def test_a_slowloris_does_not_hold_the_connection_cap(start_server: Any) -> None
         "--idle-timeout", "6", workers=2,
     )  # fmt: skip
     cap = server.stats()["limits"]["max_connections"]
-    assert cap == 4 * 16 + 256
+    assert cap == CONNS_PER_SESSION * 16 + 256
     host, port = host_port(server.address)
     slow = []
     for _ in range(cap):
