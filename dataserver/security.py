@@ -66,6 +66,22 @@ def reply_id(secret: bytes) -> bytes:
     return hashlib.blake2b(secret, digest_size=16, person=b"dataserver-rply").digest()
 
 
+# The key the front and its workers share (in the workers' environment, never on a command
+# line: ``/proc/PID/cmdline`` is anyone's to read) to tag the claims of admitted sessions.
+CLAIM_KEY_ENV = "DATASERVER_CLAIM_KEY"
+
+
+def claim_tag(key: bytes, session: bytes, name: bytes) -> bytes:
+    """What proves a claim on a worker's result port is an admitted session's (issue 40):
+    the front hands it to the session in its WELCOME (``claim``), keyed by what only the
+    front and its workers hold, bound to the session id and its connections' name
+    (``reply_id`` of its secret). A secret made up by a peer names its own connection but
+    earns no tag."""
+    return hashlib.blake2b(
+        session + name, key=key, digest_size=16, person=b"dataserver-clm"
+    ).digest()
+
+
 def host_proof(token: str, nonce: bytes, session: bytes, ends: bytes) -> bytes:
     """What a server's WELCOME says to prove it is on the client's host without saying its
     host token (the token is in a file of the server's 0700 state dir; a client on the

@@ -21,10 +21,10 @@ def _command(name: bytes, body: bytes) -> bytes:
     return bytes([COMMAND, len(payload)]) + payload
 
 
-def _ready(socket_type: bytes) -> bytes:
-    key = b"Socket-Type"
-    prop = bytes([len(key)]) + key + struct.pack(">I", len(socket_type)) + socket_type
-    return _command(b"READY", prop)
+def _ready(socket_type: bytes, identity: bytes = b"") -> bytes:
+    props = [(b"Socket-Type", socket_type)] + ([(b"Identity", identity)] if identity else [])
+    body = b"".join(bytes([len(k)]) + k + struct.pack(">I", len(v)) + v for k, v in props)
+    return _command(b"READY", body)
 
 
 def frame_header(size: int, more: bool) -> bytes:
@@ -46,14 +46,19 @@ def _read_exactly(sock: socket.socket, n: int) -> bytes:
 
 
 def handshake(
-    host: str, port: int, socket_type: bytes = b"DEALER", timeout: float = 10.0
+    host: str,
+    port: int,
+    socket_type: bytes = b"DEALER",
+    timeout: float = 10.0,
+    identity: bytes = b"",
 ) -> socket.socket:
-    """A TCP connection that has finished the ZMTP handshake with a ROUTER/SUB there."""
+    """A TCP connection that has finished the ZMTP handshake with a ROUTER/SUB there (as
+    ``identity``: the name a ROUTER knows it by)."""
     sock = socket.create_connection((host, port), timeout=timeout)
     try:
         sock.sendall(_greeting())
         _read_exactly(sock, 64)
-        sock.sendall(_ready(socket_type))
+        sock.sendall(_ready(socket_type, identity))
         flags, size = _read_exactly(sock, 2)
         if flags & LONG:
             size = struct.unpack(">Q", bytes([size]) + _read_exactly(sock, 7))[0]

@@ -545,7 +545,10 @@ class ServerLink:
         keeps a result connection from being shut down as idle. The DEALER deals one claim
         to each connected worker in turn."""
         self.last_claim = time.monotonic()
-        frames = Hello(session=self.session, auth=self.secret).encode()
+        # (the tag the front's WELCOME gave: it admitted the session; a worker takes no
+        # claim without it)
+        tag = self.welcome_msg.claim if self.welcome_msg is not None else b""
+        frames = Hello(session=self.session, auth=self.secret, claim=tag).encode()
         for _ in self.result_endpoints:
             try:
                 self.results.send_multipart(frames, zmq.NOBLOCK)

@@ -225,6 +225,9 @@ class Hello(Message, kw_only=True):
     # Random bytes a server on the client's host proves its host token with, in WELCOME's
     # ``local_proof`` (``dataserver.security.host_proof``); the token never goes on the wire.
     nonce: Annotated[bytes, Meta(max_length=32)] = b""
+    # On a worker's result port: the tag the session's WELCOME gave (``claim``), without
+    # which a worker takes no claim (``dataserver.security.claim_tag``).
+    claim: Annotated[bytes, Meta(max_length=32)] = b""
 
 
 class Welcome(Message, kw_only=True):
@@ -250,6 +253,10 @@ class Welcome(Message, kw_only=True):
     local: Endpoints = ()
     local_token: T64 = ""
     local_proof: Annotated[bytes, Meta(max_length=32)] = b""
+    # What the session's claims on the workers' result ports carry (``Hello.claim``): it
+    # proves the front admitted the session (absent, an older server: results come
+    # through the front wherever a worker asks for it).
+    claim: Annotated[bytes, Meta(max_length=32)] = b""
     # Bytes of its store of prepared sources (0: none; every task decodes its sources).
     store_bytes: Annotated[int, In(0, 1 << 50)] = 0
     # The dataset's categories, its (label, name) pairs (none: it announces none).
@@ -709,6 +716,8 @@ class Tally(Message, kw_only=True):
     unfinished_dropped: U63 = 0
     frames_dropped: U63 = 0  # a message of too many frames (issue 40)
     barred_dropped: U63 = 0  # ... its peer's next connections
+    claim_dropped: U63 = 0  # a claim no admitted session's (no tag from the front)
+    unclaimed_dropped: U63 = 0  # never claimed in time, or beyond the unclaimed budget
     fetches: U63 = 0
     fetch_bytes: U63 = 0
     fetch_retries: U63 = 0

@@ -50,7 +50,7 @@ import resource
 import socket
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -71,6 +71,7 @@ log = logging.getLogger("dataserver.conns")
 
 CHECK_S = 1.0  # how often connections are looked at ...
 CHECKS_PER_S = 4000  # ... but no more than this many looks a second (then each less often)
+LOOK_AHEAD = 8  # heard connections looked at for one whose session closed (``_over_limit``)
 FRAME_COST = 64  # what libzmq keeps of every frame it holds (a zmq_msg_t in its pipe)
 MIN_FRAME_WIRE = 2  # the fewest bytes a frame takes on the wire (an empty one's header)
 WEIGHT = FRAME_COST // MIN_FRAME_WIRE  # memory an unfinished byte may cost, at worst
@@ -330,8 +331,13 @@ class ConnTracker:
         every: float = CHECK_S,
         curve: bool = False,
         barred: Barred | None = None,
+        unclaimed: tuple[int, float] | None = None,
     ) -> None:
         self.idle_timeout = idle_timeout
+        # (most, seconds): connections that never sent an authentic message, kept apart
+        # from ``limit`` (the oldest goes beyond ``most``), and each for ``seconds`` at most
+        # (``<socket>_unclaimed_dropped``); None: judged by ``limit`` and the idle timeout.
+        self.unclaimed = unclaimed
         self.curve = curve
         # Peers that sent a message of too many frames: their connections are shut down
         # as they come (``BAR_S``; a ``Gate`` may share it).
@@ -343,6 +349,11 @@ class ConnTracker:
         self.every = every
         self.live = live
         self.conns: dict[int, Conn] = {}
+        # The same connections apart: never heard, in the order they came; heard, the
+        # least recently heard first (a victim is found without a scan: issue 40, every
+        # accept of a reconnect churn had looked at every connection).
+        self._unheard: OrderedDict[int, Conn] = OrderedDict()
+        self._heard: OrderedDict[int, Conn] = OrderedDict()
         # Every connection in the order it is looked at (``_due``), a slice at a time: (fd,
         # its Conn: an entry whose fd was closed, or reused, is passed over and let go).
         self._order: deque[tuple[int, Conn]] = deque()
@@ -365,17 +376,28 @@ class ConnTracker:
         peer = _peer(fd)
         info = _tcp_info(fd) if peer is not None else None
         if peer is None or info is None:  # ipc, or gone already: nothing to judge it by
-            self.conns.pop(fd, None)
+            self._forget(fd)
             return
         if self.barred.holds(fd, now):
-            self.conns.pop(fd, None)
+            self._forget(fd)
             if _shutdown(fd, peer):
                 self._rejected.count(dropped(name, "barred_dropped"))
             return
-        conn = self.conns[fd] = Conn(name, peer, now, now, info[1], info[1])
+        self._forget(fd)
+        conn = self.conns[fd] = self._unheard[fd] = Conn(name, peer, now, now, info[1], info[1])
         self._order.append((fd, conn))
         if len(self.conns) > self.limit:
             self._over_limit(fd, now)
+        elif self.unclaimed is not None and len(self._unheard) > self.unclaimed[0]:
+            # (the oldest: no peer is asked for, at ~100 us a look, or a reconnect churn
+            # outruns the accepts)
+            self._drop(next(iter(self._unheard)), "unclaimed_dropped")
+
+    def _forget(self, fd: int) -> Conn | None:
+        """Stop following connection ``fd``; its Conn, if it was followed."""
+        self._unheard.pop(fd, None)
+        self._heard.pop(fd, None)
+        return self.conns.pop(fd, None)
 
     def read(self, frames: list[Any], skip: int = 0) -> int:
         """A message was read (``frames``, of which the first ``skip`` were added by the
@@ -408,9 +430,9 @@ class ConnTracker:
                 BAR_S,
             )
         self._rejected.count(dropped(name, "frames_dropped"))
-        if fd in self.conns:
+        live = self._forget(fd)
+        if live is not None:
             self._held.pop(fd, None)
-            live = self.conns.pop(fd)
             live.key = key
             if _shutdown(fd, live.peer):
                 self._cut[fd] = (live, now)
@@ -438,10 +460,21 @@ class ConnTracker:
         if conn is not None:
             conn.session = session
             conn.active = time.monotonic() if now is None else now
+            self._unheard.pop(fd, None)
+            self._heard[fd] = conn
+            self._heard.move_to_end(fd)
+
+    def refuse(self, name: Tracked, fd: int) -> None:
+        """The message just read on ``fd`` was a claim no admitted session made: shut the
+        connection down (``<name>_claim_dropped``)."""
+        if fd in self.conns:
+            self._drop(fd, "claim_dropped")
+        elif fd >= 0 and (peer := _peer(fd)) is not None and _shutdown(fd, peer):
+            self._rejected.count(dropped(name, "claim_dropped"))
 
     def disconnected(self, fd: int) -> None:
         self._held.pop(fd, None)
-        if self.conns.pop(fd, None) is not None:
+        if self._forget(fd) is not None:
             self._disconnects += 1
         if fd in self._cut:
             # One shut down for what it held has gone: libzmq frees its frames as the
@@ -450,14 +483,17 @@ class ConnTracker:
 
     def _drop(self, fd: int, reason: Dropped) -> None:
         self._held.pop(fd, None)
-        conn = self.conns.pop(fd)
+        conn = self._forget(fd)
+        assert conn is not None
         if reason == "unfinished_dropped":
             conn.key = peer_key(fd)
         if _shutdown(fd, conn.peer):
             if reason == "unfinished_dropped":
                 self._cut[fd] = (conn, time.monotonic())
             self._rejected.count(dropped(conn.socket, reason))
-            log.info("%s connection fd %d: %s; shut down", conn.socket, fd, reason)
+            # (a reconnect churn's are thousands a second: not each a log line)
+            level = logging.DEBUG if reason == "unclaimed_dropped" else logging.INFO
+            log.log(level, "%s connection fd %d: %s; shut down", conn.socket, fd, reason)
 
     def _tied(self, conn: Conn) -> bool:
         return conn.session is not None and self.live(conn.session)
@@ -465,15 +501,20 @@ class ConnTracker:
     def _over_limit(self, new_fd: int, now: float) -> None:
         """One connection too many: shut down one untied to a live session (the one
         untied for longest), else the idlest tied one; the newcomer only when every other
-        is a session's and active within ``FRESH_S``."""
-        others = [fd for fd in self.conns if fd != new_fd]
-        untied = [fd for fd in others if not self._tied(self.conns[fd])]
-        if untied:
-            victim = min(untied, key=lambda fd: self.conns[fd].active)
-        else:
-            victim = min(others, key=lambda fd: self.conns[fd].active, default=new_fd)
+        is a session's and active within ``FRESH_S``. Without a scan: the oldest never
+        heard, and the least recently heard (the first few, for one whose session closed)."""
+        untied = next((fd for fd in self._unheard if fd != new_fd), None)
+        heard = [fd for _, fd in zip(range(LOOK_AHEAD), self._heard, strict=False)]
+        closed = [fd for fd in heard if not self._tied(self.conns[fd])]
+        candidates = [fd for fd in (untied, *closed[:1]) if fd is not None]
+        if candidates:
+            victim = min(candidates, key=lambda fd: self.conns[fd].active)
+        elif heard:
+            victim = heard[0]
             if now - self.conns[victim].active < FRESH_S:
                 victim = new_fd
+        else:
+            victim = new_fd
         if not self._warned:
             self._warned = True
             log.warning(
@@ -550,10 +591,14 @@ class ConnTracker:
             info[1] is None or conn.received is None or info[1] < conn.received
         )
         if info is None or (moved and _peer(fd) != conn.peer):
-            del self.conns[fd]
+            self._forget(fd)
             return 0
         received = info[1]
         conn.received = received
+        unclaimed = self.unclaimed
+        if unclaimed is not None and fd in self._unheard and now - conn.accepted > unclaimed[1]:
+            self._drop(fd, "unclaimed_dropped")
+            return 0
         if now - conn.active > self.idle_timeout:
             self._drop(fd, "idle_dropped")
             return 0

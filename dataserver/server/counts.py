@@ -22,7 +22,13 @@ from typing import Literal, get_args
 Watched = Literal["data"]  # the front's public socket (its monitor)
 Tracked = Literal["data", "results"]  # sockets a ConnTracker judges
 Dropped = Literal[
-    "idle_dropped", "over_limit_dropped", "unfinished_dropped", "frames_dropped", "barred_dropped"
+    "idle_dropped",
+    "over_limit_dropped",
+    "unfinished_dropped",
+    "frames_dropped",
+    "barred_dropped",
+    "claim_dropped",
+    "unclaimed_dropped",
 ]
 LandingRefusal = Literal["fd", "peer", "silent", "mac"]
 # ``dataserver.data.remote.FetchError.kind``: why an object was given up on
@@ -151,6 +157,10 @@ class Reject(StrEnum):
     RESULTS_UNFINISHED_DROPPED = "results_unfinished_dropped"
     RESULTS_FRAMES_DROPPED = "results_frames_dropped"  # a message of too many frames
     RESULTS_BARRED_DROPPED = "results_barred_dropped"  # its peer barred for that
+    # A claim on a worker's result port that no admitted session made (issue 40)
+    RESULTS_CLAIM_DROPPED = "results_claim_dropped"
+    # A result connection that claimed nothing in time, or beyond the unclaimed budget
+    RESULTS_UNCLAIMED_DROPPED = "results_unclaimed_dropped"
 
 
 @unique

@@ -10,8 +10,18 @@ S (a HELLO on that connection) with the key S is tagged with, and it cannot be t
 while it lives (no ROUTER_HANDOVER: a second connection naming S is refused). A claim holds
 until that connection drops (``ZMQ_SRCFD`` names the connection a claim came by, the
 monitor names the one that dropped); until then results take the path through the front.
-Without CURVE, the name itself is the proof (it comes from the session's secret): a
-reconnecting client takes its name back at once (ROUTER_HANDOVER).
+Without CURVE, the name comes from the session's secret: a reconnecting client takes its
+name back at once (ROUTER_HANDOVER).
+
+Admission (issue 40 item 2): any secret names its own connection, so a name proves nothing
+about the front having admitted a session, and a peer with none had filled the cap with
+"claimed" connections. A claim must carry ``claim``, the tag the front's WELCOME gave the
+session (``security.claim_tag``: keyed by what only the front and its workers hold, bound
+to the session id and the name); one without it is refused and its connection shut down
+(``results_claim_dropped``). Connections that claimed nothing are kept apart from the
+claimed ones: at most ``unclaimed_budget`` of them (the oldest goes) and for
+``UNCLAIMED_S`` each (``results_unclaimed_dropped``), so a peer with no session can neither
+take an admitted one's place nor, by reconnecting, the fds kept for the dataset's reads.
 
 Connections (issue 25 items 5 and 8): clients claim on every result connection as it comes
 up and every ``CLAIM_S`` seconds after, CURVE or not, and only those claims (authentic:
@@ -26,19 +36,26 @@ files`` and a worker aborted in libzmq's ipc listener.
 
 from __future__ import annotations
 
+import hmac
 import logging
 import threading
 import time
 from typing import Any
 
 import zmq
-from zmq.utils.monitor import recv_monitor_message
+from zmq.utils.monitor import parse_monitor_message
 
 from dataserver.counting import Counts
 from dataserver.protocol import Hello, ProtocolError, Result, decode
-from dataserver.security import CLAIM_S, owns, reply_id, start_server_curve
+from dataserver.security import CLAIM_S, claim_tag, owns, reply_id, start_server_curve
 from dataserver.server.config import bindable
-from dataserver.server.conns import CHECK_S, ConnTracker, peer_socket_options, read_message
+from dataserver.server.conns import (
+    CHECK_S,
+    ConnTracker,
+    Gate,
+    peer_socket_options,
+    read_message,
+)
 from dataserver.server.counts import Reject
 from dataserver.server.outbox import Outbox, tracked
 
@@ -49,6 +66,12 @@ MAX_CLAIMS = 4096
 RESULTS_IDLE_MIN = 4 * CLAIM_S  # a result connection's idle timeout: --idle-timeout, no less
 RESULTS_UNFINISHED = 64 << 10  # a connection's bytes of an unfinished message (claims: ~100)
 RESULTS_UNFINISHED_TOTAL = 8 << 20  # ... and all connections' together
+UNCLAIMED_S = 3.0  # a result connection's time to claim (a client claims as it comes up)
+
+
+def unclaimed_budget(limit: int) -> int:
+    """How many result connections that claimed nothing a worker keeps (of ``limit``)."""
+    return max(16, limit // 8)
 
 
 class ResultConns:
@@ -57,7 +80,12 @@ class ResultConns:
     (``read``, ``heard``) and learns which connections dropped (``gone``)."""
 
     def __init__(
-        self, sock: zmq.Socket[Any], idle_timeout: float, limit: int, curve: bool = False
+        self,
+        ctx: zmq.Context[Any],
+        sock: zmq.Socket[Any],
+        idle_timeout: float,
+        limit: int,
+        curve: bool = False,
     ) -> None:
         self.lock = threading.Lock()
         self._dropped = Counts(Reject)  # ``results_<reason>``, since ``take_dropped``
@@ -70,8 +98,14 @@ class ResultConns:
             total_unfinished=RESULTS_UNFINISHED_TOTAL,
             every=CHECK_S / 4,  # (an unfinished message grows at the sender's pace)
             curve=curve,
+            unclaimed=(unclaimed_budget(limit), UNCLAIMED_S),
         )
-        self.monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        # Its monitor drained by a thread of its own into a queue without bound (``Gate``):
+        # libzmq drops a monitor's events past 1,000 unread, and a connection whose
+        # ACCEPTED was lost was never judged (a reconnect churn took a worker to its fd
+        # limit).
+        monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        self.gate = Gate(ctx, monitor, self.tracker.barred)
         self._gone: list[int] = []  # fds dropped since the worker's thread last asked
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="result-conns", daemon=True)
@@ -79,7 +113,7 @@ class ResultConns:
 
     def _run(self) -> None:
         poller = zmq.Poller()
-        poller.register(self.monitor, zmq.POLLIN)
+        poller.register(self.gate.events, zmq.POLLIN)
         while not self._stop.is_set():
             if poller.poll(int(CHECK_S * 250)):
                 self._events()
@@ -89,11 +123,14 @@ class ResultConns:
     def _events(self) -> None:
         for _ in range(4096):
             try:
-                event = recv_monitor_message(self.monitor, zmq.NOBLOCK)
+                frames = self.gate.events.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
+            event = parse_monitor_message(frames[:2])
             with self.lock:
-                if event["event"] == zmq.EVENT_ACCEPTED:
+                if frames[2:] == [Gate.BARRED]:  # (shut down by the gate)
+                    self._dropped.count(Reject.RESULTS_BARRED_DROPPED)
+                elif event["event"] == zmq.EVENT_ACCEPTED:
                     self.tracker.accepted("results", event["value"])
                 else:
                     self.tracker.disconnected(event["value"])
@@ -113,6 +150,11 @@ class ResultConns:
         with self.lock:
             self.tracker.heard(fd, name)
 
+    def refuse(self, fd: int) -> None:
+        """Connection ``fd`` claimed with no admitted session's tag: shut it down."""
+        with self.lock:
+            self.tracker.refuse("results", fd)
+
     def take_dropped(self) -> dict[Reject, int]:
         """The connections shut down since the last call, by ``results_<reason>``."""
         with self.lock:
@@ -127,6 +169,7 @@ class ResultConns:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+        self.gate.close()
 
 
 class DirectResults:
@@ -141,8 +184,10 @@ class DirectResults:
         local: str | None = None,
         idle_timeout: float = 30.0,
         limit: int = 4096,
+        claim_key: bytes = b"",
     ) -> None:
         self.curve = curve
+        self.claim_key = claim_key  # (the front's: ``security.CLAIM_KEY_ENV``)
         self.outbox = Outbox(max_queued_bytes)
         self.claims: dict[bytes, int] = {}  # (CURVE) claimed names, each with its connection
         self.sock = ctx.socket(zmq.ROUTER)
@@ -156,7 +201,7 @@ class DirectResults:
         self.auth = None
         if curve is not None:
             self.auth = start_server_curve(ctx, curve[0], curve[1], [self.sock])
-        self.conns = ResultConns(self.sock, idle_timeout, limit, curve is not None)
+        self.conns = ResultConns(ctx, self.sock, idle_timeout, limit, curve is not None)
         self.sock.bind(bindable(bind))
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         # Clients on this host connect here instead (a unix socket: about 40% less CPU per
@@ -192,6 +237,10 @@ class DirectResults:
         # A connection is named by the reply id of a session's secret: claiming it
         # needs the secret, and with CURVE the key the session id is tagged with.
         if not isinstance(msg, Hello) or msg.auth is None or reply_id(msg.auth) != name:
+            return
+        # ... and the front's tag: the session is one it admitted.
+        if not hmac.compare_digest(msg.claim, claim_tag(self.claim_key, msg.session, name)):
+            self.conns.refuse(fd)
             return
         if self.curve is not None:
             try:
@@ -233,7 +282,6 @@ class DirectResults:
         gives results still queued in ZeroMQ that long to leave."""
         self.conns.close()
         self.sock.disable_monitor()
-        self.conns.monitor.close(linger=0)
         self.sock.close(linger=linger_ms)
         if self.auth is not None:
             self.auth.stop()

@@ -45,7 +45,7 @@ from dataserver.data.remote import Fetcher, FetchSettings
 from dataserver.loop import MessageGuard, StopFlag, serve
 from dataserver.protocol import Bye, ProtocolError, Stats, Tally, Task, Welcome, decode
 from dataserver.ratelimit import TokenBucket
-from dataserver.security import host_proof, proof_ends, start_server_curve
+from dataserver.security import claim_tag, host_proof, proof_ends, reply_id, start_server_curve
 from dataserver.server.announce import Announced
 from dataserver.server.beats import BeatRule
 from dataserver.server.capacity import session_cap
@@ -640,6 +640,11 @@ class Front:
         self._pace_beats()
         results, local = self.workers.result_endpoints()
         ends = proof_ends(fd, server=True) if nonce and local else None
+        # The tag its claims on the workers' result ports carry: the front admitted it.
+        opened = self.scheduler.sessions.get(session)
+        claim = b""
+        if opened is not None and results:
+            claim = claim_tag(self.pool.claim_key, session, reply_id(opened.secret))
         return Welcome(
             session=session,
             server_id=self.server_id,
@@ -652,6 +657,7 @@ class Front:
             max_task_bytes=self.config.max_task_bytes,
             local=local,
             local_proof=b"" if ends is None else host_proof(self.local_token, nonce, session, ends),
+            claim=claim,
             store_bytes=self.store.capacity if self.store is not None else 0,
             categories=self.categories,
             sizes_count=self.announced.count,

@@ -20,6 +20,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dataserver.security import CLAIM_KEY_ENV
 from dataserver.server.config import WorkerConfig
 from dataserver.server.running import RunningSlot
 from dataserver.server.sessions import TaskEntry
@@ -133,6 +134,9 @@ class WorkerPool:
 
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config  # what each worker is told (``for_slot`` fills in the slot)
+        # What the workers tag admitted sessions' claims with (``security.claim_tag``),
+        # given in their environment (a command line is anyone's to read).
+        self.claim_key = os.urandom(32)
         self.backend = config.backend
         self.state_dir = config.state_dir
         self.workers: dict[int, WorkerHandle] = {}  # by slot
@@ -191,6 +195,7 @@ class WorkerPool:
             *(config.fetch_mem_fds or ()),
         )
         env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+        env[CLAIM_KEY_ENV] = self.claim_key.hex()
         running = self._slots.get(slot)
         if running is None:
             running = self._slots[slot] = RunningSlot.open(self.state_dir, slot)

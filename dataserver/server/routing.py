@@ -127,6 +127,8 @@ class WorkerRouter:
             (Reject.RESULTS_UNFINISHED_DROPPED, msg.unfinished_dropped),
             (Reject.RESULTS_FRAMES_DROPPED, msg.frames_dropped),
             (Reject.RESULTS_BARRED_DROPPED, msg.barred_dropped),
+            (Reject.RESULTS_CLAIM_DROPPED, msg.claim_dropped),
+            (Reject.RESULTS_UNCLAIMED_DROPPED, msg.unclaimed_dropped),
         ):
             if n:
                 self.rejected.count(name, n)

@@ -63,7 +63,7 @@ from dataserver.protocol import (
     control_digest,
     decode,
 )
-from dataserver.security import reply_id
+from dataserver.security import CLAIM_KEY_ENV, reply_id
 from dataserver.server.compose import Composer, TaskClock
 from dataserver.server.config import WorkerConfig
 from dataserver.server.conns import fd_limit, results_budget
@@ -147,6 +147,8 @@ class Worker:
                 local,
                 idle_timeout=config.idle_timeout,
                 limit=results_budget(fd_limit(), config.max_sessions),
+                # (none: no claim is taken, results come through the front)
+                claim_key=bytes.fromhex(os.environ.get(CLAIM_KEY_ENV, "")) or os.urandom(32),
             )
         ready = Ready(
             worker=self.worker_id,
@@ -269,6 +271,8 @@ class Worker:
                 unfinished_dropped=dropped.get(Reject.RESULTS_UNFINISHED_DROPPED, 0),
                 frames_dropped=dropped.get(Reject.RESULTS_FRAMES_DROPPED, 0),
                 barred_dropped=dropped.get(Reject.RESULTS_BARRED_DROPPED, 0),
+                claim_dropped=dropped.get(Reject.RESULTS_CLAIM_DROPPED, 0),
+                unclaimed_dropped=dropped.get(Reject.RESULTS_UNCLAIMED_DROPPED, 0),
                 **fetched.tally_fields(),
             )
             sock.send_multipart(tally.encode(), zmq.NOBLOCK)
