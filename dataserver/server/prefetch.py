@@ -13,6 +13,11 @@ asked: a session with work waiting may have at most its share (the bounds over t
 sessions that want something) in flight, so one session cannot take every slot. Sessions
 are served in turn; within one, a queued task's sources before the plan's next ones.
 
+A shard's sample the plan names (not a queued task's: that one is needed soonest) is
+fetched by its block (``blocks``: ``ShardDataset.block``, ~4 MiB of the shard) with one
+byte-range GET, every sample in it kept in the cache under its own range, where the cache
+holds ``BLOCKS_IN_CACHE`` blocks and the block fits the session's share of bytes.
+
 Nothing here touches the front's objects: the front calls ``want`` from its loop, reads
 ``snapshot`` for STATS, and takes the fetch tally (``Fetcher.take_tally``) to count it.
 """
