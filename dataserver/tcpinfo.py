@@ -138,20 +138,25 @@ def loopback_uid(fd: int) -> int | None:
     return None if ends is None else _local_uid(*ends)
 
 
-def _tcp_ends(fd: int) -> tuple[int, tuple[Any, ...], tuple[Any, ...]] | None:
-    """(family, peer address, own address) of TCP socket ``fd``; None when it is not a
-    connected IPv4/IPv6 socket."""
+def _ends(fd: int) -> tuple[int, Any, Any] | None:
+    """(family, peer address, own address) of connected socket ``fd``; None when it is no
+    connected socket."""
     try:
         sock = socket.socket(fileno=os.dup(fd))
     except OSError:
         return None
     with sock:
         try:
-            if sock.family not in (socket.AF_INET, socket.AF_INET6):
-                return None
             return sock.family, sock.getpeername(), sock.getsockname()
         except OSError:
             return None
+
+
+def _tcp_ends(fd: int) -> tuple[int, tuple[Any, ...], tuple[Any, ...]] | None:
+    """(family, peer address, own address) of TCP socket ``fd``; None when it is not a
+    connected IPv4/IPv6 socket."""
+    ends = _ends(fd)
+    return ends if ends is not None and ends[0] in (socket.AF_INET, socket.AF_INET6) else None
 
 
 def connection_ends(fd: int) -> tuple[bytes, bytes] | None:
@@ -160,15 +165,10 @@ def connection_ends(fd: int) -> tuple[bytes, bytes] | None:
     as a dual-stack listener sees it, in its IPv4 form), ``unix:PATH`` for a unix socket
     (an unnamed end: ``unix:``). None when ``fd`` is no connected socket of those families.
     What a server's host proof binds (``dataserver.security.proof_ends``)."""
-    try:
-        sock = socket.socket(fileno=os.dup(fd))
-    except OSError:
+    ends = _ends(fd)
+    if ends is None:
         return None
-    with sock:
-        try:
-            family, peer, own = sock.family, sock.getpeername(), sock.getsockname()
-        except OSError:
-            return None
+    family, peer, own = ends
     if family == socket.AF_UNIX:
         return _unix_end(peer), _unix_end(own)
     if family in (socket.AF_INET, socket.AF_INET6):

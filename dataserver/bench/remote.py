@@ -217,7 +217,7 @@ def dataloader_side(args: argparse.Namespace) -> dict[str, Any]:
     starts the workers)."""
     import torch
 
-    from dataserver.bench.baselines import make_dataloader, targets_of
+    from dataserver.bench.baselines import make_dataloader
 
     size = (args.image_size, args.image_size)
     loader = make_dataloader(args.spec, size, args.batch_size, args.workers, args.spec_args)
@@ -233,6 +233,14 @@ def dataloader_side(args: argparse.Namespace) -> dict[str, Any]:
         multiprocessing_context="spawn",
         prefetch_factor=4,
     )
+    return two_epochs(loader)
+
+
+def two_epochs(loader: Any) -> dict[str, Any]:
+    """A peer's two epochs through ``loader`` (batches of (images, [(boxes, labels)])): the
+    images/s of each, the first batch's wait, the images an epoch."""
+    from dataserver.bench.baselines import targets_of
+
     out: dict[str, Any] = {}
     start = time.perf_counter()
     for epoch in (1, 2):

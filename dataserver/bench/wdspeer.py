@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import io
 import os
-import time
 from typing import Any
 
 import numpy as np
@@ -131,7 +130,8 @@ def wds_side(args: argparse.Namespace) -> dict[str, Any]:
     epochs 1 and 2 and the first batch's wait."""
     import webdataset as wds
 
-    from dataserver.bench.baselines import collate, targets_of, tuned_process
+    from dataserver.bench.baselines import collate, tuned_process
+    from dataserver.bench.remote import two_epochs
     from dataserver.data.shards import expand
 
     urls = expand(args.spec[len("wds:") :])
@@ -158,16 +158,4 @@ def wds_side(args: argparse.Namespace) -> dict[str, Any]:
         multiprocessing_context="spawn" if workers > 0 else None,
         prefetch_factor=4 if workers > 0 else None,
     )
-    out: dict[str, Any] = {"workers": workers}
-    start = time.perf_counter()
-    for epoch in (1, 2):
-        began = time.perf_counter()
-        images = 0
-        for batch, pairs in loader:
-            targets_of(pairs)
-            if not images and epoch == 1:
-                out["first_batch_ms"] = 1000 * (time.perf_counter() - start)
-            images += len(batch)
-        out[f"epoch{epoch}_images_per_s"] = images / (time.perf_counter() - began)
-        out["images"] = images
-    return out
+    return {"workers": workers, **two_epochs(loader)}
