@@ -138,6 +138,7 @@ class _Session:
     outstanding: int = 0
     beat_s: float = BEAT_S  # as its server says (WELCOME, heartbeat replies), within bounds
     claimed: float = 0.0  # when it last claimed its results (``security.CLAIM_S``)
+    tag: bytes = b""  # what its claims carry: WELCOME's ``claim`` (the front's tag)
 
     def claim(self, now: float) -> None:
         """Claim its results, as a real client does on each worker connection every
@@ -148,7 +149,7 @@ class _Session:
         self.claimed = now
         try:
             self.results.send_multipart(
-                Hello(session=self.sid, auth=self.secret).encode(), zmq.NOBLOCK
+                Hello(session=self.sid, auth=self.secret, claim=self.tag).encode(), zmq.NOBLOCK
             )
         except zmq.Again:
             pass
@@ -202,7 +203,7 @@ class _Swarm:
     def welcome(self, s: _Session, msg: Welcome) -> None:
         if s.welcomed:
             return
-        s.welcomed, s.credit = True, msg.credit
+        s.welcomed, s.credit, s.tag = True, msg.credit, msg.claim
         s.paced(getattr(msg, "heartbeat_ms", 0))  # (an older server: nothing said)
         self.counts["welcomed"] += 1
         if self.cfg.direct and msg.results:

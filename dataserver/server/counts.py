@@ -152,6 +152,10 @@ class Reject(StrEnum):
     DATA_UNFINISHED_DROPPED = "data_unfinished_dropped"
     DATA_FRAMES_DROPPED = "data_frames_dropped"  # a message of too many frames
     DATA_BARRED_DROPPED = "data_barred_dropped"  # its peer barred for that
+    # (the family's two claim reasons, declared for every tracked socket: only a worker's
+    # result connections claim, so the front's data connections never count these)
+    DATA_CLAIM_DROPPED = "data_claim_dropped"
+    DATA_UNCLAIMED_DROPPED = "data_unclaimed_dropped"
     RESULTS_IDLE_DROPPED = "results_idle_dropped"
     RESULTS_OVER_LIMIT_DROPPED = "results_over_limit_dropped"
     RESULTS_UNFINISHED_DROPPED = "results_unfinished_dropped"
