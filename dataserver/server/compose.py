@@ -153,16 +153,14 @@ class Composer:
         clock: TaskClock,
     ) -> Result:
         out_h, out_w = recipe.sizes.out
-        pad = task.pad_value
-        # Each image is filled with the padding as it is composed (compose_image), unless
-        # it is already (a fresh landing region is all zero) or every pixel is written
-        # anyway (through augment_composed).
-        if dest is None:
-            canvas = np.empty((len(task.images), 3, out_h, out_w), np.uint8)
-            filled = False
-        else:
-            canvas = dest
-            filled = not pad and bool(task.land_zero)
+        # Each image is filled with the padding as it is composed (compose_image).
+        # A landing task is composed aside and copied into the client's buffer whole: each
+        # byte there then goes straight to its final value. Composed in place, a second copy
+        # of the task (a hedge's loser, a task asked again) wrote transient bytes (padding
+        # before the image, an image before its mirror) over the winner's pixels, which a
+        # batch copied out of that buffer meanwhile could catch (``PlanBook``'s raced copy).
+        canvas = np.empty((len(task.images), 3, out_h, out_w), np.uint8)
+        filled = False
         skip = task.on_error == "skip"
         kept: list[tuple[int, ...]] = []
         failed: list[tuple[int, str]] = []
@@ -194,6 +192,8 @@ class Composer:
             files.append(file)
             origs.append(orig)
             content.append(content_of(done, (out_h, out_w)))
+        if dest is not None:
+            np.copyto(dest, canvas)
         return Result(
             images=tuple(kept),
             box_counts=tuple(len(b) for b in boxes),
