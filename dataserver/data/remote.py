@@ -33,8 +33,9 @@ import re
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -341,26 +342,11 @@ class Fetcher:
             return 0
         keys = [(cache_key(url, s, n), s, n) for s, n in parts]
         keys = [k for k in keys if not self.holds(k[0])]
-        marks = self.settings.marks_dir
-        made: list[str] = []
-        for key, _, _ in keys:
-            if marks is not None:
-                try:
-                    os.close(os.open(os.path.join(marks, key), os.O_CREAT | os.O_WRONLY, 0o600))
-                    made.append(os.path.join(marks, key))
-                except OSError:
-                    pass
-        try:
+        with self._marking([key for key, _, _ in keys]):
             data = memoryview(self._get(url, start, length))
             for key, s, n in keys:
                 if start <= s and s + n <= start + len(data):
                     self._keep(key, bytes(data[s - start : s - start + n]))
-        finally:
-            for mark in made:
-                try:
-                    os.unlink(mark)
-                except OSError:
-                    pass
         return len(data)
 
     def cache_bytes(self) -> int:
@@ -400,23 +386,31 @@ class Fetcher:
     def _fetch_and_keep(self, key: str, url: str, start: int | None, length: int | None) -> bytes:
         """GET it and keep it, marked as being fetched meanwhile (``marks_dir``: the front
         and the workers then wait for each other's GET of an object, never make two)."""
-        marks = self.settings.marks_dir
-        mark = None if marks is None else os.path.join(marks, key)
-        if mark is not None:
-            try:
-                os.close(os.open(mark, os.O_CREAT | os.O_WRONLY, 0o600))
-            except OSError:
-                mark = None
-        try:
+        with self._marking([key]):
             data = self._get(url, start, length)
             self._keep(key, data)
+        return data
+
+    @contextmanager
+    def _marking(self, keys: list[str]) -> Iterator[None]:
+        """``keys`` marked as being fetched by this process meanwhile (``marks_dir``)."""
+        marks = self.settings.marks_dir
+        made: list[str] = []
+        for key in keys if marks is not None else ():
+            mark = os.path.join(marks or "", key)
+            try:
+                os.close(os.open(mark, os.O_CREAT | os.O_WRONLY, 0o600))
+                made.append(mark)
+            except OSError:
+                pass
+        try:
+            yield
         finally:
-            if mark is not None:
+            for mark in made:
                 try:
                     os.unlink(mark)
                 except OSError:
                     pass
-        return data
 
     def read(self, url: str, start: int | None = None, length: int | None = None) -> bytes:
         """The object's bytes (``length`` of them from ``start``, when given): from the

@@ -160,7 +160,6 @@ class Composer:
         # before the image, an image before its mirror) over the winner's pixels, which a
         # batch copied out of that buffer meanwhile could catch (``PlanBook``'s raced copy).
         canvas = np.empty((len(task.images), 3, out_h, out_w), np.uint8)
-        filled = False
         skip = task.on_error == "skip"
         kept: list[tuple[int, ...]] = []
         failed: list[tuple[int, str]] = []
@@ -180,7 +179,7 @@ class Composer:
             if self.running is not None:
                 self.running.image(n)
             done = compose_image(
-                canvas[n], seen, indices, task.grid, task.layout, recipe, skip, dataset, filled
+                canvas[n], seen, indices, task.grid, task.layout, recipe, skip, dataset, False
             )
             # (under on_error="skip" an image whose every source failed holds no index)
             kept.append(tuple(done.indices))

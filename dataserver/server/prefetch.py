@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dataserver.data.fetchcache import cache_key
-from dataserver.data.remote import Fetcher, FetchError, is_remote
+from dataserver.data.remote import Fetcher, is_remote
 from dataserver.data.shards import Block
 
 Where = tuple[str, int | None, int | None]  # (url, start, length)
@@ -278,9 +278,7 @@ class Prefetcher:
                 assert start is not None and length is not None
                 return self.fetcher.fetch_block_to_cache(url, start, length, parts)
             return self.fetcher.fetch_to_cache(*where)
-        except FetchError:
-            return -1
-        except Exception:  # (never the thread's end)
+        except Exception:  # (a FetchError, counted by the fetcher; never the thread's end)
             return -1
 
     def _run(self) -> None:
