@@ -1,5 +1,5 @@
 """The chaos run (issue 9): train a few epochs through ``DataServerClient`` against several
-real servers while, at seeded random times, workers are SIGKILLed (the pool replaces them),
+real servers while, at seeded random points of each epoch, workers are SIGKILLed (the pool replaces them),
 servers are SIGKILLed and restarted on the same address, a server's link flaps (a server in
 a network namespace behind a veth pair: ``ip link set down``/``up``; needs root and
 iproute2, otherwise that fault is skipped and the output says so), servers are drained
@@ -22,6 +22,11 @@ Definitions:
 - time lost (per epoch): the epoch's wall time minus that of a fault-free baseline epoch
   run first with the same servers, steps and flip rate (can be slightly negative: the
   epochs' mode sequences differ).
+- fault points: each fault is due once its epoch has delivered a seeded random share
+  (5% to 60%) of its samples, not at a time: an epoch the lookahead served ahead from the
+  stores can take a fifth of the baseline's time. Past 70% of an epoch the trainer waits
+  (before asking for its next batch, at most ``hold_s``) until every fault of the epoch
+  has been injected; that wait is left out of the epoch's time (``held_s``).
 - stall (per fault): the extra wait in ``next()`` over the baseline's median wait, summed
   over the batches asked for from the fault until the next fault or 10 s, whichever comes
   first. It includes the capacity missing while a killed or drained server restarts (with
@@ -89,6 +94,7 @@ class ChaosConfig:
     netns: bool = True  # put one server behind a veth pair when root and iproute2 exist
     timeout: float = 60.0
     stall_window: float = 10.0
+    hold_s: float = 30.0  # past 70% of an epoch, wait at most this for its faults
     quiet: bool = False
 
 
@@ -182,8 +188,20 @@ def make_host(cfg: ChaosConfig) -> tuple[Host | None, str]:
 # ---------------------------------------------------------------- faults
 
 
+class Progress:
+    """The share of its samples the epoch in progress has delivered (the trainer sets it;
+    the injector's thread reads it)."""
+
+    def __init__(self) -> None:
+        self.share = 0.0
+
+
+HOLD_AT = 0.7  # past this share of an epoch the trainer waits for its faults
+
+
 class Injector:
-    """Runs one epoch's schedule of faults in a thread of its own; restarts run in threads
+    """Runs one epoch's schedule of faults (each due at a share of the epoch's samples,
+    read from a :class:`Progress`) in a thread of its own; restarts run in threads
     too, so a restart in progress does not hold the next fault back. A fault that takes a
     server out (kill, drain, flap) is injected only while another server is up."""
 
@@ -193,6 +211,8 @@ class Injector:
         self.slots, self.rng, self.cfg, self.t0, self.log = slots, rng, cfg, t0, log
         self.faults: list[Fault] = []
         self.skipped: list[tuple[str, int, str]] = []
+        self.progress = Progress()
+        self.pending: list[tuple[float, str]] = []
         self.helpers: list[threading.Thread] = []
         self.errors: list[str] = []
         self.stop = threading.Event()
@@ -200,6 +220,8 @@ class Injector:
 
     def run_epoch(self, epoch: int, schedule: list[tuple[float, str]], start: float) -> None:
         self.stop = threading.Event()
+        self.progress.share = 0.0
+        self.pending = list(schedule)
         self.thread = threading.Thread(target=self._run, args=(epoch, schedule, start), daemon=True)
         self.thread.start()
 
@@ -225,13 +247,21 @@ class Injector:
             slot.up = False
         return slot
 
+    def hold(self) -> float:
+        """Wait until every fault of the epoch has been injected (at most ``hold_s``);
+        the seconds waited."""
+        began = time.monotonic()
+        while self.pending and time.monotonic() - began < self.cfg.hold_s:
+            time.sleep(0.02)
+        return time.monotonic() - began
+
     def _run(self, epoch: int, schedule: list[tuple[float, str]], start: float) -> None:
-        """Inject each fault when its time has come and its target is available (a fault
-        waiting for a target does not hold back the ones after it)."""
-        pending = list(schedule)
-        while pending and not self.stop.wait(0.05):
-            now = time.monotonic() - start
-            for item in [p for p in pending if p[0] <= now]:
+        """Inject each fault once its share of the epoch has been delivered and its target
+        is available (a fault waiting for a target does not hold back the ones after it)."""
+        pending = self.pending
+        while pending and not self.stop.wait(0.02):
+            share = self.progress.share
+            for item in [p for p in pending if p[0] <= share]:
                 kind = item[1]
                 try:
                     fault = self._inject(kind, epoch, start)
@@ -323,18 +353,16 @@ def _detail(detail: dict[str, Any]) -> str:
     return " ".join(f"{k}={v}" for k, v in detail.items())
 
 
-def schedule_for(
-    rng: random.Random, kinds: list[str], n: int, epoch_s: float
-) -> list[tuple[float, str]]:
-    """``n`` faults at random times in the first 60% of an epoch of ``epoch_s`` seconds;
-    every kind once before any twice."""
+def schedule_for(rng: random.Random, kinds: list[str], n: int) -> list[tuple[float, str]]:
+    """``n`` faults at random points in the first 60% of an epoch (shares of its samples
+    delivered); every kind once before any twice."""
     picked: list[str] = []
     while len(picked) < n:
         picked += rng.sample(kinds, len(kinds))
     picked = picked[:n]
     rng.shuffle(picked)
-    times = sorted(rng.uniform(0.05, 0.6) * epoch_s for _ in range(n))
-    return list(zip(times, picked, strict=True))
+    points = sorted(rng.uniform(0.05, 0.6) for _ in range(n))
+    return list(zip(points, picked, strict=True))
 
 
 # ---------------------------------------------------------------- training
@@ -354,6 +382,7 @@ class EpochResult:
     corrupt: int
     errors: list[str]
     waits: list[tuple[float, float]]  # (when next() was called, since the run start; wait)
+    held_s: float = 0.0  # waited for the epoch's faults (left out of ``seconds``)
 
 
 def corrupt_images(batch: Any, side: int) -> int:
@@ -394,17 +423,25 @@ def train_epoch(
     rng: random.Random,
     steer: Steering,
     t0: float,
+    injector: Injector | None = None,
 ) -> EpochResult:
-    """One epoch with a sleep for a step and mode flips at random steps, checked."""
+    """One epoch with a sleep for a step and mode flips at random steps, checked. With an
+    ``injector``: tells it how far the epoch is, and past ``HOLD_AT`` waits (once) for it
+    to have injected every fault of the epoch."""
     client.set_epoch(epoch)
     shard = shard_of(epoch_order(client.dataset_len, cfg.seed, epoch, True), 0, 1, False)
     delivered: list[int] = []
     waits: list[tuple[float, float]] = []
     errors: list[str] = []
     flips = stale = corrupt = batches = 0
+    held, holding = 0.0, injector is not None
     start = time.monotonic()
     it = iter(client)
     while True:
+        if injector is not None:
+            injector.progress.share = len(delivered) / max(1, len(shard))
+            if holding and injector.progress.share >= HOLD_AT:
+                held, holding = injector.hold(), False
         asked = time.monotonic()
         try:
             batch = next(it)
@@ -432,7 +469,7 @@ def train_epoch(
                     stale += 1
             steer.seq += 1
             flips += 1
-    seconds = time.monotonic() - start
+    seconds = time.monotonic() - start - held
     want, got = Counter(int(i) for i in shard), Counter(delivered)
     lost = sum(max(0, n - got[i]) for i, n in want.items())
     duplicated = sum(max(0, n - want[i]) for i, n in got.items())
@@ -450,6 +487,7 @@ def train_epoch(
         corrupt,
         errors,
         waits,
+        round(held, 3),
     )
 
 
@@ -518,16 +556,17 @@ def run_chaos(cfg: ChaosConfig) -> dict[str, Any]:
         injector = Injector(slots, rng, cfg, t0, say)
         epochs: list[dict[str, Any]] = []
         for epoch in range(cfg.epochs):
-            schedule = schedule_for(rng, kinds, cfg.faults_per_epoch, base.seconds)
+            schedule = schedule_for(rng, kinds, cfg.faults_per_epoch)
             say(f"epoch {epoch}:")
             injector.run_epoch(epoch, schedule, time.monotonic())
-            res = train_epoch(client, epoch, cfg, rng, steer, t0)
+            res = train_epoch(client, epoch, cfg, rng, steer, t0, injector)
             injector.end_epoch()
             faults = [f for f in injector.faults if f.epoch == epoch]
             attribute_stalls(faults, res.waits, base_wait, cfg.stall_window)
             lost_s = res.seconds - base.seconds
             say(
-                f"  epoch {epoch}: {res.seconds:.2f} s (time lost {lost_s:+.2f} s),"
+                f"  epoch {epoch}: {res.seconds:.2f} s (time lost {lost_s:+.2f} s;"
+                f" {res.held_s:.2f} s held for its faults, left out),"
                 f" {res.batches} batches, {res.flips} mode flips, {len(faults)} faults"
                 f" (stalls {sum(f.stall_s for f in faults):.2f} s);"
                 f" lost {res.lost}, duplicated {res.duplicated},"
