@@ -62,7 +62,7 @@ from conftest import Server, free_port  # noqa: E402
 from test_netns import Host, NsServer  # noqa: E402
 
 from dataserver_client import DataServerClient, DataServerError  # noqa: E402
-from dataserver_client.epoch import epoch_order, shard_of  # noqa: E402
+from dataserver_client.plan.epoch import epoch_order, shard_of  # noqa: E402
 
 WORKER_KILL, SERVER_KILL, LINK_FLAP, DRAIN = "worker_kill", "server_kill", "link_flap", "drain"
 KINDS = (WORKER_KILL, SERVER_KILL, LINK_FLAP, DRAIN)

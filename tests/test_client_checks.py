@@ -22,8 +22,8 @@ from fuzz_targets import welcome_of
 
 from dataserver.protocol import Bye, Cancelled, Heartbeat, Hello, Result, Task, Welcome, decode
 from dataserver_client import DataServerClient, DataServerError
-from dataserver_client.epoch import epoch_order
-from dataserver_client.resume import (
+from dataserver_client.plan.epoch import epoch_order
+from dataserver_client.plan.resume import (
     CONFIG_KEYS,
     MAX_STATE_RANKS,
     RANK_KEYS,

@@ -24,7 +24,7 @@ from clients import make_client
 from conftest import PLUGINS, Server, free_port, server_env
 
 from dataserver_client import DataServerClient
-from dataserver_client.epoch import (
+from dataserver_client.plan.epoch import (
     REGULAR,
     STITCH,
     Cursor,
@@ -33,7 +33,7 @@ from dataserver_client.epoch import (
     global_order,
     shard_of,
 )
-from dataserver_client.resume import (
+from dataserver_client.plan.resume import (
     DEALT_VERSION,
     MAX_DEAL_LEVELS,
     BitmapDeal,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dataserver_client.epoch import (
+from dataserver_client.plan.epoch import (
     REGULAR,
     STITCH,
     Cursor,

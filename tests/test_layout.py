@@ -106,32 +106,69 @@ def test_the_server_side_never_imports_torch() -> None:
             ), f"{name} imports {mods}"
 
 
-# The client's planning modules: pure (no sockets, no threads, no tensors). The in-flight
-# batch record they name lives in ``inflight.py`` for this reason; the torch buffers and the
-# ZeroMQ links are above them.
-PLANNING = (
-    "order", "epoch", "resume", "sizes", "partners", "pacing", "affinity", "ledger",
-    "lookahead", "rebuild", "hedging", "inflight",
-)  # fmt: skip
+# The client's layers, as folders (DEVELOPERS.md, "The client's packages"): each package of
+# ``dataserver_client`` may import, at run time, only its own modules, the packages below it,
+# and the client's shared modules at the package's top named here. The facade
+# (``dataserver_client.client``, ``__init__``) and the integrations are above them all.
+LAYERS: dict[str, tuple[set[str], set[str]]] = {  # package: (packages below, shared modules)
+    "plan": (set(), {"errors"}),
+    "session": ({"plan"}, {"errors", "counts"}),
+    "net": ({"plan"}, {"errors"}),
+    "buffers": ({"plan", "session"}, {"errors", "config", "batch"}),
+    "engine": (
+        {"plan", "session", "net", "buffers"},
+        {"errors", "config", "counts", "batch"},
+    ),
+}
+# What a package must not import transitively, at run time (nothing below the buffers
+# imports torch; the plan and the session record open no sockets).
+BANNED = {"plan": ("torch", "zmq"), "session": ("torch", "zmq"), "net": ("torch",)}
 
 
-def test_the_planning_modules_import_neither_torch_nor_zmq() -> None:
+def client_package(name: str) -> str | None:
+    """The layer package of a client module (``dataserver_client.net.links``: "net"),
+    "" for a shared module at the top, None outside the client."""
+    parts = name.split(".")
+    if parts[0] != "dataserver_client" or len(parts) < 2:
+        return None
+    return parts[1] if parts[1] in LAYERS else ""
+
+
+def test_each_client_package_imports_only_the_layers_below_it() -> None:
+    g = graph()
+    layered = [n for n in g if client_package(n)]
+    assert {client_package(n) for n in layered} == set(LAYERS), "a layer package is empty"
+    for name in sorted(layered):
+        own = client_package(name)
+        assert own is not None
+        below, shared = LAYERS[own]
+        for dep in sorted(g[name]):
+            pkg = client_package(dep)
+            if pkg is None or pkg == own:
+                continue
+            if pkg == "":
+                top = dep.split(".")[1] if "." in dep else ""
+                assert top in shared, f"{name} imports {dep}: not a shared module {own} may use"
+            else:
+                assert pkg in below, f"{name} imports {dep}: {pkg} is not below {own}"
+
+
+def test_the_lower_layers_import_neither_torch_nor_zmq() -> None:
     """Transitively, through the project's modules (what runs at import: not under
-    ``if TYPE_CHECKING:``; the package's facade, ``dataserver_client/__init__.py``, is not
-    counted)."""
+    ``if TYPE_CHECKING:``; the packages' ``__init__`` files import nothing)."""
     g = graph()
     paths = {module_name(p): p for base in PACKAGES.values() for p in base.rglob("*.py")}
-    for planning in PLANNING:
-        start = f"dataserver_client.{planning}"
+    starts = [n for n in g if client_package(n) in BANNED]
+    assert starts
+    for start in sorted(starts):
+        banned_roots = BANNED[client_package(start) or ""]
         seen, todo = {start}, [start]
         while todo:
             for dep in g[todo.pop()] - seen:
                 seen.add(dep)
                 todo.append(dep)
         for name in sorted(seen):
-            banned = [
-                m for m in runtime_imports(paths[name]) if m.split(".")[0] in ("torch", "zmq")
-            ]
+            banned = [m for m in runtime_imports(paths[name]) if m.split(".")[0] in banned_roots]
             assert not banned, f"{start} imports {name}, which imports {banned}"
 
 

@@ -19,8 +19,8 @@ from clients import make_client
 from conftest import Server
 
 from dataserver_client import Batch, DataServerClient
-from dataserver_client.epoch import epoch_order, global_order, legacy_order, shard_of
-from dataserver_client.resume import (
+from dataserver_client.plan.epoch import epoch_order, global_order, legacy_order, shard_of
+from dataserver_client.plan.resume import (
     CONFIG_KEYS,
     DEALT_VERSION,
     LEGACY_DEALT_VERSION,

@@ -23,10 +23,10 @@ import zmq
 from conftest import TESTS, server_env
 
 from dataserver.bench.scale import role
-from dataserver_client.fds import FdBudget
-from dataserver_client.linkindex import LinkIndex
-from dataserver_client.links import ServerLink
-from dataserver_client.watch import Watch
+from dataserver_client.net.fds import FdBudget
+from dataserver_client.net.linkindex import LinkIndex
+from dataserver_client.net.links import ServerLink
+from dataserver_client.net.watch import Watch
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -19,7 +19,7 @@ from ds_plugins import FlatDataset
 from dataserver.data.pipeline import compose_one
 from dataserver.protocol import BatchSizes
 from dataserver_client import Batch
-from dataserver_client.epoch import epoch_order
+from dataserver_client.plan.epoch import epoch_order
 
 pytestmark = pytest.mark.timeout(150)
 

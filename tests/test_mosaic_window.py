@@ -34,8 +34,8 @@ from dataserver.data.pipeline import (
 )
 from dataserver.protocol import BatchSizes
 from dataserver_client import Batch, DataServerClient
-from dataserver_client.epoch import epoch_order, shard_of
-from dataserver_client.partners import window_size
+from dataserver_client.plan.epoch import epoch_order, shard_of
+from dataserver_client.plan.partners import window_size
 
 pytestmark = pytest.mark.timeout(300)
 

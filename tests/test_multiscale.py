@@ -27,8 +27,8 @@ from ds_plugins import FlatDataset, colour_of
 from dataserver.data.pipeline import compose_one
 from dataserver.protocol import BatchSizes
 from dataserver_client import Batch, DataServerError, MultiScale, StepSizes
-from dataserver_client.epoch import epoch_order
-from dataserver_client.sizes import MAX_STEPS, schedule_of
+from dataserver_client.plan.epoch import epoch_order
+from dataserver_client.plan.sizes import MAX_STEPS, schedule_of
 
 pytestmark = pytest.mark.timeout(180)
 

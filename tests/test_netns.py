@@ -21,7 +21,7 @@ from clients import make_client
 from conftest import Server, wait_until
 from netns_nodes import Cluster, NsServer, Ranks, ip, publish, start_node_servers
 
-from dataserver_client.epoch import epoch_order, shard_of
+from dataserver_client.plan.epoch import epoch_order, shard_of
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.netns]
 

@@ -19,7 +19,7 @@ from torch.utils.data import DistributedSampler
 
 from dataserver.hashing import mix64
 from dataserver_client.config import MAX_DATASET_LEN, WELCOME_MAX_DATASET_LEN, ClientConfig
-from dataserver_client.epoch import (
+from dataserver_client.plan.epoch import (
     REGULAR,
     STITCH,
     Cursor,
@@ -29,8 +29,8 @@ from dataserver_client.epoch import (
     shard_of,
     shard_size,
 )
-from dataserver_client.order import BLOCK, EpochOrder, Shard, Strided, mix
-from dataserver_client.resume import IntervalDeal, epoch_shard, undelivered
+from dataserver_client.plan.order import BLOCK, EpochOrder, Shard, Strided, mix
+from dataserver_client.plan.resume import IntervalDeal, epoch_shard, undelivered
 
 PRIMES = [2, 3, 5, 7, 11, 13, 97, 101, 65_537]
 POWERS = [n for k in (1, 2, 3, 4, 5, 8, 10, 16, 20) for n in (2**k - 1, 2**k, 2**k + 1)]

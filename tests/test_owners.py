@@ -16,21 +16,21 @@ import torch
 
 from dataserver.counting import Counts
 from dataserver.protocol import BatchSizes
-from dataserver_client.affinity import Affinity, rendezvous
-from dataserver_client.assembly import DeviceMover, HostBuffers
-from dataserver_client.book import PlanBook
+from dataserver_client.buffers.assembly import DeviceMover, HostBuffers
+from dataserver_client.buffers.handoff import Handoff, Stuck
 from dataserver_client.config import ClientConfig
 from dataserver_client.counts import Count, Reject
-from dataserver_client.dispatch import Sender
-from dataserver_client.epoch import REGULAR, STITCH, BatchPlan, ImagePlan
+from dataserver_client.engine.book import PlanBook
+from dataserver_client.engine.dispatch import Sender
+from dataserver_client.engine.handlers import Handlers
 from dataserver_client.errors import DataServerError
-from dataserver_client.handlers import Handlers
-from dataserver_client.handoff import Handoff, Stuck
-from dataserver_client.hedging import Hedging
-from dataserver_client.inflight import InflightBatch
-from dataserver_client.ledger import TaskLedger
-from dataserver_client.links import Links, LinkState, ServerLink
-from dataserver_client.pacing import Pacing
+from dataserver_client.net.links import Links, LinkState, ServerLink
+from dataserver_client.plan.affinity import Affinity, rendezvous
+from dataserver_client.plan.epoch import REGULAR, STITCH, BatchPlan, ImagePlan
+from dataserver_client.plan.hedging import Hedging
+from dataserver_client.plan.pacing import Pacing
+from dataserver_client.session.inflight import InflightBatch
+from dataserver_client.session.ledger import TaskLedger
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dataserver_client.epoch import REGULAR, STITCH, BatchPlan, Cursor, Layout
-from dataserver_client.partners import is_mosaic, partner_positions, window_size
+from dataserver_client.plan.epoch import REGULAR, STITCH, BatchPlan, Cursor, Layout
+from dataserver_client.plan.partners import is_mosaic, partner_positions, window_size
 
 
 def layout(batch: int = 4, p: float = 1.0, drop_last: bool = False) -> Layout:

@@ -22,7 +22,7 @@ from conftest import Server
 from ds_plugins import colour_of
 
 from dataserver_client import Batch, DataServerClient, MultiScale
-from dataserver_client.epoch import epoch_order
+from dataserver_client.plan.epoch import epoch_order
 
 pytestmark = pytest.mark.timeout(180)
 

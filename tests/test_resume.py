@@ -15,7 +15,7 @@ import torch
 from clients import make_client
 from conftest import PLUGINS, server_env
 
-from dataserver_client.resume import STATE_VERSION
+from dataserver_client.plan.resume import STATE_VERSION
 
 pytestmark = pytest.mark.timeout(150)
 

@@ -19,8 +19,8 @@ from conftest import Server
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from dataserver_client.epoch import shard_size
-from dataserver_client.resume import (
+from dataserver_client.plan.epoch import shard_size
+from dataserver_client.plan.resume import (
     CONFIG_KEYS,
     RANK_KEYS,
     Deal,

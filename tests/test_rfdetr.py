@@ -48,7 +48,7 @@ from dataserver_client.integrations.rfdetr import (
     rfdetr_batch,
     train_rfdetr,
 )
-from dataserver_client.sizes import MultiScale
+from dataserver_client.plan.sizes import MultiScale
 
 pytestmark = pytest.mark.timeout(900)
 

@@ -124,7 +124,7 @@ def test_the_policy_sets_an_outlier_aside_and_takes_it_back() -> None:
     """``Hedging`` alone: a server 30x slower than its peers is an outlier (never every
     server), the hedge delay comes from the others' p95, and a server comes back only
     once its answers since are within half the bar."""
-    from dataserver_client.hedging import HEDGE_FACTOR, MIN_TYPICAL, Hedging
+    from dataserver_client.plan.hedging import HEDGE_FACTOR, MIN_TYPICAL, Hedging
 
     fast, other, slow = _Peer(), _Peer(), _Peer()
     policy: Hedging[_Peer] = Hedging()
@@ -162,7 +162,7 @@ def test_the_policy_judges_service_times_not_queues() -> None:
     again soon after coming back); a task stuck far past the hedge delay, overtaken by
     its peers' answers, sets a server aside before it answered anything; a server behind gets no new task, unless every
     usable one is."""
-    from dataserver_client.hedging import MIN_TYPICAL, OVERTAKEN, STUCK_FACTOR, Hedging
+    from dataserver_client.plan.hedging import MIN_TYPICAL, OVERTAKEN, STUCK_FACTOR, Hedging
 
     fast, slow = _Peer(), _Peer()
     policy: Hedging[_Peer] = Hedging()

@@ -13,7 +13,7 @@ with DataServerClient("tcp://127.0.0.1:5555", batch_size=16) as client:
 from dataserver_client.batch import Batch, content_mask
 from dataserver_client.client import DataServerClient, iterate_epochs
 from dataserver_client.errors import DataServerError, NotAuthorized, ServerUnreachable
-from dataserver_client.sizes import MultiScale, StepSizes
+from dataserver_client.plan.sizes import MultiScale, StepSizes
 
 __all__ = [
     "Batch",

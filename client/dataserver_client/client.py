@@ -14,6 +14,7 @@ import torch
 
 from dataserver.protocol import control_problem
 from dataserver_client.batch import Batch
+from dataserver_client.buffers.handoff import Handoff, Stuck
 from dataserver_client.collectives import (
     all_reduce_mean,
     default_rank_world,
@@ -26,14 +27,11 @@ from dataserver_client.config import (
     resolve_device,
     size_problem,
 )
-from dataserver_client.engine import Engine
-from dataserver_client.epoch import MODES, REGULAR, STITCH, shard_size
+from dataserver_client.engine.engine import Engine
 from dataserver_client.errors import DataServerError
-from dataserver_client.handoff import Handoff, Stuck
-from dataserver_client.inflight import Delivery
 from dataserver_client.metrics import ClientMetrics
-from dataserver_client.rebuild import plan_of
-from dataserver_client.resume import (
+from dataserver_client.plan.epoch import MODES, REGULAR, STITCH, shard_size
+from dataserver_client.plan.resume import (
     CONFIG_KEYS,
     Deal,
     Position,
@@ -43,7 +41,9 @@ from dataserver_client.resume import (
     plan_resume,
     version_of,
 )
-from dataserver_client.sizes import MultiScale, SizeSchedule, StepSizes, schedule_of
+from dataserver_client.plan.sizes import MultiScale, SizeSchedule, StepSizes, schedule_of
+from dataserver_client.session.inflight import Delivery
+from dataserver_client.session.rebuild import plan_of
 
 log = logging.getLogger("dataserver_client")
 
@@ -402,7 +402,7 @@ class DataServerClient:
     def size_array(self) -> np.ndarray:
         """``sizes`` as one read-only int32 (N, 2) array ((0, 2) when the dataset
         announces none). WELCOME carries only their count and digest: the first call asks
-        a server for them, in chunks (``dataserver_client/announce.py``), and waits at most
+        a server for them, in chunks (``dataserver_client/session/announce.py``), and waits at most
         ``timeout`` seconds, then raises ``DataServerError`` saying so; a server that sends
         sizes other than the digest announced is refused (as a server that breaks the
         protocol) and the sizes are asked of another. Later calls return the same array."""

@@ -16,7 +16,7 @@ import msgpack
 import torch
 
 from dataserver_client.errors import DataServerError
-from dataserver_client.resume import RANK_KEYS
+from dataserver_client.plan.resume import RANK_KEYS
 
 
 def default_rank_world() -> tuple[int, int]:

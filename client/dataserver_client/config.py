@@ -10,9 +10,9 @@ import torch
 
 from dataserver.endpoint import endpoint_problem
 from dataserver.protocol import MAX_IMAGE_SIDE, MAX_INT
-from dataserver_client.epoch import FITS, LAYOUTS, LETTERBOXES, Layout
-from dataserver_client.partners import PARTNER_MODES, WINDOW
-from dataserver_client.sizes import SizeSchedule, schedule_of
+from dataserver_client.plan.epoch import FITS, LAYOUTS, LETTERBOXES, Layout
+from dataserver_client.plan.partners import PARTNER_MODES, WINDOW
+from dataserver_client.plan.sizes import SizeSchedule, schedule_of
 
 # The most samples a server may announce (WELCOME's dataset_len) before the client refuses
 # it (docs/contract.md: "``max_dataset_len=2**40``"). The epoch order is computed per position

@@ -485,7 +485,7 @@ def fakes_main(argv: list[str]) -> int:
     fakes = [_Fake.bind(ctx, a.workers) for _ in range(a.count)]
     # The client's own poller (epoll over the sockets' descriptors): a zmq.Poller over
     # 3,072 sockets cost the fakes milliseconds a pass, enough to fall silent at 1,024.
-    from dataserver_client.watch import Watch
+    from dataserver_client.net.watch import Watch
 
     poller = Watch()
     handlers: dict[Any, Callable[[list[Any]], None]] = {}

@@ -17,7 +17,7 @@ The public names stay where they are: ``image_size`` (the client's configuration
 ``Batch``), the manifest's ``source_size``, and the TASK's wire fields ``out_hw``,
 ``fit_hw`` and ``source_hw`` (absent when the stored size is the fit size), which
 ``wire`` and ``BatchSizes.of`` translate so the bytes on the wire are unchanged. Not to be
-mistaken for the client's size *schedules* (``dataserver_client.sizes``: the image size
+mistaken for the client's size *schedules* (``dataserver_client.plan.sizes``: the image size
 of each step).
 """
 

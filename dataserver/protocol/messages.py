@@ -118,7 +118,7 @@ Side0 = Annotated[int, In(0, MAX_IMAGE_SIDE)]
 Box4 = tuple[Side0, Side0, Side0, Side0]  # (top, left, h, w) of a picture in its canvas
 # How often the server asks a client to beat, in ms (0: it says nothing; the client keeps its
 # own). The wire bounds it loosely: the client refuses what is beyond its own bounds
-# (``dataserver_client.beats``), counted, and keeps beating as it did.
+# (``dataserver_client.net.beats``), counted, and keeps beating as it did.
 BeatMs = Annotated[int, In(0, 1 << 31)]
 
 
@@ -356,7 +356,7 @@ class Task(Message, kw_only=True):
     # image (the anchor alone, letterboxed as in regular mode).
     partners: Flag01 = 0
     # 1: its sources are read again within a few tasks (the client's lookahead composes the
-    # batch in both modes, ``client/dataserver_client/lookahead.py``): the server's store
+    # batch in both modes, ``client/dataserver_client/session/lookahead.py``): the server's store
     # keeps what the task decodes whatever subset of a larger dataset it admits, so the twin
     # decodes nothing again (a window mosaic's partners are kept the same way).
     recent: Flag01 = 0

@@ -13,7 +13,7 @@ count it makes) and down only once they have been a step below for three interva
 flapping at a boundary, and no spiral: sessions a backlogged front let expire do not send
 every other session back to beating fast).
 
-A client keeps the interval within its own bounds (``dataserver_client.beats``); a server
+A client keeps the interval within its own bounds (``dataserver_client.net.beats``); a server
 that goes silent is lost after ``heartbeat_timeout`` (3 s) up to a third of it, else two
 intervals and a second (5 s at 4,000 sessions, 11 s at 10,000, at the default rate). A
 client that does not know the field (older) beats at its own interval, as before.

@@ -50,7 +50,7 @@ import torch
 from dataserver_client.batch import Batch
 from dataserver_client.client import DataServerClient, EpochIterator
 from dataserver_client.errors import DataServerError
-from dataserver_client.sizes import MultiScale, StepSizes
+from dataserver_client.plan.sizes import MultiScale, StepSizes
 
 log = logging.getLogger("dataserver_client")
 

@@ -83,8 +83,8 @@ from mmengine.structures import BaseDataElement, InstanceData
 
 from dataserver_client.batch import Batch
 from dataserver_client.client import DataServerClient
-from dataserver_client.resume import RANK_KEYS
-from dataserver_client.sizes import MultiScale, StepSizes
+from dataserver_client.plan.resume import RANK_KEYS
+from dataserver_client.plan.sizes import MultiScale, StepSizes
 
 log = logging.getLogger("dataserver_client")
 

@@ -95,7 +95,7 @@ import torch
 from dataserver_client.batch import Batch, content_mask
 from dataserver_client.errors import DataServerError
 from dataserver_client.integrations.lightning import Address, DataServerDataModule
-from dataserver_client.sizes import MultiScale
+from dataserver_client.plan.sizes import MultiScale
 
 if TYPE_CHECKING:
     from pytorch_lightning import Trainer

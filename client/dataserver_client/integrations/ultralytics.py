@@ -62,8 +62,8 @@ from dataserver_client.integrations.ultralytics_val import (
     rect_ratio_pad,
     start_rect,
 )
-from dataserver_client.resume import RANK_KEYS
-from dataserver_client.sizes import MultiScale
+from dataserver_client.plan.resume import RANK_KEYS
+from dataserver_client.plan.sizes import MultiScale
 
 CHECKPOINT_KEY = "dataserver"
 LOADER_STATE_VERSION = 1

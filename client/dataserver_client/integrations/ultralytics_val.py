@@ -22,8 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from dataserver_client.epoch import epoch_order, shard_of
-from dataserver_client.sizes import StepSizes
+from dataserver_client.plan.epoch import epoch_order, shard_of
+from dataserver_client.plan.sizes import StepSizes
 
 RECT_PAD = 0.5  # build_yolo_dataset's pad for mode "val"
 

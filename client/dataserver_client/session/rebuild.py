@@ -22,7 +22,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from dataserver.protocol import MAX_IMAGE_SIDE, MAX_INT, BatchSizes, control_problem
-from dataserver_client.epoch import (
+from dataserver_client.plan.epoch import (
     FITS,
     LETTERBOXES,
     MODES,
@@ -31,14 +31,14 @@ from dataserver_client.epoch import (
     ImagePlan,
     Layout,
 )
-from dataserver_client.inflight import Delivery, InflightBatch, Sealing
-from dataserver_client.partners import CONSUME, PARTNER_MODES, WINDOW
-from dataserver_client.sizes import schedule_of
+from dataserver_client.plan.partners import CONSUME, PARTNER_MODES, WINDOW
+from dataserver_client.plan.sizes import schedule_of
+from dataserver_client.session.inflight import Delivery, InflightBatch, Sealing
 
 if TYPE_CHECKING:
-    from dataserver_client.assembly import HostBuffers
+    from dataserver_client.buffers.assembly import HostBuffers
     from dataserver_client.errors import DataServerError
-    from dataserver_client.ledger import TaskLedger
+    from dataserver_client.session.ledger import TaskLedger
 
     PlanTasks = Callable[[BatchPlan, InflightBatch], object]
 

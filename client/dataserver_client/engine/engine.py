@@ -54,27 +54,27 @@ from dataserver.protocol import (
     SampleSizes,
     Welcome,
 )
-from dataserver_client.affinity import Affinity
-from dataserver_client.announce import SizeFetch
-from dataserver_client.assembly import DeviceMover, HostBuffers, landing_area
 from dataserver_client.batch import Batch
-from dataserver_client.book import PlanBook
+from dataserver_client.buffers.assembly import DeviceMover, HostBuffers, landing_area
+from dataserver_client.buffers.handoff import Handoff
 from dataserver_client.config import ClientConfig
 from dataserver_client.counts import SHOWN, Count, Reject
-from dataserver_client.discovery import Discovery
-from dataserver_client.dispatch import Sender
-from dataserver_client.epoch import BatchPlan, ShardLike
+from dataserver_client.engine.book import PlanBook
+from dataserver_client.engine.dispatch import Sender
+from dataserver_client.engine.handlers import Handlers
 from dataserver_client.errors import DataServerError, ServerUnreachable
-from dataserver_client.fds import FdBudget, new_context, raise_fd_limit
-from dataserver_client.handlers import Handlers
-from dataserver_client.handoff import Handoff
-from dataserver_client.hedging import Hedging
-from dataserver_client.inflight import Delivery
-from dataserver_client.ledger import TaskLedger
-from dataserver_client.links import DatasetInfo, EventKind, Links, LinkState, ServerLink
-from dataserver_client.resume import Deal, Position
-from dataserver_client.sizes import SizeSchedule
-from dataserver_client.watch import Watch
+from dataserver_client.net.discovery import Discovery
+from dataserver_client.net.fds import FdBudget, new_context, raise_fd_limit
+from dataserver_client.net.links import DatasetInfo, EventKind, Links, LinkState, ServerLink
+from dataserver_client.net.watch import Watch
+from dataserver_client.plan.affinity import Affinity
+from dataserver_client.plan.epoch import BatchPlan, ShardLike
+from dataserver_client.plan.hedging import Hedging
+from dataserver_client.plan.resume import Deal, Position
+from dataserver_client.plan.sizes import SizeSchedule
+from dataserver_client.session.announce import SizeFetch
+from dataserver_client.session.inflight import Delivery
+from dataserver_client.session.ledger import TaskLedger
 
 log = logging.getLogger("dataserver_client")
 

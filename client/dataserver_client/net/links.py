@@ -35,7 +35,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -53,13 +53,15 @@ from dataserver.security import (
     session_id,
 )
 from dataserver.tcpinfo import bytes_received
-from dataserver_client.beats import PacedBeat
-from dataserver_client.config import ClientConfig
-from dataserver_client.discovery import expand_addresses
 from dataserver_client.errors import DataServerError
-from dataserver_client.fds import CONNECTIONS_PER_SERVER, FdBudget, FdStats
-from dataserver_client.handshakes import WelcomeMemo
-from dataserver_client.linkindex import LinkIndex
+from dataserver_client.net.beats import PacedBeat
+from dataserver_client.net.discovery import expand_addresses
+from dataserver_client.net.fds import CONNECTIONS_PER_SERVER, FdBudget, FdStats
+from dataserver_client.net.handshakes import WelcomeMemo
+from dataserver_client.net.linkindex import LinkIndex
+
+if TYPE_CHECKING:
+    from dataserver_client.config import ClientConfig  # (torch: the buffers' layer)
 
 log = logging.getLogger("dataserver_client")
 

@@ -28,22 +28,22 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from dataserver.protocol import Result
-from dataserver_client.affinity import Affinity
-from dataserver_client.assembly import DeviceMover, HostBuffers
+from dataserver_client.buffers.assembly import DeviceMover, HostBuffers
+from dataserver_client.buffers.handoff import Handoff
 from dataserver_client.config import ClientConfig
-from dataserver_client.epoch import REGULAR, BatchPlan, Cursor, ShardLike
 from dataserver_client.errors import DataServerError
-from dataserver_client.handoff import Handoff
-from dataserver_client.inflight import Delivery, InflightBatch, Sealing
-from dataserver_client.ledger import TaskLedger, TaskRecord
-from dataserver_client.lookahead import Lookahead, LookaheadState
-from dataserver_client.pacing import Pacing
-from dataserver_client.rebuild import Rebuilds, manifest_of
-from dataserver_client.resume import Deal, Position, epoch_shard
-from dataserver_client.sizes import SizeSchedule
+from dataserver_client.plan.affinity import Affinity
+from dataserver_client.plan.epoch import REGULAR, BatchPlan, Cursor, ShardLike
+from dataserver_client.plan.pacing import Pacing
+from dataserver_client.plan.resume import Deal, Position, epoch_shard
+from dataserver_client.plan.sizes import SizeSchedule
+from dataserver_client.session.inflight import Delivery, InflightBatch, Sealing
+from dataserver_client.session.ledger import TaskLedger, TaskRecord
+from dataserver_client.session.lookahead import Lookahead, LookaheadState
+from dataserver_client.session.rebuild import Rebuilds, manifest_of
 
 if TYPE_CHECKING:
-    from dataserver_client.links import ServerLink
+    from dataserver_client.net.links import ServerLink
 
 
 class PlanBook:

@@ -22,11 +22,11 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from dataserver.protocol.batchsizes import BatchSizes
-from dataserver_client.inflight import InflightBatch
+from dataserver_client.session.inflight import InflightBatch
 
 if TYPE_CHECKING:
-    from dataserver_client.affinity import Affinity
-    from dataserver_client.links import ServerLink
+    from dataserver_client.net.links import ServerLink
+    from dataserver_client.plan.affinity import Affinity
 
 PROBE_HW = (8, 8)  # a probe composes one source into a tiny image: it only asks "does it kill?"
 # A task a server cancelled, or left unanswered past the deadline, is not sent back to it for

@@ -16,14 +16,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from dataserver.protocol import Result, wire_control_digest
-from dataserver_client.epoch import BatchPlan
 from dataserver_client.errors import DataServerError
+from dataserver_client.plan.epoch import BatchPlan
 
 if TYPE_CHECKING:
     import torch
 
-    from dataserver_client.assembly import HostBuffers
     from dataserver_client.batch import Batch
+    from dataserver_client.buffers.assembly import HostBuffers
 
 
 class InflightBatch:

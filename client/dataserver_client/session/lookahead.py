@@ -31,12 +31,12 @@ from typing import TYPE_CHECKING, Protocol
 
 from dataserver.counting import Counts
 from dataserver_client.counts import Flip
-from dataserver_client.epoch import REGULAR, STITCH, BatchPlan, Cursor, Layout
 from dataserver_client.errors import DataServerError
-from dataserver_client.inflight import Delivery, InflightBatch
+from dataserver_client.plan.epoch import REGULAR, STITCH, BatchPlan, Cursor, Layout
+from dataserver_client.session.inflight import Delivery, InflightBatch
 
 if TYPE_CHECKING:
-    from dataserver_client.handoff import Handoff
+    from dataserver_client.buffers.handoff import Handoff
 
 log = logging.getLogger("dataserver_client")
 

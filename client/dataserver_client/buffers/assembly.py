@@ -19,7 +19,7 @@ import torch
 from dataserver.landing import LandingArea
 from dataserver_client.batch import Batch
 from dataserver_client.config import ClientConfig
-from dataserver_client.inflight import Delivery, InflightBatch
+from dataserver_client.session.inflight import Delivery, InflightBatch
 
 log = logging.getLogger("dataserver_client")
 

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 from dataserver.protocol import MAX_TASK_IMAGES
 from dataserver.protocol.messages import DEFAULT_TASK_BYTES
-from dataserver_client.epoch import split_runs
+from dataserver_client.plan.epoch import split_runs
 
 
 class Pacing:

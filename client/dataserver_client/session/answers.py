@@ -4,14 +4,59 @@ latencies seen. No sockets; the engine routes each message here, then to the boo
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from collections.abc import Callable
 
+import numpy as np
+
 from dataserver.protocol import ErrorMsg, Result
+from dataserver.protocol.fields import MAX_LABEL
 from dataserver_client.counts import Reject
 from dataserver_client.errors import DataServerError
-from dataserver_client.ledger import TaskRecord
-from dataserver_client.receive import boxes_problem
+from dataserver_client.session.ledger import TaskRecord
+
+BOX_TOLERANCE = 0.01  # pixels: float32 rounding of boxes a server clipped to the image
+
+
+# boxes @ _MARGINS + (0, 0, 0, 0, W, H) = (x1, y1, x2 - x1, y2 - y1, W - x2, H - y2): every
+# one of them >= 0 (less the tolerance) is the whole check, in one product and one minimum.
+_MARGINS = np.array(
+    [[1, 0, -1, 0, 0, 0], [0, 1, 0, -1, 0, 0], [0, 0, 1, 0, -1, 0], [0, 0, 0, 1, 0, -1]],
+    np.float32,
+)
+
+
+@functools.cache
+def _sides(h: int, w: int) -> np.ndarray:
+    """(0, 0, 0, 0, W, H): what turns ``boxes @ _MARGINS`` into the margins."""
+    sides = np.array([0, 0, 0, 0, w, h], np.float32)
+    sides.setflags(write=False)  # (shared by every call: cached)
+    return sides
+
+
+def boxes_problem(boxes: np.ndarray, labels: np.ndarray, out_hw: tuple[int, int]) -> str | None:
+    """What is wrong with a RESULT's boxes and labels for images of ``out_hw`` (H, W), or
+    None: boxes must be finite xyxy with 0 <= x1 <= x2 <= W and 0 <= y1 <= y2 <= H (within
+    ``BOX_TOLERANCE``), labels class ids in 0..MAX_LABEL. Vectorised: for an answer that is
+    fine, one small matrix product and two reductions, whatever the number of boxes."""
+    if not len(labels):
+        return None
+    h, w = out_hw
+    with np.errstate(invalid="ignore"):  # an infinite coordinate times 0: NaN, refused
+        margins = boxes @ _MARGINS
+    margins += _sides(h, w)
+    # NaN compares False, so a NaN anywhere fails the check as a box outside does.
+    # As unsigned, a negative label is huge too: one reduction checks both ends.
+    ids = labels.view(np.uint64) if labels.dtype == np.int64 else labels.astype(np.uint64)
+    if margins.min() >= -BOX_TOLERANCE and ids.max() <= MAX_LABEL:
+        return None
+    bad = ~(margins >= -BOX_TOLERANCE).all(axis=1)
+    if bad.any():
+        j = int(np.flatnonzero(bad)[0])
+        return f"box {boxes[j].tolist()} is not inside its {w}x{h} image"
+    j = int(np.flatnonzero((labels < 0) | (labels > MAX_LABEL))[0])
+    return f"label {int(labels[j])} is not a class id (0..{MAX_LABEL})"
 
 
 class Deadlines:

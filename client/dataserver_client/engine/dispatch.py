@@ -13,13 +13,13 @@ import msgspec
 
 from dataserver.landing import LandingArea, land_mac
 from dataserver.protocol import Control, Task
-from dataserver_client.affinity import Affinity
-from dataserver_client.assembly import HostBuffers
-from dataserver_client.book import PlanBook
+from dataserver_client.buffers.assembly import HostBuffers
 from dataserver_client.config import ClientConfig
-from dataserver_client.hedging import Hedging
-from dataserver_client.ledger import TaskLedger, TaskRecord
-from dataserver_client.links import Links, LinkState, ServerLink
+from dataserver_client.engine.book import PlanBook
+from dataserver_client.net.links import Links, LinkState, ServerLink
+from dataserver_client.plan.affinity import Affinity
+from dataserver_client.plan.hedging import Hedging
+from dataserver_client.session.ledger import TaskLedger, TaskRecord
 
 MAX_CANCEL = 4096  # task ids per CONTROL
 # Samples past the batches planned that a server is told its plan asks next (``Task.ahead``:

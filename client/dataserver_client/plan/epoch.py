@@ -20,9 +20,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from dataserver.protocol.batchsizes import BatchSizes
-from dataserver_client.order import EpochOrder, IndexSeq, Shard, Strided, as_seq
-from dataserver_client.partners import WINDOW, is_mosaic, partner_positions, window_size
-from dataserver_client.sizes import SizeSchedule, schedule_of
+from dataserver_client.plan.order import EpochOrder, IndexSeq, Shard, Strided, as_seq
+from dataserver_client.plan.partners import WINDOW, is_mosaic, partner_positions, window_size
+from dataserver_client.plan.sizes import SizeSchedule, schedule_of
 
 REGULAR = "regular"
 STITCH = "stitch"

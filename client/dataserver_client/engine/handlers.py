@@ -32,18 +32,14 @@ from dataserver.protocol import (
     decode,
 )
 from dataserver.tcpinfo import malloc_trim
-from dataserver_client.announce import SizeFetch
-from dataserver_client.answers import Deadlines, left_out, result_problem, task_error
-from dataserver_client.assembly import HostBuffers
-from dataserver_client.book import PlanBook
+from dataserver_client.buffers.assembly import HostBuffers
 from dataserver_client.config import ClientConfig
 from dataserver_client.counts import ASKED_AGAIN, Count, Reject
-from dataserver_client.dispatch import Sender
+from dataserver_client.engine.book import PlanBook
+from dataserver_client.engine.dispatch import Sender
 from dataserver_client.errors import DataServerError, NotAuthorized
-from dataserver_client.handshakes import HeldWelcome, WelcomeMemo
-from dataserver_client.hedging import Hedging
-from dataserver_client.ledger import TaskLedger, TaskRecord
-from dataserver_client.links import (
+from dataserver_client.net.handshakes import HeldWelcome, WelcomeMemo
+from dataserver_client.net.links import (
     DatasetInfo,
     EventKind,
     LinkEvent,
@@ -53,7 +49,11 @@ from dataserver_client.links import (
     ServerLink,
     WelcomeProblem,
 )
-from dataserver_client.receive import TooManyFrames, WrongAnswer, receive
+from dataserver_client.net.receive import TooManyFrames, WrongAnswer, receive
+from dataserver_client.plan.hedging import Hedging
+from dataserver_client.session.announce import SizeFetch
+from dataserver_client.session.answers import Deadlines, left_out, result_problem, task_error
+from dataserver_client.session.ledger import TaskLedger, TaskRecord
 
 log = logging.getLogger("dataserver_client")
 

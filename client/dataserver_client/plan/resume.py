@@ -43,9 +43,9 @@ import numpy as np
 
 from dataserver.protocol import MAX_INT, control_problem
 from dataserver.protocol.messages import MAX_SEQ
-from dataserver_client.epoch import MODES, epoch_order, legacy_order, shard_of, shard_size
-from dataserver_client.order import IndexSeq, Shard, Strided, TableOrder
-from dataserver_client.sizes import schedule_of
+from dataserver_client.plan.epoch import MODES, epoch_order, legacy_order, shard_of, shard_size
+from dataserver_client.plan.order import IndexSeq, Shard, Strided, TableOrder
+from dataserver_client.plan.sizes import schedule_of
 
 if TYPE_CHECKING:
     from dataserver_client.config import ClientConfig
