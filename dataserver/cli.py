@@ -56,7 +56,7 @@ CONTROL_BIND_DEPRECATED = (
 def cmd_serve(args: argparse.Namespace) -> int:
     from dataserver.security import CurveKeyError
     from dataserver.server import WorkerStartError, ready_line, serve
-    from dataserver.server.metrics import MetricsPortError
+    from dataserver.server.front.metrics import MetricsPortError
 
     logging.basicConfig(
         level=getattr(logging, args.log_level.upper()),
@@ -137,7 +137,7 @@ def cmd_index(args: argparse.Namespace) -> int:
     from dataserver.data.spec import parse_spec, prepare_index
     from dataserver.server import index_progress
 
-    def lines(fraction: float) -> None:  # for a server that runs this (server/indexing.py)
+    def lines(fraction: float) -> None:  # for a server that runs this (server/front/indexing.py)
         print(f"progress {fraction:.3f}", flush=True)
 
     try:

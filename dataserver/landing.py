@@ -9,7 +9,7 @@ of it can ever SIGBUS for a page cut off). There is nothing in ``/dev/shm`` to l
 learn a session from), plant, sweep or delete.
 
 Hand-over (the client's side here, ``hand_over`` and ``Handover``; the worker's in
-``dataserver/server/landings.py``): each worker that serves clients on its host (its ipc
+``dataserver/server/worker/landings.py``): each worker that serves clients on its host (its ipc
 result endpoint ``ipc://<dir>/<name>``) also listens on an ``AF_UNIX``
 ``SOCK_SEQPACKET`` socket beside it, ``<dir>/land-<name>`` (``landing_socket``), in the
 server's private directory (mode 0700: only its own user gets in). The path is derived,

@@ -8,7 +8,7 @@ is in DIR, and all traffic is encrypted.
 Sessions are bound to keys: with CURVE, a client's session id begins with a tag of its
 public key (``session_id``); the front refuses any message whose session id does not carry
 the tag of the key that authenticated its connection, and a worker sends results straight
-only to a connection that claimed the session with that key (``server/direct.py``). So no
+only to a connection that claimed the session with that key (``server/worker/direct.py``). So no
 other key can use, or take over, a session. Besides its id, every session has a secret
 (``new_secret``) that its HELLO binds and every message acting for it must carry: the id
 names a session, the secret proves the sender is its owner. Without CURVE the secret is a

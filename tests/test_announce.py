@@ -38,7 +38,7 @@ from dataserver.protocol.messages import (
     SIZES_BURST,
     SIZES_CHUNK,
 )
-from dataserver.server.announce import Announced
+from dataserver.server.front.announce import Announced
 from dataserver_client import DataServerError
 
 pytestmark = pytest.mark.timeout(300)

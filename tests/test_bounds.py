@@ -37,9 +37,9 @@ from zmtp import (
 
 from dataserver.counting import Counts
 from dataserver.protocol import ErrorMsg, Heartbeat, Hello, Stats, decode
-from dataserver.server.capacity import fds_allow
 from dataserver.server.conns import CONNS_PER_SESSION, ConnTracker
 from dataserver.server.counts import Reject
+from dataserver.server.front.capacity import fds_allow
 from dataserver.server.memory import FRONT_TRIM_THRESHOLD, keep_large_blocks
 from dataserver.tcpinfo import loopback_uid
 

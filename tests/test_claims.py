@@ -2,7 +2,7 @@
 uid 65534 with no session "claimed" every worker's result connections and took the cap from
 an honest job; and a reconnect churn took a worker to 2,048 of its 2,048 fds. A claim now
 carries the tag the front's WELCOME gave an admitted session (``security.claim_tag``), and
-connections that claimed nothing are kept apart, few and briefly (``server/direct.py``).
+connections that claimed nothing are kept apart, few and briefly (``server/worker/direct.py``).
 The attackers are real processes of another user (uid 65534, stdlib ZMTP: ``zmtp.py``)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A worker's control states (dataserver/server/controls.py), without sockets: each session's
+"""A worker's control states (dataserver/server/worker/controls.py), without sockets: each session's
 samples come from a dataset object in the state "as built, then told its own values"."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 from ds_plugins import Merge
 
-from dataserver.server.controls import ControlMissing, ControlStates
-from dataserver.server.sessions import STATE_CHANGES, Scheduler, TaskEntry
+from dataserver.server.front.sessions import STATE_CHANGES, Scheduler, TaskEntry
+from dataserver.server.worker.controls import ControlMissing, ControlStates
 
 pytestmark = pytest.mark.timeout(30)
 

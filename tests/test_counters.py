@@ -17,8 +17,8 @@ from conftest import Server
 from dataserver.counting import Counts
 from dataserver.server import counts as server_counts
 from dataserver.server.counts import Count, Reject, WorkerCount
-from dataserver.server.metrics import ViewCollector
-from dataserver.server.view import Limits, ServerView
+from dataserver.server.front.metrics import ViewCollector
+from dataserver.server.front.view import Limits, ServerView
 from dataserver_client import counts as client_counts
 
 pytestmark = pytest.mark.timeout(60)

@@ -321,10 +321,10 @@ def test_the_router_blames_the_running_task_not_the_one_before_it(tmp_path: Path
     """The front had not yet read task A's DONE when the worker died running B."""
     from dataserver.counting import Counts
     from dataserver.server.counts import Count, Reject
-    from dataserver.server.pool import WorkerHandle
-    from dataserver.server.routing import WorkerRouter
+    from dataserver.server.front.pool import WorkerHandle
+    from dataserver.server.front.routing import WorkerRouter
+    from dataserver.server.front.sessions import Scheduler, TaskEntry
     from dataserver.server.running import RunningSlot
-    from dataserver.server.sessions import Scheduler, TaskEntry
 
     class Pool:
         def __init__(self) -> None:

@@ -29,7 +29,7 @@ from dataserver.landing import HEADER, LandingArea, hand_over, land_mac
 from dataserver.protocol import Hello, Task, Welcome, decode
 from dataserver.security import host_proof, proof_ends
 from dataserver.server.counts import WorkerCount
-from dataserver.server.landings import Landings
+from dataserver.server.worker.landings import Landings
 from dataserver_client import DataServerClient, DataServerError
 
 pytestmark = pytest.mark.timeout(120)

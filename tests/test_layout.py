@@ -106,6 +106,33 @@ def test_the_server_side_never_imports_torch() -> None:
             ), f"{name} imports {mods}"
 
 
+# The server's process boundary, as folders: the front's modules and a worker's never import
+# each other's; the modules shared at ``dataserver.server`` import neither (the package's
+# ``__init__``, ``serve``, starts the front and is above both).
+SERVER_SIDES = ("front", "worker")
+
+
+def server_side(name: str) -> str | None:
+    """ "front" or "worker" for a module of those packages, "" for a shared module of
+    ``dataserver.server``, None elsewhere (and for ``dataserver.server`` itself)."""
+    parts = name.split(".")
+    if parts[:2] != ["dataserver", "server"] or len(parts) < 3:
+        return None
+    return parts[2] if parts[2] in SERVER_SIDES else ""
+
+
+def test_the_front_and_the_worker_never_import_each_other() -> None:
+    g = graph()
+    sides = {server_side(n) for n in g} - {None}
+    assert sides == {"front", "worker", ""}, sides
+    for name in sorted(n for n in g if server_side(n) is not None):
+        side = server_side(name)
+        for dep in sorted(g[name]):
+            other = server_side(dep)
+            what = "a shared module" if side == "" else f"the {side}"
+            assert other is None or other in (side, ""), f"{name} ({what}) imports {dep} ({other})"
+
+
 # The client's layers, as folders (DEVELOPERS.md, "The client's packages"): each package of
 # ``dataserver_client`` may import, at run time, only its own modules, the packages below it,
 # and the client's shared modules at the package's top named here. The facade

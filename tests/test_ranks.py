@@ -21,7 +21,7 @@ from conftest import wait_until
 
 from dataserver.protocol import Bye, ErrorMsg, Heartbeat, Hello, Welcome, decode
 from dataserver.security import new_secret, session_id
-from dataserver.server.capacity import fds_allow
+from dataserver.server.front.capacity import fds_allow
 from dataserver_client.net.beats import CEILING_S, FLOOR_S
 
 pytestmark = pytest.mark.timeout(180)

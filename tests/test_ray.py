@@ -85,7 +85,7 @@ def server_processes(marker: str) -> list[tuple[int, str]]:
             continue
         pid = int(entry.name)
         cmd = _cmdline(pid)
-        if ("dataserver.cli serve" in cmd or "dataserver.server.worker" in cmd) and tag in (
+        if ("dataserver.cli serve" in cmd or "dataserver.server.worker.worker" in cmd) and tag in (
             _environ(pid)
         ):
             out.append((pid, cmd[:120]))

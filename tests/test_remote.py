@@ -373,7 +373,7 @@ def test_a_session_cannot_take_every_fetch_slot() -> None:
     """The front's fetcher gives each session that wants something its share of the
     requests and bytes in flight (charged to it), whatever the other has queued."""
     from dataserver.data.remote import Fetcher, FetchSettings
-    from dataserver.server.prefetch import Prefetcher
+    from dataserver.server.front.prefetch import Prefetcher
 
     def locate(indices: list[int]) -> list[tuple[str, int | None, int | None]]:
         return [(f"s3://b/shard-{i // 100}.tar", (i % 100) * 1000, 1000) for i in indices]
@@ -415,7 +415,7 @@ def test_a_cached_epoch_is_looked_at_once_per_sample() -> None:
     each list was looked up whole, under the cache's lock, in the front's process)."""
     from dataserver.data.fetchcache import MemCache, cache_key
     from dataserver.data.remote import Fetcher, FetchSettings
-    from dataserver.server.prefetch import Prefetcher
+    from dataserver.server.front.prefetch import Prefetcher
 
     def locate(indices: list[int]) -> list[tuple[str, int | None, int | None]]:
         return [(f"s3://b/shard-{i // 100}.tar", (i % 100) * 1000, 1000) for i in indices]

@@ -17,7 +17,7 @@ import pytest
 from conftest import wait_until
 from test_bounds import SAMPLES
 
-from dataserver.server.scrape import QUIET_RATE, TOTAL_BURST, TOTAL_RATE
+from dataserver.server.front.scrape import QUIET_RATE, TOTAL_BURST, TOTAL_RATE
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -17,17 +17,17 @@ from fuzzing import AUTH, SID, task_header
 from dataserver.counting import Counts
 from dataserver.hashing import mix64
 from dataserver.protocol import Bye, ErrorMsg, Hello, Task, Welcome
-from dataserver.server.clients import Clients
 from dataserver.server.config import ServerConfig, WorkerConfig
 from dataserver.server.counts import Count, Reject
-from dataserver.server.metrics import ViewCollector
-from dataserver.server.outlet import Outlet
-from dataserver.server.pool import WorkerHandle
-from dataserver.server.routing import WorkerRouter
+from dataserver.server.front.clients import Clients
+from dataserver.server.front.metrics import ViewCollector
+from dataserver.server.front.outlet import Outlet
+from dataserver.server.front.pool import WorkerHandle
+from dataserver.server.front.routing import WorkerRouter
+from dataserver.server.front.sessions import Scheduler, TaskEntry
+from dataserver.server.front.statsview import StatsView
+from dataserver.server.front.view import Limits, ServerView, StoreUsage
 from dataserver.server.running import RunningSlot
-from dataserver.server.sessions import Scheduler, TaskEntry
-from dataserver.server.statsview import StatsView
-from dataserver.server.view import Limits, ServerView, StoreUsage
 
 pytestmark = pytest.mark.timeout(60)
 

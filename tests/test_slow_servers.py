@@ -216,7 +216,7 @@ def test_the_policy_judges_service_times_not_queues() -> None:
 def test_a_hedge_is_queued_first_in_its_session() -> None:
     """A TASK with ``priority`` (the client's hedge of a task a slow server holds) is
     queued ahead of its session's other tasks; another session's turn is not taken."""
-    from dataserver.server.sessions import Scheduler, TaskEntry
+    from dataserver.server.front.sessions import Scheduler, TaskEntry
 
     sched = Scheduler(8, 64, 1 << 20, 1 << 20)
     mine, theirs = b"m" * 16, b"t" * 16

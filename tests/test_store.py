@@ -753,7 +753,7 @@ def test_a_worker_handed_an_unusable_store_serves_without_it(tmp_path: Path) -> 
     cmd = [
         sys.executable,
         "-m",
-        "dataserver.server.worker",
+        "dataserver.server.worker.worker",
         "--backend",
         f"ipc://{tmp_path}/backend",
         "--worker-id",

@@ -64,7 +64,7 @@ class CocoDataset:
 
     def locations(self, indices: list[int]) -> list[tuple[str, int | None, int | None]]:
         """Where these samples' bytes are: (path or URL, start, length), whole files here
-        (what a server's front fetches ahead, ``server/prefetch.py``)."""
+        (what a server's front fetches ahead, ``server/front/prefetch.py``)."""
         return [(self.path(i), None, None) for i in indices]
 
     def prefetch(self, indices: list[int]) -> None:

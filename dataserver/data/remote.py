@@ -18,7 +18,7 @@ exponential backoff and full jitter, within a per-request timeout, at most ``att
 times, and only while the process's retry budget (a token bucket refilled by successes)
 lasts; then ``FetchError`` naming the URL and the kind of failure. Fetched bytes go
 through the fetch cache (``fetchcache``). Where the server's front fetches ahead
-(``dataserver/server/prefetch.py``: what the sessions' plans ask next), a worker reads the
+(``dataserver/server/front/prefetch.py``: what the sessions' plans ask next), a worker reads the
 cache, waits for an object the front is fetching (its mark in ``marks_dir``) and GETs only
 what neither has; elsewhere ``prefetch`` starts GETs in a bounded pool of threads
 (``--max-fetches`` requests in flight) so that a task's objects arrive together. ``stall``
@@ -95,7 +95,7 @@ class FetchSettings:
     share: tuple[int, int] = (0, 1)  # (slot, slots) sharing the directory
     max_fetches: int = 16  # this process's requests in flight (prefetches)
     max_bytes_in_flight: int = DEFAULT_MAX_FETCH_MB << 20
-    # False: the front fetches ahead (``server/prefetch.py``); this process's ``prefetch``
+    # False: the front fetches ahead (``server/front/prefetch.py``); this process's ``prefetch``
     # does nothing (it would only fetch again what the front has in flight)
     prefetch: bool = True
     # Where the front marks the objects it is fetching (an empty file a cache key, in its

@@ -279,7 +279,7 @@ class ShardDataset:
 
     def locations(self, indices: list[int]) -> list[tuple[str, int | None, int | None]]:
         """Where these samples' image bytes are: (shard, offset, size) (what a server's
-        front fetches ahead, ``server/prefetch.py``)."""
+        front fetches ahead, ``server/front/prefetch.py``)."""
         return [self._where(i) for i in indices]
 
     def block(self, index: int) -> Block:

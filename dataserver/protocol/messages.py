@@ -390,7 +390,7 @@ class Task(Message, kw_only=True):
     augment: Flag01 = 1
     # The sample indices the session's plan asks next, after the tasks sent so far, in its
     # order (the client knows its epoch's order exactly): a server with a dataset in object
-    # storage fetches their bytes ahead (``dataserver/server/prefetch.py``). Sent when the
+    # storage fetches their bytes ahead (``dataserver/server/front/prefetch.py``). Sent when the
     # plan moved on since the last the server was told (each list replaces the last);
     # empty: nothing new. An older server skips the field; an older client never sends it.
     ahead: Annotated[tuple[U63, ...], Len(0, MAX_AHEAD)] = ()

@@ -25,8 +25,8 @@ from dataserver.data.spec import (
 )
 from dataserver.server.config import ConfigError, ServerConfig
 from dataserver.server.conns import raise_fd_limit
-from dataserver.server.front import Front, WorkerStartError
-from dataserver.server.indexing import IndexingPorts, build_ahead
+from dataserver.server.front.front import Front, WorkerStartError
+from dataserver.server.front.indexing import IndexingPorts, build_ahead
 from dataserver.server.memory import FRONT_TRIM_THRESHOLD, keep_large_blocks
 
 log = logging.getLogger("dataserver.serve")

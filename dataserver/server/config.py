@@ -205,7 +205,7 @@ def bindable(endpoint: str) -> str:
 class WorkerConfig:
     """Everything a worker process is told, written once: the pool fills it in for each
     slot (``for_slot``), passes it as the one argument of ``python -m
-    dataserver.server.worker`` (``to_json``), and the worker reads it back (``from_json``)
+    dataserver.server.worker.worker`` (``to_json``), and the worker reads it back (``from_json``)
     and builds its ``Worker`` from it."""
 
     backend: str  # the front's backend ROUTER (ipc)
@@ -232,7 +232,7 @@ class WorkerConfig:
     fetch_cache_bytes: int = 0
     fetch_slots: int = 1
     max_fetches: int = DEFAULT_MAX_FETCHES  # (this worker's share of --max-fetches)
-    # the front fetches ahead (``server/prefetch.py``): this worker only reads the cache
+    # the front fetches ahead (``server/front/prefetch.py``): this worker only reads the cache
     # (and GETs what is not there yet), it neither prefetches nor keeps
     front_fetches: bool = False
     fetch_mem_fds: tuple[int, int] | None = None  # the in-memory fetch cache (``MemCache``)

@@ -46,10 +46,7 @@ from dataserver.loop import MessageGuard, StopFlag, serve
 from dataserver.protocol import Bye, ProtocolError, Stats, Tally, Task, Welcome, decode
 from dataserver.ratelimit import TokenBucket
 from dataserver.security import claim_tag, host_proof, proof_ends, reply_id, start_server_curve
-from dataserver.server.announce import Announced
 from dataserver.server.beats import BeatRule
-from dataserver.server.capacity import session_cap
-from dataserver.server.clients import Clients
 from dataserver.server.config import ServerConfig, WorkerConfig, bindable, results_bind
 from dataserver.server.conns import (
     ConnTracker,
@@ -69,17 +66,20 @@ from dataserver.server.counts import (
     dropped,
     not_authorized,
 )
+from dataserver.server.front.announce import Announced
+from dataserver.server.front.capacity import session_cap
+from dataserver.server.front.clients import Clients
+from dataserver.server.front.metrics import ServerMetrics
+from dataserver.server.front.outlet import Outlet
+from dataserver.server.front.pool import WorkerPool
+from dataserver.server.front.prefetch import Block, Prefetcher, Where
+from dataserver.server.front.routing import PIPELINE, WorkerRouter
+from dataserver.server.front.sessions import Scheduler
+from dataserver.server.front.statsview import StatsView
+from dataserver.server.front.view import Limits, ServerView
 from dataserver.server.memory import memory_room
-from dataserver.server.metrics import ServerMetrics
 from dataserver.server.outbox import Outbox
-from dataserver.server.outlet import Outlet
-from dataserver.server.pool import WorkerPool
-from dataserver.server.prefetch import Block, Prefetcher, Where
-from dataserver.server.routing import PIPELINE, WorkerRouter
-from dataserver.server.sessions import Scheduler
-from dataserver.server.statsview import StatsView
 from dataserver.server.store import Store
-from dataserver.server.view import Limits, ServerView
 
 log = logging.getLogger("dataserver.front")
 # The fetch cache's share the workers keep where the front fetches ahead (what a worker

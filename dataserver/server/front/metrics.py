@@ -44,8 +44,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from dataserver.server.counts import FETCH_ERROR_KINDS, Count, fetch_errors
-from dataserver.server.scrape import ScrapeServer
-from dataserver.server.view import ServerView, StoreUsage
+from dataserver.server.front.scrape import ScrapeServer
+from dataserver.server.front.view import ServerView, StoreUsage
 
 log = logging.getLogger("dataserver.metrics")
 

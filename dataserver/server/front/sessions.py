@@ -44,7 +44,7 @@ from dataserver.ratelimit import TokenBucket
 from dataserver.server.counts import Reject
 
 if TYPE_CHECKING:
-    from dataserver.server.pool import WorkerHandle  # (pool imports this module)
+    from dataserver.server.front.pool import WorkerHandle  # (pool imports this module)
 
 # Sessions one connection may hold: a DataServerClient opens one per server on a connection
 # of its own; room for a few more (a process that multiplexes, a session opened again).

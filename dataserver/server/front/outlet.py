@@ -20,8 +20,8 @@ import zmq
 from dataserver.counting import Counts
 from dataserver.protocol import Cancelled, ErrorMsg, Message, decode
 from dataserver.server.counts import Count
+from dataserver.server.front.sessions import Scheduler, Session, TaskEntry
 from dataserver.server.outbox import Outbox, tracked
-from dataserver.server.sessions import Scheduler, Session, TaskEntry
 
 
 class Outlet:

@@ -19,7 +19,7 @@ from typing import Any
 
 from dataserver.counting import Counts
 from dataserver.server.counts import Count
-from dataserver.server.prefetch import PrefetchStats
+from dataserver.server.front.prefetch import PrefetchStats
 
 
 @dataclass(frozen=True)

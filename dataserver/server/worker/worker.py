@@ -1,6 +1,6 @@
 """A worker process: builds its dataset from the spec, then turns TASKs into RESULTs.
 
-Started by the front as ``python -m dataserver.server.worker`` (a fresh interpreter:
+Started by the front as ``python -m dataserver.server.worker.worker`` (a fresh interpreter:
 never forked from a process that may hold CUDA, never handed a pickle), with
 ``CUDA_VISIBLE_DEVICES=""``, SIGINT and SIGTERM ignored (the front decides when workers
 stop: Slurm, systemd and ``kill -- -PGID`` signal a server's whole process tree, and a
@@ -64,16 +64,16 @@ from dataserver.protocol import (
     decode,
 )
 from dataserver.security import CLAIM_KEY_ENV, reply_id
-from dataserver.server.compose import Composer, TaskClock
 from dataserver.server.config import WorkerConfig
 from dataserver.server.conns import fd_limit, results_budget
-from dataserver.server.controls import ControlMissing, ControlStates
 from dataserver.server.counts import Reject, WorkerCount
-from dataserver.server.direct import DirectResults
-from dataserver.server.landings import Landings
 from dataserver.server.memory import keep_large_blocks
 from dataserver.server.running import RunningSlot
 from dataserver.server.store import Store
+from dataserver.server.worker.compose import Composer, TaskClock
+from dataserver.server.worker.controls import ControlMissing, ControlStates
+from dataserver.server.worker.direct import DirectResults
+from dataserver.server.worker.landings import Landings
 
 log = logging.getLogger("dataserver.worker")
 
@@ -476,7 +476,7 @@ def inherited_store(fds: tuple[int, int] | None, capacity: int, slot: int) -> St
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m dataserver.server.worker CONFIG``: CONFIG is a ``WorkerConfig`` as JSON
+    """``python -m dataserver.server.worker.worker CONFIG``: CONFIG is a ``WorkerConfig`` as JSON
     (what the front's pool writes), or its fields as flags (``WorkerConfig.from_argv``)."""
     config = WorkerConfig.from_argv(sys.argv[1:] if argv is None else argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)

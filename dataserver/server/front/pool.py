@@ -22,8 +22,8 @@ from pathlib import Path
 
 from dataserver.security import CLAIM_KEY_ENV
 from dataserver.server.config import WorkerConfig
+from dataserver.server.front.sessions import TaskEntry
 from dataserver.server.running import RunningSlot
-from dataserver.server.sessions import TaskEntry
 
 log = logging.getLogger("dataserver.pool")
 
@@ -187,7 +187,7 @@ class WorkerPool:
 
     def _spawn(self, slot: int) -> WorkerHandle:
         config = self.config.for_slot(slot, os.getpid())
-        cmd = [sys.executable, "-m", "dataserver.server.worker", config.to_json()]
+        cmd = [sys.executable, "-m", "dataserver.server.worker.worker", config.to_json()]
         # The store's memfds keep their numbers in the worker (the only fds it inherits).
         pass_fds = (
             *(config.store_fds or ()),

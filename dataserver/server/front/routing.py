@@ -32,9 +32,9 @@ from dataserver.protocol import (
     decode,
 )
 from dataserver.server.counts import Count, Reject, fetch_errors
-from dataserver.server.pool import WorkerHandle, WorkerPool
+from dataserver.server.front.pool import WorkerHandle, WorkerPool
+from dataserver.server.front.sessions import Scheduler, Session, TaskEntry
 from dataserver.server.running import task_key
-from dataserver.server.sessions import Scheduler, Session, TaskEntry
 
 log = logging.getLogger("dataserver.front")
 

@@ -18,8 +18,8 @@ from dataserver.counting import Counts
 from dataserver.data.fetchcache import MemCache, directory_usage
 from dataserver.ratelimit import TokenBucket
 from dataserver.server.counts import Reject
+from dataserver.server.front.view import FetchCacheUsage, StoreUsage
 from dataserver.server.store import Store
-from dataserver.server.view import FetchCacheUsage, StoreUsage
 
 STATS_RATE = 20.0  # answers per second, sustained, per bucket
 STATS_BURST = 40.0  # answers at once after a quiet spell

@@ -38,13 +38,13 @@ from dataserver.protocol import (
     decode,
 )
 from dataserver.security import owns, same_secret
-from dataserver.server.announce import Announced
 from dataserver.server.config import ServerConfig
 from dataserver.server.counts import Count, Reject
-from dataserver.server.outlet import Outlet
-from dataserver.server.routing import WorkerRouter
-from dataserver.server.sessions import Scheduler, Session, TaskEntry
-from dataserver.server.statsview import StatsView, peer_address
+from dataserver.server.front.announce import Announced
+from dataserver.server.front.outlet import Outlet
+from dataserver.server.front.routing import WorkerRouter
+from dataserver.server.front.sessions import Scheduler, Session, TaskEntry
+from dataserver.server.front.statsview import StatsView, peer_address
 
 log = logging.getLogger("dataserver.front")
 
