@@ -176,7 +176,6 @@ class LandingArea:
         )
         self.free = list(range(regions))
         self._reserved: set[int] = set()
-        self._written: set[int] = set()  # regions a batch has been composed in
 
     def take(self) -> int | None:
         """A free region, its pages reserved (so a write to it can never fail for want of
@@ -240,14 +239,9 @@ class LandingArea:
             return False
         try:
             self._gens[region] += 1
-            self._written.add(region)
         finally:
             fcntl.lockf(self.fd, fcntl.LOCK_UN, self.region_bytes, start)
         return True
-
-    def fresh(self, region: int) -> bool:
-        """Whether no batch was composed in ``region`` yet (its bytes are all zero)."""
-        return region not in self._written
 
     def close(self) -> None:
         del self._gens, self._seals

@@ -104,7 +104,7 @@ def test_arrays_are_received_without_copy() -> None:
 
 def test_frame_layout_is_as_documented() -> None:
     frames = frames_of(MsgType.RESULT)
-    assert frames[0] == b"DS8" == MAGIC
+    assert frames[0] == b"DS9" == MAGIC
     assert frames[1] == bytes([MsgType.RESULT])
     header = msgpack.unpackb(frames[2])
     assert header["arrays"] == [["|u1", [2, 3, 4, 5]], ["<f4", [1, 4]], ["<i8", [1]]]
@@ -345,7 +345,7 @@ def test_fuzz_mutated_real_messages(data: st.DataObject) -> None:
 
 def test_every_type_has_a_codec_and_an_example() -> None:
     assert set(MESSAGES) == set(MsgType) == set(VALID)
-    assert protocol.PROTOCOL_VERSION == 8
+    assert protocol.PROTOCOL_VERSION == 9
 
 
 @pytest.mark.parametrize(

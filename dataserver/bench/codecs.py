@@ -88,7 +88,6 @@ def task_fields() -> dict[str, Any]:
         "land_region": 3,
         "land_gen": 11,
         "land_offset": 1 << 22,
-        "land_zero": 1,
     }
 
 

@@ -552,11 +552,9 @@ def compose_image(
     recipe: Recipe,
     skip_errors: bool,
     dataset: Any = None,
-    filled: bool = True,
 ) -> Composed:
-    """One output image into the CHW ``canvas``, filled with ``recipe.pad_value`` (or not
-    yet: ``filled=False``, and it is filled here unless every pixel is written anyway, as
-    through ``augment_composed``), then,
+    """One output image into the CHW ``canvas``, filled here with ``recipe.pad_value`` (unless
+    every pixel is written anyway, as through ``augment_composed``), then,
     when ``dataset`` has ``augment_composed``, through it (``dataserver.data.composed``):
     ``layout`` "grid" (``compose_into``, each source placed as ``recipe.letterbox`` says)
     or "mosaic" (``dataserver.data.mosaic``, its randomness from (seed, epoch, indices)).
@@ -567,7 +565,7 @@ def compose_image(
     if window and len(indices) == 1:  # no mosaic drawn for this anchor: a regular image
         layout, grid = "grid", 1
     hook = hook_of(dataset) if recipe.augment else None
-    if hook is None and not filled:
+    if hook is None:
         canvas.fill(recipe.pad_value)
     if layout != "mosaic":
         grow = scales_up(dataset)
@@ -692,7 +690,7 @@ def compose_one(
     """One output image straight from the dataset (no store): what the DataLoader baseline
     and the tests run. Bit-identical to what a worker sends for the same task
     (``partners``: the task's flag, a window mosaic)."""
-    canvas = np.full((3, *sizes.out), pad_value, dtype=np.uint8)
+    canvas = np.empty((3, *sizes.out), dtype=np.uint8)  # (compose_image fills it)
     recipe = Recipe(
         seed,
         epoch,

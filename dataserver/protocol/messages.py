@@ -369,9 +369,6 @@ class Task(Message, kw_only=True):
     land_region: Annotated[int, In(0, 1 << 16)] = 0
     land_gen: U63 = 0
     land_offset: U63 = 0
-    # 1: the landing bytes were never written (fresh shared memory, all zero): the worker
-    # need not clear them before composing (the letterbox padding is already zero).
-    land_zero: Flag01 = 0
     # HMAC-SHA256 (16 bytes) of the task (every field but ``auth`` and this one) under the key
     # the client handed the worker with its buffer, on the unix socket only
     # (``dataserver.landing.land_mac``): a server that relays tasks (a fake one that

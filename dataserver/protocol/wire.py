@@ -30,7 +30,7 @@ import numpy as np
 # 7: per-sample sizes on request (SIZES, in chunks), WELCOME's sizes_count and sizes_digest;
 # fit and augment in TASK, content in RESULT (an older server would ignore them);
 # 8: no control socket: WELCOME without ``control``, CONTROL without ``tags``
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 MAGIC = b"DS" + str(PROTOCOL_VERSION).encode()
 
 MAX_FRAMES = 16

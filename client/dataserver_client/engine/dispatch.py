@@ -109,8 +109,6 @@ class Sender:
                 "land_region": region,
                 "land_gen": generation,
                 "land_offset": offset,
-                # Only a task's first send: a retry may follow a writer that died half-way.
-                "land_zero": int(rec.land_gen is None and self._landing.fresh(region)),
             }
         batch = rec.batch
         plan = batch.plan

@@ -121,13 +121,13 @@ class _Poller:
         for sock in (*monitors, *handlers):
             self._poller.register(sock, zmq.POLLIN)
         self._pidfds: set[int] = set()
-        self._version = -1
+        self._membership = -1
 
-    def watch(self, version: int, pidfds: dict[int, Any]) -> None:
-        """Workers came or went (the pool's ``version`` moved): watch their pidfds."""
-        if version == self._version:
+    def watch(self, membership: int, pidfds: dict[int, Any]) -> None:
+        """Workers came or went (the pool's ``membership`` moved): watch their pidfds."""
+        if membership == self._membership:
             return
-        self._version = version
+        self._membership = membership
         current = set(pidfds)
         for fd in self._pidfds - current:
             self._poller.unregister(fd)
@@ -498,7 +498,7 @@ class Front:
         poller = self._poller
         if poller is None:  # (_start sets it before the first turn)
             return
-        poller.watch(self.pool.version, self.pool.by_pidfd())
+        poller.watch(self.pool.membership, self.pool.by_pidfd())
         reap = False
         for sock in poller.poll(POLL_MS):
             if sock in poller.handlers:

@@ -141,7 +141,7 @@ class WorkerPool:
         self.state_dir = config.state_dir
         self.workers: dict[int, WorkerHandle] = {}  # by slot
         self.started_total = 0
-        self.version = 0  # bumped whenever a worker is added or removed
+        self.membership = 0  # bumped whenever a worker is added or removed
         self.ever_ready = False
         self._early_deaths: dict[int, int] = {}  # slot -> consecutive deaths before READY
         self._start_errors: dict[int, str] = {}  # slot -> why its last start failed
@@ -211,7 +211,7 @@ class WorkerPool:
         handle = WorkerHandle(slot, proc, pidfd, time.monotonic(), running)
         self.workers[slot] = handle
         self.started_total += 1
-        self.version += 1
+        self.membership += 1
         log.info("started worker %d (pid %d)", slot, proc.pid)
         return handle
 
@@ -249,7 +249,7 @@ class WorkerPool:
 
     def forget(self, handle: WorkerHandle) -> float:
         """Drop a dead worker; return how long to wait before replacing it (crash-loop backoff)."""
-        self.version += 1
+        self.membership += 1
         if handle.pidfd is not None:
             os.close(handle.pidfd)
             handle.pidfd = None

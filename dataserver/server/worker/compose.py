@@ -179,7 +179,7 @@ class Composer:
             if self.running is not None:
                 self.running.image(n)
             done = compose_image(
-                canvas[n], seen, indices, task.grid, task.layout, recipe, skip, dataset, False
+                canvas[n], seen, indices, task.grid, task.layout, recipe, skip, dataset
             )
             # (under on_error="skip" an image whose every source failed holds no index)
             kept.append(tuple(done.indices))
