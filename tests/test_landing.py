@@ -457,7 +457,8 @@ def test_a_buffer_larger_than_a_worker_lands_into_is_refused_and_the_total_is_bo
     """Issue 25 item 6: a same-user job handed over a 48 GiB sparse memfd and the workers
     wrote 1,536 MiB of host memory into it. A buffer whose regions are more than a worker
     lands into for one client (2 GiB) is refused at registration, naming why; and the
-    buffers a worker keeps are bounded in bytes (the oldest goes first)."""
+    buffers a worker keeps are bounded in bytes (past it, among sessions holding as much, the
+    newcomer is refused: first come, first kept)."""
     counters = Counts(WorkerCount)
     landings = Landings(counters)
     big = LandingArea(8, 6 << 30, 16)  # 48 GiB of regions, none of it written
@@ -475,18 +476,58 @@ def test_a_buffer_larger_than_a_worker_lands_into_is_refused_and_the_total_is_bo
     small = Landings(counters, reg_bytes=1 << 20, total_bytes=2 << 20)
     areas = [LandingArea(1, 1 << 20, 1) for _ in range(3)]
     try:
-        for n, area in enumerate(areas):
-            assert small.add(os.dup(area.fd), b"s%d" % n, area.token) is None
+        whys = [small.add(os.dup(area.fd), b"s%d" % n, area.token) for n, area in enumerate(areas)]
+        assert whys[:2] == [None, None] and whys[2] is not None and "full" in whys[2]
         shape = (1, 3, 8, 8)
         kept = []
         for n, area in enumerate(areas):
             gen, at = area.generation(0), area.offset(0)
             with small.target(b"s%d" % n, area.token, 0, gen, at, shape) as dest:
                 kept.append(dest is not None)
-        assert kept == [False, True, True]  # 3 MiB asked, 2 MiB kept: the oldest went
+        assert kept == [True, True, False]  # 3 MiB asked, 2 MiB kept: the newcomer refused
+        assert counters.get(WorkerCount.LANDING_REFUSED_BUDGET) == 1
     finally:
         small.close()
         for area in areas:
+            area.close()
+
+
+def test_a_job_filling_the_landing_budget_never_pushes_out_one_holding_less() -> None:
+    """Issue 40 item 7: another job of the same user (same uid: nothing tells them apart
+    but their sessions) filled a worker's 8 GiB of landing buffers, and the honest job's
+    buffer, the oldest, went first: its landings fell to 13-25%. Past the budget a buffer of
+    the session holding the most goes, so the big job's own buffers go and the small job's
+    stays, however many buffers or sessions the big one brings; the small job still lands."""
+    counters = Counts(WorkerCount)
+    mib = 1 << 20
+    landings = Landings(counters, reg_bytes=4 * mib, total_bytes=8 * mib)
+    honest = LandingArea(1, mib, 1)
+    big = [LandingArea(1, 4 * mib, 1) for _ in range(4)]  # one session, four buffers
+    many = [LandingArea(1, 2 * mib, 1) for _ in range(4)]  # four sessions, 2 MiB each
+    shape = (1, 3, 8, 8)
+
+    def lands(session: bytes, area: LandingArea) -> bool:
+        gen, at = area.generation(0), area.offset(0)
+        with landings.target(session, area.token, 0, gen, at, shape) as dest:
+            return dest is not None
+
+    try:
+        assert landings.add(os.dup(honest.fd), b"honest", honest.token) is None
+        for area in big:
+            landings.add(os.dup(area.fd), b"big", area.token)
+        for n, area in enumerate(many):
+            landings.add(os.dup(area.fd), b"many%d" % n, area.token)
+        assert lands(b"honest", honest)
+        # What stays: the honest 1 MiB, and 7 MiB of the others, never one past its share.
+        kept = [lands(b"big", a) for a in big] + [
+            lands(b"many%d" % n, a) for n, a in enumerate(many)
+        ]
+        held = sum(4 * k for k in kept[:4]) + sum(2 * k for k in kept[4:])
+        assert 1 + held <= 8, kept
+        assert counters.get(WorkerCount.LANDING_REFUSED_BUDGET) >= 1
+    finally:
+        landings.close()
+        for area in [honest, *big, *many]:
             area.close()
 
 

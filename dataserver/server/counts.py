@@ -30,7 +30,7 @@ Dropped = Literal[
     "claim_dropped",
     "unclaimed_dropped",
 ]
-LandingRefusal = Literal["fd", "peer", "silent", "mac"]
+LandingRefusal = Literal["fd", "peer", "silent", "mac", "budget"]
 # ``dataserver.data.remote.FetchError.kind``: why an object was given up on
 FetchErrorKind = Literal[
     "not_found",
@@ -180,6 +180,8 @@ class WorkerCount(StrEnum):
     LANDING_REFUSED_PEER = "landing_refused_peer"  # another user's connection
     LANDING_REFUSED_SILENT = "landing_refused_silent"
     LANDING_REFUSED_MAC = "landing_refused_mac"  # a task naming a buffer without its MAC
+    # a buffer past a worker's bytes (or count) of buffers, from the session holding the most
+    LANDING_REFUSED_BUDGET = "landing_refused_budget"
     # a task whose control digest is not that of the values held for it (changed on the way)
     CONTROL_MISMATCH = "control_mismatch"
 

@@ -50,9 +50,13 @@ KEEP = 64  # registrations a worker keeps
 # The bytes a worker lands into for clients: one buffer's regions at most REG_BYTES (an honest
 # client's buffer is its prefetch + lookahead regions of its largest batch: 9 x 12.6 MB at
 # 16 x 512 x 512; 9 x 201 MB at 64 x 1024 x 1024 fit too), all buffers it keeps at most
-# TOTAL_BYTES (the oldest registration goes first). Writes into a client's memfd fault its
-# pages into host memory charged to the server; a same-user job handed over a 48 GiB sparse
-# memfd and the workers wrote 1,536 MiB into it.
+# TOTAL_BYTES. Writes into a client's memfd fault its pages into host memory charged to the
+# server; a same-user job handed over a 48 GiB sparse memfd and the workers wrote 1,536 MiB
+# into it. Past TOTAL_BYTES (or KEEP buffers) a buffer of the session holding the most goes,
+# the newest of that session first; among sessions holding as much, the newest buffer: a job
+# that fills the budget never pushes out one that holds less (another job of the same user
+# filling 8 GiB had cut an honest job's landings to 13-25%), and a newcomer equal to those
+# kept is the one refused (``landing_refused_budget``).
 REG_BYTES = 2 << 30
 TOTAL_BYTES = 8 << 30
 MAX_PENDING = 16  # accepted connections that have not sent their message yet
@@ -240,11 +244,29 @@ class Landings:
             self._by_conn[conn.fileno()] = token
         self._counters.count(WorkerCount.LANDING_REGISTERED)
         while len(self._regs) > self.keep or self._held() > self.total_bytes:
-            _, old = self._regs.popitem(last=False)
+            victim = self._over_budget()
+            old = self._regs.pop(victim)
             if old.conn is not None:
                 self._by_conn.pop(old.conn.fileno(), None)
             old.close()
+            if victim == token:
+                why = "this worker's landing buffers are full, held by sessions holding as much"
+                self._refuse("budget", why)
+                return why
         return None
+
+    def _over_budget(self) -> str:
+        """The token of the buffer to let go: the newest of the session holding the most
+        bytes (among sessions holding as much, the newest buffer)."""
+        held: dict[bytes, int] = {}
+        newest: dict[bytes, int] = {}
+        tokens = list(self._regs)
+        for n, reg in enumerate(self._regs.values()):
+            held[reg.session] = held.get(reg.session, 0) + reg.regions * reg.region_bytes
+            newest[reg.session] = n
+        top = max(held.values())
+        session = max((s for s in held if held[s] == top), key=lambda s: newest[s])
+        return tokens[newest[session]]
 
     def _held(self) -> int:
         """The bytes of every region of the buffers kept."""
