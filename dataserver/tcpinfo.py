@@ -3,8 +3,8 @@ received and when data last came, and (an end on this host: loopback or any of t
 own addresses) which user holds its other end; and
 ``malloc_trim``, for the memory a connection held. Shared by the server's connection
 tracking (``dataserver.server.conns``) and the client's bound on what a server may hold
-unfinished (``dataserver_client.net.links.Inflow``): both weigh the bytes a connection received
-against the complete messages read from it, since libzmq bounds a frame but not a
+unfinished (``dataserver_client.net.inflow.Inflow``): both weigh the bytes a connection
+received against the complete messages read from it, since libzmq bounds a frame but not a
 message."""
 
 from __future__ import annotations

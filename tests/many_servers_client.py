@@ -20,7 +20,7 @@ from clients import make_client
 
 from dataserver_client.errors import DataServerError
 from dataserver_client.net.fds import FD_RESERVE, open_fds
-from dataserver_client.net.links import ServerLink
+from dataserver_client.net.serverlink import ServerLink
 
 # Descriptors the client opens besides its links (its wake pipe, epoll, ZeroMQ's threads,
 # its landing buffer): the budget counts them as open already; here they are guessed.

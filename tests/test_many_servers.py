@@ -25,7 +25,7 @@ from conftest import TESTS, server_env
 from dataserver.bench.scale import role
 from dataserver_client.net.fds import FdBudget
 from dataserver_client.net.linkindex import LinkIndex
-from dataserver_client.net.links import ServerLink
+from dataserver_client.net.serverlink import ServerLink
 from dataserver_client.net.watch import Watch
 
 pytestmark = pytest.mark.timeout(240)

@@ -24,7 +24,8 @@ from dataserver_client.engine.book import PlanBook
 from dataserver_client.engine.dispatch import Sender
 from dataserver_client.engine.handlers import Handlers
 from dataserver_client.errors import DataServerError
-from dataserver_client.net.links import Links, LinkState, ServerLink
+from dataserver_client.net.links import Links
+from dataserver_client.net.serverlink import LinkState, ServerLink
 from dataserver_client.plan.affinity import Affinity, rendezvous
 from dataserver_client.plan.epoch import REGULAR, STITCH, BatchPlan, ImagePlan
 from dataserver_client.plan.hedging import Hedging

@@ -71,8 +71,9 @@ Progress = Callable[[str], None]
 ZERO = "dataserver.data.simulated:simulated"
 ZERO_ARGS = json.dumps({"n": 4096, "ms": 0, "size": 8})
 BEAT_S = 0.5  # what a real client beats at until its server says (ClientConfig.heartbeat_interval)
-# A real client's sockets' ZMTP heartbeats (``links._dealer``): PINGs every 5 s, dropped after
-# 15 s without an answer (``--zmtp-ping-ms``: the front connection's PINGs, timeout twice that).
+# A real client's sockets' ZMTP heartbeats (``net.sockets.dealer``): PINGs every 5 s, dropped
+# after 15 s without an answer (``--zmtp-ping-ms``: the front connection's PINGs, timeout
+# twice that).
 ZMTP_FRONT = ((zmq.HEARTBEAT_IVL, 5000), (zmq.HEARTBEAT_TIMEOUT, 15000), (zmq.HEARTBEAT_TTL, 15000))
 ZMTP_OTHER = ZMTP_FRONT
 BEAT_FLOOR_S, BEAT_CEILING_S = 0.25, 10.0  # the bounds a real client keeps (``beats``)

@@ -43,7 +43,7 @@ from dataserver_client.session.lookahead import Lookahead, LookaheadState
 from dataserver_client.session.rebuild import Rebuilds, manifest_of
 
 if TYPE_CHECKING:
-    from dataserver_client.net.links import ServerLink
+    from dataserver_client.net.serverlink import ServerLink
 
 
 class PlanBook:

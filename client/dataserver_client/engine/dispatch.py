@@ -16,7 +16,8 @@ from dataserver.protocol import Control, Task
 from dataserver_client.buffers.assembly import HostBuffers
 from dataserver_client.config import ClientConfig
 from dataserver_client.engine.book import PlanBook
-from dataserver_client.net.links import Links, LinkState, ServerLink
+from dataserver_client.net.links import Links
+from dataserver_client.net.serverlink import LinkState, ServerLink
 from dataserver_client.plan.affinity import Affinity
 from dataserver_client.plan.hedging import Hedging
 from dataserver_client.session.ledger import TaskLedger, TaskRecord

@@ -8,8 +8,8 @@ keeps up with many workers.
 
 Collaborators, each the only writer of its state: ``PlanBook`` (book.py: plans, batches,
 mode, steering), ``TaskLedger`` (ledger.py: wanted tasks, the send queue), ``Affinity``
-(affinity.py: which server a key's sources went to), ``Links`` (links.py: one
-``ServerLink`` per server, connection events, heartbeats), ``Sender``
+(affinity.py: which server a key's sources went to), ``Links`` (links.py: connection
+events, heartbeats; one ``ServerLink`` per server, serverlink.py), ``Sender``
 (dispatch.py: tasks, cancels, controls out, each on its server's data connection), ``Handlers`` (handlers.py: what each message,
 link event and discovery change does; the answer deadlines and the last progress). This loop
 routes each socket and message to its handler and passes ids and values between them; it
@@ -65,8 +65,10 @@ from dataserver_client.engine.handlers import Handlers
 from dataserver_client.errors import DataServerError, ServerUnreachable
 from dataserver_client.net.discovery import Discovery
 from dataserver_client.net.fds import FdBudget, new_context, raise_fd_limit
-from dataserver_client.net.links import DatasetInfo, EventKind, Links, LinkState, ServerLink
+from dataserver_client.net.links import Links
+from dataserver_client.net.serverlink import EventKind, LinkState, ServerLink
 from dataserver_client.net.watch import Watch
+from dataserver_client.net.welcome import DatasetInfo
 from dataserver_client.plan.affinity import Affinity
 from dataserver_client.plan.epoch import BatchPlan, ShardLike
 from dataserver_client.plan.hedging import Hedging

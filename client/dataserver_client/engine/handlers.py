@@ -39,17 +39,10 @@ from dataserver_client.engine.book import PlanBook
 from dataserver_client.engine.dispatch import Sender
 from dataserver_client.errors import DataServerError, NotAuthorized
 from dataserver_client.net.handshakes import HeldWelcome, WelcomeMemo
-from dataserver_client.net.links import (
-    DatasetInfo,
-    EventKind,
-    LinkEvent,
-    Links,
-    LinkState,
-    Problem,
-    ServerLink,
-    WelcomeProblem,
-)
+from dataserver_client.net.links import Links
 from dataserver_client.net.receive import TooManyFrames, WrongAnswer, receive
+from dataserver_client.net.serverlink import EventKind, LinkEvent, LinkState, ServerLink
+from dataserver_client.net.welcome import DatasetInfo, WelcomeProblem, WelcomeRefusal
 from dataserver_client.plan.hedging import Hedging
 from dataserver_client.session.announce import SizeFetch
 from dataserver_client.session.answers import Deadlines, left_out, result_problem, task_error
@@ -389,7 +382,7 @@ class Handlers:
     def _unfit(self, link: ServerLink, msg: Welcome, problem: WelcomeProblem) -> None:
         """A WELCOME that fails the check. A server that cannot compose our image size is
         only declined when others serve the session; anything else stops it."""
-        if problem.kind is Problem.TOO_LARGE:
+        if problem.kind is WelcomeRefusal.TOO_LARGE:
             self._bad_server(link, problem.why)
             self._fail(
                 DataServerError(
@@ -398,14 +391,14 @@ class Handlers:
                 )
             )
         elif (
-            problem.kind is Problem.IMAGE_SIDE
+            problem.kind is WelcomeRefusal.IMAGE_SIDE
             and self.handshake.done()
             and self.links.any_ready(link)
         ):
             link.decline(msg, problem.why)
             self._servers_changed()
         elif (
-            problem.kind is Problem.OTHER_DATASET
+            problem.kind is WelcomeRefusal.OTHER_DATASET
             and self.handshake.done()
             and self.links.any_ready(link)
         ):

@@ -17,7 +17,7 @@ second on the front connection would keep 3 s at any interval, but were measured
 more than the beats they save: 3,000 sessions PINGing each second (2 s timeout) made
 ~100 reconnects a second on a loaded 2-core host (a PONG late by 2 s drops a connection,
 and the reconnects load the front further), none with PINGs every 5 s (the setting kept:
-``links._dealer``). DESIGN-NOTES, "Scale model: 10,000 ranks".
+``sockets.dealer``). DESIGN-NOTES, "Scale model: 10,000 ranks".
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from dataserver_client.net.links import ServerLink
+    from dataserver_client.net.serverlink import ServerLink
 
 REBUILD_SLACK = 64  # stale entries allowed beyond the live ones before a rebuild
 

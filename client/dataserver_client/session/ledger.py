@@ -25,7 +25,7 @@ from dataserver.protocol.batchsizes import BatchSizes
 from dataserver_client.session.inflight import InflightBatch
 
 if TYPE_CHECKING:
-    from dataserver_client.net.links import ServerLink
+    from dataserver_client.net.serverlink import ServerLink
     from dataserver_client.plan.affinity import Affinity
 
 PROBE_HW = (8, 8)  # a probe composes one source into a tiny image: it only asks "does it kill?"
