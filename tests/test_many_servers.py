@@ -72,6 +72,26 @@ def test_many_servers_fds_limit_and_routing(tmp_path: Path, fakes: list[str]) ->
     assert fds["through_front"] == 0 and fds["short_by"] == 0
 
 
+def test_servers_announcing_the_same_categories_cost_the_client_one_copy(
+    tmp_path: Path, fakes: list[str]
+) -> None:
+    """Issue 40 item 7: each link keeps its server's WELCOME, and a WELCOME carried a copy of
+    the dataset's categories: 3,600 names of 256 characters (what fits a WELCOME's 1 MiB
+    header) are ~1 MiB decoded, so every server found (by DNS: a thousand) cost the trainer
+    that much again. An accepted WELCOME
+    now holds the job's one copy (servers announcing other categories are refused): 64
+    servers announcing them cost about what 64 announcing none do."""
+    with role(
+        "fakes", "--count", str(SERVERS), "--workers", "2", "--categories", "3600", timeout=60
+    ) as (_, ready):
+        named = run_client(tmp_path, list(ready["addresses"]), "--batches", "8", "--traced")
+    assert "error" not in named, named["error"]
+    plain = run_client(tmp_path, fakes, "--batches", "8", "--traced")
+    extra = named["traced_mib"] - plain["traced_mib"]
+    # One copy (the job's, and client.categories): a few MiB; one a link was ~64 MiB.
+    assert extra < 16, (named["traced_mib"], plain["traced_mib"])
+
+
 def test_short_budget_sends_results_through_fronts(tmp_path: Path, fakes: list[str]) -> None:
     """A limit that leaves room for the servers' sockets and only 20 direct connections:
     the other servers' results come through their fronts (the epoch is whole all the same),

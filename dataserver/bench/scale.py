@@ -65,6 +65,7 @@ from dataserver.protocol import (
     Welcome,
     decode,
 )
+from dataserver.protocol.messages import MAX_CATEGORY_NAME
 from dataserver.security import CLAIM_S, new_secret, reply_id, session_id
 
 Progress = Callable[[str], None]
@@ -399,6 +400,7 @@ class _Fake:
     workers: int
     server_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     counts: Counter[str] = field(default_factory=Counter)
+    categories: tuple[tuple[int, str], ...] = ()  # what its WELCOME announces
 
     @classmethod
     def bind(cls, ctx: zmq.Context[Any], workers: int) -> _Fake:
@@ -422,6 +424,7 @@ class _Fake:
             workers=self.workers,
             credit=4 * self.workers,  # as a real front: PIPELINE x 2 per worker
             results=(self.results.getsockopt_string(zmq.LAST_ENDPOINT),),
+            categories=self.categories,
         )
 
     def on_front(self, frames: list[Any]) -> None:
@@ -479,11 +482,15 @@ def fakes_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="scale fakes")
     p.add_argument("--count", type=int, default=1)
     p.add_argument("--workers", type=int, default=16)
+    p.add_argument("--categories", type=int, default=0, help="each announces this many, long names")
     a = p.parse_args(argv)
     _raise_fd_limit(8 * a.count + 1024)
     ctx: zmq.Context[Any] = zmq.Context()
     ctx.set(zmq.MAX_SOCKETS, 3 * a.count + 64)
     fakes = [_Fake.bind(ctx, a.workers) for _ in range(a.count)]
+    names = tuple((n, f"{n:05d}".ljust(MAX_CATEGORY_NAME, "c")) for n in range(a.categories))
+    for fake in fakes:
+        fake.categories = names
     # The client's own poller (epoll over the sockets' descriptors): a zmq.Poller over
     # 3,072 sockets cost the fakes milliseconds a pass, enough to fall silent at 1,024.
     from dataserver_client.net.watch import Watch

@@ -343,6 +343,8 @@ class Handlers:
         if problem is not None:
             self._unfit(link, msg, problem)
             return
+        kept, msg = msg, self.links.shared(msg)
+        link.welcomes.swap(kept, msg)
         was_lost = link.was_lost
         restarted = link.welcome(msg, fd)
         if not link.paced(msg.heartbeat_ms):

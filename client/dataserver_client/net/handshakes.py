@@ -56,6 +56,12 @@ class WelcomeMemo:
     def keep(self, digest: bytes, msg: Welcome) -> None:
         self._digest, self._msg = digest, msg
 
+    def swap(self, kept: Welcome, same: Welcome) -> None:
+        """Keep ``same`` (equal to ``kept``, sharing more with what the client holds
+        anyway) in place of ``kept``, if ``kept`` is the message kept."""
+        if self._msg is kept:
+            self._msg = same
+
     def _take(self, now: float) -> bool:
         self._tokens = min(self.burst, self._tokens + (now - self._at) * self.rate)
         self._at = now

@@ -22,6 +22,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import zmq
 
 from dataserver.landing import LandingArea
@@ -183,6 +184,15 @@ class Links:
                 msg.sizes_digest,
             )
         return problem
+
+    def shared(self, msg: Welcome) -> Welcome:
+        """``msg`` (a WELCOME that passed the check) holding the dataset's categories, not a
+        copy: each link keeps its server's WELCOME, and every server of the job announces
+        the same categories (4,096 names of 256 characters: ~1.2 MiB decoded, each link)."""
+        dataset = self.dataset
+        if dataset is None or msg.categories is dataset.categories or not msg.categories:
+            return msg
+        return msgspec.structs.replace(msg, categories=dataset.categories)
 
     def handshake(self) -> DatasetInfo | None:
         """The dataset once every server answered (None until then)."""
