@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 import zmq
+from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import parse_monitor_message
 
 from dataserver import adminsock
@@ -68,10 +69,10 @@ from dataserver.server.counts import (
 )
 from dataserver.server.front.announce import Announced
 from dataserver.server.front.capacity import session_cap
-from dataserver.server.front.clients import Clients
+from dataserver.server.front.clients import Clients, FrontSide
 from dataserver.server.front.metrics import ServerMetrics
 from dataserver.server.front.outlet import Outlet
-from dataserver.server.front.pool import WorkerPool
+from dataserver.server.front.pool import WorkerHandle, WorkerPool
 from dataserver.server.front.prefetch import Block, Prefetcher, Where
 from dataserver.server.front.routing import PIPELINE, WorkerRouter
 from dataserver.server.front.sessions import Scheduler
@@ -123,7 +124,7 @@ class _Poller:
         self._pidfds: set[int] = set()
         self._version = -1
 
-    def watch(self, version: int, pidfds: dict[int, Any]) -> None:
+    def watch(self, version: int, pidfds: dict[int, WorkerHandle]) -> None:
         """Workers came or went (the pool's ``version`` moved): watch their pidfds."""
         if version == self._version:
             return
@@ -202,7 +203,7 @@ class Front:
         self._terminate = False  # SIGTERM came: drain (see ``_drain_step``)
         self.draining_since: float | None = None
         self._announced = False
-        self._auth: Any = None
+        self._auth: ThreadAuthenticator | None = None
         self._gates: dict[Watched, Gate] = {}  # the public sockets' monitors (``_start``)
         self._admin_entry: Path | None = None
         self._admin_rate = TokenBucket(ADMIN_RATE, 2 * ADMIN_RATE)
@@ -253,17 +254,19 @@ class Front:
             self.statsview,
             self.counters,
             self.rejected,
-            self.server_id,
-            welcome=self._welcome,
-            stats=self.stats,
-            draining=lambda: self.draining_since is not None,
-            read=self.conns.read,
-            heard=self.conns.heard,
-            peer_of=self.conns.peer_of,
-            beat_ms=lambda: self.beats.interval_ms,
+            FrontSide(
+                self.server_id,
+                welcome=self._welcome,
+                stats=self.stats,
+                draining=lambda: self.draining_since is not None,
+                beat_ms=lambda: self.beats.interval_ms,
+                store_stall=lambda: (
+                    "" if self.prefetcher is None else self.prefetcher.fetcher.stall()
+                ),
+                fetch=None if self.prefetcher is None else self._fetch_ahead,
+            ),
+            conns=self.conns,
             announced=self.announced,
-            fetch=None if self.prefetcher is None else self._fetch_ahead,
-            store_stall=lambda: "" if self.prefetcher is None else self.prefetcher.fetcher.stall(),
         )
         # What the metrics' HTTP thread reads: the view housekeeping last published (one
         # reference, replaced whole; the view itself never changes).
