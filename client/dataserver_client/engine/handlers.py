@@ -1,8 +1,9 @@
 """What each message from a server, and each change in the set of servers, does to the
 session: the handlers the engine routes messages, link events and discovery changes to.
 
-``Handlers`` decides; the owners apply. It gets its collaborators as arguments (the plan book,
-the task ledger, the links, the sender, the buffers) and changes them only through their
+``Handlers`` decides; the owners apply. It gets its collaborators as arguments (the engine's
+``Parts``: the plan book, the task ledger, the buffers, the counters; the links, the sender;
+``LoopHooks``: what it asks of the engine's loop) and changes them only through their
 methods; the counters it is given it increments. It owns the answer ``Deadlines`` and the
 time of the last progress (the "no progress for ``timeout``" check). No thread of its own:
 every method runs in the engine's I/O thread.
@@ -12,15 +13,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator
-from concurrent.futures import Future
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import zmq
 
-from dataserver.counting import Counts
-from dataserver.landing import LandingArea
 from dataserver.protocol import (
     Cancelled,
     ErrorMsg,
@@ -32,15 +30,13 @@ from dataserver.protocol import (
     decode,
 )
 from dataserver.tcpinfo import malloc_trim
-from dataserver_client.buffers.assembly import HostBuffers
 from dataserver_client.config import ClientConfig
 from dataserver_client.counts import ASKED_AGAIN, Count, Reject
-from dataserver_client.engine.book import PlanBook
 from dataserver_client.engine.dispatch import Sender
+from dataserver_client.engine.parts import LoopHooks, Parts
 from dataserver_client.errors import DataServerError, NotAuthorized
 from dataserver_client.net.handshakes import HeldWelcome, WelcomeMemo
 from dataserver_client.net.links import (
-    DatasetInfo,
     EventKind,
     LinkEvent,
     Links,
@@ -50,10 +46,9 @@ from dataserver_client.net.links import (
     WelcomeProblem,
 )
 from dataserver_client.net.receive import TooManyFrames, WrongAnswer, receive
-from dataserver_client.plan.hedging import Hedging
 from dataserver_client.session.announce import SizeFetch
 from dataserver_client.session.answers import Deadlines, left_out, result_problem, task_error
-from dataserver_client.session.ledger import TaskLedger, TaskRecord
+from dataserver_client.session.ledger import TaskRecord
 
 log = logging.getLogger("dataserver_client")
 
@@ -68,39 +63,25 @@ class Handlers:
     link's sockets from the engine's poller."""
 
     def __init__(
-        self,
-        config: ClientConfig,
-        book: PlanBook,
-        ledger: TaskLedger,
-        links: Links,
-        sender: Sender,
-        buffers: HostBuffers,
-        landing: LandingArea | None,
-        handshake: Future[DatasetInfo],
-        counters: Counts[Count],
-        rejected: Counts[Reject],
-        fail: Callable[[BaseException], None],
-        watch: Callable[[ServerLink], None],
-        unwatch: Callable[[ServerLink], None],
-        hedging: Hedging[ServerLink],
+        self, config: ClientConfig, parts: Parts, links: Links, sender: Sender, loop: LoopHooks
     ) -> None:
         self.config = config
-        self.book = book
-        self.ledger = ledger
+        self.book = parts.book
+        self.ledger = parts.ledger
         self.links = links
         self.sender = sender
-        self.buffers = buffers
-        self.landing = landing
-        self.handshake = handshake
-        self.counters = counters
-        self.rejected = rejected
-        self._fail = fail
-        self._watch = watch
+        self.buffers = parts.buffers
+        self.landing = parts.landing
+        self.handshake = loop.handshake
+        self.counters = parts.counters
+        self.rejected = parts.rejected
+        self._fail = loop.fail
+        self._watch = loop.watch
         self._resets: list[ServerLink] = []  # links whose sockets go (``reset_links``)
         self._trim_at: float | None = None  # when to give a closed link's memory back
-        self._unwatch = unwatch
+        self._unwatch = loop.unwatch
         self._held: set[ServerLink] = set()  # links holding a WELCOME back (``welcomes_due``)
-        self.hedging = hedging  # (the engine's: the sender reads its outliers too)
+        self.hedging = parts.hedging  # (the engine's: the sender reads its outliers too)
         self._hedges: dict[int, None] = {}  # task ids waiting for a second copy, in order
         self.deadlines = Deadlines(floor=1.0, initial=max(1.0, config.timeout / 3))
         self._last_progress = time.monotonic()
