@@ -444,7 +444,7 @@ class Engine(threading.Thread):
         self.sender.send_control(None)  # the servers drop the tasks of the older plan
         return version
 
-    def rebuild(self, plan: BatchPlan, control: dict[str, Any], on_error: str) -> Future[Any]:
+    def rebuild(self, plan: BatchPlan, control: dict[str, Any], on_error: str) -> Future[Delivery]:
         """Compose the batch a manifest names again; its Future gets the ``Delivery``."""
         future = self.parts.book.rebuild(plan, control, on_error)
         self.handlers.progressed()
@@ -462,7 +462,7 @@ class Engine(threading.Thread):
         another)."""
         self.size_asks.abandon(why)
 
-    def abandon_rebuild(self, future: Future[Any]) -> None:
+    def abandon_rebuild(self, future: Future[Delivery]) -> None:
         self.parts.book.abandon_rebuild(future)
 
     def restore(
