@@ -1,5 +1,5 @@
 """The I/O thread: the loop that owns every socket (``engine``), what it does with each
-message (``handlers``), how tasks are cut and sent (``dispatch``) and the plan book that
+message (``handlers``; second copies of slow servers' tasks: ``hedges``), how tasks are cut and sent (``dispatch``) and the plan book that
 ties an epoch's plan to the batches in flight (``book``); what the engine hands them
 (``parts``), its command queue (``mailbox``) and its asks for the dataset's sizes
 (``sizes``). The only layer that sees both the network and the buffers.

@@ -122,7 +122,7 @@ class Engine(threading.Thread):
         self._mailbox = Mailbox()  # the commands of other threads, and the pipe that wakes us
         self._halt = threading.Event()  # close() or a failed handshake: the loop ends
         self._poller = Watch()  # (epoll over the sockets' descriptors: costs what is ready)
-        self._sockets: dict[Any, tuple[ServerLink, str]] = {}
+        self._sockets: dict[zmq.Socket[Any], tuple[ServerLink, str]] = {}
         self.wiring: Wiring | None = None  # (made by the thread: ``run``)
 
     @property
