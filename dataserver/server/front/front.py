@@ -19,6 +19,13 @@ answer), and every handler runs under a ``MessageGuard`` (anything else it raise
 as ``internal``, logged once, and costs that one message). What the front holds for clients
 is capped: sessions (``--max-sessions``), queued bytes per session and in total and
 results waiting to be read (``--max-queued-mb``), image size (``--max-image-side``).
+
+Over the house's ~500 lines (about 760): the ``Front`` owns every socket and the one loop
+over them, and what that loop does with its own state stays with it (monitors, drain, admin,
+WELCOME, housekeeping, the view); the messages went out to ``clients`` and ``routing``, the
+worker processes to ``pool``, the caps to ``conns`` and ``capacity``. Building its parts at
+start (``_worker_config``, ``_make_store``, ``_make_prefetcher``) is the next piece that
+could go.
 """
 
 from __future__ import annotations

@@ -30,6 +30,10 @@ the peer whose sessions' tasks took the least worker time, and of its sessions t
 took the least. Control states are paced per peer too (16 sessions of one user, each with a
 constant state of its own, never changed theirs, while the workers' dataset copies
 thrashed: ``tasks_paced`` stayed 0).
+
+Over the house's ~500 lines (about 530): the ``Scheduler``'s fair queue, caps and eviction
+change one set of maps together (sessions, the ready ring, the peers' shares, the live
+tasks, the least-recently-seen order); split, each part would write the others' maps.
 """
 
 from __future__ import annotations
