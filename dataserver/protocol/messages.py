@@ -35,7 +35,7 @@ int32 array and the table's digest. The front answers a session's requests at
 asks no faster, checks every chunk (its range, its digest) and the digest of the whole.
 
 Over the house's ~500 lines (about 760): one ``Struct`` per message type, the protocol's one
-definition (SPEC.md lists them); split by message, the wire format would be scattered.
+definition; split by message, the wire format would be scattered.
 """
 
 from __future__ import annotations

@@ -200,7 +200,8 @@ class Engine(threading.Thread):
         links: Links | None = None
         discovery: Discovery | None = None
         try:
-            standing = lambda: (self.parts.book.plan_version, self.parts.book.control_seq)  # noqa: E731
+            book = self.parts.book
+            standing = lambda: (book.plan_version, book.control_seq)  # noqa: E731
             budget = FdBudget.of_process(ServerLink.FDS)
             links = Links(
                 ctx,

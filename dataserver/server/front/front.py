@@ -155,6 +155,12 @@ class WorkerStartError(RuntimeError):
 class Front:
     """Routes tasks from client sessions to worker processes and results back."""
 
+    # Its sockets: made by ``run`` with the ZeroMQ context it makes (and closes with them
+    # when the loop ends); none before it runs.
+    data: zmq.Socket[Any]  # clients
+    backend: zmq.Socket[Any]  # the workers
+    admin: zmq.Socket[Any]  # the operator's STATS (``adminsock``)
+
     def __init__(
         self,
         config: ServerConfig,
@@ -464,7 +470,7 @@ class Front:
         ctx = zmq.Context()
         self.data = ctx.socket(zmq.ROUTER)
         self.backend = ctx.socket(zmq.ROUTER)
-        self.admin = ctx.socket(zmq.ROUTER)  # the operator's STATS (``adminsock``)
+        self.admin = ctx.socket(zmq.ROUTER)
         self.outlet.attach(self.data, self.backend)
         self._on_ready = on_ready
         serve(lambda: self._start(ctx), self._turn, self._stop, lambda: self._close(ctx))
