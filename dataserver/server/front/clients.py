@@ -1,6 +1,7 @@
 """The front's client messages: HELLO, TASK, CONTROL, HEARTBEAT, STATS and BYE (all on the
-data socket: a session's CONTROL comes on its data connection), each checked (the session's secret, the CURVE key that
-owns the session id, sequence numbers, limits) before it changes anything.
+data socket: a session's CONTROL comes on its data connection), each checked (the session's
+secret, the CURVE key that owns the session id, sequence numbers, limits) before it changes
+anything.
 
 ``Clients`` decides what a message does; the ``Scheduler`` (sessions and their queues) and
 the ``Outlet`` (every send) apply it, through their methods. It gets them, the worker
