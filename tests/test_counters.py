@@ -169,9 +169,9 @@ def test_every_declared_client_name_is_exported(synthetic_server: Server) -> Non
 
         def count_everything() -> None:
             for name in client_counts.Count:
-                engine.counters.count(name)
+                engine.parts.counters.count(name)
             for reason in client_counts.Reject:
-                engine.rejected.count(reason)
+                engine.parts.rejected.count(reason)
 
         engine.call(count_everything)
         stats = client.stats()

@@ -251,12 +251,12 @@ def test_close_never_closes_descriptors_the_io_thread_may_still_poll(
     engine = client._engine
     threading.Thread(target=engine.call, args=(time.sleep, 7.0), daemon=True).start()
     time.sleep(0.3)  # the I/O thread is now stuck in that command
-    wake = engine._wake_r
+    wake = engine._mailbox.fd
     client.close()  # gives up waiting after 5 s ...
     assert engine.is_alive()
     os.fstat(wake)  # ... and leaves the thread's descriptors open (no EBADF, no reuse)
     assert wait_until(lambda: not engine.is_alive(), 10)
-    assert engine._wake_r == -1 and engine._wake_w == -1  # the thread closed them itself
+    assert engine._mailbox.fd == -1  # the thread closed the pipe itself (both ends)
 
 
 def test_workers_that_cannot_start_make_serve_exit_with_their_error_in_one_line() -> None:

@@ -87,9 +87,9 @@ def test_results_land_in_a_nameless_buffer_and_equal_those_over_the_socket(
     with make_client(server.address, shared_memory=False, **KW) as c:
         sent = batches(c)
         assert c.stats().get("results_landed", 0) == 0
-        assert c._engine.landing is None
+        assert c._engine.parts.landing is None
     with make_client(server.address, **KW) as c:
-        area = c._engine.landing
+        area = c._engine.parts.landing
         assert area is not None
         assert os.readlink(f"/proc/self/fd/{area.fd}").startswith("/memfd:")
         c.set_epoch(0)

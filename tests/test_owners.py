@@ -23,6 +23,7 @@ from dataserver_client.counts import Count, Reject
 from dataserver_client.engine.book import PlanBook
 from dataserver_client.engine.dispatch import Sender
 from dataserver_client.engine.handlers import Handlers
+from dataserver_client.engine.parts import LoopHooks, Parts
 from dataserver_client.errors import DataServerError
 from dataserver_client.net.links import Links
 from dataserver_client.net.serverlink import LinkState, ServerLink
@@ -320,19 +321,19 @@ def _handlers(
     """``Handlers`` of ``book`` and ``ledger`` over fake links, with no sockets."""
     return Handlers(
         ClientConfig(addresses=("tcp://127.0.0.1:1",), device=torch.device("cpu")),
-        book,
-        ledger,
+        Parts(
+            book,
+            ledger,
+            Affinity(),
+            Hedging(),
+            HostBuffers(torch.device("cpu"), keep=4),
+            None,
+            counters,
+            rejected,
+        ),
         cast(Links, links),
         cast(Sender, None),
-        HostBuffers(torch.device("cpu"), keep=4),
-        None,
-        Future(),
-        counters,
-        rejected,
-        fail=lambda exc: None,
-        watch=lambda link: None,
-        unwatch=lambda link: None,
-        hedging=Hedging(),
+        LoopHooks(Future(), lambda exc: None, lambda link: None, lambda link: None),
     )
 
 

@@ -19,7 +19,7 @@ from dataserver.hashing import mix64
 from dataserver.protocol import Bye, ErrorMsg, Hello, Task, Welcome
 from dataserver.server.config import ServerConfig, WorkerConfig
 from dataserver.server.counts import Count, Reject
-from dataserver.server.front.clients import Clients
+from dataserver.server.front.clients import Clients, FrontSide
 from dataserver.server.front.metrics import ViewCollector
 from dataserver.server.front.outlet import Outlet
 from dataserver.server.front.pool import WorkerHandle
@@ -180,10 +180,7 @@ def _clients(draining: bool = False) -> tuple[Clients, FakeOutlet, Counts[Reject
         StatsView(rejected, None),
         counters,
         rejected,
-        "server-1",
-        welcome=_welcome,
-        stats=dict,
-        draining=lambda: draining,
+        FrontSide("server-1", welcome=_welcome, stats=dict, draining=lambda: draining),
     )
     return clients, outlet, rejected
 

@@ -1,4 +1,9 @@
-"""``DataServerClient``: the trainer-side iterator over batches served by dataserver."""
+"""``DataServerClient``: the trainer-side iterator over batches served by dataserver.
+
+Over the house's ~500 lines (about 680): the public API, each method documented for users
+with the checks of its arguments, and ``iterate_epochs``; the work is in the engine (each
+method asks it through ``call``).
+"""
 
 from __future__ import annotations
 

@@ -29,6 +29,10 @@ and ``--no-local-results`` (results over TCP, as to another host and from the fa
     with none, with the sessions silent, and beating (per heartbeat it handled).
 
 Roles run in their own processes: ``python -m dataserver.bench.scale swarm|fakes|client``.
+
+Over the house's ~500 lines (about 1,090): a benchmark, not the product; the helper
+processes of its three measurements (swarm, fakes, client) run as ``main``s of this one
+module.
 """
 
 from __future__ import annotations

@@ -28,6 +28,10 @@ epoch, index) and the batch's parameters, and never stored.
 
 Used unchanged by the server's workers and by the DataLoader baseline of ``dataserver
 bench``, so both sides of every comparison run the same image code, and by the tests.
+
+Over the house's ~500 lines (about 715): the per-task image math is one chain of pure
+functions (read, fit, augment, flip, compose), each step's output the next one's input; kept
+in one module so the chain reads top to bottom.
 """
 
 from __future__ import annotations

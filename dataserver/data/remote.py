@@ -23,6 +23,10 @@ cache, waits for an object the front is fetching (its mark in ``marks_dir``) and
 what neither has; elsewhere ``prefetch`` starts GETs in a bounded pool of threads
 (``--max-fetches`` requests in flight) so that a task's objects arrive together. ``stall``
 says why nothing is fetched while a store fails (the front's heartbeat replies).
+
+Over the house's ~500 lines (about 625): the one path for remote bytes (URLs, settings, the
+retry budget, the tally, obstore), shared by the server's reads, its fetching ahead and the
+index.
 """
 
 from __future__ import annotations

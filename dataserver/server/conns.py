@@ -39,6 +39,11 @@ dead worker) gets ``EMFILE``. This module keeps that bounded:
     per session): one connection too many shuts down another, never the newcomer while
     another can go: first the one untied to a live session for longest (a peer that
     connected and never spoke as a session), then the idlest tied one.
+
+Over the house's ~500 lines (about 615): the connection-level defences of the public sockets
+in one place (a message read a frame at a time, barred peers and their ``Gate``, the
+``ConnTracker``'s idle, unfinished and over-budget connections, the fd budgets), since they
+share the per-connection record and the budget.
 """
 
 from __future__ import annotations

@@ -37,10 +37,12 @@ class HostBuffers:
         self.pinned = device.type == "cuda"
         self.keep = keep
         self.landing = landing
-        self._free: dict[tuple[int, ...], list[tuple[torch.Tensor, Any]]] = {}
+        self._free: dict[tuple[int, ...], list[tuple[torch.Tensor, torch.cuda.Event | None]]] = {}
         self._lent: list[torch.Tensor] = []
         self._region: dict[int, int] = {}  # storage data_ptr -> landing region
-        self._unsealed: list[tuple[torch.Tensor, Any]] = []  # regions to seal before reuse
+        self._unsealed: list[
+            tuple[torch.Tensor, torch.cuda.Event | None]
+        ] = []  # regions to seal before reuse
         self.allocated = 0
         # Private but long-standing torch API; without it CPU buffers are simply not reused.
         self._use_count = getattr(torch._C, "_storage_Use_Count", None)
@@ -99,7 +101,7 @@ class HostBuffers:
             return True
         return self.landing.seal(region)
 
-    def give(self, tensor: torch.Tensor, event: Any = None) -> None:
+    def give(self, tensor: torch.Tensor, event: torch.cuda.Event | None = None) -> None:
         """Return a buffer nobody else holds (pinned: once ``event``, the copy reading it,
         is done). A landing buffer is sealed before it serves again."""
         if tensor.untyped_storage().data_ptr() in self._region:
@@ -214,7 +216,7 @@ class DeviceMover:
         counts = [len(b) for b in boxes]
         all_boxes = torch.from_numpy(np.concatenate([_NO_BOXES, *boxes], dtype=np.float32))
         all_labels = torch.from_numpy(np.concatenate([_NO_LABELS, *labels], dtype=np.int64))
-        event = None
+        event: torch.cuda.Event | None = None
         if not self.cuda:
             if inflight.dropped:
                 buffers.give(inflight.host)  # the batch got a compacted copy

@@ -8,11 +8,11 @@ changes in the servers, ``servers_changed``; dispatch.py reads what a TASK and a
 carry), and tests drive it directly.
 
 Its collaborators, each reached only through its methods: the engine's ``TaskLedger``
-(ledger.py: the tasks a batch needs) and ``Affinity`` (affinity.py: which server a key's
-sources belong to), given to it; the ``Handoff`` (handoff.py: finished batches for the
-trainer); and its own ``Pacing`` (pacing.py: how finely a batch is cut into tasks) and
-``Lookahead`` (lookahead.py: the next batch planned in the other mode, and mode flips, which
-asks the book back only through ``lookahead.Plans``).
+(ledger.py: the tasks a batch needs), given to it; the ``Handoff`` (handoff.py: finished
+batches for the trainer); and its own ``Cutting`` (cutting.py: how finely a batch is cut
+into tasks and for which server, by the engine's ``Affinity``) and ``Lookahead``
+(lookahead.py: the next batch planned in the other mode, and mode flips, which asks the
+book back only through ``lookahead.Plans``).
 
 ``steer`` bumps ``plan_version``, drops every batch the trainer has not taken, and rewinds
 the cursor to the first of them. A finished batch (delivered or failed) goes to one place,
@@ -22,6 +22,7 @@ the cursor to the first of them. A finished batch (delivered or failed) goes to 
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -34,9 +35,9 @@ from dataserver_client.config import ClientConfig
 from dataserver_client.errors import DataServerError
 from dataserver_client.plan.affinity import Affinity
 from dataserver_client.plan.epoch import REGULAR, BatchPlan, Cursor, ShardLike
-from dataserver_client.plan.pacing import Pacing
 from dataserver_client.plan.resume import Deal, Position, epoch_shard
 from dataserver_client.plan.sizes import SizeSchedule
+from dataserver_client.session.cutting import Cutting
 from dataserver_client.session.inflight import Delivery, InflightBatch, Sealing
 from dataserver_client.session.ledger import TaskLedger, TaskRecord
 from dataserver_client.session.lookahead import Lookahead, LookaheadState
@@ -63,7 +64,6 @@ class PlanBook:
         self._mover = mover
         self._buffers = buffers
         self._ledger = ledger
-        self._affinity = affinity
         self._layout = config.layout()
         self._epoch = 0
         self._mode = REGULAR
@@ -76,7 +76,7 @@ class PlanBook:
         self._inflight: dict[int, InflightBatch] = {}  # their batches being answered, by step
         self._sealing = Sealing(buffers)  # complete, waiting for their buffer's seal
         self._rebuilds = Rebuilds(buffers, ledger)  # batches rebuilt from a manifest
-        self._pacing = Pacing(config.world_size)
+        self._cutting = Cutting(config.world_size, ledger, affinity)  # batches into tasks
         wanted = config.lookahead and self._layout.stitch_k > 1
         self._lookahead = Lookahead(wanted, self._layout, handoff, self)
         # The epoch's deal (an elastic resume) as plain data for snapshots, or None.
@@ -94,14 +94,11 @@ class PlanBook:
         task_bytes: int | None,
         stores: bool | None,
     ) -> None:
-        """The ready servers are ``ready`` now (handlers.py): they work on ``slots`` tasks at
-        once and take at most ``task_bytes`` of output a task (None: none announced it),
-        which cut the batches planned from now on (``Pacing``); keys route among them
-        (tasks preferring a server gone prefer none); ``stores`` (None: not judged again):
-        whether every server keeps a store of sources, which the lookahead needs."""
-        self._pacing.servers(slots, task_bytes)
-        self._affinity.set_ready(ready)
-        self._ledger.unprefer(set(self._affinity.live()))
+        """The ready servers are ``ready`` now (handlers.py), on ``slots`` tasks at once, at
+        most ``task_bytes`` a task: the cut of the batches planned from now on
+        (``Cutting.servers``); ``stores`` (None: not judged again): whether every server
+        keeps a store of sources, which the lookahead needs."""
+        self._cutting.servers(ready, slots, task_bytes)
         if stores is not None:
             self._lookahead.stores_kept(stores)
 
@@ -286,7 +283,7 @@ class PlanBook:
         # takes milliseconds of CPU that the first batch, cut for every slot, needs.
         budget = -1 if deeper is None else deeper
         depth = self.depth()
-        slots = max(self._pacing.share(), depth)
+        slots = max(self._cutting.share(), depth)
         while not ended and cursor.step - taken < depth:
             if len(self._ledger) >= slots and self._buffers.fresh():
                 return False
@@ -306,32 +303,16 @@ class PlanBook:
         return True
 
     def plan_tasks(self, plan: BatchPlan, batch: InflightBatch | None = None) -> InflightBatch:
-        """The batch's buffer and tasks: runs of consecutive images, cut where the server
-        their sources belong to changes (several servers), else evenly. ``batch``: one made
-        already (a rebuild), else a new one under the current control values."""
+        """The batch's buffer and tasks (``Cutting.cut``). ``batch``: one made already (a
+        rebuild), else a new one under the current control values."""
         if batch is None:
             host = self._buffers.take((len(plan.images), 3, *plan.sizes.out))
             batch = InflightBatch(plan, host, self.control_seq, self.control)
-        images = plan.images
-        n = len(images)
-        if self._affinity.routes():
-            keys = [self._lookahead.key(plan, j, self._cursor) for j in range(n)]
-            servers = [self._affinity.server_for(key) for key in keys]
-        else:  # one server: no key goes anywhere in particular
-            keys, servers = [], [None] * n
-        busy = len(self._ledger) > 0
-        for run in self._pacing.cut(servers, plan.sizes.out, self.depth(), busy):
-            prefer = servers[run.start]
-            self._ledger.add(
-                batch,
-                tuple(run),
-                tuple(images[j].indices for j in run),
-                images[0].grid,
-                plan.sizes,
-                self.plan_version,
-                prefer=prefer,
-                keys=tuple(keys[j] for j in run) if prefer is not None else (),
-            )
+
+        def key(j: int) -> int:  # (which server image j is for: ``Lookahead.key``)
+            return self._lookahead.key(plan, j, self._cursor)
+
+        self._cutting.cut(batch, plan, key, self.depth(), self.plan_version)
         return batch
 
     def mode_steered(self, changes: bool = True) -> bool:
@@ -394,7 +375,7 @@ class PlanBook:
         self._lookahead.epoch_began(step)
         self.plan_version += 1
         self._drop_plans()
-        self._affinity.clear()
+        self._cutting.new_epoch()
         shard, spare = planned or epoch_shard(self._config, dataset_len, epoch, deal)
         self._deal_state = None if deal is None else deal.to_state()
         self._cursor = Cursor(
@@ -450,14 +431,14 @@ class PlanBook:
 
     # ------------------------------------------------------------ rebuilds
 
-    def rebuild(self, plan: BatchPlan, control: dict[str, Any], on_error: str) -> Any:
+    def rebuild(self, plan: BatchPlan, control: dict[str, Any], on_error: str) -> Future[Delivery]:
         """Plan a batch again from its manifest (``rebuild.plan_of``): composed with the
         manifest's control values, delivered to the Future this returns, never to the
         trainer's stream of batches."""
         plan = replace(plan, plan_version=self.plan_version)
         return self._rebuilds.start(plan, self.control_seq, control, on_error, self.plan_tasks)
 
-    def abandon_rebuild(self, future: Any) -> None:
+    def abandon_rebuild(self, future: Future[Delivery]) -> None:
         """The trainer stopped waiting for a rebuild: drop its tasks and buffer."""
         self._rebuilds.abandon(future)
 

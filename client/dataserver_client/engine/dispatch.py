@@ -1,7 +1,7 @@
 """What the client sends: tasks to the servers with free credit (landing straight into our
 buffer where a worker on this host can), cancels of tasks the plan no longer wants, and
 the session's CONTROL. Decides nothing about the plan: it reads the plan book and the
-ledger (the engine's, given to it with the affinity that picks a task's server) through
+ledger (the engine's ``Parts``, with the affinity that picks a task's server) through
 their methods and tells the ledger and the links what went where."""
 
 from __future__ import annotations
@@ -11,16 +11,13 @@ from typing import Any
 
 import msgspec
 
-from dataserver.landing import LandingArea, land_mac
+from dataserver.landing import land_mac
 from dataserver.protocol import Control, Task
-from dataserver_client.buffers.assembly import HostBuffers
 from dataserver_client.config import ClientConfig
-from dataserver_client.engine.book import PlanBook
+from dataserver_client.engine.parts import Parts
 from dataserver_client.net.links import Links
 from dataserver_client.net.serverlink import LinkState, ServerLink
-from dataserver_client.plan.affinity import Affinity
-from dataserver_client.plan.hedging import Hedging
-from dataserver_client.session.ledger import TaskLedger, TaskRecord
+from dataserver_client.session.ledger import TaskRecord
 
 MAX_CANCEL = 4096  # task ids per CONTROL
 # Samples past the batches planned that a server is told its plan asks next (``Task.ahead``:
@@ -33,25 +30,15 @@ AHEAD = 256
 class Sender:
     """Sends what the plan book wants sent, over ``links``."""
 
-    def __init__(
-        self,
-        config: ClientConfig,
-        book: PlanBook,
-        ledger: TaskLedger,
-        affinity: Affinity[ServerLink],
-        links: Links,
-        buffers: HostBuffers,
-        landing: LandingArea | None,
-        hedging: Hedging[ServerLink],
-    ) -> None:
+    def __init__(self, config: ClientConfig, parts: Parts, links: Links) -> None:
         self._config = config
-        self._hedging = hedging
-        self._book = book
-        self._ledger = ledger
-        self._affinity = affinity
+        self._hedging = parts.hedging
+        self._book = parts.book
+        self._ledger = parts.ledger
+        self._affinity = parts.affinity
         self._links = links
-        self._buffers = buffers
-        self._landing = landing
+        self._buffers = parts.buffers
+        self._landing = parts.landing
         # The plan's next samples for each server (``_ahead``): the mark they were cut at,
         # and each server's share not yet sent to it.
         self._ahead_mark: tuple[int, int, int] | None = None

@@ -8,14 +8,15 @@ keeps up with many workers.
 
 Collaborators, each the only writer of its state: ``PlanBook`` (book.py: plans, batches,
 mode, steering), ``TaskLedger`` (ledger.py: wanted tasks, the send queue), ``Affinity``
-(affinity.py: which server a key's sources went to), ``Links`` (links.py: connection
-events, heartbeats; one ``ServerLink`` per server, serverlink.py), ``Sender``
-(dispatch.py: tasks, cancels, controls out, each on its server's data connection), ``Handlers`` (handlers.py: what each message,
-link event and discovery change does; the answer deadlines and the last progress). This loop
-routes each socket and message to its handler and passes ids and values between them; it
-never writes their fields. It makes the ledger and the affinity and hands them to the book,
-the sender and the handlers, which share them; the facade (client.py) reaches the parts
-only through the engine's commands (``call``) and ``hand_over``.
+(affinity.py: which server a key's sources went to), ``Links`` (links.py: connection events,
+heartbeats; one ``ServerLink`` per server, serverlink.py), ``Sender`` (dispatch.py: tasks, cancels,
+controls out), ``Handlers`` (handlers.py: what each message, link event and discovery
+change does; the answer deadlines and the last progress), its ``Mailbox`` (mailbox.py: the
+command queue and the pipe that wakes the loop) and ``SizeAsks`` (sizes.py: the fetch of
+the dataset's sizes). This loop routes each socket and message to its handler and passes
+ids and values between them; it never writes their fields. It makes the session's parts
+and hands them, as ``Parts`` (parts.py), to the sender and the handlers, which share them;
+the facade (client.py) reaches them only through ``call`` and ``hand_over``.
 
 No message can stop this thread: a message that does not decode is counted and dropped,
 and every handler runs under a ``MessageGuard`` (an exception costs that message, counted as
@@ -30,10 +31,8 @@ import dataclasses
 import enum
 import logging
 import math
-import os
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from functools import partial
@@ -42,7 +41,6 @@ from typing import Any
 import numpy as np
 import zmq
 
-from dataserver.counting import Counts
 from dataserver.loop import MessageGuard, inject, is_shutdown
 from dataserver.protocol import (
     Bye,
@@ -55,13 +53,15 @@ from dataserver.protocol import (
     Welcome,
 )
 from dataserver_client.batch import Batch
-from dataserver_client.buffers.assembly import DeviceMover, HostBuffers, landing_area
+from dataserver_client.buffers.assembly import DeviceMover
 from dataserver_client.buffers.handoff import Handoff
 from dataserver_client.config import ClientConfig
-from dataserver_client.counts import SHOWN, Count, Reject
-from dataserver_client.engine.book import PlanBook
+from dataserver_client.counts import Reject
 from dataserver_client.engine.dispatch import Sender
 from dataserver_client.engine.handlers import Handlers
+from dataserver_client.engine.mailbox import Mailbox
+from dataserver_client.engine.parts import LoopHooks, Parts
+from dataserver_client.engine.sizes import SizeAsks
 from dataserver_client.errors import DataServerError, ServerUnreachable
 from dataserver_client.net.discovery import Discovery
 from dataserver_client.net.fds import FdBudget, new_context, raise_fd_limit
@@ -69,14 +69,10 @@ from dataserver_client.net.links import Links
 from dataserver_client.net.serverlink import EventKind, LinkState, ServerLink
 from dataserver_client.net.watch import Watch
 from dataserver_client.net.welcome import DatasetInfo
-from dataserver_client.plan.affinity import Affinity
 from dataserver_client.plan.epoch import BatchPlan, ShardLike
-from dataserver_client.plan.hedging import Hedging
 from dataserver_client.plan.resume import Deal, Position
 from dataserver_client.plan.sizes import SizeSchedule
-from dataserver_client.session.announce import SizeFetch
 from dataserver_client.session.inflight import Delivery
-from dataserver_client.session.ledger import TaskLedger
 
 log = logging.getLogger("dataserver_client")
 
@@ -118,29 +114,17 @@ class Engine(threading.Thread):
         self.handoff = handoff
         self.curve = curve
         self.mover = DeviceMover(config.device)
-        self.landing = landing_area(config)
-        self.buffers = HostBuffers(config.device, keep=config.prefetch + 4, landing=self.landing)
-        self.ledger = TaskLedger()
-        self.affinity: Affinity[ServerLink] = Affinity()
-        self.hedging: Hedging[ServerLink] = Hedging(config.hedge)
-        self.book = PlanBook(config, handoff, self.mover, self.buffers, self.ledger, self.affinity)
+        self.parts = Parts.of_session(config, handoff, self.mover)  # (shared: parts.py)
         self.handshake: Future[DatasetInfo] = Future()
-        self.counters = Counts(Count, shown=SHOWN)
-        self.rejected = Counts(Reject)
-        self.guard = MessageGuard(log, partial(self.rejected.count, Reject.INTERNAL))
+        self.guard = MessageGuard(log, partial(self.parts.rejected.count, Reject.INTERNAL))
         self.dataset_len = 0
         self.dataset: DatasetInfo | None = None  # as the handshake fixed it
-        self.size_fetch: SizeFetch | None = None  # the per-sample sizes, once asked for
+        self.size_asks = SizeAsks()  # the per-sample sizes, once asked for
         self.phase = Phase.NEW
-        self._commands: deque[tuple[Callable[..., Any], tuple[Any, ...], Future[Any]]] = deque()
-        self._lock = threading.Lock()  # guards _stopped, the command queue's closing, the pipe
-        self._stopped = False
+        self._mailbox = Mailbox()  # the commands of other threads, and the pipe that wakes us
         self._halt = threading.Event()  # close() or a failed handshake: the loop ends
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
         self._poller = Watch()  # (epoll over the sockets' descriptors: costs what is ready)
-        self._sockets: dict[Any, tuple[ServerLink, str]] = {}
+        self._sockets: dict[zmq.Socket[Any], tuple[ServerLink, str]] = {}
         self.wiring: Wiring | None = None  # (made by the thread: ``run``)
 
     @property
@@ -165,12 +149,9 @@ class Engine(threading.Thread):
     def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run ``fn(*args)`` in the I/O thread and return its result (or raise its error).
         Once the thread has stopped, raises at once with the reason it stopped."""
-        fut: Future[Any] = Future()
-        with self._lock:
-            if self._stopped:
-                raise self.dead_error()
-            self._commands.append((fn, args, fut))
-        self.wake()
+        fut = self._mailbox.post(fn, args)
+        if fut is None:
+            raise self.dead_error()
         deadline = time.monotonic() + self.config.timeout + 10.0
         while True:
             try:
@@ -190,13 +171,7 @@ class Engine(threading.Thread):
         return self.handoff.dead_error()
 
     def wake(self) -> None:
-        with self._lock:
-            if self._wake_w < 0:
-                return
-            try:
-                os.write(self._wake_w, b"\0")
-            except BlockingIOError:
-                pass  # the pipe is full, so the thread is awake anyway
+        self._mailbox.wake()
 
     def close(self) -> None:
         """Stop the thread (idempotent). Descriptors it polls are closed by the thread
@@ -214,15 +189,8 @@ class Engine(threading.Thread):
                     JOIN_S,
                 )
         elif self.ident is None:  # never ran: nobody else will close them
-            self._close_pipe()
+            self._mailbox.close_pipe()
             self._poller.close()
-
-    def _close_pipe(self) -> None:
-        with self._lock:
-            for fd in (self._wake_r, self._wake_w):
-                if fd >= 0:
-                    os.close(fd)
-            self._wake_r = self._wake_w = -1
 
     # ------------------------------------------------------------ the thread
 
@@ -234,37 +202,21 @@ class Engine(threading.Thread):
         links: Links | None = None
         discovery: Discovery | None = None
         try:
-            standing = lambda: (self.book.plan_version, self.book.control_seq)  # noqa: E731
+            book = self.parts.book
+            standing = lambda: (book.plan_version, book.control_seq)  # noqa: E731
             budget = FdBudget.of_process(ServerLink.FDS)
             links = Links(
-                ctx, self.config, self.curve, standing, self.landing, budget, self._poller.touch
-            )
-            sender = Sender(
+                ctx,
                 self.config,
-                self.book,
-                self.ledger,
-                self.affinity,
-                links,
-                self.buffers,
-                self.landing,
-                self.hedging,
+                self.curve,
+                standing,
+                self.parts.landing,
+                budget,
+                self._poller.touch,
             )
-            handlers = Handlers(
-                self.config,
-                self.book,
-                self.ledger,
-                links,
-                sender,
-                self.buffers,
-                self.landing,
-                self.handshake,
-                self.counters,
-                self.rejected,
-                fail=self._fail,
-                watch=self._watch,
-                unwatch=self._unwatch,
-                hedging=self.hedging,
-            )
+            sender = Sender(self.config, self.parts, links)
+            hooks = LoopHooks(self.handshake, self._fail, self._watch, self._unwatch)
+            handlers = Handlers(self.config, self.parts, links, sender, hooks)
             self.wiring = Wiring(links, sender, handlers)
             discovery = Discovery(self.config.addresses, self.config.discovery_interval, self.wake)
             discovery.start()
@@ -287,18 +239,14 @@ class Engine(threading.Thread):
         if links is not None:
             links.close()
         ctx.term()
-        with self._lock:
-            self._stopped = True
-            left = list(self._commands)
-            self._commands.clear()
-        for _, _, fut in left:
+        for fut in self._mailbox.close():
             if not fut.done():
                 fut.set_exception(self.dead_error())
-        self._close_pipe()
+        self._mailbox.close_pipe()
         self._poller.close()
-        self.buffers.close()
-        if self.landing is not None:
-            self.landing.close()
+        self.parts.buffers.close()
+        if self.parts.landing is not None:
+            self.parts.landing.close()
         self.phase = Phase.STOPPED
         self.handoff.fail(DataServerError("the client is closed"))
 
@@ -324,7 +272,7 @@ class Engine(threading.Thread):
             self._sockets.pop(sock, None)
 
     def _loop(self, discovery: Discovery) -> None:
-        self._poller.register(self._wake_r, zmq.POLLIN)
+        self._poller.register(self._mailbox.fd, zmq.POLLIN)
         for link in self.links:
             self._watch(link)
         started = time.monotonic()
@@ -333,9 +281,9 @@ class Engine(threading.Thread):
         more = False  # batches left to plan: poll without waiting
         while not self._halt.is_set():
             events = dict(self._poller.poll(0 if more else self._poll_ms(next_tick)))
-            if self._wake_r in events:
-                self._drain_pipe()
-            self._run_commands()
+            if self._mailbox.fd in events:
+                self._mailbox.drain()
+            self._mailbox.run()
             inject("client.loop")  # a test's stand-in for a bug no guard catches
             found = discovery.take()
             if found is not None:
@@ -349,8 +297,7 @@ class Engine(threading.Thread):
                 continue
             more = self._turn()
             now = time.monotonic()
-            if self.size_fetch is not None and not self.size_fetch.future.done():
-                self.size_fetch.pump(self._size_links(), now)
+            self.size_asks.pump(self.links, now)
             if now >= next_tick:
                 next_tick = now + TICK_S
                 self.handlers.on_events(self.links.tick(now))
@@ -368,35 +315,17 @@ class Engine(threading.Thread):
             return POLL_MS
         return max(1, min(POLL_MS, math.ceil((next_tick - time.monotonic()) * 1000)))
 
-    def _drain_pipe(self) -> None:
-        try:
-            while os.read(self._wake_r, 4096):
-                pass
-        except BlockingIOError:
-            pass
-
     def _turn(self) -> bool:
         """What every pass of the loop does once running: deliver, plan (one batch beyond
         the next a pass, its tasks sent before the next is planned), send. True: more
         batches are due."""
-        self.book.retry_seals()
-        more = self.book.fill(deeper=1)
-        if self.ledger.cancels:
+        self.parts.book.retry_seals()
+        more = self.parts.book.fill(deeper=1)
+        if self.parts.ledger.cancels:
             self.sender.cancel()
         self.handlers.send_hedges()  # (queued by the tick: ahead of new tasks)
         self.sender.dispatch()
         return more
-
-    def _run_commands(self) -> None:
-        while True:
-            with self._lock:
-                if not self._commands:
-                    return
-                fn, args, fut = self._commands.popleft()
-            try:
-                fut.set_result(fn(*args))
-            except BaseException as exc:
-                fut.set_exception(exc)
 
     def _on_socket(self, sock: zmq.Socket[Any], link: ServerLink, role: str) -> None:
         if role == "monitor":
@@ -421,16 +350,16 @@ class Engine(threading.Thread):
                 self.handlers.on_welcome(link, msg)
             case Heartbeat():
                 if not link.paced(msg.heartbeat_ms):
-                    self.rejected.count(Reject.HEARTBEAT_INTERVAL)
+                    self.parts.rejected.count(Reject.HEARTBEAT_INTERVAL)
                 if msg.results is not None:
                     link.sync_results(msg.results, msg.local or ())
                 link.store_says(msg.store_stall)
             case Bye():
                 self.handlers.on_bye(link)
             case SampleSizes():
-                self.handlers.on_sizes(link, msg, self.size_fetch)
+                self.handlers.on_sizes(link, msg, self.size_asks.current)
             case _:
-                self.rejected.count(Reject.UNEXPECTED_TYPE)
+                self.parts.rejected.count(Reject.UNEXPECTED_TYPE)
 
     def _check_handshake(self, started: float) -> None:
         if self.handshake.done():  # failed already (a WELCOME refused): the loop is halting
@@ -472,7 +401,7 @@ class Engine(threading.Thread):
         deal: Deal | None = None,
         planned: tuple[ShardLike, int] | None = None,
     ) -> int:
-        n = self.book.start_epoch(epoch, self.dataset_len, position, step, deal, planned)
+        n = self.parts.book.start_epoch(epoch, self.dataset_len, position, step, deal, planned)
         self.handlers.progressed()
         return n
 
@@ -481,22 +410,22 @@ class Engine(threading.Thread):
         that come often arm the lookahead (lookahead.py); the same mode again changes
         nothing else."""
         if control is None:
-            self.book.mode_steered(changes=mode != self.book.mode)
-            if mode == self.book.mode:
-                return self.book.plan_version
-            if self.book.flip(mode):
+            self.parts.book.mode_steered(changes=mode != self.parts.book.mode)
+            if mode == self.parts.book.mode:
+                return self.parts.book.plan_version
+            if self.parts.book.flip(mode):
                 self.sender.cancel()  # the old mode's deeper batches; the plan itself stands
-                return self.book.plan_version
-        version = self.book.steer(mode, control)
+                return self.parts.book.plan_version
+        version = self.parts.book.steer(mode, control)
         self.sender.send_control(None)
         return version
 
     def mode(self) -> str:
-        return self.book.mode
+        return self.parts.book.mode
 
     def size_schedule(self) -> SizeSchedule:
         """The size schedule from the next batch on."""
-        return self.book.sizes
+        return self.parts.book.sizes
 
     def max_image_side(self) -> int | None:
         """The least ``--max-image-side`` of the servers in use (met, neither draining nor
@@ -510,17 +439,17 @@ class Engine(threading.Thread):
         return min(sides) if sides else None
 
     def snapshot(self) -> Position:
-        return self.book.position()
+        return self.parts.book.position()
 
     def resize(self, sizes: SizeSchedule) -> int:
         """The trainer sets the size schedule: from the next batch on (planned again)."""
-        version = self.book.steer(self.book.mode, None, sizes)
+        version = self.parts.book.steer(self.parts.book.mode, None, sizes)
         self.sender.send_control(None)  # the servers drop the tasks of the older plan
         return version
 
-    def rebuild(self, plan: BatchPlan, control: dict[str, Any], on_error: str) -> Future[Any]:
+    def rebuild(self, plan: BatchPlan, control: dict[str, Any], on_error: str) -> Future[Delivery]:
         """Compose the batch a manifest names again; its Future gets the ``Delivery``."""
-        future = self.book.rebuild(plan, control, on_error)
+        future = self.parts.book.rebuild(plan, control, on_error)
         self.handlers.progressed()
         return future
 
@@ -528,53 +457,38 @@ class Engine(threading.Thread):
         """The dataset's per-sample (h, w) (``announce.py``): a Future of the table, asked
         of the servers now unless it is already (one fetch a client; a failed or abandoned
         one is asked again)."""
-        info = self.dataset
-        assert info is not None and info.sizes_count > 0
-        fetch = self.size_fetch
-        if fetch is None or (fetch.future.done() and fetch.future.exception() is not None):
-            fetch = SizeFetch(info.sizes_count, info.sizes_digest)
-            self.size_fetch = fetch
-            fetch.pump(self._size_links(), time.monotonic())
-        return fetch.future
+        assert self.dataset is not None
+        return self.size_asks.ask(self.dataset, self.links, time.monotonic())
 
     def abandon_sizes(self, why: str) -> None:
         """The trainer stopped waiting for the sizes: the fetch ends (a later ask starts
         another)."""
-        if self.size_fetch is not None:
-            self.size_fetch.fail(DataServerError(why))
-            self.size_fetch = None
+        self.size_asks.abandon(why)
 
-    def _size_links(self) -> list[ServerLink]:
-        """The servers a size fetch may ask: ready, announcing the sizes the handshake fixed
-        (every accepted WELCOME does)."""
-        return [
-            link
-            for link in self.links.ready()
-            if link.welcome_msg is not None and link.welcome_msg.sizes_count > 0
-        ]
-
-    def abandon_rebuild(self, future: Future[Any]) -> None:
-        self.book.abandon_rebuild(future)
+    def abandon_rebuild(self, future: Future[Delivery]) -> None:
+        self.parts.book.abandon_rebuild(future)
 
     def restore(
         self, mode: str, control: dict[str, Any], control_seq: int, sizes: SizeSchedule
     ) -> None:
-        self.book.restore(mode, control, control_seq, sizes)
+        self.parts.book.restore(mode, control, control_seq, sizes)
 
     def stats(self) -> dict[str, Any]:
-        lookahead = self.book.lookahead_state()
+        lookahead = self.parts.book.lookahead_state()
         return {
-            **self.counters.snapshot(),
-            "rejected": self.rejected.snapshot(),
-            "plan_version": self.book.plan_version,
-            "flips": self.book.flips(),
+            **self.parts.counters.snapshot(),
+            "rejected": self.parts.rejected.snapshot(),
+            "plan_version": self.parts.book.plan_version,
+            "flips": self.parts.book.flips(),
             "lookahead": None if lookahead is None else dataclasses.asdict(lookahead),
-            "skipped_poison_images": self.ledger.skipped_poison,
+            "skipped_poison_images": self.parts.ledger.skipped_poison,
             "task_deadline_s": round(self.handlers.deadlines.value, 3),
             "hedging": dataclasses.asdict(
-                self.hedging.figures(self.links.ready(), {lk: lk.address for lk in self.links})
+                self.parts.hedging.figures(
+                    self.links.ready(), {lk: lk.address for lk in self.links}
+                )
             ),
-            "host_buffers_allocated": self.buffers.allocated,
+            "host_buffers_allocated": self.parts.buffers.allocated,
             "servers": [dataclasses.asdict(link.stats()) for link in self.links],
             "fds": dataclasses.asdict(self.links.fds()),
         }

@@ -1,26 +1,33 @@
 """What each message from a server, and each change in the set of servers, does to the
 session: the handlers the engine routes messages, link events and discovery changes to.
 
-``Handlers`` decides; the owners apply. It gets its collaborators as arguments (the plan book,
-the task ledger, the links, the sender, the buffers) and changes them only through their
+``Handlers`` decides; the owners apply. It gets its collaborators as arguments (the engine's
+``Parts``: the plan book, the task ledger, the buffers, the counters; the links, the sender;
+``LoopHooks``: what it asks of the engine's loop) and changes them only through their
 methods; the counters it is given it increments. It owns the answer ``Deadlines`` and the
-time of the last progress (the "no progress for ``timeout``" check). No thread of its own:
-every method runs in the engine's I/O thread.
+time of the last progress (the "no progress for ``timeout``" check), and its ``Hedges``
+(hedges.py: second copies of slow servers' tasks). No thread of its own: every method runs
+in the engine's I/O thread.
+
+Over the house's ~500 lines (about 580) on purpose: one short method per message type, link
+event and timer, which share one set of checks of an answer (which link, which task, still
+wanted, banned or not: ``_destinations``, ``_accepted``, ``_settle``, ``_bad_server``);
+split by message, those checks would be spread over modules or passed around. What stands
+apart went out: the hedging (hedges.py), the answer checks without state
+(session/answers.py).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator
-from concurrent.futures import Future
+from collections.abc import Iterator
+from functools import partial
 from typing import Any
 
 import numpy as np
 import zmq
 
-from dataserver.counting import Counts
-from dataserver.landing import LandingArea
 from dataserver.protocol import (
     Cancelled,
     ErrorMsg,
@@ -32,21 +39,20 @@ from dataserver.protocol import (
     decode,
 )
 from dataserver.tcpinfo import malloc_trim
-from dataserver_client.buffers.assembly import HostBuffers
 from dataserver_client.config import ClientConfig
 from dataserver_client.counts import ASKED_AGAIN, Count, Reject
-from dataserver_client.engine.book import PlanBook
 from dataserver_client.engine.dispatch import Sender
+from dataserver_client.engine.hedges import Hedges
+from dataserver_client.engine.parts import LoopHooks, Parts
 from dataserver_client.errors import DataServerError, NotAuthorized
 from dataserver_client.net.handshakes import HeldWelcome, WelcomeMemo
 from dataserver_client.net.links import Links
 from dataserver_client.net.receive import TooManyFrames, WrongAnswer, receive
 from dataserver_client.net.serverlink import EventKind, LinkEvent, LinkState, ServerLink
-from dataserver_client.net.welcome import DatasetInfo, WelcomeProblem, WelcomeRefusal
-from dataserver_client.plan.hedging import Hedging
+from dataserver_client.net.welcome import WelcomeProblem, WelcomeRefusal
 from dataserver_client.session.announce import SizeFetch
 from dataserver_client.session.answers import Deadlines, left_out, result_problem, task_error
-from dataserver_client.session.ledger import TaskLedger, TaskRecord
+from dataserver_client.session.ledger import TaskRecord
 
 log = logging.getLogger("dataserver_client")
 
@@ -61,40 +67,26 @@ class Handlers:
     link's sockets from the engine's poller."""
 
     def __init__(
-        self,
-        config: ClientConfig,
-        book: PlanBook,
-        ledger: TaskLedger,
-        links: Links,
-        sender: Sender,
-        buffers: HostBuffers,
-        landing: LandingArea | None,
-        handshake: Future[DatasetInfo],
-        counters: Counts[Count],
-        rejected: Counts[Reject],
-        fail: Callable[[BaseException], None],
-        watch: Callable[[ServerLink], None],
-        unwatch: Callable[[ServerLink], None],
-        hedging: Hedging[ServerLink],
+        self, config: ClientConfig, parts: Parts, links: Links, sender: Sender, loop: LoopHooks
     ) -> None:
         self.config = config
-        self.book = book
-        self.ledger = ledger
+        self.book = parts.book
+        self.ledger = parts.ledger
         self.links = links
         self.sender = sender
-        self.buffers = buffers
-        self.landing = landing
-        self.handshake = handshake
-        self.counters = counters
-        self.rejected = rejected
-        self._fail = fail
-        self._watch = watch
+        self.buffers = parts.buffers
+        self.landing = parts.landing
+        self.handshake = loop.handshake
+        self.counters = parts.counters
+        self.rejected = parts.rejected
+        self._fail = loop.fail
+        self._watch = loop.watch
         self._resets: list[ServerLink] = []  # links whose sockets go (``reset_links``)
         self._trim_at: float | None = None  # when to give a closed link's memory back
-        self._unwatch = unwatch
+        self._unwatch = loop.unwatch
         self._held: set[ServerLink] = set()  # links holding a WELCOME back (``welcomes_due``)
-        self.hedging = hedging  # (the engine's: the sender reads its outliers too)
-        self._hedges: dict[int, None] = {}  # task ids waiting for a second copy, in order
+        self.hedging = parts.hedging  # (the engine's: the sender reads its outliers too)
+        self._hedges = Hedges(parts, links, sender, partial(self._servers_changed, lookahead=False))
         self.deadlines = Deadlines(floor=1.0, initial=max(1.0, config.timeout / 3))
         self._last_progress = time.monotonic()
 
@@ -571,89 +563,10 @@ class Handlers:
         self._last_progress = now
 
     def hedge(self, now: float) -> None:
-        """Slow servers (``hedging.py``), each tick: judge which are outliers (routing
-        leaves them out when that changes, and what a new one holds is hedged at once);
-        queue for a second copy each task that has waited on a server past its hedge delay
-        (``send_hedges``), and give that server no new task meanwhile; give each outlier
-        due a probe a copy of a task out with a healthy server, to see whether it
-        recovered."""
-        hedging = self.hedging
-        ready = self.links.ready()
-        before = hedging.outliers
-        if hedging.judge(ready, now):
-            outliers = [lk.address for lk in hedging.outliers]
-            log.info("slow servers (copies only until they recover): %s", outliers or "none")
-            self._servers_changed(lookahead=False)
-        if not hedging.enabled or len(ready) < 2:
-            self._hedges.clear()
-            hedging.lag((), len(ready))
-            return
-        for link in hedging.outliers - before:  # (set aside: what it holds waits on nothing)
-            self._queue_hedges(link, 0.0, now)
-        behind = [
-            link
-            for link, delay in hedging.delays(ready).items()
-            if self._queue_hedges(link, delay, now) and link not in hedging.outliers
-        ]
-        hedging.lag(behind, len(ready) - len(hedging.outliers))
-        for outlier in hedging.outliers:
-            if hedging.probe_due(outlier, now):
-                self._probe(outlier, ready, now)
-        self.send_hedges()
-
-    def _queue_hedges(self, link: ServerLink, delay: float, now: float) -> bool:
-        """Queue for a second copy each task out with ``link`` for ``delay`` or longer;
-        whether there was one (hedged already or not: the server is behind)."""
-        late = False
-        for task_id, sent in link.outstanding.items():  # (oldest first; not changed here)
-            if now - sent < delay:
-                break
-            late = True
-            if _hedgeable(self.ledger.get(task_id), link):
-                self._hedges[task_id] = None
-        return late
+        """Each tick: slow servers judged, late tasks queued for a second copy, outliers
+        probed (``Hedges.tick``)."""
+        self._hedges.tick(now)
 
     def send_hedges(self) -> None:
-        """Send the queued second copies while a server that has none of the task has
-        free credit: the engine calls this before new tasks go out (a hedged task's batch
-        is the one the trainer waits on sooner); never to an outlier."""
-        while self._hedges:
-            task_id = next(iter(self._hedges))
-            rec = self.ledger.get(task_id)
-            if rec is None or rec.link is None or not _hedgeable(rec, rec.link):
-                del self._hedges[task_id]
-                continue
-            skip = set(self.hedging.outliers) | {rec.link}
-            if rec.avoid is not None and time.monotonic() < rec.avoid_until:
-                skip.add(rec.avoid)
-            target = self.links.best(skip)
-            if target is None:
-                return  # (no credit free: the next turn tries again)
-            del self._hedges[task_id]
-            if self.sender.hedge(rec, target):
-                self.counters.count(Count.HEDGED)
-
-    def _probe(self, outlier: ServerLink, ready: list[ServerLink], now: float) -> None:
-        """Give ``outlier`` a copy of the newest task out with a healthy server: its answer
-        time is measured (a probe never holds a batch: the healthy copy answers it)."""
-        for link in ready:
-            if link is outlier or link in self.hedging.outliers or not link.outstanding:
-                continue
-            rec = self.ledger.get(next(reversed(link.outstanding)))
-            if rec is not None and _hedgeable(rec, link) and outlier.free > 0:
-                if self.sender.hedge(rec, outlier, probe=True):
-                    self.hedging.probed(outlier, now)
-                    self.counters.count(Count.HEDGED)
-                return
-
-
-def _hedgeable(rec: TaskRecord | None, link: ServerLink) -> bool:
-    """Whether ``rec``, out with ``link``, may get a second copy: still wanted, sent there
-    last, not hedged yet, no poison probe (those count their answers: one copy each)."""
-    return (
-        rec is not None
-        and rec.link is link
-        and rec.hedge is None
-        and rec.probe_of is None
-        and not rec.probes_left
-    )
+        """The queued second copies sent (``Hedges.send``): before new tasks go out."""
+        self._hedges.send()

@@ -66,6 +66,9 @@ the next epoch. Here the flag travels to the servers, and the next batch honours
   open-mmlab/mmengine#1655). While the Runner loads its checkpoint, the hook allows the
   few globals MMEngine writes (``mmengine_checkpoint_globals()``) and no others; pass
   ``DataServerHook(allow_mmengine_globals=False)`` to leave ``torch.load`` alone.
+
+Just over the house's ~500 lines: the MMEngine integration's loader, hooks and batch
+conversion, which follow MMEngine's API together.
 """
 
 from __future__ import annotations

@@ -32,6 +32,10 @@ augments (``dataserver.data.yolo.YoloAugment`` as its ``augment_composed``); the
 sends it Ultralytics' hyperparameters with ``client.control`` (``params["control"]``).
 
 What is honoured and what warns: see ``DataServerTrainer``.
+
+Over the house's ~500 lines (about 800): the one Ultralytics integration (trainer,
+validator, loader, label mapping), whose classes subclass Ultralytics' together and follow
+its versions together.
 """
 
 from __future__ import annotations

@@ -14,8 +14,7 @@ from __future__ import annotations
 import ipaddress
 import socket
 import threading
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
 
 from dataserver.endpoint import tcp_endpoint
 from dataserver_client.errors import DataServerError
@@ -87,7 +86,7 @@ class Discovery:
     A name whose lookup fails keeps its last answer (a DNS hiccup must not drop every
     server); a name that never resolved stands for itself."""
 
-    def __init__(self, specs: Sequence[str], interval: float, wake: Any) -> None:
+    def __init__(self, specs: Sequence[str], interval: float, wake: Callable[[], None]) -> None:
         self.specs = list(specs)
         self.interval = interval
         self._wake = wake

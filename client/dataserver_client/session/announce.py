@@ -19,13 +19,16 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from dataserver.protocol import SampleSizes, sizes_digest
 from dataserver.protocol.messages import SIZES_BURST, SIZES_CHUNK, SIZES_RATE
 from dataserver_client.errors import DataServerError
+
+if TYPE_CHECKING:
+    from dataserver_client.net.links import ServerLink
 
 WINDOW = 4  # SIZES requests outstanding at once
 ASK_AGAIN_S = 1.0  # nothing answered for this long: the outstanding chunks are asked again
@@ -41,7 +44,7 @@ class SizeFetch:
         self.future: Future[np.ndarray] = Future()
         self.chunks = (count + SIZES_CHUNK - 1) // SIZES_CHUNK
         self._table = np.zeros((count, 2), np.int32)
-        self._link: Any = None  # the ServerLink asked now
+        self._link: ServerLink | None = None  # the server asked now
         self._asked_of: set[str] = set()  # the address of every server this fetch asked
         self._asked: dict[int, float] = {}  # chunk -> when it was asked (of ``_link``)
         self._missing: list[int] = []  # chunks to ask for (last first)
@@ -57,7 +60,7 @@ class SizeFetch:
         start = chunk * SIZES_CHUNK
         return start, min(SIZES_CHUNK, self.count - start)
 
-    def _start_with(self, link: Any, now: float) -> None:
+    def _start_with(self, link: ServerLink, now: float) -> None:
         """Ask ``link`` for every chunk, from the first (what another server sent is
         dropped: one server answers a fetch)."""
         if self._link is not None:
@@ -70,7 +73,7 @@ class SizeFetch:
         self._got = 0
         self._progress = now
 
-    def pump(self, usable: list[Any], now: float) -> None:
+    def pump(self, usable: list[ServerLink], now: float) -> None:
         """Ask for what is missing of a usable link (ready, announcing these sizes):
         the one asked so far while it stays usable, else the first of ``usable``."""
         if self.future.done():
@@ -81,6 +84,8 @@ class SizeFetch:
                     self.fail(DataServerError(f"the dataset's sizes: {self.problem}"))
                 return
             self._start_with(usable[0], now)
+        link = self._link
+        assert link is not None  # (one of ``usable``)
         if self._asked and now - self._progress > ASK_AGAIN_S:  # lost or dropped
             self._missing.extend(sorted(self._asked, reverse=True))
             self._asked.clear()
@@ -90,16 +95,14 @@ class SizeFetch:
         while self._missing and len(self._asked) < WINDOW and self._tokens >= 1.0:
             chunk = self._missing[-1]
             start, n = self._span(chunk)
-            ask = SampleSizes(
-                session=self._link.session, auth=self._link.secret, start=start, count=n
-            )
-            if not self._link.send(ask.encode()):
+            ask = SampleSizes(session=link.session, auth=link.secret, start=start, count=n)
+            if not link.send(ask.encode()):
                 return
             self._missing.pop()
             self._asked[chunk] = now
             self._tokens -= 1.0
 
-    def on_chunk(self, link: Any, msg: SampleSizes, now: float) -> str | None:
+    def on_chunk(self, link: ServerLink, msg: SampleSizes, now: float) -> str | None:
         """A SIZES reply from ``link``: kept, or ignored (a late copy, an earlier
         server's); what is wrong with it when ``link`` is to be refused, or None."""
         problem = self._take(link, msg, now)
@@ -107,7 +110,7 @@ class SizeFetch:
             self.problem = f"{link.address}: {problem}"
         return problem
 
-    def _take(self, link: Any, msg: SampleSizes, now: float) -> str | None:
+    def _take(self, link: ServerLink, msg: SampleSizes, now: float) -> str | None:
         if self.future.done() or link is not self._link:
             return None  # (an earlier server of this fetch, or a copy after the end)
         if msg.digest != self.digest:
@@ -144,7 +147,7 @@ class SizeFetch:
         self.future.set_result(self._table)
         return None
 
-    def asked(self, link: Any) -> bool:
+    def asked(self, link: ServerLink) -> bool:
         """Whether ``link`` was asked for sizes by this fetch."""
         return getattr(link, "address", None) in self._asked_of
 

@@ -201,4 +201,4 @@ class Delivery:
     """A finished batch and, on CUDA, the event its device copy records."""
 
     batch: Batch
-    event: Any = None
+    event: torch.cuda.Event | None = None

@@ -1,5 +1,5 @@
 """The front: the one process a server's clients connect to. Its loop and sockets
-(``front``), the clients' messages (``clients``), sessions and the fair queue
+(``front``), the clients' messages (``clients``, the digests naming a task: ``digests``), sessions and the fair queue
 (``sessions``), routing tasks to workers (``routing``), the worker processes (``pool``),
 the bounded outlet of results (``outlet``), fetching ahead (``prefetch``), the dataset's
 sizes (``announce``), the session cap (``capacity``), STATS and metrics (``view``,

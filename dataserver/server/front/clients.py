@@ -1,23 +1,25 @@
 """The front's client messages: HELLO, TASK, CONTROL, HEARTBEAT, STATS and BYE (all on the
-data socket: a session's CONTROL comes on its data connection), each checked (the session's secret, the CURVE key that
-owns the session id, sequence numbers, limits) before it changes anything.
+data socket: a session's CONTROL comes on its data connection), each checked (the session's
+secret, the CURVE key that owns the session id, sequence numbers, limits) before it changes
+anything.
 
 ``Clients`` decides what a message does; the ``Scheduler`` (sessions and their queues) and
 the ``Outlet`` (every send) apply it, through their methods. It gets them, the worker
 router (where results go, which tasks run), the config and the counters as arguments, and
-from the ``Front`` only callables: whether it is draining, the WELCOME it sends, its STATS.
-It owns one thing: which CURVE key each client connection came with (``_owners``).
+from the ``Front`` only what ``FrontSide`` groups: its id and callables (whether it is
+draining, the WELCOME it sends, its STATS, ...); which connection a message came by, it asks
+``Connections`` (the front's ``conns.ConnTracker``). It owns one thing: which CURVE key each
+client connection came with (``_owners``).
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
-import msgpack
 import msgspec
 import zmq
 
@@ -41,6 +43,7 @@ from dataserver.security import owns, same_secret
 from dataserver.server.config import ServerConfig
 from dataserver.server.counts import Count, Reject
 from dataserver.server.front.announce import Announced
+from dataserver.server.front.digests import control_state, task_digest
 from dataserver.server.front.outlet import Outlet
 from dataserver.server.front.routing import WorkerRouter
 from dataserver.server.front.sessions import Scheduler, Session, TaskEntry
@@ -51,51 +54,55 @@ log = logging.getLogger("dataserver.front")
 OWNERS_KEPT = 4096  # connections whose CURVE key is remembered
 
 
-def task_digest(task: Task) -> bytes:
-    """What a task computes (not where it lands): a task asked again is the same task, and
-    one that says otherwise under a live id is refused, not taken for a duplicate."""
-    what = (
-        task.plan_version,
-        task.epoch,
-        task.seed,
-        task.images,
-        task.grid,
-        task.out_hw,
-        task.fit_hw,
-        task.on_error,
-        task.control_seq,
-        task.exclude,
-        task.step,
-        task.mode,
-        task.layout,
-        task.source_hw,
-        task.control,
-    )
-    return hashlib.blake2b(repr(what).encode(), digest_size=16).digest()
-
-
-def control_state(task: Task, session: Session) -> bytes:
-    """Which control state ``task`` needs, as its worker keys them (a digest of the values):
-    its own inline values (a rebuilt batch), or its session's at ``control_seq`` (the same
-    values sent again are the same state); values not here yet: their sequence number."""
-    if task.control is not None:
-        values: dict[str, Any] = task.control
-    elif task.control_seq == 0:
-        return b""
-    elif task.control_seq == session.control_seq:
-        values = session.control
-    else:
-        return b"s%d" % task.control_seq
-    packed = msgpack.packb(values, use_bin_type=True)
-    return hashlib.blake2b(packed, digest_size=16).digest()
-
-
 def _user_id(frame: Any) -> str:
     """The CURVE user id ZAP gave the connection ``frame`` came on ("" without one)."""
     try:
         return str(frame.get("User-Id") or "")
     except (zmq.ZMQError, AttributeError):
         return ""
+
+
+@dataclass(frozen=True)
+class FrontSide:
+    """What ``Clients`` asks of the ``Front``, which owns the answers: its server id, the
+    WELCOME it sends (``welcome(session, nonce, fd)``), its STATS, whether it is draining,
+    how often clients are told to beat now (``beats``), what the object store does now
+    (heartbeat replies), and ``fetch``: a task admitted, its sources (and its plan's next
+    ones) fetched ahead of the workers (a dataset in object storage: the front's
+    ``prefetch.Prefetcher``; None without one)."""
+
+    server_id: str
+    welcome: Callable[[bytes, bytes, int], Welcome]
+    stats: Callable[[], dict[str, Any]]
+    draining: Callable[[], bool]
+    beat_ms: Callable[[], int] = lambda: 0
+    store_stall: Callable[[], str] = lambda: ""
+    fetch: Callable[[bytes, Task], None] | None = None
+
+
+class Connections(Protocol):
+    """The connection (fd) a message came by (``conns.ConnTracker``): ``read`` counts a
+    message read on its connection and names it, ``heard`` ties it to the session the
+    message proved itself for, ``peer_of`` says whose it is."""
+
+    def read(self, frames: list[Any], skip: int) -> int: ...
+
+    def heard(self, fd: int, session: bytes) -> None: ...
+
+    def peer_of(self, fd: int, address: str) -> str: ...
+
+
+class Untracked:
+    """``Connections`` when nobody tracks them (tests): no connection, the peer's address."""
+
+    def read(self, frames: list[Any], skip: int) -> int:
+        return -1
+
+    def heard(self, fd: int, session: bytes) -> None:
+        pass
+
+    def peer_of(self, fd: int, address: str) -> str:
+        return address
 
 
 class Clients:
@@ -111,17 +118,9 @@ class Clients:
         statsview: StatsView,
         counters: Counts[Count],
         rejected: Counts[Reject],
-        server_id: str,
-        welcome: Callable[[bytes, bytes, int], Welcome],
-        stats: Callable[[], dict[str, Any]],
-        draining: Callable[[], bool],
-        read: Callable[[list[Any], int], int] = lambda frames, skip: -1,
-        heard: Callable[[int, bytes], None] = lambda fd, session: None,
-        peer_of: Callable[[int, str], str] = lambda fd, address: address,
-        beat_ms: Callable[[], int] = lambda: 0,
+        front: FrontSide,
+        conns: Connections | None = None,
         announced: Announced | None = None,
-        fetch: Callable[[bytes, Task], None] | None = None,
-        store_stall: Callable[[], str] = lambda: "",
     ) -> None:
         self.config = config
         self.scheduler = scheduler
@@ -130,24 +129,12 @@ class Clients:
         self.statsview = statsview
         self.counters = counters
         self.rejected = rejected
-        self._server_id = server_id
-        self._welcome = welcome
-        self._stats = stats
-        self._draining = draining
-        # The connection (fd) the message being handled came by: ``read`` counts a message
-        # read on its connection and names it, ``heard`` ties it to the session the message
-        # proved itself for, ``peer_of`` says whose it is (``conns.ConnTracker``).
+        self._front = front
+        # The connection (fd) the message being handled came by (``conns.ConnTracker``).
         self._source_fd = -1
-        self._read = read
-        self._heard = heard
-        self._peer_of = peer_of
-        self._beat_ms = beat_ms  # how often clients are told to beat now (``beats``)
+        self._conns: Connections = conns if conns is not None else Untracked()
         self._announced = announced if announced is not None else Announced(None)
         self._owners: OrderedDict[bytes, str] = OrderedDict()  # identity -> CURVE user id
-        # A task admitted: its sources (and its plan's next ones) fetched ahead of the
-        # workers (a dataset in object storage: the front's ``prefetch.Prefetcher``)
-        self._fetch = fetch
-        self._store_stall = store_stall  # what the object store does now (heartbeat replies)
 
     def _refuse(self, reason: Reject, identity: bytes | None, detail: str, **ids: Any) -> None:
         """Count a refused message; tell its sender why when there is one to tell."""
@@ -195,7 +182,7 @@ class Clients:
             reason, why = Reject.BAD_SECRET, "this message does not carry the session's secret"
         else:
             self.scheduler.touch(session, identity)
-            self._heard(self._source_fd, session.sid)
+            self._conns.heard(self._source_fd, session.sid)
             return session
         if quiet:  # (a heartbeat or BYE for a session this server forgot is no attack)
             if reason is Reject.BAD_SECRET:
@@ -212,7 +199,7 @@ class Clients:
         return None
 
     def on_data(self, frames: list[Any]) -> None:
-        self._source_fd = self._read(frames, 1)  # (a ROUTER's: its first frame is the id)
+        self._source_fd = self._conns.read(frames, 1)  # (a ROUTER's: its first frame is the id)
         identity = frames[0].bytes
         try:
             msg = decode(frames[1:])
@@ -240,7 +227,7 @@ class Clients:
             user = ""
         if user:
             return f"key:{user}"
-        return self._peer_of(self._source_fd, peer_address(frame))
+        return self._conns.peer_of(self._source_fd, peer_address(frame))
 
     def _on_client_message(self, identity: bytes, msg: Message, frames: list[Any]) -> None:
         """A decoded message from a client connection ``identity``, to its handler."""
@@ -258,7 +245,7 @@ class Clients:
                 self._on_heartbeat(identity, msg)
             case Stats():
                 if self.statsview.allow(frames[1]):  # (counted when over the rate)
-                    self.outlet.send_to(identity, Stats(stats=self._stats()))
+                    self.outlet.send_to(identity, Stats(stats=self._front.stats()))
             case Bye():
                 self._on_bye(identity, msg)
             case SampleSizes():
@@ -276,11 +263,11 @@ class Clients:
             self._authentic(identity, msg, quiet=True)
         results, local = self.workers.result_endpoints()
         beat = Heartbeat(
-            server_id=self._server_id,
+            server_id=self._front.server_id,
             results=results,
             local=local,
-            heartbeat_ms=self._beat_ms(),
-            store_stall=self._store_stall()[:512],
+            heartbeat_ms=self._front.beat_ms(),
+            store_stall=self._front.store_stall()[:512],
         )
         self.outlet.send_to(identity, beat)
 
@@ -316,7 +303,7 @@ class Clients:
             self.counters.count(Count.SESSIONS_CLOSED)
 
     def _on_hello(self, identity: bytes, msg: Hello, peer: str = "") -> None:
-        if self._draining():  # leaving: a new client should not count on us
+        if self._front.draining():  # leaving: a new client should not count on us
             self.outlet.send_to(identity, Bye(session=msg.session))
             return
         if msg.auth is None:
@@ -350,8 +337,8 @@ class Clients:
             self._refuse(reason, identity, why, session=msg.session)
             return
         self.counters.count(Count.HELLOS)
-        self._heard(self._source_fd, msg.session)
-        self.outlet.send_to(identity, self._welcome(msg.session, msg.nonce, self._source_fd))
+        self._conns.heard(self._source_fd, msg.session)
+        self.outlet.send_to(identity, self._front.welcome(msg.session, msg.nonce, self._source_fd))
 
     def _size_problem(self, task: Task) -> str | None:
         """What a worker would allocate for ``task`` beyond this server's caps, or None:
@@ -402,7 +389,7 @@ class Clients:
             self._refuse(Reject.LIMIT, identity, problem, **ids)
             return
         self.outlet.cancel(session, self.scheduler.cancel_older(session, task.plan_version))
-        if task.plan_version < session.version or self._draining():
+        if task.plan_version < session.version or self._front.draining():
             self.outlet.cancel(
                 session, [TaskEntry(session.sid, task.task_id, task.plan_version, (), [])]
             )
@@ -440,12 +427,12 @@ class Clients:
         )
         self._admit(session, task, entry)
 
-    def _admit(self, session: Any, task: Task, entry: TaskEntry) -> None:
+    def _admit(self, session: Session, task: Task, entry: TaskEntry) -> None:
         """Queue a checked task (and have its bytes fetched ahead, where the front does)."""
         self.scheduler.admit(session, entry, first=bool(task.priority))
         self.counters.count(Count.TASKS_RECEIVED)
-        if self._fetch is not None:
-            self._fetch(session.sid, task)
+        if self._front.fetch is not None:
+            self._front.fetch(session.sid, task)
 
     def _asked_again(self, session: Session, task: Task, digest: bytes) -> bool:
         """Whether ``task`` is one still queued or running here, asked again (its deadline

@@ -19,6 +19,13 @@ answer), and every handler runs under a ``MessageGuard`` (anything else it raise
 as ``internal``, logged once, and costs that one message). What the front holds for clients
 is capped: sessions (``--max-sessions``), queued bytes per session and in total and
 results waiting to be read (``--max-queued-mb``), image size (``--max-image-side``).
+
+Over the house's ~500 lines (about 760): the ``Front`` owns every socket and the one loop
+over them, and what that loop does with its own state stays with it (monitors, drain, admin,
+WELCOME, housekeeping, the view); the messages went out to ``clients`` and ``routing``, the
+worker processes to ``pool``, the caps to ``conns`` and ``capacity``. Building its parts at
+start (``_worker_config``, ``_make_store``, ``_make_prefetcher``) is the next piece that
+could go.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from typing import Any
 
 import numpy as np
 import zmq
+from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import parse_monitor_message
 
 from dataserver import adminsock
@@ -68,10 +76,10 @@ from dataserver.server.counts import (
 )
 from dataserver.server.front.announce import Announced
 from dataserver.server.front.capacity import session_cap
-from dataserver.server.front.clients import Clients
+from dataserver.server.front.clients import Clients, FrontSide
 from dataserver.server.front.metrics import ServerMetrics
 from dataserver.server.front.outlet import Outlet
-from dataserver.server.front.pool import WorkerPool
+from dataserver.server.front.pool import WorkerHandle, WorkerPool
 from dataserver.server.front.prefetch import Block, Prefetcher, Where
 from dataserver.server.front.routing import PIPELINE, WorkerRouter
 from dataserver.server.front.sessions import Scheduler
@@ -123,7 +131,7 @@ class _Poller:
         self._pidfds: set[int] = set()
         self._membership = -1
 
-    def watch(self, membership: int, pidfds: dict[int, Any]) -> None:
+    def watch(self, membership: int, pidfds: dict[int, WorkerHandle]) -> None:
         """Workers came or went (the pool's ``membership`` moved): watch their pidfds."""
         if membership == self._membership:
             return
@@ -146,6 +154,12 @@ class WorkerStartError(RuntimeError):
 
 class Front:
     """Routes tasks from client sessions to worker processes and results back."""
+
+    # Its sockets: made by ``run`` with the ZeroMQ context it makes (and closes with them
+    # when the loop ends); none before it runs.
+    data: zmq.Socket[Any]  # clients
+    backend: zmq.Socket[Any]  # the workers
+    admin: zmq.Socket[Any]  # the operator's STATS (``adminsock``)
 
     def __init__(
         self,
@@ -202,7 +216,7 @@ class Front:
         self._terminate = False  # SIGTERM came: drain (see ``_drain_step``)
         self.draining_since: float | None = None
         self._announced = False
-        self._auth: Any = None
+        self._auth: ThreadAuthenticator | None = None
         self._gates: dict[Watched, Gate] = {}  # the public sockets' monitors (``_start``)
         self._admin_entry: Path | None = None
         self._admin_rate = TokenBucket(ADMIN_RATE, 2 * ADMIN_RATE)
@@ -253,17 +267,19 @@ class Front:
             self.statsview,
             self.counters,
             self.rejected,
-            self.server_id,
-            welcome=self._welcome,
-            stats=self.stats,
-            draining=lambda: self.draining_since is not None,
-            read=self.conns.read,
-            heard=self.conns.heard,
-            peer_of=self.conns.peer_of,
-            beat_ms=lambda: self.beats.interval_ms,
+            FrontSide(
+                self.server_id,
+                welcome=self._welcome,
+                stats=self.stats,
+                draining=lambda: self.draining_since is not None,
+                beat_ms=lambda: self.beats.interval_ms,
+                store_stall=lambda: (
+                    "" if self.prefetcher is None else self.prefetcher.fetcher.stall()
+                ),
+                fetch=None if self.prefetcher is None else self._fetch_ahead,
+            ),
+            conns=self.conns,
             announced=self.announced,
-            fetch=None if self.prefetcher is None else self._fetch_ahead,
-            store_stall=lambda: "" if self.prefetcher is None else self.prefetcher.fetcher.stall(),
         )
         # What the metrics' HTTP thread reads: the view housekeeping last published (one
         # reference, replaced whole; the view itself never changes).
@@ -454,7 +470,7 @@ class Front:
         ctx = zmq.Context()
         self.data = ctx.socket(zmq.ROUTER)
         self.backend = ctx.socket(zmq.ROUTER)
-        self.admin = ctx.socket(zmq.ROUTER)  # the operator's STATS (``adminsock``)
+        self.admin = ctx.socket(zmq.ROUTER)
         self.outlet.attach(self.data, self.backend)
         self._on_ready = on_ready
         serve(lambda: self._start(ctx), self._turn, self._stop, lambda: self._close(ctx))

@@ -30,6 +30,10 @@ the peer whose sessions' tasks took the least worker time, and of its sessions t
 took the least. Control states are paced per peer too (16 sessions of one user, each with a
 constant state of its own, never changed theirs, while the workers' dataset copies
 thrashed: ``tasks_paced`` stayed 0).
+
+Over the house's ~500 lines (about 530): the ``Scheduler``'s fair queue, caps and eviction
+change one set of maps together (sessions, the ready ring, the peers' shares, the live
+tasks, the least-recently-seen order); split, each part would write the others' maps.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from dataserver.protocol import ErrorMsg
 from dataserver.ratelimit import TokenBucket
 from dataserver.server.counts import Reject
 
@@ -75,7 +80,7 @@ class TaskEntry:
     held_by: WorkerHandle | None = None  # the worker it was given to, while it holds it
     digest: bytes = b""  # of what it computes: a task asked again is the same task
     control_resends: int = 0  # its worker lacked the session's values: sent again
-    state: bytes = b""  # the control state it needs (``clients.control_state``)
+    state: bytes = b""  # the control state it needs (``digests.control_state``)
 
     def hold(self, handle: WorkerHandle) -> None:
         """A worker (its handle) was given this task."""
@@ -115,7 +120,6 @@ class Session:
     live_ids: set[int] = field(default_factory=set)  # its task ids in Scheduler.live
     used: float = 0.0  # microseconds of worker time its tasks took (the fair queue's measure)
     state: bytes = b""  # the control state of the task it was last given a worker for
-    changes: TokenBucket | None = None  # how often that state may change (``pop``)
     conn: bytes = b""  # the connection (routing id) its HELLO came on
     peer: str = ""  # the peer that opened it: key:Z85, uid:N or an address ("" unknown)
     worked: float = 0.0  # when it last sent a task (monotonic; 0: never)
@@ -186,7 +190,7 @@ class Scheduler:
         # Tasks answered poison lately (the ERROR sent), by (session, digest): a copy the
         # client sent before the answer reached it (its results connection broke when the
         # worker died, so it asked again) is answered the same, not run to kill again.
-        self.poisoned: OrderedDict[tuple[bytes, bytes], Any] = OrderedDict()
+        self.poisoned: OrderedDict[tuple[bytes, bytes], ErrorMsg] = OrderedDict()
         self.by_conn: Counter[bytes] = Counter()  # sessions opened on each connection
         self.by_peer: dict[str, dict[bytes, Session]] = {}  # each peer's sessions
         # (reason, why) of the last open() that returned None
@@ -241,15 +245,15 @@ class Scheduler:
         ``evict_after`` (a few of its beats) may give its place to a newcomer."""
         self.evict_after = max(evict_after, 2 * interval_s)
 
-    def remember_poison(self, entry: TaskEntry, answer: Any) -> None:
-        """``entry`` was answered poison with ``answer`` (an ``ErrorMsg``)."""
+    def remember_poison(self, entry: TaskEntry, answer: ErrorMsg) -> None:
+        """``entry`` was answered poison with ``answer``."""
         key = (entry.session, entry.digest)
         self.poisoned[key] = answer
         self.poisoned.move_to_end(key)
         if len(self.poisoned) > POISONS_KEPT:
             self.poisoned.popitem(last=False)
 
-    def poison_of(self, sid: bytes, digest: bytes) -> Any:
+    def poison_of(self, sid: bytes, digest: bytes) -> ErrorMsg | None:
         """The poison answer a task of session ``sid`` with this digest got lately, or None."""
         return self.poisoned.get((sid, digest)) if digest else None
 

@@ -20,6 +20,10 @@ start (its dataset fails to build here), it writes the reason for the front and 
 Clients on this host hand it their landing buffers (``dataserver/landing.py``) on a unix
 socket beside its ipc result endpoint, polled with the task socket; a task that names one
 is composed straight into it, and its seal records written, before the RESULT says so.
+
+Just over the house's ~500 lines (about 520): one worker process's loop, sockets and task
+messages, and its ``main``; composing (``compose``), control states (``controls``), direct
+results and landings (``direct``, ``landings``) are out already.
 """
 
 from __future__ import annotations
