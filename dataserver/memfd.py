@@ -1,5 +1,5 @@
 """Anonymous shared memory sealed at its size: what the server's store of decoded sources
-(``server/store.py``) and the fetch cache (``data/fetchcache.py``) are made of. A memfd has no
+(``server/store/``) and the fetch cache (``data/fetchcache.py``) are made of. A memfd has no
 name on the host (nothing in ``/dev/shm`` to leave behind or for another user to open); the
 processes that inherit or are handed its fd map it, and the seals keep its size fixed."""
 

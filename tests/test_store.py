@@ -33,7 +33,8 @@ from dataserver import protocol
 from dataserver.data.pipeline import Source, fit
 from dataserver.data.sample import Sample
 from dataserver.protocol import MsgType, Ready, Result, decode
-from dataserver.server.store import SEALS, Store, StoreUnusable, _layout, store_key
+from dataserver.server.store import SEALS, Store, StoreUnusable, store_key
+from dataserver.server.store.layout import layout
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -94,7 +95,7 @@ def test_bytes_are_bounded_and_the_oldest_go_first(store: Store) -> None:
     for i in range(400):
         store.get(store_key("ds", i), partial(source, i, 128))
         assert store.usage()["bytes"] <= store.capacity
-    held = [i for i in range(400) if store._find(*store_key("ds", i)) >= 0]
+    held = [i for i in range(400) if store.index.find(*store_key("ds", i)) >= 0]
     assert held == list(range(400 - len(held), 400))  # a suffix: the newest
     assert len(held) * each > store.capacity * 0.7
     for i in held:  # and they are intact
@@ -110,7 +111,7 @@ def test_what_is_read_is_kept_longer_than_what_is_not(store: Store) -> None:
         if i % 20 == 0:
             got, _ = store.get(hot, partial(source, -1, 128))
             assert same(got, source(7, 128))
-    assert store.stats.refreshes >= 1 and store._find(*hot) >= 0
+    assert store.stats.refreshes >= 1 and store.index.find(*hot) >= 0
 
 
 def rss_shmem(pid: int | str = "self") -> int:
@@ -197,28 +198,29 @@ def test_a_dataset_larger_than_the_store_keeps_a_fixed_subset_and_reads_it_again
 
 def test_a_window_mosaics_sources_are_kept_for_its_window_whatever_the_subset() -> None:
     """The same store and dataset, read as window mosaics read it (each position's source
-    made, then read again as a partner by the next few positions): with ``recent`` every
-    source is kept and none is made twice, though the admitted subset is about a fifth;
-    without it, those outside the subset are made again at each read."""
+    made, then read again as a partner by the next few positions): with ``fetch_recent``
+    every source is kept and none is made twice, though the admitted subset is about a
+    fifth; with ``fetch_into`` (the subset), those outside it are made again at each read."""
     n, side = 6400, 64
     keys = [store_key("window", i) for i in range(n)]
     order = [int(i) for i in np.random.default_rng(1).permutation(n)]
 
     def run(recent: bool) -> int:
         store = Store.create(16 << 20)
+        fetch = store.fetch_recent if recent else store.fetch_into
         made = 0
 
-        def make(_k: int, planes_for: Any = None, i: int = 0) -> Source:
+        def make(_k: int, planes_for: Any, i: int = 0) -> Source:
             nonlocal made
             made += 1
-            return source(i, side)
+            return fitted(i, side, planes_for)
 
         try:
             for p, i in enumerate(order):  # its source, then 3 partners from 1..24 back
                 window = [i] + [order[max(0, p - d)] for d in (1, 9, 24)]
                 for j in window:
-                    got, _ = store.fetch([keys[j]], partial(make, i=j), n, recent=recent)
-                    assert got[0] is not None and same(got[0], source(j, side))
+                    got, _ = fetch([keys[j]], partial(make, i=j), n)
+                    assert got[0] is not None and same(got[0], fitted(j, side))
             assert store.usage()["admitted"] < 0.3
         finally:
             store.close()
@@ -238,17 +240,17 @@ def fitted(i: int, side: int, planes_for: Any = None) -> Source:
 
 
 def test_a_source_is_fitted_straight_into_the_store_and_read_back_exactly() -> None:
-    """``fetch(..., into=True)``: a miss is fitted into its place in the store itself (no
+    """``fetch_into``: a miss is fitted into its place in the store itself (no
     copy), and another handle reads it back whole: planes, boxes, labels, file name."""
     front = Store.create(8 << 20)
     worker = Store.attach(*front.fds, front.capacity, populate=True)
     other = Store.attach(*front.fds, front.capacity)
     try:
         keys = [store_key("into", i) for i in range(20)]
-        made, oldest = worker.fetch(keys, lambda i, into=None: fitted(i, 96, into), into=True)
+        made, oldest = worker.fetch_into(keys, lambda i, into: fitted(i, 96, into))
         assert oldest >= 0 and worker.intact(oldest)
         for i, got in enumerate(made):
-            assert got is not None and np.shares_memory(got.image, worker.arena)
+            assert got is not None and np.shares_memory(got.image, worker.index.arena)
             assert same(got, fitted(i, 96))
         for i, key in enumerate(keys):
             back, pos = other.get(key, partial(fitted, -1, 96))
@@ -275,7 +277,7 @@ def test_a_source_fitted_into_the_store_that_the_ring_overran_is_never_kept() ->
             return out
 
         key = store_key("overrun", 0)
-        made, oldest = worker.fetch([key], make, into=True)
+        made, oldest = worker.fetch_into([key], make)
         assert made[0] is not None and not worker.intact(oldest)
         again: list[int] = []
 
@@ -366,14 +368,14 @@ def test_each_handle_takes_the_lock_on_its_own(store: Store) -> None:
     from. ``attach`` opens its own."""
     other = Store.attach(*store.fds, store.capacity)
     try:
-        store._lock()
+        store.index.lock()
         try:
             with pytest.raises(BlockingIOError):
                 fcntl.flock(other.fds[0], fcntl.LOCK_EX | fcntl.LOCK_NB)
         finally:
-            store._unlock()
-        other._lock()  # free again
-        other._unlock()
+            store.index.unlock()
+        other.index.lock()  # free again
+        other.index.unlock()
     finally:
         other.close()
 
@@ -386,8 +388,8 @@ def test_a_process_killed_mid_change_leaves_a_store_that_still_works() -> None:
         import os, signal
         from dataserver.server.store import Store
         s = {attached(store)}
-        s._lock()
-        s._dirty(True)  # ... and dies here, holding the lock, mid-change
+        s.index.lock()
+        s.index.dirty(True)  # ... and dies here, holding the lock, mid-change
         os.kill(os.getpid(), signal.SIGKILL)
         """
     )
@@ -434,7 +436,7 @@ def test_what_a_process_is_handed_is_checked_and_never_blocks_it(tmp_path: Path)
     memfd without seals or of another size, one without a store's header. The handed
     descriptors are left as they were; a failed attach keeps none of its own."""
     capacity = 1 << 20
-    _, index_bytes = _layout(capacity)
+    _, index_bytes = layout(capacity)
     good = Store.create(capacity)
     good.get(store_key("seen"), lambda: source(3))
     r, w = os.pipe()
@@ -538,7 +540,7 @@ def test_a_store_is_sized_within_its_memory_cgroup_and_filled_without_being_kill
         none = (np.zeros((0, 4), np.float32), np.zeros(0, np.int64))
         for i in range(size // image.nbytes * 2):  # twice round the ring
             s.get(store_key(i), lambda: Source(image, *none))
-        assert s.usage()["capacity_bytes"] == size and int(s.header[0]["head"]) > size
+        assert s.usage()["capacity_bytes"] == size and int(s.index.header[0]["head"]) > size
         print(size)
         """
     )

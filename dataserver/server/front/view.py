@@ -31,7 +31,7 @@ class StoreUsage:
     capacity_bytes: int
     committed_bytes: int = 0  # reserved memory (all of it from the start, where it could be had)
     # The share of the largest dataset seen that the store keeps (1.0: all; below it when
-    # that dataset's sources, at the mean entry's size, would not fit: ``Store.admitted``).
+    # that dataset's sources, at the mean entry's size, would not fit: ``store.admission.admitted``).
     admitted: float = 1.0
     mean_entry_bytes: int = 0
     admission: str = ""  # why it keeps what it keeps (``Store.usage``)

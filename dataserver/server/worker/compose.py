@@ -103,14 +103,13 @@ class Composer:
             hwc = layout_of(dataset) == "hwc"
             keys = index_keys(store_key(*self._key_parts(hwc, stored, ckey, recipe)), wanted)
             population = len(dataset)  # (the store keeps a subset of a larger dataset)
-            sources, oldest = self.store.fetch(
-                keys,
-                lambda k, into=None: make(wanted[k], into),
-                population,
-                into=True,
-                # read again soon: a window mosaic's partners, the lookahead's twin batch
-                recent=bool(task.partners or task.recent),
-                misses=ahead,
+            # read again soon (a window mosaic's partners, the lookahead's twin batch): all
+            # kept; else the subset of a dataset larger than the store. Misses fitted in place.
+            fetch = (
+                self.store.fetch_recent if task.partners or task.recent else self.store.fetch_into
+            )
+            sources, oldest = fetch(
+                keys, lambda k, into: make(wanted[k], into), population, misses=ahead
             )
             if hwc:  # (the store's views are (3, h, w) bytes)
                 sources = [None if s is None else s.as_hwc() for s in sources]
