@@ -407,13 +407,15 @@ class _Fake:
     categories: tuple[tuple[int, str], ...] = ()  # what its WELCOME announces
 
     @classmethod
-    def bind(cls, ctx: zmq.Context[Any], workers: int) -> _Fake:
+    def bind(
+        cls, ctx: zmq.Context[Any], workers: int, categories: tuple[tuple[int, str], ...] = ()
+    ) -> _Fake:
         front, results = (ctx.socket(zmq.ROUTER) for _ in range(2))
         for sock in (front, results):
             sock.setsockopt(zmq.LINGER, 0)
             sock.bind("tcp://127.0.0.1:*")
         results.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        return cls(front, results, workers)
+        return cls(front, results, workers, categories=categories)
 
     @property
     def address(self) -> str:
@@ -491,10 +493,8 @@ def fakes_main(argv: list[str]) -> int:
     _raise_fd_limit(8 * a.count + 1024)
     ctx: zmq.Context[Any] = zmq.Context()
     ctx.set(zmq.MAX_SOCKETS, 3 * a.count + 64)
-    fakes = [_Fake.bind(ctx, a.workers) for _ in range(a.count)]
     names = tuple((n, f"{n:05d}".ljust(MAX_CATEGORY_NAME, "c")) for n in range(a.categories))
-    for fake in fakes:
-        fake.categories = names
+    fakes = [_Fake.bind(ctx, a.workers, names) for _ in range(a.count)]
     # The client's own poller (epoll over the sockets' descriptors): a zmq.Poller over
     # 3,072 sockets cost the fakes milliseconds a pass, enough to fall silent at 1,024.
     from dataserver_client.net.watch import Watch

@@ -14,7 +14,8 @@ from collections.abc import Callable
 from dataserver_client.counts import Count
 from dataserver_client.engine.dispatch import Sender
 from dataserver_client.engine.parts import Parts
-from dataserver_client.net.links import Links, ServerLink
+from dataserver_client.net.links import Links
+from dataserver_client.net.serverlink import ServerLink
 from dataserver_client.session.ledger import TaskRecord
 
 log = logging.getLogger("dataserver_client")

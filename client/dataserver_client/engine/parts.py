@@ -17,7 +17,8 @@ from dataserver_client.buffers.handoff import Handoff
 from dataserver_client.config import ClientConfig
 from dataserver_client.counts import SHOWN, Count, Reject
 from dataserver_client.engine.book import PlanBook
-from dataserver_client.net.links import DatasetInfo, ServerLink
+from dataserver_client.net.serverlink import ServerLink
+from dataserver_client.net.welcome import DatasetInfo
 from dataserver_client.plan.affinity import Affinity
 from dataserver_client.plan.hedging import Hedging
 from dataserver_client.session.inflight import Delivery

@@ -11,7 +11,9 @@ from concurrent.futures import Future
 import numpy as np
 
 from dataserver_client.errors import DataServerError
-from dataserver_client.net.links import DatasetInfo, Links, ServerLink
+from dataserver_client.net.links import Links
+from dataserver_client.net.serverlink import ServerLink
+from dataserver_client.net.welcome import DatasetInfo
 from dataserver_client.session.announce import SizeFetch
 
 

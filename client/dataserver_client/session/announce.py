@@ -28,7 +28,7 @@ from dataserver.protocol.messages import SIZES_BURST, SIZES_CHUNK, SIZES_RATE
 from dataserver_client.errors import DataServerError
 
 if TYPE_CHECKING:
-    from dataserver_client.net.links import ServerLink
+    from dataserver_client.net.serverlink import ServerLink
 
 WINDOW = 4  # SIZES requests outstanding at once
 ASK_AGAIN_S = 1.0  # nothing answered for this long: the outstanding chunks are asked again

@@ -16,7 +16,7 @@ from dataserver_client.session.inflight import InflightBatch
 from dataserver_client.session.ledger import TaskLedger
 
 if TYPE_CHECKING:
-    from dataserver_client.net.links import ServerLink
+    from dataserver_client.net.serverlink import ServerLink
 
 
 class Cutting:
