@@ -44,7 +44,7 @@ class HostBuffers:
             tuple[torch.Tensor, torch.cuda.Event | None]
         ] = []  # regions to seal before reuse
         self.allocated = 0
-        # Private but long-standing torch API; without it CPU buffers are simply not reused.
+        # Private but long-steering torch API; without it CPU buffers are simply not reused.
         self._use_count = getattr(torch._C, "_storage_Use_Count", None)
         self._alone: dict[int, int] = {}  # storage data_ptr -> use count when alone
         self._registered = False

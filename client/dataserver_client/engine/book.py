@@ -12,7 +12,7 @@ Its collaborators, each reached only through its methods: the engine's ``TaskLed
 batches for the trainer); and its own ``Cutting`` (cutting.py: how finely a batch is cut
 into tasks and for which server, by the engine's ``Affinity``) and ``Lookahead``
 (lookahead.py: the next batch planned in the other mode, and mode flips, which asks the
-book back only through ``lookahead.Plans``).
+book back only through ``lookahead.PlanBookView``).
 
 ``steer`` bumps ``plan_version``, drops every batch the trainer has not taken, and rewinds
 the cursor to the first of them. A finished batch (delivered or failed) goes to one place,
@@ -131,7 +131,7 @@ class PlanBook:
         return batch.array[first : first + len(rec.slots)]
 
     @property
-    def twinned(self) -> bool:
+    def planning_both_modes(self) -> bool:
         """Whether batches are planned in both modes now (the lookahead is active): their
         tasks ask the stores to keep what they decode (``Task.recent``), so the batch's twin
         decodes nothing again where a store admits only a subset of the dataset."""

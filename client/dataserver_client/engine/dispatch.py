@@ -119,7 +119,7 @@ class Sender:
             # (a probe composes one source alone, whatever its batch's layout)
             layout=plan.layout if rec.probe_of is None else "grid",
             partners=int(plan.partners and rec.probe_of is None),
-            recent=int(book.twinned),
+            recent=int(book.planning_both_modes),
             pad_value=plan.pad_value,
             letterbox=plan.letterbox,
             fit=plan.fit,

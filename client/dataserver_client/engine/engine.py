@@ -203,13 +203,13 @@ class Engine(threading.Thread):
         discovery: Discovery | None = None
         try:
             book = self.parts.book
-            standing = lambda: (book.plan_version, book.control_seq)  # noqa: E731
+            steering = lambda: (book.plan_version, book.control_seq)  # noqa: E731
             budget = FdBudget.of_process(ServerLink.FDS)
             links = Links(
                 ctx,
                 self.config,
                 self.curve,
-                standing,
+                steering,
                 self.parts.landing,
                 budget,
                 self._poller.touch,

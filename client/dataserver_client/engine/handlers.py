@@ -450,9 +450,8 @@ class Handlers:
             elif event.kind is EventKind.RESULTS_BROKEN:
                 # Results on their way in that connection are gone; which tasks they were
                 # for, only the server knew. Ask again for what this server still owes.
-                n = self._move_tasks(event.link)
+                n = self._move_tasks(event.link, Count.ASKED_AGAIN_RESULTS_BROKEN)
                 if n:
-                    self.counters.count(Count.ASKED_AGAIN_RESULTS_BROKEN, n)
                     log.info(
                         "%s: a result connection dropped (%s); asked again for %d task(s)",
                         event.link.address,
@@ -510,9 +509,11 @@ class Handlers:
         stores = self.links.stores() if lookahead else None
         self.book.servers_changed(ready, slots, min(budgets) if budgets else None, stores)
 
-    def _move_tasks(self, link: ServerLink) -> int:
+    def _move_tasks(self, link: ServerLink, why: Count = Count.REISSUED) -> int:
+        """Ask again for what ``link`` owes; counted once, under ``why`` (``reissued``: the
+        server left; ``asked_again_results_broken``: only a result connection dropped)."""
         n = self.ledger.ask_again(self.ledger.records(link.take_outstanding()), lost=link)
-        self.counters.count(Count.REISSUED, n)
+        self.counters.count(why, n)
         return n
 
     # ------------------------------------------------------------ timers

@@ -64,14 +64,14 @@ class Links:
         ctx: zmq.Context[Any],
         config: ClientConfig,
         curve: dict[str, bytes] | None,
-        standing: Callable[[], tuple[int, int]] = lambda: (0, 0),
+        steering: Callable[[], tuple[int, int]] = lambda: (0, 0),
         landing: LandingArea | None = None,
         budget: FdBudget | None = None,
         touched: Callable[[zmq.Socket[Any]], None] = no_touch,
     ) -> None:
         self.config = config
         self._ctx, self._curve = ctx, curve
-        self._standing = standing
+        self._steering = steering
         self._landing = landing
         addresses = expand_addresses(config.addresses)
         budget = budget if budget is not None else FdBudget.of_process(ServerLink.FDS)
@@ -106,7 +106,7 @@ class Links:
             address,
             session,
             self._curve,
-            self._standing,
+            self._steering,
             self._landing,
             self.commons,
             beat_s=cfg.heartbeat_interval,

@@ -115,7 +115,7 @@ class ServerLink:
         address: str,
         session: bytes,
         curve: dict[str, bytes] | None,
-        standing: Callable[[], tuple[int, int]] = lambda: (0, 0),
+        steering: Callable[[], tuple[int, int]] = lambda: (0, 0),
         landing: LandingArea | None = None,
         commons: LinkCommons | None = None,
         beat_s: float = 0.5,
@@ -135,7 +135,7 @@ class ServerLink:
         # learns one that acts for the session on another), and where the session stands
         # (plan version, control sequence) for the HELLO.
         self.secret = new_secret()
-        self._standing = standing
+        self._steering = steering
         self.salt = int.from_bytes(
             hashlib.blake2b(address.encode(), digest_size=8).digest(), "little"
         )
@@ -289,7 +289,7 @@ class ServerLink:
 
     def hello(self) -> bool:
         self.last_hello = time.monotonic()
-        plan_version, control_seq = self._standing()
+        plan_version, control_seq = self._steering()
         hello = Hello(
             session=self.session,
             auth=self.secret,

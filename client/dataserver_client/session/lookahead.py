@@ -1,7 +1,7 @@
 """The lookahead and mode flips: the next batch planned in the other mode too, so that a mode
 flip is served by a batch that was ready before it (zero-stall flips), the rule that decides
 which trainers get it, and what a flip does. Everything that happens on a mode flip is here;
-the plan book (book.py) owns the plans and batches and is asked through ``Plans``.
+the plan book (book.py) owns the plans and batches and is asked through ``PlanBookView``.
 
 A lookahead batch costs a composition of every batch in the other mode (never a decode: its
 sources are the ones the servers' stores hold or are decoding anyway) and keeps the depth
@@ -85,7 +85,7 @@ class SteerRate:
         return True
 
 
-class Plans(Protocol):
+class PlanBookView(Protocol):
     """What the lookahead asks of the plan book (book.py), which owns the session's mode, the
     current mode's plans and the batches being answered or sealed."""
 
@@ -131,7 +131,7 @@ class Lookahead:
     did (``counts.Flip``)."""
 
     def __init__(
-        self, wanted: bool, layout: Layout, handoff: Handoff[Delivery], plans: Plans
+        self, wanted: bool, layout: Layout, handoff: Handoff[Delivery], plans: PlanBookView
     ) -> None:
         self._wanted = wanted  # the config asks for it, and the layout stitches
         self.enabled = wanted

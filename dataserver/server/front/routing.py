@@ -195,7 +195,7 @@ class WorkerRouter:
 
     def _requeue(self, session: Session, entry: TaskEntry) -> None:
         """``entry`` is live again and first in its session's queue."""
-        self.scheduler.relive(session, entry)
+        self.scheduler.mark_live(session, entry)
         self.scheduler.push(session, entry, front=True)
 
     def _count(self, msg: Result | ErrorMsg | Done) -> None:

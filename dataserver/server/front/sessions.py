@@ -346,10 +346,10 @@ class Scheduler:
         """Queue a task a client sent (``first``: ahead of its session's others, the TASK's
         ``priority``)."""
         self.worked(session)
-        self.relive(session, entry)
+        self.mark_live(session, entry)
         self.push(session, entry, front=first)
 
-    def relive(self, session: Session, entry: TaskEntry) -> None:
+    def mark_live(self, session: Session, entry: TaskEntry) -> None:
         """``entry`` is live (queued or held): a client asking for it again gets its answer."""
         self.live[(entry.session, entry.task_id)] = entry
         session.live_ids.add(entry.task_id)
