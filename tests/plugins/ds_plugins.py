@@ -203,7 +203,7 @@ class FailsInWorker:
     deterministic = True  # __getitem__ is a pure function of the index
 
     def __init__(self, n: int) -> None:
-        if sys.argv[0].endswith(os.path.join("server", "worker.py")):
+        if sys.argv[0].endswith(os.path.join("server", "worker", "worker.py")):
             raise FileNotFoundError("/data/shard-0.tar: no such file (mounted on the front only)")
         self.inner = FlatDataset(n)
 
