@@ -157,6 +157,18 @@ def coco_dir() -> Iterator[Path]:
         yield Path(d)
 
 
+def open_files(pid: int) -> list[str]:
+    """What each descriptor of process ``pid`` names (``/proc/PID/fd``), skipping those it
+    closed while they were being read (a live server opens and closes sockets meanwhile)."""
+    out = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            out.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except FileNotFoundError:
+            continue
+    return out
+
+
 def wait_until(predicate: Any, timeout: float, interval: float = 0.05) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 from clients import make_client
-from conftest import server_env
+from conftest import open_files, server_env
 
 from dataserver.data.index import DetectionIndex, IndexCache, file_source, map_index
 
@@ -224,7 +224,7 @@ def test_workers_map_the_index_and_do_not_grow_with_the_dataset(
         pids = server.worker_pids()
         assert len(pids) == 2
         for pid in pids:
-            links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+            links = open_files(pid)
             assert any(link.startswith("/memfd:dataserver-index") for link in links), links
         sizes[images] = [worker_memory(pid) for pid in pids]
         server.stop()

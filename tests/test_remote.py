@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from batches import Epoch, epoch_by_index
 from clients import make_client
-from conftest import Server, run_epoch_collecting_errors, server_env, wait_until
+from conftest import Server, open_files, run_epoch_collecting_errors, server_env, wait_until
 
 from dataserver.bench.objstore import ACCESS_KEY, SECRET_KEY, ObjectStore
 from dataserver.data.coco import write_synthetic_coco
@@ -497,7 +497,7 @@ def test_the_memory_cache_has_no_name_on_the_host(
         _same(epoch_by_index(client, 0), local_epoch[0])
     assert wait_until(lambda: server.stats()["fetch_cache"]["files"] >= IMAGES, 5)
     assert server.stats()["fetch_cache"]["where"] == "memory"
-    fds = [os.readlink(f"/proc/{server.pid}/fd/{n}") for n in os.listdir(f"/proc/{server.pid}/fd")]
+    fds = open_files(server.pid)
     assert any(t.startswith("/memfd:dataserver-fetch") for t in fds), fds
     now = {p.name for p in shm.iterdir() if p.name.startswith("dataserver-fetch")}
     assert now == before
