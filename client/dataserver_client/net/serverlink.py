@@ -211,12 +211,12 @@ class ServerLink:
 
     def _open(self) -> None:
         """Its sockets, new: a DEALER to the front, and one for the workers' results."""
-        self.sock = dealer(self._ctx, self._curve_keys)
+        self.data = dealer(self._ctx, self._curve_keys)
         # Queue nothing for a server that is not connected: a send fails at once instead
         # of piling up for a dead peer (or blocking when the queue is full).
-        self.sock.setsockopt(zmq.IMMEDIATE, 1)
-        self.monitor = self.sock.get_monitor_socket(MONITORED)
-        self.sock.connect(self.address)
+        self.data.setsockopt(zmq.IMMEDIATE, 1)
+        self.monitor = self.data.get_monitor_socket(MONITORED)
+        self.data.connect(self.address)
         # Named by the reply id of our secret, so each worker can address us and nobody
         # else can take the name.
         self.results = dealer(self._ctx, self._curve_keys)
@@ -231,12 +231,12 @@ class ServerLink:
 
     def _close_sockets(self, linger_ms: int = 0) -> None:
         self._commons.budget.give(self.address, len(self.result_endpoints))
-        self.sock.disable_monitor()
+        self.data.disable_monitor()
         self.results.disable_monitor()
         self.monitor.close(linger=0)
         self.results_monitor.close(linger=0)
         self.results.close(linger=0)
-        self.sock.close(linger=linger_ms)
+        self.data.close(linger=linger_ms)
         self.open = False
 
     def reopen(self) -> None:
@@ -264,7 +264,7 @@ class ServerLink:
         if not self.open:
             return []
         return [
-            (self.sock, "front"),
+            (self.data, "data"),
             (self.results, "results"),
             (self.monitor, "monitor"),
             (self.results_monitor, "results_monitor"),
@@ -279,11 +279,11 @@ class ServerLink:
     def send(self, frames: list[Any]) -> bool:
         """Send without blocking; False when the server is not connected (or saturated)."""
         try:
-            self.sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+            self.data.send_multipart(frames, zmq.NOBLOCK, copy=False)
         except zmq.Again:
             return False
         finally:
-            self._commons.touched(self.sock)
+            self._commons.touched(self.data)
         self.last_sent = time.monotonic()
         return True
 
@@ -541,7 +541,7 @@ class ServerLink:
                     self.state is LinkState.DRAINING and self.welcome_msg is not None
                 ):
                     bye = Bye(session=self.session, auth=self.secret)
-                    self.sock.send_multipart(bye.encode(), zmq.NOBLOCK)
+                    self.data.send_multipart(bye.encode(), zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
             self._close_sockets(100)  # long enough for BYE to leave, short enough not to hang
