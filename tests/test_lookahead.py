@@ -160,13 +160,17 @@ def test_two_servers_flip_exactly_and_keep_each_sample_in_one_store(start_server
     ) as c:
         two = run_flipping(c, epoch=2, wait_ready=False)
         assert c.stats()["flips"]["promoted"] == len(two) - 1
+        # A task hedged to the other server (a slow answer on a loaded machine) has its
+        # sources decoded there too: at most a batch of 4 images of 4 sources each.
+        hedged = int(c.stats().get("hedged", 0))
     with client_for(alone, False) as c:
         one = run_flipping(c, epoch=2, wait_ready=False)
     assert sorted(delivered(two)) == list(range(N))
     assert [signature(x) for x in two] == [signature(y) for y in one]
     decoded = [s.stats()["counters"]["sources_decoded"] for s in (a, b)]
     assert min(decoded) > N // 5, decoded  # both did a real share
-    assert sum(decoded) <= N + 8, decoded  # (one server's worth each, give or take a group)
+    # One server's worth each, give or take a group, and the hedged copies.
+    assert sum(decoded) <= N + 8 + 16 * hedged, (decoded, hedged)
 
 
 def composed(server: Any) -> int:
