@@ -188,20 +188,12 @@ def make_host(cfg: ChaosConfig) -> tuple[Host | None, str]:
 # ---------------------------------------------------------------- faults
 
 
-class Progress:
-    """The share of its samples the epoch in progress has delivered (the trainer sets it;
-    the injector's thread reads it)."""
-
-    def __init__(self) -> None:
-        self.share = 0.0
-
-
 HOLD_AT = 0.7  # past this share of an epoch the trainer waits for its faults
 
 
 class Injector:
     """Runs one epoch's schedule of faults (each due at a share of the epoch's samples,
-    read from a :class:`Progress`) in a thread of its own; restarts run in threads
+    as the trainer reports it: ``reached``) in a thread of its own; restarts run in threads
     too, so a restart in progress does not hold the next fault back. A fault that takes a
     server out (kill, drain, flap) is injected only while another server is up."""
 
@@ -211,7 +203,7 @@ class Injector:
         self.slots, self.rng, self.cfg, self.t0, self.log = slots, rng, cfg, t0, log
         self.faults: list[Fault] = []
         self.skipped: list[tuple[str, int, str]] = []
-        self.progress = Progress()
+        self.share = 0.0  # of the epoch in progress's samples delivered (``reached``)
         self.pending: list[tuple[float, str]] = []
         self.helpers: list[threading.Thread] = []
         self.errors: list[str] = []
@@ -220,9 +212,9 @@ class Injector:
 
     def run_epoch(self, epoch: int, schedule: list[tuple[float, str]], start: float) -> None:
         self.stop = threading.Event()
-        self.progress.share = 0.0
+        self.share = 0.0
         self.pending = list(schedule)
-        self.thread = threading.Thread(target=self._run, args=(epoch, schedule, start), daemon=True)
+        self.thread = threading.Thread(target=self._run, args=(epoch, start), daemon=True)
         self.thread.start()
 
     def end_epoch(self) -> None:
@@ -255,12 +247,16 @@ class Injector:
             time.sleep(0.02)
         return time.monotonic() - began
 
-    def _run(self, epoch: int, schedule: list[tuple[float, str]], start: float) -> None:
+    def reached(self, share: float) -> None:
+        """The trainer's word: the epoch has delivered ``share`` of its samples."""
+        self.share = share
+
+    def _run(self, epoch: int, start: float) -> None:
         """Inject each fault once its share of the epoch has been delivered and its target
         is available (a fault waiting for a target does not hold back the ones after it)."""
         pending = self.pending
         while pending and not self.stop.wait(0.02):
-            share = self.progress.share
+            share = self.share
             for item in [p for p in pending if p[0] <= share]:
                 kind = item[1]
                 try:
@@ -439,8 +435,9 @@ def train_epoch(
     it = iter(client)
     while True:
         if injector is not None:
-            injector.progress.share = len(delivered) / max(1, len(shard))
-            if holding and injector.progress.share >= HOLD_AT:
+            share = len(delivered) / max(1, len(shard))
+            injector.reached(share)
+            if holding and share >= HOLD_AT:
                 held, holding = injector.hold(), False
         asked = time.monotonic()
         try:
